@@ -1,0 +1,1 @@
+"""otray: reinforcement learning for LLM agents, everything a Ray actor."""

@@ -1,0 +1,47 @@
+"""The interface every generation backend implements (vLLM, HF transformers).
+
+A backend is an in-process object; :class:`otray.actors.rollout.RolloutWorker`
+wraps one in a Ray actor. Prompts are token ids, never text: the ids a backend
+returns are exactly the ids the learner trains on.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from otray.types import PromptTooLongError, Sample, SamplingParams
+
+
+class Backend(Protocol):
+    name: str
+    max_model_len: int
+    stop_token_ids: list[int]
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, n: int) -> list[list[Sample]]:
+        """``n`` samples per prompt, each with per-token logprobs (temperature 1) and finish reason."""
+
+    def load_full_weights(self, tensors: dict[str, Any]) -> None:
+        """Replace all weights in place (Hugging Face parameter names)."""
+
+    def load_lora(self, tensors: dict[str, Any], lora_config: dict[str, Any], version: int) -> None:
+        """Activate a LoRA adapter for every later ``generate`` call."""
+
+
+def check_prompt_lengths(prompts: list[list[int]], max_model_len: int) -> None:
+    """Raise PromptTooLongError naming the first prompt that leaves no room to generate."""
+    for i, p in enumerate(prompts):
+        if not p:
+            raise PromptTooLongError(f"prompt {i} is empty: a prompt needs at least one token")
+        if len(p) >= max_model_len:
+            raise PromptTooLongError(
+                f"prompt {i} has {len(p)} tokens but the model context is {max_model_len}: "
+                "shorten the prompt or raise rollout.max_model_len")
+
+
+def effective_params(params: SamplingParams, stop_token_ids: list[int]) -> SamplingParams:
+    """``params`` with the backend's end-of-turn ids when none were given."""
+    if params.stop_token_ids:
+        return params
+    from dataclasses import replace
+
+    return replace(params, stop_token_ids=tuple(stop_token_ids))

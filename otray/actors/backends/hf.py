@@ -1,0 +1,90 @@
+"""Hugging Face transformers backend: batched ``generate`` with KV cache.
+
+Prompts are left-padded into batches of at most ``max_batch`` rows. Logprobs come
+from the raw logits of each step (before temperature / top-p processing), i.e.
+the temperature-1 distribution the learner also computes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from otray.actors.backends.base import check_prompt_lengths, effective_params
+from otray.models import end_of_turn_ids, load_model, load_tokenizer
+from otray.types import FinishReason, Sample, SamplingParams
+
+
+class HFBackend:
+    name = "hf"
+
+    def __init__(self, model_path: str, *, dtype: str = "float32", max_model_len: int | None = None,
+                 max_batch: int = 256, **_: Any):
+        self.tokenizer = load_tokenizer(model_path)
+        self.model = load_model(model_path, dtype).eval()
+        self.base_model = self.model
+        self.max_model_len = max_model_len or self.model.config.max_position_embeddings
+        self.max_batch = max_batch
+        self.stop_token_ids = end_of_turn_ids(self.tokenizer)
+        self.pad_id = self.tokenizer.pad_token_id
+
+    @torch.inference_mode()
+    def generate(self, prompts: list[list[int]], params: SamplingParams, n: int) -> list[list[Sample]]:
+        check_prompt_lengths(prompts, self.max_model_len)
+        params = effective_params(params, self.stop_token_ids)
+        if params.seed is not None:
+            torch.manual_seed(params.seed)
+        rows = [p for p in prompts for _ in range(n)]
+        samples: list[Sample] = []
+        for start in range(0, len(rows), self.max_batch):
+            samples.extend(self._generate_batch(rows[start:start + self.max_batch], params))
+        return [samples[i * n:(i + 1) * n] for i in range(len(prompts))]
+
+    def _generate_batch(self, rows: list[list[int]], params: SamplingParams) -> list[Sample]:
+        width = max(len(r) for r in rows)
+        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+        attn = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, r in enumerate(rows):
+            ids[i, width - len(r):] = torch.tensor(r)
+            attn[i, width - len(r):] = 1
+        budget = min(params.max_tokens, self.max_model_len - min(len(r) for r in rows))
+        sampling = {"do_sample": False} if params.greedy else {
+            "do_sample": True, "temperature": params.temperature, "top_p": params.top_p,
+            "top_k": params.top_k if params.top_k > 0 else 0}
+        out = self.model.generate(
+            input_ids=ids, attention_mask=attn, max_new_tokens=budget,
+            eos_token_id=list(params.stop_token_ids), pad_token_id=self.pad_id,
+            return_dict_in_generate=True, output_logits=True, **sampling)
+        new = out.sequences[:, width:]
+        logps = torch.stack(out.logits, dim=1).float().log_softmax(-1)
+        chosen = logps.gather(-1, new.unsqueeze(-1)).squeeze(-1)
+        stops = set(params.stop_token_ids)
+        result = []
+        for i, r in enumerate(rows):
+            limit = min(params.max_tokens, self.max_model_len - len(r))
+            toks, lps, reason = [], [], FinishReason.LENGTH
+            for t, lp in zip(new[i].tolist(), chosen[i].tolist()):
+                if len(toks) >= limit:
+                    break
+                toks.append(t)
+                lps.append(lp)
+                if t in stops:
+                    reason = FinishReason.STOP
+                    break
+            result.append(Sample(toks, lps, reason))
+        return result
+
+    def load_full_weights(self, tensors: dict[str, Any]) -> None:
+        self.model = self.base_model
+        missing, unexpected = self.model.load_state_dict(tensors, strict=False)
+        if unexpected or [k for k in missing if not k.endswith("lm_head.weight")]:
+            raise ValueError(f"weight update does not match the model: missing={missing[:5]} unexpected={unexpected[:5]}")
+
+    def load_lora(self, tensors: dict[str, Any], lora_config: dict[str, Any], version: int) -> None:
+        from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
+
+        if self.model is self.base_model:
+            config = LoraConfig(**{k: v for k, v in lora_config.items() if k in LoraConfig.__dataclass_fields__})
+            self.model = get_peft_model(self.base_model, config).eval()
+        set_peft_model_state_dict(self.model, tensors)

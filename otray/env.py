@@ -1,0 +1,253 @@
+"""The environment protocol, task sources, the env registry and ``check_env``.
+
+An otray environment is text in, text out, in Gymnasium's vocabulary::
+
+    class MyEnv(otray.Env):
+        system_prompt = "You are ..."            # may be None
+        def reset(self, task, seed=None) -> tuple[str, dict]:   # first user message, info
+        def step(self, action: str) -> StepResult:               # observation, reward, done, info
+
+``step`` gets the policy's decoded text for one turn. ``StepResult.done`` ends the
+episode; otherwise ``observation`` becomes the next user message. Rewards are
+floats, one per step; the job reduces them (sum/mean/max/min) to the episode reward.
+
+Tasks come from a :class:`TaskSource`: a JSONL or Parquet file, or a generator
+function. Envs are named in configs either by a registered name (``register``) or
+by an import path ``"package.module:Class"``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import numbers
+import random
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from otray.types import ConfigError, DatasetError, EnvCheckError, EnvStateError, Task
+
+
+@dataclass
+class StepResult:
+    observation: str
+    reward: float
+    done: bool
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+class Env:
+    """Base class of otray environments. Subclasses implement ``reset`` and ``step``."""
+
+    system_prompt: str | None = None
+    #: Most turns an episode may take; the agent loop truncates past it.
+    max_turns: int = 1
+
+    def reset(self, task: Task, seed: int | None = None) -> tuple[str, dict[str, Any]]:
+        raise NotImplementedError
+
+    def step(self, action: str) -> StepResult:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release resources (processes, files). Called once per episode."""
+
+
+# --------------------------------------------------------------------------- registry
+
+_REGISTRY: dict[str, Callable[..., Env]] = {}
+
+
+def register(name: str, factory: Callable[..., Env]) -> None:
+    """Register ``factory`` (a class or function returning an Env) under ``name``."""
+    _REGISTRY[name] = factory
+
+
+def resolve(entry: str) -> Callable[..., Env]:
+    """An env factory from a registered name or a ``module:attr`` import path."""
+    if entry in _REGISTRY:
+        return _REGISTRY[entry]
+    if ":" not in entry:
+        known = ", ".join(sorted(_REGISTRY)) or "none registered"
+        raise ConfigError(f"unknown env {entry!r}: give an import path 'module:Class' or a registered name ({known})")
+    module, _, attr = entry.partition(":")
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(f"cannot import env {entry!r}: {e}") from e
+
+
+def make(entry: str, **kwargs: Any) -> Env:
+    return resolve(entry)(**kwargs)
+
+
+# --------------------------------------------------------------------------- task sources
+
+
+class TaskSource:
+    """A finite, indexable list of tasks with seeded, resumable shuffled sampling.
+
+    ``sample(n)`` walks an epoch-wise permutation; ``position`` (epoch, index) is
+    all the state needed to resume and draw the same next batch.
+    """
+
+    def __init__(self, tasks: list[Task], *, shuffle: bool = True, seed: int = 0):
+        if not tasks:
+            raise DatasetError("task source is empty: check the dataset path, split name and num_samples")
+        self.tasks = tasks
+        self.shuffle = shuffle
+        self.seed = seed
+        self.epoch = 0
+        self.index = 0
+        self._order = self._permutation(0)
+
+    def __len__(self) -> int:
+        return len(self.tasks)
+
+    def _permutation(self, epoch: int) -> list[int]:
+        order = list(range(len(self.tasks)))
+        if self.shuffle:
+            random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+        return order
+
+    def sample(self, n: int) -> list[Task]:
+        out = []
+        for _ in range(n):
+            if self.index >= len(self._order):
+                self.epoch, self.index = self.epoch + 1, 0
+                self._order = self._permutation(self.epoch)
+            out.append(self.tasks[self._order[self.index]])
+            self.index += 1
+        return out
+
+    @property
+    def position(self) -> tuple[int, int]:
+        return self.epoch, self.index
+
+    def seek(self, position: tuple[int, int]) -> None:
+        self.epoch, self.index = position
+        self._order = self._permutation(self.epoch)
+
+    # ---- constructors
+
+    @classmethod
+    def from_rows(cls, rows: Iterable[dict[str, Any]], env: str, *, limit: int | None = None,
+                  shuffle: bool = True, seed: int = 0, id_prefix: str = "") -> TaskSource:
+        tasks = []
+        for i, row in enumerate(rows):
+            if limit is not None and i >= limit:
+                break
+            if not isinstance(row, dict):
+                raise DatasetError(f"row {i} is a {type(row).__name__}, expected a JSON object / table row")
+            tasks.append(Task(id=str(row.get("id", f"{id_prefix}{i}")), env=env, data=dict(row)))
+        return cls(tasks, shuffle=shuffle, seed=seed)
+
+    @classmethod
+    def from_file(cls, path: str | Path, env: str, **kw: Any) -> TaskSource:
+        """Tasks from a ``.jsonl`` or ``.parquet`` file, one task per row."""
+        path = Path(path)
+        if not path.exists():
+            raise DatasetError(f"dataset file {str(path)!r} does not exist")
+        if path.suffix == ".jsonl":
+            rows = []
+            with path.open() as f:
+                for lineno, line in enumerate(f, 1):
+                    if line.strip():
+                        try:
+                            rows.append(json.loads(line))
+                        except json.JSONDecodeError as e:
+                            raise DatasetError(f"{path}:{lineno}: not valid JSON ({e.msg})") from e
+        elif path.suffix == ".parquet":
+            import pyarrow.parquet as pq
+
+            rows = pq.read_table(path).to_pylist()
+        else:
+            raise DatasetError(f"unsupported dataset format {path.suffix!r} for {path}: use .jsonl or .parquet")
+        return cls.from_rows(rows, env, id_prefix=f"{path.stem}-", **kw)
+
+    @classmethod
+    def from_generator(cls, fn: Callable[[random.Random], dict[str, Any]], n: int, env: str, *,
+                       seed: int = 0, shuffle: bool = True) -> TaskSource:
+        """``n`` tasks made by ``fn(rng)`` with a seeded ``random.Random``."""
+        rng = random.Random(seed)
+        return cls.from_rows((fn(rng) for _ in range(n)), env, shuffle=shuffle, seed=seed, id_prefix="gen-")
+
+
+# --------------------------------------------------------------------------- check_env
+
+
+def check_env(env: Env, task: Task, *, actions: Iterable[str] = ("0", "hello", ""), max_steps: int | None = None,
+              seed: int = 0) -> None:
+    """Exercise ``env`` the way Gymnasium's ``check_env`` does; raise EnvCheckError on a violation.
+
+    Checks: ``step`` before ``reset`` raises :class:`EnvStateError`; ``reset`` returns
+    ``(str, dict)``; each ``step`` returns a :class:`StepResult` with a str observation,
+    a finite real (not bool) reward, a bool ``done`` and a dict info; the episode ends
+    within ``max_steps`` (default ``env.max_turns``) when fed ``actions`` cyclically;
+    ``step`` after the end raises :class:`EnvStateError`; the same seed gives the same
+    first observation.
+    """
+    name = type(env).__name__
+    try:
+        env.step("0")
+    except EnvStateError:
+        pass
+    except Exception as e:  # noqa: BLE001 - we report what it raised instead
+        raise EnvCheckError(f"{name}.step before reset must raise EnvStateError, it raised {type(e).__name__}: {e}") from e
+    else:
+        raise EnvCheckError(f"{name}.step before reset must raise EnvStateError (call reset first), it returned normally")
+
+    first = _checked_reset(env, task, seed, name)
+    again = _checked_reset(env, task, seed, name)
+    if first != again:
+        raise EnvCheckError(f"{name}.reset is not deterministic: the same task and seed gave {first!r} then {again!r}")
+
+    limit = max_steps if max_steps is not None else max(1, env.max_turns)
+    acts = list(actions) or ["0"]
+    for i in range(limit):
+        result = env.step(acts[i % len(acts)])
+        _check_step_result(result, name, i)
+        if result.done:
+            break
+    else:
+        raise EnvCheckError(f"{name} never set done=True within {limit} steps (max_turns={env.max_turns}); "
+                            "an episode must end by max_turns")
+    try:
+        env.step("0")
+    except EnvStateError:
+        pass
+    except Exception as e:  # noqa: BLE001
+        raise EnvCheckError(f"{name}.step after done must raise EnvStateError, it raised {type(e).__name__}") from e
+    else:
+        raise EnvCheckError(f"{name}.step after done must raise EnvStateError (call reset first), it returned normally")
+    env.close()
+
+
+def _checked_reset(env: Env, task: Task, seed: int, name: str) -> str:
+    out = env.reset(task, seed=seed)
+    if not (isinstance(out, tuple) and len(out) == 2):
+        raise EnvCheckError(f"{name}.reset must return (observation: str, info: dict), got {type(out).__name__}")
+    obs, info = out
+    if not isinstance(obs, str):
+        raise EnvCheckError(f"{name}.reset observation must be str, got {type(obs).__name__}")
+    if not isinstance(info, dict):
+        raise EnvCheckError(f"{name}.reset info must be dict, got {type(info).__name__}")
+    return obs
+
+
+def _check_step_result(result: Any, name: str, i: int) -> None:
+    where = f"{name}.step (step {i})"
+    if not isinstance(result, StepResult):
+        raise EnvCheckError(f"{where} must return a StepResult, got {type(result).__name__}")
+    if not isinstance(result.observation, str):
+        raise EnvCheckError(f"{where} observation must be str, got {type(result.observation).__name__}")
+    r = result.reward
+    if isinstance(r, bool) or not isinstance(r, numbers.Real) or not math.isfinite(float(r)):
+        raise EnvCheckError(f"{where} reward must be a finite float, got {r!r} ({type(r).__name__})")
+    if not isinstance(result.done, bool):
+        raise EnvCheckError(f"{where} done must be bool, got {type(result.done).__name__}")
+    if not isinstance(result.info, dict):
+        raise EnvCheckError(f"{where} info must be dict, got {type(result.info).__name__}")

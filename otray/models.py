@@ -1,0 +1,257 @@
+"""Models and tokenizers: load from a local directory or hub id, LoRA, tiny model.
+
+``build_tiny_model(path, seed)`` makes the model every test and demo uses: a small
+Qwen2-architecture causal LM with a byte-level BPE tokenizer trained on synthetic
+text that this module generates. Digits are split into single tokens (a probe here
+found merged digits unlearnable for 2-digit addition at this size). The output is
+byte-identical for the same seed and library versions, so every node of a cluster
+can build the same model locally instead of copying it.
+
+Command line: ``python -m otray.models tiny DIR [--seed N]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from otray.types import ModelLoadError
+
+IM_START, IM_END, EOT = "<|im_start|>", "<|im_end|>", "<|endoftext|>"
+SPECIAL_TOKENS = [EOT, IM_START, IM_END]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+TINY_SPEC = "tiny"
+
+
+@dataclass
+class TinyShape:
+    """Architecture of a generated model. The default is the ~0.4M-parameter tiny model."""
+
+    hidden_size: int = 128
+    intermediate_size: int = 384
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4  # head_dim = 32: vLLM's CPU attention needs >= 32
+    num_key_value_heads: int = 2
+    max_position_embeddings: int = 512
+    vocab_size: int = 512
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+SHAPES = {
+    "tiny": TinyShape(),
+    # ~100M parameters, used by benchmarks/rollout_throughput.py.
+    "100m": TinyShape(hidden_size=768, intermediate_size=2048, num_hidden_layers=16,
+                      num_attention_heads=12, num_key_value_heads=4, max_position_embeddings=1024),
+}
+
+
+# --------------------------------------------------------------------------- synthetic corpus
+
+_WORDS = ("the answer is what sum of plus minus times number guess higher lower correct "
+          "wrong tool call result total find compute value you are a helpful assistant "
+          "please think step by then give final equals question add subtract multiply "
+          "player move board win lose draw game turn choose arm reward").split()
+
+
+def synthetic_corpus(seed: int, lines: int = 4000) -> list[str]:
+    """Deterministic text covering what the bundled envs say: arithmetic and chat words."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(lines):
+        a, b = rng.randint(0, 999), rng.randint(0, 999)
+        op = rng.choice("+-*")
+        out.append(f"What is {a} {op} {b}? The answer is {a + b if op == '+' else a - b if op == '-' else a * b}.")
+        out.append(" ".join(rng.choice(_WORDS) for _ in range(rng.randint(4, 12))).capitalize() + ".")
+    out.append('<tool_call>{"name": "calculator", "arguments": {"expression": "1 + 2"}}</tool_call>')
+    out.append("<move>E5</move> \\boxed{42} Higher. Lower. Correct!")
+    return out
+
+
+def _train_tokenizer(seed: int, vocab_size: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(synthetic_corpus(seed), trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token=IM_END,
+        pad_token=EOT,
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=4096,
+    )
+
+
+def build_tiny_model(path: str | os.PathLike, seed: int = 0, shape: str | TinyShape = "tiny") -> Path:
+    """Build a randomly initialized Qwen2 model + tokenizer into ``path`` (HF format)."""
+    import torch
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+    spec = SHAPES[shape] if isinstance(shape, str) else shape
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer = _train_tokenizer(seed, spec.vocab_size)
+    im_end, eot = tokenizer.convert_tokens_to_ids([IM_END, EOT])
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads,
+        max_position_embeddings=spec.max_position_embeddings,
+        tie_word_embeddings=True,
+        bos_token_id=eot,
+        eos_token_id=im_end,
+        pad_token_id=eot,
+        torch_dtype="float32",
+        **spec.extra,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(config)
+    model.generation_config = GenerationConfig(eos_token_id=[im_end, eot], pad_token_id=eot, bos_token_id=eot)
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    (path / "otray_tiny.json").write_text(json.dumps({"seed": seed, "shape": spec.__dict__}, sort_keys=True))
+    return path
+
+
+def resolve_model_path(spec: str, cache_dir: str | os.PathLike = ".cache/models") -> str:
+    """Turn a config's ``model.path`` into a loadable path or hub id.
+
+    ``tiny`` / ``tiny:SEED`` / ``tiny-100m:SEED`` build (once) into ``cache_dir``;
+    anything else is returned unchanged (a local directory or a hub id).
+    """
+    if not spec.startswith(TINY_SPEC):
+        return spec
+    name, _, seed = spec.partition(":")
+    shape = name.removeprefix("tiny").lstrip("-") or "tiny"
+    if shape not in SHAPES:
+        raise ModelLoadError(f"unknown tiny model shape {name!r}; use one of: " + ", ".join(
+            "tiny" if s == "tiny" else f"tiny-{s}" for s in SHAPES))
+    out = Path(cache_dir).absolute() / f"{name}-seed{seed or 0}"
+    if not (out / "config.json").exists():
+        tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+        build_tiny_model(tmp, int(seed or 0), shape)
+        try:
+            tmp.rename(out)
+        except OSError:  # another process finished first; theirs is byte-identical
+            import shutil
+
+            shutil.rmtree(tmp, ignore_errors=True)
+    return str(out)
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def _check_source(path: str) -> None:
+    p = Path(path)
+    looks_local = p.is_absolute() or path.startswith(".") or os.sep in path and not _looks_like_hub_id(path)
+    if looks_local and not p.exists():
+        raise ModelLoadError(
+            f"model path {path!r} does not exist. Give a local Hugging Face model directory, a hub id, "
+            f"or 'tiny' (otray builds a tiny model); `python -m otray.models tiny DIR` builds one by hand.")
+    if p.exists() and not (p / "config.json").exists():
+        raise ModelLoadError(f"{path!r} exists but holds no config.json: it is not a Hugging Face model directory")
+
+
+def _looks_like_hub_id(path: str) -> bool:
+    parts = path.split("/")
+    return len(parts) == 2 and all(parts) and not Path(path).exists() and not path.startswith((".", "/"))
+
+
+def load_tokenizer(path: str):
+    """Load a tokenizer from a local HF directory or hub id, with a clear error if absent."""
+    from transformers import AutoTokenizer
+
+    _check_source(path)
+    try:
+        tok = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"could not load a tokenizer from {path!r}: {e}") from e
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_model(path: str, dtype: str = "float32"):
+    """Load a causal LM from a local HF directory or hub id."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    _check_source(path)
+    try:
+        return AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"could not load a model from {path!r}: {e}") from e
+
+
+@dataclass
+class LoraSpec:
+    rank: int = 0  # 0 = full-parameter training
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def apply_lora(model, spec: LoraSpec):
+    """Wrap ``model`` in a PEFT LoRA adapter (only the adapter is trainable)."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=spec.rank, lora_alpha=spec.alpha, lora_dropout=spec.dropout,
+                        target_modules=list(spec.target_modules), task_type="CAUSAL_LM")
+    return get_peft_model(model, config)
+
+
+def end_of_turn_ids(tokenizer) -> list[int]:
+    """Token ids that end an assistant turn: eos plus the chat end marker if present."""
+    ids = {tokenizer.eos_token_id}
+    im_end = tokenizer.convert_tokens_to_ids(IM_END)
+    if isinstance(im_end, int) and im_end != tokenizer.unk_token_id:
+        ids.add(im_end)
+    return sorted(i for i in ids if i is not None)
+
+
+def chat_prompt_ids(tokenizer, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+    """Token ids of ``messages`` rendered by the tokenizer's chat template."""
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m otray.models")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    tiny = sub.add_parser("tiny", help="build the tiny Qwen2 model + tokenizer into DIR")
+    tiny.add_argument("dir")
+    tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument("--shape", default="tiny", choices=sorted(SHAPES))
+    args = parser.parse_args(argv)
+    out = build_tiny_model(args.dir, args.seed, args.shape)
+    print(f"built {args.shape} model (seed {args.seed}) in {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,234 @@
+"""Data that crosses module and actor boundaries.
+
+Everything here is a small, picklable dataclass (tests round-trip each one through
+``pickle``). Token ids are plain ``list[int]`` and log-probabilities plain
+``list[float]`` so that a value can travel through Ray's object store without
+dragging torch along; tensors appear only in :class:`WeightUpdate`.
+
+The exception hierarchy lives here too, because errors cross actor boundaries as
+well: every otray error derives from :class:`OtrayError` *and* from the builtin it
+resembles, so ``except ValueError`` keeps working for callers that do not know otray.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+# --------------------------------------------------------------------------- errors
+
+
+class OtrayError(Exception):
+    """Root of every error otray raises on purpose. Messages say what to do."""
+
+
+class ConfigError(OtrayError, ValueError):
+    """A config file or override is invalid (unknown key, wrong type, bad value)."""
+
+
+class ModelLoadError(OtrayError, FileNotFoundError):
+    """A model or tokenizer could not be loaded from the given path or hub id."""
+
+
+class EnvCheckError(OtrayError, AssertionError):
+    """``check_env`` found an environment that breaks the env protocol."""
+
+
+class EnvStateError(OtrayError, RuntimeError):
+    """An env method was called in the wrong state (e.g. ``step`` before ``reset``)."""
+
+
+class DatasetError(OtrayError, ValueError):
+    """A task source is empty, unreadable or lacks required fields."""
+
+
+class RolloutError(OtrayError, RuntimeError):
+    """Generation failed on every rollout worker (names the failing workers)."""
+
+
+class PromptTooLongError(OtrayError, ValueError):
+    """A prompt does not fit the model context; carries the lengths involved."""
+
+
+# --------------------------------------------------------------------------- sampling
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one completion. ``temperature == 0`` means greedy.
+
+    ``max_tokens`` bounds the new tokens of one call (one turn). ``stop_token_ids``
+    default to the tokenizer's end-of-turn ids, filled in by the backend.
+    """
+
+    max_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ConfigError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # an end-of-turn / stop token was sampled (and is included)
+    LENGTH = "length"  # max_tokens or the context limit was reached
+
+
+@dataclass
+class Sample:
+    """One completion: sampled ids, the sampler's logprob of each, why it ended.
+
+    Logprobs are of the unmodified (temperature 1) distribution, which is what the
+    learner computes, so importance ratios compare like with like.
+    """
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: FinishReason
+
+    def __post_init__(self) -> None:
+        if len(self.token_ids) != len(self.logprobs):
+            raise ValueError("token_ids and logprobs must have equal length")
+
+
+@dataclass
+class GenerateResult:
+    """``n`` samples for one prompt, plus the policy version that produced them."""
+
+    samples: list[Sample]
+    policy_version: int
+
+
+# --------------------------------------------------------------------------- weights
+
+
+@dataclass
+class WeightUpdate:
+    """New policy weights, sent from the learner to rollout workers.
+
+    ``kind == "full"``: ``tensors`` are the full model's parameters under Hugging
+    Face names. ``kind == "lora"``: ``tensors`` are a PEFT adapter's weights and
+    ``lora_config`` the adapter config as a dict. Passed by Ray object reference,
+    so it reaches workers on other nodes through the object store.
+    """
+
+    version: int
+    kind: str  # "full" | "lora"
+    tensors: dict[str, Any]
+    lora_config: dict[str, Any] | None = None
+
+
+# --------------------------------------------------------------------------- tasks, episodes
+
+
+@dataclass
+class Task:
+    """One prompt source item: a dataset row or a generated problem."""
+
+    id: str
+    env: str
+    data: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class ErrorRecord:
+    """What went wrong in one rollout, recorded instead of raised."""
+
+    kind: str  # "env_exception" | "prompt_too_long" | "rollout_failed" | ...
+    message: str
+    turn: int = 0
+
+
+@dataclass
+class Trajectory:
+    """One episode as the policy saw it, token by token.
+
+    ``token_ids`` is append-only: prompt, then each sampled turn exactly as sampled,
+    then each observation as new tokens. ``loss_mask[i] == 1`` exactly where token
+    ``i`` was sampled by the policy; ``logprobs[i]`` is the sampler's logprob there
+    (0.0 elsewhere). ``turn_rewards`` has one entry per env step.
+    """
+
+    task: Task
+    token_ids: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    prompt_len: int = 0
+    turn_rewards: list[float] = field(default_factory=list)
+    reward: float = 0.0
+    finished: bool = False
+    truncated: bool = False
+    num_turns: int = 0
+    policy_version: int = 0
+    agent_id: str | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+    error: ErrorRecord | None = None
+    messages: list[dict[str, str]] = field(default_factory=list)
+
+    def append(self, ids: list[int], *, sampled: bool, logprobs: list[float] | None = None) -> None:
+        """Append tokens; sampled tokens carry the sampler's logprobs and mask 1."""
+        if sampled and (logprobs is None or len(logprobs) != len(ids)):
+            raise ValueError("sampled tokens need one logprob each")
+        self.token_ids.extend(ids)
+        self.loss_mask.extend([1 if sampled else 0] * len(ids))
+        self.logprobs.extend(logprobs if sampled else [0.0] * len(ids))
+
+    @property
+    def num_sampled(self) -> int:
+        return sum(self.loss_mask)
+
+
+@dataclass
+class TrajectoryGroup:
+    """The ``num_rollouts`` trajectories of one task: one GRPO group."""
+
+    task: Task
+    trajectories: list[Trajectory]
+
+    @property
+    def rewards(self) -> list[float]:
+        return [t.reward for t in self.trajectories]
+
+    @property
+    def num_failed(self) -> int:
+        return sum(t.error is not None for t in self.trajectories)
+
+
+@dataclass
+class Datum:
+    """One learner sequence, all fields of equal length (targets-aligned).
+
+    ``input_ids = seq[:-1]``, ``target_ids = seq[1:]``; ``mask``, ``advantages``,
+    ``sampler_logprobs`` and ``weights`` describe the *target* token at each position.
+    """
+
+    input_ids: list[int]
+    target_ids: list[int]
+    mask: list[float]
+    advantages: list[float]
+    sampler_logprobs: list[float]
+    weights: list[float] | None = None
+
+    def __post_init__(self) -> None:
+        n = len(self.input_ids)
+        lengths = [len(self.target_ids), len(self.mask), len(self.advantages), len(self.sampler_logprobs)]
+        if self.weights is not None:
+            lengths.append(len(self.weights))
+        if any(m != n for m in lengths):
+            raise ValueError(f"Datum fields must have equal length, got {[n, *lengths]}")
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
