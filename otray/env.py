@@ -251,3 +251,36 @@ def _check_step_result(result: Any, name: str, i: int) -> None:
         raise EnvCheckError(f"{where} done must be bool, got {type(result.done).__name__}")
     if not isinstance(result.info, dict):
         raise EnvCheckError(f"{where} info must be dict, got {type(result.info).__name__}")
+
+
+# --------------------------------------------------------------------------- mixtures
+
+
+class Mixture:
+    """Draw tasks from several named sources with sampling weights (seeded, resumable)."""
+
+    def __init__(self, sources: dict[str, TaskSource], weights: dict[str, float], seed: int = 0):
+        if not sources:
+            raise DatasetError("a task mixture needs at least one source")
+        bad = {k: w for k, w in weights.items() if w < 0}
+        if bad or sum(weights.get(k, 0.0) for k in sources) <= 0:
+            raise ConfigError(f"env sampling weights must be >= 0 with a positive sum, got {weights}")
+        self.sources = sources
+        self.names = list(sources)
+        self.weights = [weights.get(k, 0.0) for k in self.names]
+        self.seed = seed
+        self.draws = 0
+
+    def sample(self, n: int) -> list[Task]:
+        rng = random.Random(self.seed * 7919 + self.draws)
+        self.draws += 1
+        picks = rng.choices(self.names, weights=self.weights, k=n) if len(self.names) > 1 else self.names * n
+        return [task for name in self.names for task in self.sources[name].sample(picks.count(name))]
+
+    def state(self) -> dict[str, Any]:
+        return {"draws": self.draws, "positions": {k: list(s.position) for k, s in self.sources.items()}}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        self.draws = state["draws"]
+        for k, pos in state["positions"].items():
+            self.sources[k].seek(tuple(pos))

@@ -1,0 +1,219 @@
+"""TrainJob: the driver of one training job (SFT warm-up, then GRPO).
+
+It owns a PolicyLearner actor and a fleet of RolloutWorker actors, and runs the RL
+step of ARCHITECTURE.md, readable top to bottom in :meth:`TrainJob.rl_step`.
+Metrics go to ``<job_dir>/metrics.jsonl``, a sample of each step's episodes to
+``<job_dir>/trajectories.jsonl``.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from otray.algos import advantages as adv
+from otray.algos.datums import build_datums, sft_datum
+from otray.config import Config, EnvSection, import_object, to_dict
+from otray.coordinator.agent_loop import AgentLoop, Limits
+from otray.env import Mixture, TaskSource, resolve
+from otray.models import chat_prompt_ids, end_of_turn_ids, load_tokenizer, resolve_model_path
+from otray.types import DatasetError, SamplingParams, Task, Trajectory, TrajectoryGroup
+
+REDUCE: dict[str, Callable[[list[float]], float]] = {
+    "sum": sum, "mean": statistics.fmean, "max": max, "min": min}
+
+
+def episode_reward(traj: Trajectory, env: EnvSection) -> float:
+    """Reduce per-turn rewards; add ``nonterminal_reward`` if the episode never finished."""
+    if traj.error is not None:
+        return 0.0
+    reward = REDUCE[env.reward_reduction](traj.turn_rewards) if traj.turn_rewards else 0.0
+    return reward if traj.finished else reward + env.nonterminal_reward
+
+
+def load_splits(name: str, env: EnvSection, seed: int) -> dict[str, TaskSource]:
+    """Task sources of one env: explicit split paths, else the dataset builder's output."""
+    built: dict[str, Any] = {}
+    if env.dataset.builder:
+        built = import_object(env.dataset.builder)(env.dataset.dir, **env.dataset.kwargs)
+    sources = {}
+    for split, sc in env.splits.items():
+        path = sc.path or built.get(split)
+        if path is None:
+            raise DatasetError(f"envs.{name}.splits.{split} has no path and the dataset builder made no {split!r} split")
+        sources[split] = TaskSource.from_file(path, name, limit=sc.num_samples, shuffle=sc.shuffle, seed=seed)
+    return sources
+
+
+class TrainJob:
+    def __init__(self, cfg: Config, job_dir: str | Path, *, log: Callable[[str], None] = print):
+        import ray
+
+        from otray.actors.learner import PolicyLearner
+        from otray.actors.rollout import RolloutFleet, RolloutWorker, wait_ready
+
+        self.cfg, self.log = cfg, log
+        self.dir = Path(job_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        (self.dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=1))
+        t0 = time.perf_counter()
+        self.model_path = resolve_model_path(cfg.model.path, cfg.model.cache_dir)
+        self.tokenizer = load_tokenizer(self.model_path)
+        self.splits = {name: load_splits(name, e, cfg.job.seed) for name, e in cfg.envs.items()}
+        self.mixture = Mixture({n: s["train"] for n, s in self.splits.items()},
+                               {n: e.weight for n, e in cfg.envs.items()}, seed=cfg.job.seed)
+        res, lora = cfg.resources, cfg.model.lora
+        self.learner = ray.remote(num_cpus=res.learner_cpus)(PolicyLearner).remote(
+            self.model_path, lora=to_dict(cfg)["model"]["lora"], dtype=cfg.model.dtype,
+            micro_batch_tokens=cfg.algo.micro_batch_tokens, seed=cfg.job.seed, num_threads=res.learner_threads)
+        workers = [ray.remote(num_cpus=res.rollout_cpus)(RolloutWorker).remote(
+            self.model_path, cfg.rollout.backend, num_threads=res.rollout_threads, dtype=cfg.model.dtype,
+            max_model_len=cfg.rollout.max_model_len, seed=cfg.job.seed + i, max_lora_rank=lora.rank,
+            kv_cache_gb=cfg.rollout.kv_cache_gb, max_batch=cfg.rollout.max_batch)
+            for i in range(cfg.rollout.num_workers)]
+        self.fleet = RolloutFleet(workers)
+        wait_ready([self.learner, *workers])
+        self.worker_info = ray.get(workers[0].info.remote())
+        self.step = 0
+        self.startup_s = time.perf_counter() - t0
+        log(f"job ready in {self.startup_s:.1f}s: model {self.model_path}, backend {self.worker_info['backend']}, "
+            f"{len(workers)} rollout worker(s)")
+
+    # ------------------------------------------------------------------ rollouts
+
+    def make_loop(self, env: EnvSection, factory_max_turns: int) -> AgentLoop:
+        limits = Limits(max_turns=env.max_turns or factory_max_turns, max_tokens_per_turn=env.max_tokens_per_turn,
+                        max_tokens_per_episode=env.max_tokens_per_episode,
+                        max_model_len=self.worker_info["max_model_len"])
+        return AgentLoop(self.tokenizer, self.fleet.generate, limits)
+
+    def rollout(self, tasks: list[Task], *, n: int | None = None, greedy: bool = False) -> list[TrajectoryGroup]:
+        """Roll out ``n`` (default: the env's ``num_rollouts``) episodes per task."""
+        groups: list[TrajectoryGroup] = []
+        for name, env_cfg in self.cfg.envs.items():
+            mine = [t for t in tasks if t.env == name]
+            if not mine:
+                continue
+            factory = resolve(env_cfg.entry)
+            k = n or env_cfg.num_rollouts
+            episodes = [(t, factory(**env_cfg.kwargs), self.cfg.job.seed + self.step * 1000 + i)
+                        for t in mine for i in range(k)]
+            params = SamplingParams(max_tokens=env_cfg.max_tokens_per_turn,
+                                    temperature=0.0 if greedy else env_cfg.temperature, top_p=env_cfg.top_p)
+            trajs = self.make_loop(env_cfg, episodes[0][1].max_turns).run(episodes, params)
+            for traj in trajs:
+                traj.reward = episode_reward(traj, env_cfg)
+            groups.extend(TrajectoryGroup(t, trajs[j * k:(j + 1) * k]) for j, t in enumerate(mine))
+        return groups
+
+    def sync_weights(self) -> float:
+        """Push the learner's weights to every rollout worker through the object store."""
+        t0 = time.perf_counter()
+        self.fleet.update_weights(self.learner.weights.remote())
+        return time.perf_counter() - t0
+
+    # ------------------------------------------------------------------ one RL step
+
+    def rl_step(self) -> dict[str, Any]:
+        import ray
+
+        cfg, algo, t0 = self.cfg, self.cfg.algo, time.perf_counter()
+        tasks = self.mixture.sample(algo.batch_size)                                   # 1. tasks
+        groups = self.rollout(tasks)                                                   # 2-3. episodes, rewards
+        t_gen = time.perf_counter() - t0
+        kept = [g for g in groups                                                      # 4. drop groups
+                if g.num_failed <= cfg.envs[g.task.env].max_failing_rollouts
+                and not (algo.drop_uniform_groups and len(set(g.rewards)) == 1)]
+        trajs, advantages = [], []
+        for g in kept:                                                                 # 5. advantages
+            trajs.extend(g.trajectories)
+            advantages.extend(adv.compute(algo.advantage, g.rewards))
+        datums = build_datums(trajs, advantages)
+        fb, opt = {}, {}
+        if datums:                                                                     # 6. learn
+            fb = ray.get(self.learner.forward_backward.remote(
+                datums, algo.loss_fn, algo.loss_fn_config, algo.aggregation))
+            opt = ray.get(self.learner.optim_step.remote(
+                algo.learning_rate, tuple(algo.betas), 1e-8, algo.weight_decay, algo.grad_clip))
+            sync_s = self.sync_weights()                                               # 7. push weights
+        self.step += 1
+        all_trajs = [t for g in groups for t in g.trajectories]                        # 8. metrics
+        sampled = sum(t.num_sampled for t in all_trajs)
+        self._log_trajectories(groups[:2], advantages)
+        return {"step": self.step, "reward_mean": statistics.fmean(t.reward for t in all_trajs),
+                "groups_kept": len(kept), "groups_dropped_uniform": sum(len(set(g.rewards)) == 1 for g in groups),
+                "groups_dropped_failing": sum(g.num_failed > cfg.envs[g.task.env].max_failing_rollouts for g in groups),
+                "episode_errors": sum(t.error is not None for t in all_trajs),
+                "tokens_per_s": sampled / max(t_gen, 1e-9), "rollout_s": t_gen,
+                "sync_s": sync_s if datums else 0.0, "step_s": time.perf_counter() - t0,
+                **{f"learner/{k}": v for k, v in {**fb, **opt}.items()}}
+
+    # ------------------------------------------------------------------ SFT warm-up and evaluation
+
+    def sft_batch(self, tasks: list[Task]) -> list:
+        sft = self.cfg.sft
+        eot = end_of_turn_ids(self.tokenizer)[-1] if self.tokenizer.eos_token_id is None else self.tokenizer.eos_token_id
+        datums = []
+        for task in tasks:
+            env = resolve(self.cfg.envs[task.env].entry)(**self.cfg.envs[task.env].kwargs)
+            first, _ = env.reset(task, seed=self.cfg.job.seed)
+            msgs = ([{"role": "system", "content": env.system_prompt}] if env.system_prompt else [])
+            prompt = chat_prompt_ids(self.tokenizer, msgs + [{"role": "user", "content": first}])
+            completion = self.tokenizer.encode(str(task.data[sft.completion_field]), add_special_tokens=False)
+            datums.append(sft_datum(prompt, completion + [eot]))
+        return datums
+
+    def sft_warmup(self) -> dict[str, float]:
+        import ray
+
+        sft = self.cfg.sft
+        env_name = sft.env or next(iter(self.cfg.envs))
+        source = TaskSource(self.splits[env_name]["train"].tasks, seed=self.cfg.job.seed + 1)
+        t0, losses = time.perf_counter(), []
+        for i in range(sft.steps):
+            fb = ray.get(self.learner.forward_backward.remote(self.sft_batch(source.sample(sft.batch_size)),
+                                                              "cross_entropy", {}, "token_mean"))
+            ray.get(self.learner.optim_step.remote(sft.learning_rate, tuple(self.cfg.algo.betas), 1e-8, 0.0,
+                                                   self.cfg.algo.grad_clip))
+            losses.append(fb["loss"])
+            if (i + 1) % max(1, sft.steps // 5) == 0:
+                self.log(f"  sft {i + 1}/{sft.steps}: loss {statistics.fmean(losses[-20:]):.3f}")
+        self.sync_weights()
+        return {"sft_steps": sft.steps, "sft_loss": statistics.fmean(losses[-20:]) if losses else 0.0,
+                "sft_s": time.perf_counter() - t0}
+
+    def evaluate(self) -> dict[str, float]:
+        """Greedy (or sampled) episodes on each env's eval split; accuracy = share rewarded as correct."""
+        ev, out = self.cfg.eval, {}
+        for name, splits in self.splits.items():
+            if ev.split not in splits:
+                continue
+            tasks = splits[ev.split].tasks[: ev.num_samples]
+            trajs = [t for g in self.rollout(tasks, n=1, greedy=ev.greedy) for t in g.trajectories]
+            correct = [bool(t.info.get("correct", t.reward > 0)) for t in trajs]
+            out[f"eval/{name}/accuracy"] = statistics.fmean(correct)
+            out[f"eval/{name}/reward_mean"] = statistics.fmean(t.reward for t in trajs)
+            out[f"eval/{name}/turns_mean"] = statistics.fmean(t.num_turns for t in trajs)
+        if out:
+            accs = [v for k, v in out.items() if k.endswith("/accuracy")]
+            out["eval/accuracy"] = statistics.fmean(accs)
+        return out
+
+    # ------------------------------------------------------------------ logging
+
+    def _log_trajectories(self, groups: list[TrajectoryGroup], advantages: list[float]) -> None:
+        with (self.dir / "trajectories.jsonl").open("a") as f:
+            for g in groups:
+                for t in g.trajectories:
+                    f.write(json.dumps({"step": self.step, "task": t.task.id, "env": t.task.env,
+                                        "messages": t.messages, "turn_rewards": t.turn_rewards,
+                                        "reward": t.reward, "finished": t.finished, "truncated": t.truncated,
+                                        "error": None if t.error is None else t.error.message}) + "\n")
+
+    def write_metrics(self, row: dict[str, Any]) -> None:
+        with (self.dir / "metrics.jsonl").open("a") as f:
+            f.write(json.dumps(row) + "\n")

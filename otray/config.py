@@ -1,0 +1,267 @@
+"""Job configuration: dataclass schemas and ``load(path, overrides)``.
+
+A config is an OmegaConf YAML file checked against :class:`Config`. Dotted overrides
+(``algo.learning_rate=2e-5``) apply on top. An unknown key, or a value of the
+wrong type, is a :class:`ConfigError` that names the key and the closest valid one.
+
+Environment sections follow the OpenReward shape, one entry per env under ``envs``::
+
+    envs:
+      arithmetic:
+        entry: envs.arithmetic:Arithmetic     # import path or registered name
+        dataset: {builder: envs.arithmetic:make_dataset, dir: .cache/data/arithmetic}
+        splits: {train: {shuffle: true}, eval: {shuffle: false, num_samples: 200}}
+        num_rollouts: 8
+        temperature: 1.0
+        reward_reduction: sum                  # sum | mean | max | min over turns
+        nonterminal_reward: 0.0                # added when the episode never finished
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+from dataclasses import dataclass, field, fields, is_dataclass
+from pathlib import Path
+from typing import Any, Optional, Union, get_args, get_origin, get_type_hints
+
+from otray.types import ConfigError
+
+REWARD_REDUCTIONS = ("sum", "mean", "max", "min")
+
+
+@dataclass
+class JobSection:
+    name: str = "job"
+    kind: str = "rl"  # rl | sft
+    seed: int = 0
+    output_dir: str = "runs"
+
+
+@dataclass
+class LoraSection:
+    rank: int = 0  # 0 = full-parameter training
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: list[str] = field(default_factory=lambda: [
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+
+
+@dataclass
+class ModelSection:
+    path: str = "tiny"  # local HF dir, hub id, or tiny[:SEED] (built by otray)
+    dtype: str = "float32"
+    cache_dir: str = ".cache/models"
+    lora: LoraSection = field(default_factory=LoraSection)
+
+
+@dataclass
+class RolloutSection:
+    backend: str = "auto"  # auto | vllm | hf
+    num_workers: int = 1
+    max_model_len: int = 512
+    kv_cache_gb: int = 1
+    max_batch: int = 256
+
+
+@dataclass
+class ResourcesSection:
+    learner_cpus: float = 1.0
+    rollout_cpus: float = 1.0  # per rollout worker
+    # torch threads per actor; null = Ray's default (num_cpus). Learner and rollout
+    # phases alternate, so each may use every core of a small machine.
+    learner_threads: Optional[int] = None
+    rollout_threads: Optional[int] = None
+
+
+@dataclass
+class AlgoSection:
+    loss_fn: str = "ppo"
+    loss_fn_config: dict[str, float] = field(default_factory=dict)
+    advantage: str = "zscore"  # mean | zscore | rloo
+    aggregation: str = "token_mean"
+    learning_rate: float = 1e-4
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    steps: int = 20
+    batch_size: int = 16  # tasks per step (each rolled out num_rollouts times)
+    micro_batch_tokens: int = 8192
+    drop_uniform_groups: bool = True
+
+
+@dataclass
+class SFTSection:
+    """Supervised warm-up before RL (or the whole job when ``job.kind == sft``)."""
+
+    steps: int = 0
+    batch_size: int = 32
+    learning_rate: float = 1e-3
+    env: Optional[str] = None  # env whose train split and prompts are used
+    completion_field: str = "answer"  # task field holding the target reply
+
+
+@dataclass
+class EvalSection:
+    every: int = 0  # steps; 0 = only before and after training
+    num_samples: int = 200
+    greedy: bool = True
+    split: str = "eval"
+
+
+@dataclass
+class DatasetSection:
+    builder: Optional[str] = None  # "module:fn", called as fn(dir, **kwargs) -> {split: path}
+    dir: str = ".cache/data"
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class SplitSection:
+    path: Optional[str] = None  # .jsonl / .parquet; null = from the dataset builder
+    shuffle: bool = True
+    num_samples: Optional[int] = None  # null = all rows
+
+
+@dataclass
+class EnvSection:
+    entry: str = "???"
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    dataset: DatasetSection = field(default_factory=DatasetSection)
+    splits: dict[str, SplitSection] = field(default_factory=dict)
+    num_rollouts: int = 8
+    max_failing_rollouts: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    reward_reduction: str = "sum"
+    nonterminal_reward: float = 0.0
+    weight: float = 1.0
+    max_turns: Optional[int] = None  # null = the env's own max_turns
+    max_tokens_per_turn: int = 32
+    max_tokens_per_episode: int = 256
+
+
+@dataclass
+class Config:
+    job: JobSection = field(default_factory=JobSection)
+    model: ModelSection = field(default_factory=ModelSection)
+    rollout: RolloutSection = field(default_factory=RolloutSection)
+    resources: ResourcesSection = field(default_factory=ResourcesSection)
+    algo: AlgoSection = field(default_factory=AlgoSection)
+    sft: SFTSection = field(default_factory=SFTSection)
+    eval: EvalSection = field(default_factory=EvalSection)
+    envs: dict[str, EnvSection] = field(default_factory=dict)
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _check_keys(data: Any, schema: type, prefix: str) -> None:
+    """Unknown keys anywhere in ``data`` -> ConfigError naming the closest valid key."""
+    if not isinstance(data, dict):
+        return
+    hints = get_type_hints(schema)
+    valid = [f.name for f in fields(schema)]
+    for key, value in data.items():
+        where = f"{prefix}{key}"
+        if key not in valid:
+            close = difflib.get_close_matches(str(key), valid, n=1)
+            hint = f"; did you mean '{prefix}{close[0]}'?" if close else f"; valid keys here: {', '.join(valid)}"
+            raise ConfigError(f"unknown config key '{where}'{hint}")
+        sub = _unwrap(hints[key])
+        if is_dataclass(sub):
+            _check_keys(value, sub, where + ".")
+        elif get_origin(sub) is dict and is_dataclass(_unwrap(get_args(sub)[1])) and isinstance(value, dict):
+            for name, item in value.items():
+                _check_keys(item, _unwrap(get_args(sub)[1]), f"{where}.{name}.")
+
+
+def _unwrap(tp: Any) -> Any:
+    if get_origin(tp) is Union:
+        args = [a for a in get_args(tp) if a is not type(None)]
+        return args[0] if len(args) == 1 else tp
+    return tp
+
+
+def _check_values(cfg: Config) -> None:
+    from otray.algos.advantages import ADVANTAGES
+    from otray.algos.losses import AGGREGATIONS, loss_config
+
+    def one_of(value: str, options: tuple[str, ...] | list[str], key: str) -> None:
+        if value not in options:
+            raise ConfigError(f"{key}={value!r} is not valid; choose one of {', '.join(options)}")
+
+    one_of(cfg.job.kind, ("rl", "sft"), "job.kind")
+    one_of(cfg.rollout.backend, ("auto", "vllm", "hf"), "rollout.backend")
+    one_of(cfg.algo.advantage, tuple(ADVANTAGES), "algo.advantage")
+    one_of(cfg.algo.aggregation, AGGREGATIONS, "algo.aggregation")
+    loss_config(cfg.algo.loss_fn, **cfg.algo.loss_fn_config)
+    for key, value in (("algo.steps", cfg.algo.steps), ("algo.batch_size", cfg.algo.batch_size),
+                       ("rollout.num_workers", cfg.rollout.num_workers)):
+        if value < (0 if key == "algo.steps" else 1):
+            raise ConfigError(f"{key} must be positive, got {value}")
+    if not cfg.envs:
+        raise ConfigError("the config defines no environment: add at least one entry under 'envs'")
+    for name, env in cfg.envs.items():
+        if env.entry == "???":
+            raise ConfigError(f"envs.{name}.entry is missing: give an import path 'module:Class' or a registered name")
+        one_of(env.reward_reduction, REWARD_REDUCTIONS, f"envs.{name}.reward_reduction")
+        if env.num_rollouts < 1:
+            raise ConfigError(f"envs.{name}.num_rollouts must be >= 1, got {env.num_rollouts}")
+    if cfg.sft.steps and cfg.sft.env is not None and cfg.sft.env not in cfg.envs:
+        raise ConfigError(f"sft.env={cfg.sft.env!r} names no env; defined envs: {', '.join(cfg.envs)}")
+
+
+def load(source: str | Path | dict[str, Any] | Config, overrides: list[str] | None = None) -> Config:
+    """Load and validate a config from a YAML path, a dict or a Config, plus dotted overrides."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    if isinstance(source, Config):
+        base = OmegaConf.structured(source)
+        data: Any = {}
+    elif isinstance(source, dict):
+        base, data = OmegaConf.structured(Config), source
+    else:
+        path = Path(source)
+        if not path.exists():
+            raise ConfigError(f"config file {str(path)!r} does not exist")
+        try:
+            data = OmegaConf.to_container(OmegaConf.load(path), resolve=False) or {}
+        except OmegaConfBaseException as e:
+            raise ConfigError(f"{path}: not valid YAML: {e}") from e
+        base = OmegaConf.structured(Config)
+    _check_keys(data, Config, "")
+    layers = [OmegaConf.create(data)]
+    for item in overrides or []:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not key=value (e.g. algo.learning_rate=2e-5)")
+        dot = OmegaConf.from_dotlist([item])
+        _check_keys(OmegaConf.to_container(dot), Config, "")
+        layers.append(dot)
+    try:
+        merged = OmegaConf.merge(base, *layers)
+        cfg = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", None) or "?"
+        raise ConfigError(f"invalid value for config key '{key}': {e.msg if hasattr(e, 'msg') else e}") from e
+    assert isinstance(cfg, Config)
+    _check_values(cfg)
+    return cfg
+
+
+def to_dict(cfg: Config) -> dict[str, Any]:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(OmegaConf.structured(cfg))  # type: ignore[return-value]
+
+
+def import_object(path: str) -> Any:
+    """``module:attr`` -> the object, with a ConfigError naming the path on failure."""
+    module, _, attr = path.partition(":")
+    if not attr:
+        raise ConfigError(f"{path!r} is not an import path of the form 'module:attr'")
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(f"cannot import {path!r}: {e}") from e

@@ -1,0 +1,183 @@
+"""Single-agent multi-turn rollouts: a token-in, token-out state machine.
+
+Each episode moves PENDING -> GENERATING <-> INTERACTING -> TERMINATED:
+
+- PENDING: ``env.reset`` gives the first user message; the prompt is the chat
+  template of (system, user) with the generation prompt.
+- GENERATING: all generating episodes share one batched ``generate`` call. The
+  sampled ids are appended as they are (mask 1, with the sampler's logprobs).
+- INTERACTING: the decoded text goes to ``env.step``. If the episode goes on, the
+  observation is appended as *new* tokens: the chat template's continuation
+  after the assistant turn (mask 0). Text the policy produced is never re-tokenized.
+- TERMINATED: done, truncated (``max_turns``, per-episode token budget, context
+  full) or errored (an env exception becomes ``Trajectory.error``).
+"""
+
+from __future__ import annotations
+
+import enum
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from otray.env import Env
+from otray.models import chat_prompt_ids
+from otray.types import ErrorRecord, FinishReason, GenerateResult, SamplingParams, Task, Trajectory
+
+GenerateFn = Callable[[list[list[int]], SamplingParams, int], list[GenerateResult]]
+
+
+class State(enum.Enum):
+    PENDING = "pending"
+    GENERATING = "generating"
+    INTERACTING = "interacting"
+    TERMINATED = "terminated"
+
+
+@dataclass
+class Limits:
+    max_turns: int = 1
+    max_tokens_per_turn: int = 64
+    max_tokens_per_episode: int = 512  # sampled tokens, summed over turns
+    max_model_len: int = 512
+
+
+class ChatContinuation:
+    """Token ids that close an assistant turn and open the next user/assistant turns."""
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+        marker = "\x00OTRAY\x00"
+        base = [{"role": "user", "content": "u"}, {"role": "assistant", "content": marker}]
+        self._base_text = tokenizer.apply_chat_template(base, tokenize=False)
+        self._close = self._base_text.split(marker, 1)[1]  # e.g. "<|im_end|>\n"
+        self._base = base
+
+    def ids(self, observation: str, sampled_stop_token: int | None) -> list[int]:
+        full = self.tokenizer.apply_chat_template(
+            self._base + [{"role": "user", "content": observation}], tokenize=False, add_generation_prompt=True)
+        text = self._close + full[len(self._base_text):]
+        if sampled_stop_token is not None:
+            stop_text = self.tokenizer.decode([sampled_stop_token])
+            if text.startswith(stop_text):
+                text = text[len(stop_text):]
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+
+@dataclass
+class _Episode:
+    env: Env
+    traj: Trajectory
+    state: State = State.PENDING
+    seed: int | None = None
+
+
+class AgentLoop:
+    """Runs many episodes concurrently against one ``generate`` function."""
+
+    def __init__(self, tokenizer: Any, generate: GenerateFn, limits: Limits):
+        self.tokenizer = tokenizer
+        self.generate = generate
+        self.limits = limits
+        self.continuation = ChatContinuation(tokenizer)
+
+    def run(self, episodes: Sequence[tuple[Task, Env, int | None]], params: SamplingParams) -> list[Trajectory]:
+        eps = [_Episode(env, Trajectory(task=task), seed=seed) for task, env, seed in episodes]
+        for ep in eps:
+            self._start(ep)
+        while True:
+            active = [ep for ep in eps if ep.state is State.GENERATING]
+            if not active:
+                break
+            self._generate_turn(active, params)
+            for ep in active:
+                if ep.state is State.INTERACTING:
+                    self._interact(ep)
+        for ep in eps:
+            try:
+                ep.env.close()
+            except Exception:  # noqa: BLE001 - closing must not lose the trajectory
+                pass
+        return [ep.traj for ep in eps]
+
+    # ------------------------------------------------------------------ transitions
+
+    def _start(self, ep: _Episode) -> None:
+        try:
+            first, info = ep.env.reset(ep.traj.task, seed=ep.seed)
+        except Exception as e:  # noqa: BLE001 - an env failure is a value, not a crash
+            return self._fail(ep, "env_exception", e)
+        messages = ([{"role": "system", "content": ep.env.system_prompt}] if ep.env.system_prompt else [])
+        messages.append({"role": "user", "content": first})
+        ids = chat_prompt_ids(self.tokenizer, messages)
+        ep.traj.messages = messages
+        ep.traj.info.update(info)
+        ep.traj.append(ids, sampled=False)
+        ep.traj.prompt_len = len(ids)
+        if len(ids) >= self.limits.max_model_len:
+            return self._fail(ep, "prompt_too_long",
+                              f"prompt has {len(ids)} tokens; the context is {self.limits.max_model_len}")
+        ep.state = State.GENERATING
+
+    def _turn_budget(self, ep: _Episode) -> int:
+        lim = self.limits
+        return min(lim.max_tokens_per_turn, lim.max_tokens_per_episode - ep.traj.num_sampled,
+                   lim.max_model_len - len(ep.traj.token_ids))
+
+    def _generate_turn(self, active: list[_Episode], params: SamplingParams) -> None:
+        by_budget: dict[int, list[_Episode]] = {}
+        for ep in active:
+            by_budget.setdefault(self._turn_budget(ep), []).append(ep)
+        for budget, group in by_budget.items():
+            try:
+                results = self.generate([ep.traj.token_ids for ep in group], replace(params, max_tokens=budget), 1)
+            except Exception as e:  # noqa: BLE001 - a failed call fails these episodes only
+                for ep in group:
+                    self._fail(ep, "rollout_failed", e)
+                continue
+            for ep, res in zip(group, results):
+                sample = res.samples[0]
+                ep.traj.append(sample.token_ids, sampled=True, logprobs=sample.logprobs)
+                ep.traj.policy_version = res.policy_version
+                ep.traj.info["_last_stop"] = sample.token_ids[-1] if sample.finish_reason is FinishReason.STOP else None
+                ep.traj.messages.append({"role": "assistant", "content": self._decode(sample.token_ids, sample.finish_reason)})
+                ep.state = State.INTERACTING
+
+    def _decode(self, ids: list[int], reason: FinishReason) -> str:
+        body = ids[:-1] if reason is FinishReason.STOP else ids
+        return self.tokenizer.decode(body, skip_special_tokens=False)
+
+    def _interact(self, ep: _Episode) -> None:
+        traj = ep.traj
+        traj.num_turns += 1
+        try:
+            result = ep.env.step(traj.messages[-1]["content"])
+        except Exception as e:  # noqa: BLE001
+            return self._fail(ep, "env_exception", e)
+        traj.turn_rewards.append(float(result.reward))
+        traj.info.update(result.info)
+        stop = traj.info.pop("_last_stop", None)
+        if result.done:
+            traj.finished = True
+            ep.state = State.TERMINATED
+            return
+        out_of_budget = self._turn_budget(ep) <= 0
+        if traj.num_turns >= self.limits.max_turns or out_of_budget:
+            traj.truncated = True
+            ep.state = State.TERMINATED
+            return
+        cont = self.continuation.ids(result.observation, stop)
+        if len(traj.token_ids) + len(cont) >= self.limits.max_model_len:
+            traj.truncated = True
+            ep.state = State.TERMINATED
+            return
+        traj.append(cont, sampled=False)
+        traj.messages.append({"role": "user", "content": result.observation})
+        ep.state = State.GENERATING
+
+    def _fail(self, ep: _Episode, kind: str, err: BaseException | str) -> None:
+        msg = err if isinstance(err, str) else f"{type(err).__name__}: {err}\n{traceback.format_exc(limit=3)}"
+        ep.traj.error = ErrorRecord(kind, msg[:2000], turn=ep.traj.num_turns)
+        ep.traj.info.pop("_last_stop", None)
+        ep.state = State.TERMINATED

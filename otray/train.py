@@ -1,0 +1,97 @@
+"""``python -m otray.train CONFIG [key=value ...]``: run one training job on a local Ray.
+
+Prints a per-step table (step, mean reward, held-out accuracy, tokens/s, step
+time) and writes the same rows to ``<output_dir>/<name>/metrics.jsonl``, plus
+``summary.json`` with the accuracy after the SFT warm-up and after GRPO.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from otray import config as config_mod
+from otray.types import OtrayError
+
+HEADER = f"{'step':>5} {'phase':<6} {'reward':>7} {'heldout':>8} {'tok/s':>8} {'step_s':>7}"
+
+
+def table_row(row: dict[str, Any]) -> str:
+    acc = row.get("eval/accuracy")
+    return (f"{row['step']:>5} {row['phase']:<6} {row.get('reward_mean', float('nan')):>7.3f} "
+            f"{'' if acc is None else f'{acc:.3f}':>8} {row.get('tokens_per_s', 0.0):>8.0f} "
+            f"{row.get('step_s', 0.0):>7.2f}")
+
+
+def run(cfg: config_mod.Config, job_dir: Path) -> dict[str, Any]:
+    from otray.actors.job import TrainJob
+
+    job = TrainJob(cfg, job_dir)
+    summary: dict[str, Any] = {"startup_s": job.startup_s, "backend": job.worker_info["backend"]}
+
+    def emit(row: dict[str, Any]) -> None:
+        job.write_metrics(row)
+        print(table_row(row), flush=True)
+
+    t_start = time.perf_counter()
+    print(HEADER, flush=True)
+    if cfg.sft.steps:
+        emit({"step": 0, "phase": "base", **job.evaluate()})
+        sft = job.sft_warmup()
+        row = {"step": 0, "phase": "sft", **sft, **job.evaluate()}
+        emit(row)
+    else:
+        row = {"step": 0, "phase": "init", **job.evaluate()}
+        emit(row)
+    summary["heldout_after_sft"] = row.get("eval/accuracy")
+    for _ in range(cfg.algo.steps):
+        metrics = job.rl_step()
+        last = job.step == cfg.algo.steps
+        if last or (cfg.eval.every and job.step % cfg.eval.every == 0):
+            metrics.update(job.evaluate())
+        emit({"phase": "grpo", **metrics})
+        if last:
+            summary["heldout_after_grpo"] = metrics.get("eval/accuracy")
+    summary["total_s"] = time.perf_counter() - t_start
+    if summary.get("heldout_after_grpo") is not None and summary.get("heldout_after_sft") is not None:
+        summary["heldout_gain"] = summary["heldout_after_grpo"] - summary["heldout_after_sft"]
+    (job_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m otray.train", description=__doc__)
+    parser.add_argument("config")
+    parser.add_argument("overrides", nargs="*", help="dotted key=value overrides")
+    parser.add_argument("--address", default=os.environ.get("RAY_ADDRESS"), help="Ray cluster (default: start local)")
+    args = parser.parse_args(argv)
+    try:
+        cfg = config_mod.load(args.config, args.overrides)
+    except OtrayError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    import ray
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.rollout.kv_cache_gb))
+    ray.init(address=args.address, include_dashboard=False, log_to_driver=True,
+             runtime_env={"env_vars": {"VLLM_CPU_KVCACHE_SPACE": str(cfg.rollout.kv_cache_gb),
+                                       "TOKENIZERS_PARALLELISM": "false"}})
+    job_dir = Path(cfg.job.output_dir) / cfg.job.name
+    try:
+        summary = run(cfg, job_dir)
+    except OtrayError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        ray.shutdown()
+    print(json.dumps(summary, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
