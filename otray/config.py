@@ -215,7 +215,7 @@ def _check_values(cfg: Config) -> None:
 def load(source: str | Path | dict[str, Any] | Config, overrides: list[str] | None = None) -> Config:
     """Load and validate a config from a YAML path, a dict or a Config, plus dotted overrides."""
     from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
+    from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
     if isinstance(source, Config):
         base = OmegaConf.structured(source)
@@ -242,6 +242,9 @@ def load(source: str | Path | dict[str, Any] | Config, overrides: list[str] | No
     try:
         merged = OmegaConf.merge(base, *layers)
         cfg = OmegaConf.to_object(merged)
+    except MissingMandatoryValue as e:
+        raise ConfigError(f"{e.full_key} is missing: give an import path 'module:Class' or a registered name"
+                          if e.full_key.endswith(".entry") else f"{e.full_key} is missing: set it") from e
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", None) or "?"
         raise ConfigError(f"invalid value for config key '{key}': {e.msg if hasattr(e, 'msg') else e}") from e

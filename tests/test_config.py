@@ -1,0 +1,47 @@
+from pathlib import Path
+
+import pytest
+
+from otray import config
+from otray.types import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+MINIMAL = {"envs": {"arithmetic": {"entry": "envs.arithmetic:Arithmetic"}}}
+
+
+def test_every_bundled_config_loads():
+    files = sorted((ROOT / "conf").glob("*.yaml"))
+    assert files
+    for f in files:
+        assert isinstance(config.load(f), config.Config)
+
+
+def test_overrides_apply_with_types():
+    cfg = config.load(ROOT / "conf" / "arithmetic_grpo.yaml", ["algo.learning_rate=2e-5", "envs.arithmetic.num_rollouts=4"])
+    assert cfg.algo.learning_rate == 2e-5
+    assert cfg.envs["arithmetic"].num_rollouts == 4
+
+
+@pytest.mark.parametrize("data, match", [
+    ({**MINIMAL, "algo": {"learnig_rate": 1e-3}}, r"algo\.learnig_rate.*did you mean 'algo\.learning_rate'"),
+    ({**MINIMAL, "modle": {}}, r"unknown config key 'modle'.*did you mean 'model'"),
+    ({"envs": {"a": {"entry": "x:y", "num_rollout": 3}}}, r"envs\.a\.num_rollout.*envs\.a\.num_rollouts"),
+    ({"envs": {"a": {"entry": "x:y", "splits": {"train": {"shufle": True}}}}}, r"splits\.train\.shufle.*shuffle"),
+    ({**MINIMAL, "algo": {"steps": "many"}}, r"algo\.steps"),
+    ({**MINIMAL, "algo": {"loss_fn": "pp0"}}, r"unknown loss_fn 'pp0'"),
+    ({**MINIMAL, "algo": {"advantage": "gae"}}, r"algo\.advantage='gae'"),
+    ({"envs": {}}, r"defines no environment"),
+    ({"envs": {"a": {"reward_reduction": "sum"}}}, r"envs\.a\.entry is missing"),
+])
+def test_bad_configs_name_the_key(data, match):
+    with pytest.raises(ConfigError, match=match):
+        config.load(data)
+
+
+def test_bad_override_and_missing_file():
+    with pytest.raises(ConfigError, match="did you mean 'algo.batch_size'"):
+        config.load(MINIMAL, ["algo.batchsize=3"])
+    with pytest.raises(ConfigError, match="key=value"):
+        config.load(MINIMAL, ["algo.batch_size"])
+    with pytest.raises(ConfigError, match="does not exist"):
+        config.load(ROOT / "conf" / "nope.yaml")
