@@ -35,6 +35,11 @@ def episode_reward(traj: Trajectory, env: EnvSection) -> float:
     return reward if traj.finished else reward + env.nonterminal_reward
 
 
+def solved(traj: Trajectory) -> bool:
+    """An episode counts as solved when the env says ``info["correct"]``, else when rewarded."""
+    return bool(traj.info.get("correct", traj.reward > 0))
+
+
 def load_splits(name: str, env: EnvSection, seed: int) -> dict[str, TaskSource]:
     """Task sources of one env: explicit split paths, else the dataset builder's output."""
     built: dict[str, Any] = {}
@@ -173,18 +178,31 @@ class TrainJob:
         sft = self.cfg.sft
         env_name = sft.env or next(iter(self.cfg.envs))
         source = TaskSource(self.splits[env_name]["train"].tasks, seed=self.cfg.job.seed + 1)
-        t0, losses = time.perf_counter(), []
-        for i in range(sft.steps):
+        probe = source.tasks[: sft.check_samples]  # fixed training tasks for the early stop
+        t0, losses, train_acc, steps = time.perf_counter(), [], None, 0
+        for steps in range(1, sft.steps + 1):
             fb = ray.get(self.learner.forward_backward.remote(self.sft_batch(source.sample(sft.batch_size)),
                                                               "cross_entropy", {}, "token_mean"))
-            ray.get(self.learner.optim_step.remote(sft.learning_rate, tuple(self.cfg.algo.betas), 1e-8, 0.0,
-                                                   self.cfg.algo.grad_clip))
+            lr = sft.learning_rate * min(1.0, steps / max(1, sft.warmup_steps))
+            ray.get(self.learner.optim_step.remote(lr, tuple(self.cfg.algo.betas), 1e-8, 0.0, self.cfg.algo.grad_clip))
             losses.append(fb["loss"])
-            if (i + 1) % max(1, sft.steps // 5) == 0:
-                self.log(f"  sft {i + 1}/{sft.steps}: loss {statistics.fmean(losses[-20:]):.3f}")
+            if sft.stop_at_accuracy is not None and steps % sft.check_every == 0:
+                self.sync_weights()
+                train_acc = self.accuracy(probe)
+                self.log(f"  sft {steps}/{sft.steps}: loss {statistics.fmean(losses[-20:]):.3f}, "
+                         f"train accuracy {train_acc:.3f}")
+                if train_acc >= sft.stop_at_accuracy:
+                    break
+            elif steps % max(1, sft.steps // 5) == 0:
+                self.log(f"  sft {steps}/{sft.steps}: loss {statistics.fmean(losses[-20:]):.3f}")
         self.sync_weights()
-        return {"sft_steps": sft.steps, "sft_loss": statistics.fmean(losses[-20:]) if losses else 0.0,
-                "sft_s": time.perf_counter() - t0}
+        return {"sft_steps": steps, "sft_loss": statistics.fmean(losses[-20:]) if losses else 0.0,
+                "sft_train_accuracy": train_acc, "sft_s": time.perf_counter() - t0}
+
+    def accuracy(self, tasks: list[Task], greedy: bool = True) -> float:
+        """Share of ``tasks`` solved (info["correct"], else reward > 0) in one episode each."""
+        trajs = [t for g in self.rollout(tasks, n=1, greedy=greedy) for t in g.trajectories]
+        return statistics.fmean(map(solved, trajs))
 
     def evaluate(self) -> dict[str, float]:
         """Greedy (or sampled) episodes on each env's eval split; accuracy = share rewarded as correct."""
@@ -194,8 +212,7 @@ class TrainJob:
                 continue
             tasks = splits[ev.split].tasks[: ev.num_samples]
             trajs = [t for g in self.rollout(tasks, n=1, greedy=ev.greedy) for t in g.trajectories]
-            correct = [bool(t.info.get("correct", t.reward > 0)) for t in trajs]
-            out[f"eval/{name}/accuracy"] = statistics.fmean(correct)
+            out[f"eval/{name}/accuracy"] = statistics.fmean(map(solved, trajs))
             out[f"eval/{name}/reward_mean"] = statistics.fmean(t.reward for t in trajs)
             out[f"eval/{name}/turns_mean"] = statistics.fmean(t.num_turns for t in trajs)
         if out:

@@ -1,0 +1,82 @@
+"""TrainJob on a local Ray cluster with the tiny model: a short job, and bad input."""
+
+import json
+
+import pytest
+
+from otray import config
+from otray.types import ConfigError, DatasetError, ModelLoadError
+
+
+def _cfg(tmp_path, **env_over):
+    env = {"entry": "envs.arithmetic:Arithmetic",
+           "dataset": {"builder": "envs.arithmetic:make_dataset", "dir": str(tmp_path / "data"), "kwargs": {"num_eval": 40}},
+           "splits": {"train": {}, "eval": {"shuffle": False}}, "num_rollouts": 4, "max_tokens_per_turn": 4, **env_over}
+    return {"job": {"name": "t", "output_dir": str(tmp_path / "runs")},
+            "model": {"cache_dir": str(tmp_path.parent / "models")},
+            "rollout": {"backend": "hf", "max_model_len": 64},
+            "sft": {"steps": 3, "batch_size": 8, "env": "arithmetic"},
+            "algo": {"steps": 2, "batch_size": 4, "drop_uniform_groups": False},
+            "eval": {"num_samples": 10},
+            "envs": {"arithmetic": env}}
+
+
+@pytest.fixture(scope="module")
+def run_job(ray_local, tiny_path):
+    from otray.train import run
+
+    def _run(tmp_path, data, overrides=()):
+        data["model"]["path"] = tiny_path
+        cfg = config.load(data, list(overrides))
+        job_dir = tmp_path / "runs" / "t"
+        return run(cfg, job_dir), job_dir
+
+    return _run
+
+
+def test_short_job_writes_metrics_and_trajectories(run_job, tmp_path):
+    summary, job_dir = run_job(tmp_path, _cfg(tmp_path))
+    rows = [json.loads(line) for line in (job_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["phase"] for r in rows] == ["base", "sft", "grpo", "grpo"]
+    grpo = rows[-1]
+    for key in ("reward_mean", "tokens_per_s", "step_s", "learner/grad_norm", "eval/accuracy"):
+        assert key in grpo
+    assert grpo["learner/step"] == 3 + 2  # sft steps + grpo steps share the optimizer step counter
+    trajs = [json.loads(line) for line in (job_dir / "trajectories.jsonl").read_text().splitlines()]
+    assert trajs and trajs[0]["messages"][-1]["role"] == "assistant"
+    assert summary["heldout_after_grpo"] is not None
+
+
+def test_env_exceptions_become_error_records_and_the_job_finishes(run_job, tmp_path):
+    data = _cfg(tmp_path, entry="tests.flaky_envs:SometimesRaises", max_failing_rollouts=4)
+    summary, job_dir = run_job(tmp_path, data)
+    rows = [json.loads(line) for line in (job_dir / "metrics.jsonl").read_text().splitlines()]
+    assert sum(r.get("episode_errors", 0) for r in rows) > 0
+    trajs = [json.loads(line) for line in (job_dir / "trajectories.jsonl").read_text().splitlines()]
+    assert any(t["error"] and "odd answers" in t["error"] for t in trajs)
+    assert summary["heldout_after_grpo"] is not None
+
+
+def test_unparseable_output_gets_zero_reward(run_job, tmp_path):
+    data = _cfg(tmp_path, entry="tests.flaky_envs:Unparseable")
+    data["sft"]["steps"] = 0
+    data["algo"]["steps"] = 1
+    _, job_dir = run_job(tmp_path, data)
+    trajs = [json.loads(line) for line in (job_dir / "trajectories.jsonl").read_text().splitlines()]
+    assert trajs and all(t["reward"] == 0.0 for t in trajs)
+
+
+def test_empty_dataset_and_missing_model_are_clear_errors(run_job, tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    data = _cfg(tmp_path, splits={"train": {"path": str(empty)}})
+    with pytest.raises(DatasetError, match="empty"):
+        run_job(tmp_path, data)
+    from otray.train import run
+
+    bad = _cfg(tmp_path)
+    bad["model"]["path"] = str(tmp_path / "no-such-model")
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        run(config.load(bad), tmp_path / "x")
+    with pytest.raises(ConfigError, match="sft.env"):
+        config.load({**_cfg(tmp_path), "sft": {"steps": 1, "env": "nope"}})
