@@ -35,11 +35,15 @@ TINY_SPEC = "tiny"
 
 @dataclass
 class TinyShape:
-    """Architecture of a generated model. The default is the ~0.4M-parameter tiny model."""
+    """Architecture of a generated model. The default is the ~0.7M-parameter tiny model.
+
+    Four layers, not two: with two, SFT on 2-digit addition failed to "click" within
+    750 steps for 2 of 3 seeds; with four it clicked for every seed tried (see README).
+    """
 
     hidden_size: int = 128
     intermediate_size: int = 384
-    num_hidden_layers: int = 2
+    num_hidden_layers: int = 4
     num_attention_heads: int = 4  # head_dim = 32: vLLM's CPU attention needs >= 32
     num_key_value_heads: int = 2
     max_position_embeddings: int = 512

@@ -34,7 +34,9 @@ class NoResetGuard(Env):
         return StepResult("", 1.0, True)
 
 
-class BoolReward(Env):
+class _Guarded(Env):
+    """Follows the state rules; subclasses break one other rule each."""
+
     def __init__(self):
         self.started = False
 
@@ -45,23 +47,19 @@ class BoolReward(Env):
     def step(self, action):
         if not self.started:
             raise EnvStateError("reset first")
+        return self.result()
+
+
+class BoolReward(_Guarded):
+    def result(self):
         self.started = False
         return StepResult("", True, True)
 
 
-class NeverDone(Env):
+class NeverDone(_Guarded):
     max_turns = 3
 
-    def __init__(self):
-        self.started = False
-
-    def reset(self, task, seed=None):
-        self.started = True
-        return "hi", {}
-
-    def step(self, action):
-        if not self.started:
-            raise EnvStateError("reset first")
+    def result(self):
         return StepResult("again", 0.0, False)
 
 
