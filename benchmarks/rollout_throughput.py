@@ -94,8 +94,7 @@ def via_worker(path: str, backend: str, prompts: list[list[int]], n_tokens: int,
     worker = ray.remote(num_cpus=cpus)(RolloutWorker).remote(path, backend, num_threads=cpus, max_model_len=512,
                                                              kv_cache_gb=2)
     ray.get(worker.ping.remote())
-    # no stop ids: fixed-length completions, like ignore_eos in the direct calls
-    params = SamplingParams(max_tokens=n_tokens, temperature=1.0, stop_token_ids=(-1,))
+    params = SamplingParams(max_tokens=n_tokens, temperature=1.0, ignore_eos=True)
 
     def run() -> int:
         res = ray.get(worker.generate.remote(prompts, params, 1))

@@ -59,7 +59,8 @@ class SamplingParams:
     """How to sample one completion. ``temperature == 0`` means greedy.
 
     ``max_tokens`` bounds the new tokens of one call (one turn). ``stop_token_ids``
-    default to the tokenizer's end-of-turn ids, filled in by the backend.
+    default to the tokenizer's end-of-turn ids, filled in by the backend, unless
+    ``ignore_eos`` asks for exactly ``max_tokens`` tokens.
     """
 
     max_tokens: int = 64
@@ -68,6 +69,7 @@ class SamplingParams:
     top_k: int = -1
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False  # generate exactly max_tokens (benchmarks); no stop ids apply
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:

@@ -95,3 +95,17 @@ def test_lora_update_then_match(worker, tiny_path, prompts):
     _assert_logprobs_match(worker, learner, prompts)
     new_lp = worker.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0), 1)[0].samples[0].logprobs
     assert new_lp != base_lp
+
+
+def test_ignore_eos_generates_exactly_max_tokens(worker, tiny_path, tokenizer, prompts):
+    # a policy trained to stop right away still runs to max_tokens when asked to ignore eos
+    learner = PolicyLearner(tiny_path)
+    batch = [sft_datum(p, [tokenizer.eos_token_id]) for p in prompts]
+    for _ in range(30):
+        learner.forward_backward(batch, "cross_entropy")
+        learner.optim_step(learning_rate=1e-2)
+    worker.update_weights(learner.weights())
+    stops = worker.generate(prompts, SamplingParams(max_tokens=5, temperature=0.0), 1)
+    assert all(r.samples[0].token_ids == [tokenizer.eos_token_id] for r in stops)
+    full = worker.generate(prompts, SamplingParams(max_tokens=5, temperature=1.0, ignore_eos=True), 2)
+    assert all(len(s.token_ids) == 5 and s.finish_reason is FinishReason.LENGTH for r in full for s in r.samples)

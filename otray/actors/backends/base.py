@@ -40,8 +40,10 @@ def check_prompt_lengths(prompts: list[list[int]], max_model_len: int) -> None:
 
 def effective_params(params: SamplingParams, stop_token_ids: list[int]) -> SamplingParams:
     """``params`` with the backend's end-of-turn ids when none were given."""
-    if params.stop_token_ids:
-        return params
     from dataclasses import replace
 
+    if params.ignore_eos:
+        return replace(params, stop_token_ids=())
+    if params.stop_token_ids:
+        return params
     return replace(params, stop_token_ids=tuple(stop_token_ids))

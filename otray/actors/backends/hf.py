@@ -52,9 +52,11 @@ class HFBackend:
         sampling = {"do_sample": False} if params.greedy else {
             "do_sample": True, "temperature": params.temperature, "top_p": params.top_p,
             "top_k": params.top_k if params.top_k > 0 else 0}
+        if params.ignore_eos:
+            sampling["min_new_tokens"] = budget
         out = self.model.generate(
             input_ids=ids, attention_mask=attn, max_new_tokens=budget,
-            eos_token_id=list(params.stop_token_ids), pad_token_id=self.pad_id,
+            eos_token_id=list(params.stop_token_ids or self.stop_token_ids), pad_token_id=self.pad_id,
             return_dict_in_generate=True, output_logits=True, **sampling)
         new = out.sequences[:, width:]
         logps = torch.stack(out.logits, dim=1).float().log_softmax(-1)
@@ -76,7 +78,10 @@ class HFBackend:
         return result
 
     def load_full_weights(self, tensors: dict[str, Any]) -> None:
-        self.model = self.base_model
+        if self.model is not self.base_model:
+            # PEFT injected LoRA layers into the base model in place: take them out first
+            self.base_model = self.model.unload()
+            self.model = self.base_model
         missing, unexpected = self.model.load_state_dict(tensors, strict=False)
         if unexpected or [k for k in missing if not k.endswith("lm_head.weight")]:
             raise ValueError(f"weight update does not match the model: missing={missing[:5]} unexpected={unexpected[:5]}")

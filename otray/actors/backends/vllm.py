@@ -79,7 +79,8 @@ class VLLMBackend:
         for budget, idx in _group_by_budget(prompts, params.max_tokens, self.max_model_len).items():
             sp = VSP(n=n, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
                      max_tokens=budget, seed=params.seed, logprobs=0,
-                     stop_token_ids=list(params.stop_token_ids), skip_special_tokens=False,
+                     stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos,
+                     skip_special_tokens=False,
                      detokenize=False)
             got = self.llm.generate([TokensPrompt(prompt_token_ids=prompts[i]) for i in idx], sp,
                                     lora_request=self._lora_request, use_tqdm=False)
