@@ -44,6 +44,8 @@ def test_short_job_writes_metrics_and_trajectories(run_job, tmp_path):
     assert grpo["learner/step"] == 3 + 2  # sft steps + grpo steps share the optimizer step counter
     trajs = [json.loads(line) for line in (job_dir / "trajectories.jsonl").read_text().splitlines()]
     assert trajs and trajs[0]["messages"][-1]["role"] == "assistant"
+    # drop_uniform_groups is off, so every logged episode was trained on and has an advantage
+    assert all(isinstance(t["advantage"], float) for t in trajs)
     assert summary["heldout_after_grpo"] is not None
 
 

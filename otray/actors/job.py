@@ -138,7 +138,7 @@ class TrainJob:
             trajs.extend(g.trajectories)
             advantages.extend(adv.compute(algo.advantage, g.rewards))
         datums = build_datums(trajs, advantages)
-        fb, opt = {}, {}
+        fb, opt, sync_s = {}, {}, 0.0
         if datums:                                                                     # 6. learn
             fb = ray.get(self.learner.forward_backward.remote(
                 datums, algo.loss_fn, algo.loss_fn_config, algo.aggregation))
@@ -148,13 +148,13 @@ class TrainJob:
         self.step += 1
         all_trajs = [t for g in groups for t in g.trajectories]                        # 8. metrics
         sampled = sum(t.num_sampled for t in all_trajs)
-        self._log_trajectories(groups[:2], advantages)
+        self._log_trajectories(groups[:2], {id(t): a for t, a in zip(trajs, advantages)})
         return {"step": self.step, "reward_mean": statistics.fmean(t.reward for t in all_trajs),
                 "groups_kept": len(kept), "groups_dropped_uniform": sum(len(set(g.rewards)) == 1 for g in groups),
                 "groups_dropped_failing": sum(g.num_failed > cfg.envs[g.task.env].max_failing_rollouts for g in groups),
                 "episode_errors": sum(t.error is not None for t in all_trajs),
                 "tokens_per_s": sampled / max(t_gen, 1e-9), "rollout_s": t_gen,
-                "sync_s": sync_s if datums else 0.0, "step_s": time.perf_counter() - t0,
+                "sync_s": sync_s, "step_s": time.perf_counter() - t0,
                 **{f"learner/{k}": v for k, v in {**fb, **opt}.items()}}
 
     # ------------------------------------------------------------------ SFT warm-up and evaluation
@@ -222,13 +222,15 @@ class TrainJob:
 
     # ------------------------------------------------------------------ logging
 
-    def _log_trajectories(self, groups: list[TrajectoryGroup], advantages: list[float]) -> None:
+    def _log_trajectories(self, groups: list[TrajectoryGroup], advantage_of: dict[int, float]) -> None:
+        """Append decoded episodes; ``advantage`` is null for groups that were dropped."""
         with (self.dir / "trajectories.jsonl").open("a") as f:
             for g in groups:
                 for t in g.trajectories:
                     f.write(json.dumps({"step": self.step, "task": t.task.id, "env": t.task.env,
                                         "messages": t.messages, "turn_rewards": t.turn_rewards,
-                                        "reward": t.reward, "finished": t.finished, "truncated": t.truncated,
+                                        "reward": t.reward, "advantage": advantage_of.get(id(t)),
+                                        "finished": t.finished, "truncated": t.truncated,
                                         "error": None if t.error is None else t.error.message}) + "\n")
 
     def write_metrics(self, row: dict[str, Any]) -> None:

@@ -116,8 +116,9 @@ class RolloutFleet:
         return status
 
     def _drop(self, i: int, err: BaseException) -> None:
-        self.dead[i] = f"{type(err).__name__}: {err}"[:500]
-        log.warning("rollout worker %d dropped: %s", i, self.dead[i])
+        first_line = (str(err).strip().splitlines() or [""])[0]
+        self.dead[i] = f"{type(err).__name__}: {first_line}"[:300]
+        log.warning("rollout worker %d dropped: %s", i, err)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, n: int = 1) -> list[GenerateResult]:
         """Split ``prompts`` over live workers; a failed share is re-run on the others."""
