@@ -22,8 +22,8 @@ HEADER = f"{'step':>5} {'phase':<6} {'reward':>7} {'heldout':>8} {'tok/s':>8} {'
 
 
 def table_row(row: dict[str, Any]) -> str:
-    acc = row.get("eval/accuracy")
-    return (f"{row['step']:>5} {row['phase']:<6} {row.get('reward_mean', float('nan')):>7.3f} "
+    acc, reward = row.get("eval/accuracy"), row.get("reward_mean")
+    return (f"{row['step']:>5} {row['phase']:<6} {'' if reward is None else f'{reward:.3f}':>7} "
             f"{'' if acc is None else f'{acc:.3f}':>8} {row.get('tokens_per_s', 0.0):>8.0f} "
             f"{row.get('step_s', 0.0):>7.2f}")
 

@@ -82,3 +82,18 @@ def test_empty_dataset_and_missing_model_are_clear_errors(run_job, tmp_path):
         run(config.load(bad), tmp_path / "x")
     with pytest.raises(ConfigError, match="sft.env"):
         config.load({**_cfg(tmp_path), "sft": {"steps": 1, "env": "nope"}})
+
+
+def test_same_seed_same_run(run_job, tmp_path):
+    def trained(sub):
+        (tmp_path / sub).mkdir()
+        data = _cfg(tmp_path / sub)
+        data["model"]["cache_dir"] = str(tmp_path.parent / "models")
+        _, job_dir = run_job(tmp_path / sub, data)
+        rows = [json.loads(line) for line in (job_dir / "metrics.jsonl").read_text().splitlines()]
+        return [(r.get("reward_mean"), r.get("eval/accuracy"), r.get("learner/loss"), r.get("learner/num_tokens"))
+                for r in rows]
+
+    first = trained("a")
+    assert first == trained("b")
+    assert all(tokens > 0 for *_, tokens in first[2:])  # both GRPO steps trained on sampled tokens

@@ -20,7 +20,8 @@ class HFBackend:
     name = "hf"
 
     def __init__(self, model_path: str, *, dtype: str = "float32", max_model_len: int | None = None,
-                 max_batch: int = 256, **_: Any):
+                 max_batch: int = 256, seed: int = 0, **_: Any):
+        torch.manual_seed(seed)  # sampling without a per-call seed draws from this process's RNG
         self.tokenizer = load_tokenizer(model_path)
         self.model = load_model(model_path, dtype).eval()
         self.base_model = self.model
