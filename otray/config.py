@@ -149,6 +149,15 @@ class EnvSection:
 
 
 @dataclass
+class CheckpointSection:
+    save_every: int = 0  # GRPO steps between checkpoints; 0 = only at the end
+    save_at_end: bool = True
+    # A checkpoint directory (``<job dir>/checkpoints/step-000010``) to continue from:
+    # learner state, optimizer, step counter, data position and RNG are restored.
+    resume_from: Optional[str] = None
+
+
+@dataclass
 class Config:
     job: JobSection = field(default_factory=JobSection)
     model: ModelSection = field(default_factory=ModelSection)
@@ -157,6 +166,7 @@ class Config:
     algo: AlgoSection = field(default_factory=AlgoSection)
     sft: SFTSection = field(default_factory=SFTSection)
     eval: EvalSection = field(default_factory=EvalSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     envs: dict[str, EnvSection] = field(default_factory=dict)
 
 

@@ -40,21 +40,26 @@ def run(cfg: config_mod.Config, job_dir: Path) -> dict[str, Any]:
 
     t_start = time.perf_counter()
     print(HEADER, flush=True)
-    if cfg.sft.steps:
+    ck = cfg.checkpoint
+    if ck.resume_from:
+        job.resume(ck.resume_from)
+    elif cfg.sft.steps:
         emit({"step": 0, "phase": "base", **job.evaluate()})
-        sft = job.sft_warmup()
-        row = {"step": 0, "phase": "sft", **sft, **job.evaluate()}
+        row = {"step": 0, "phase": "sft", **job.sft_warmup(), **job.evaluate()}
         emit(row)
+        summary["heldout_after_sft"] = row.get("eval/accuracy")
     else:
         row = {"step": 0, "phase": "init", **job.evaluate()}
         emit(row)
-    summary["heldout_after_sft"] = row.get("eval/accuracy")
-    for _ in range(cfg.algo.steps):
+        summary["heldout_after_sft"] = row.get("eval/accuracy")
+    while job.step < cfg.algo.steps:
         metrics = job.rl_step()
         last = job.step == cfg.algo.steps
         if last or (cfg.eval.every and job.step % cfg.eval.every == 0):
             metrics.update(job.evaluate())
         emit({"phase": "grpo", **metrics})
+        if (ck.save_every and job.step % ck.save_every == 0) or (last and ck.save_at_end):
+            summary["last_checkpoint"] = job.save_checkpoint()
         if last:
             summary["heldout_after_grpo"] = metrics.get("eval/accuracy")
     summary["total_s"] = time.perf_counter() - t_start

@@ -97,3 +97,37 @@ def test_same_seed_same_run(run_job, tmp_path):
     first = trained("a")
     assert first == trained("b")
     assert all(tokens > 0 for *_, tokens in first[2:])  # both GRPO steps trained on sampled tokens
+
+
+def test_resume_continues_step_counter_and_data(run_job, tmp_path):
+    def rows_of(job_dir):
+        return [json.loads(line) for line in (job_dir / "metrics.jsonl").read_text().splitlines()]
+
+    (tmp_path / "a").mkdir()
+    a = _cfg(tmp_path / "a")
+    a["algo"]["steps"] = 4
+    a["checkpoint"] = {"save_every": 2}
+    summary, a_dir = run_job(tmp_path / "a", a)
+    assert summary["last_checkpoint"].endswith("step-000004")
+    ck = a_dir / "checkpoints" / "step-000002"
+    assert (ck / "state" / "meta.json").exists() and (ck / "model" / "config.json").exists()
+
+    (tmp_path / "b").mkdir()
+    b = _cfg(tmp_path / "b")
+    b["algo"]["steps"] = 4
+    b["checkpoint"] = {"resume_from": str(ck)}
+    _, b_dir = run_job(tmp_path / "b", b)
+    uninterrupted = {r["step"]: r for r in rows_of(a_dir) if r["phase"] == "grpo"}
+    resumed = [r for r in rows_of(b_dir) if r["phase"] == "grpo"]
+    assert [r["step"] for r in resumed] == [3, 4]
+    for r in resumed:
+        assert r["batch"] == uninterrupted[r["step"]]["batch"]
+        assert r["learner/step"] == uninterrupted[r["step"]]["learner/step"]
+    assert uninterrupted[3]["batch"] != uninterrupted[4]["batch"]
+
+
+def test_resume_from_a_missing_checkpoint_is_a_clear_error(run_job, tmp_path):
+    data = _cfg(tmp_path)
+    data["checkpoint"] = {"resume_from": str(tmp_path / "nope")}
+    with pytest.raises(ModelLoadError, match="holds no learner state"):
+        run_job(tmp_path, data)

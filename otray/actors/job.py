@@ -35,6 +35,13 @@ def episode_reward(traj: Trajectory, env: EnvSection) -> float:
     return reward if traj.finished else reward + env.nonterminal_reward
 
 
+def batch_digest(tasks: list[Task]) -> str:
+    """A short fingerprint of a batch's task ids, to check that a resumed run draws the same data."""
+    import hashlib
+
+    return hashlib.sha1("\n".join(f"{t.env}/{t.id}" for t in tasks).encode()).hexdigest()[:12]
+
+
 def solved(traj: Trajectory) -> bool:
     """An episode counts as solved when the env says ``info["correct"]``, else when rewarded."""
     return bool(traj.info.get("correct", traj.reward > 0))
@@ -149,7 +156,8 @@ class TrainJob:
         all_trajs = [t for g in groups for t in g.trajectories]                        # 8. metrics
         sampled = sum(t.num_sampled for t in all_trajs)
         self._log_trajectories(groups[:2], {id(t): a for t, a in zip(trajs, advantages)})
-        return {"step": self.step, "reward_mean": statistics.fmean(t.reward for t in all_trajs),
+        return {"step": self.step, "batch": batch_digest(tasks),
+                "reward_mean": statistics.fmean(t.reward for t in all_trajs),
                 "groups_kept": len(kept), "groups_dropped_uniform": sum(len(set(g.rewards)) == 1 for g in groups),
                 "groups_dropped_failing": sum(g.num_failed > cfg.envs[g.task.env].max_failing_rollouts for g in groups),
                 "episode_errors": sum(t.error is not None for t in all_trajs),
@@ -232,6 +240,36 @@ class TrainJob:
                                         "reward": t.reward, "advantage": advantage_of.get(id(t)),
                                         "finished": t.finished, "truncated": t.truncated,
                                         "error": None if t.error is None else t.error.message}) + "\n")
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def save_checkpoint(self) -> str:
+        """Learner state (+ job step and data position) and an exported HF/PEFT model."""
+        import ray
+
+        path = self.dir / "checkpoints" / f"step-{self.step:06d}"
+        extra = {"job_step": self.step, "mixture": self.mixture.state()}
+        ray.get(self.learner.save_state.remote(str(path / "state"), extra))
+        ray.get(self.learner.export.remote(str(path / "model")))
+        self.log(f"  checkpoint: {path}")
+        return str(path)
+
+    def resume(self, path: str) -> int:
+        """Continue from a checkpoint: same step counter, same next batch, same weights."""
+        import ray
+
+        from otray.types import ModelLoadError
+
+        state = Path(path) / "state"
+        if not (state / "meta.json").exists():
+            raise ModelLoadError(f"checkpoint.resume_from={path!r} holds no learner state ({state}/meta.json); "
+                                 "give a directory like <job dir>/checkpoints/step-000010")
+        meta = ray.get(self.learner.load_state.remote(str(state)))
+        self.step = meta["extra_state"]["job_step"]
+        self.mixture.load_state(meta["extra_state"]["mixture"])
+        self.sync_weights()
+        self.log(f"resumed from {path} at step {self.step}")
+        return self.step
 
     def write_metrics(self, row: dict[str, Any]) -> None:
         with (self.dir / "metrics.jsonl").open("a") as f:

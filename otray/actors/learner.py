@@ -194,8 +194,10 @@ class PolicyLearner:
 
     # ------------------------------------------------------------------ checkpoints
 
-    def save_state(self, path: str) -> str:
-        """Weights or adapter, optimizer, step, version, RNG, and ``extra_state``."""
+    def save_state(self, path: str, extra_state: dict[str, Any] | None = None) -> str:
+        """Weights or adapter, optimizer, step, version, RNG, and ``extra_state`` (job data, e.g. data position)."""
+        if extra_state is not None:
+            self.extra_state = extra_state
         out = Path(path)
         out.mkdir(parents=True, exist_ok=True)
         trainable = {n: p.detach() for n, p in self.model.named_parameters() if p.requires_grad}
