@@ -13,6 +13,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 from otray import config as config_mod
@@ -28,15 +29,19 @@ def table_row(row: dict[str, Any]) -> str:
             f"{row.get('step_s', 0.0):>7.2f}")
 
 
-def run(cfg: config_mod.Config, job_dir: Path) -> dict[str, Any]:
+def run(cfg: config_mod.Config, job_dir: Path, *, placement_group: Any = None,
+        report: Callable[[dict[str, Any]], Any] | None = None) -> dict[str, Any]:
+    """Run one job; ``report`` (if given) receives every metrics row as it is written."""
     from otray.actors.job import TrainJob
 
-    job = TrainJob(cfg, job_dir)
+    job = TrainJob(cfg, job_dir, placement_group=placement_group)
     summary: dict[str, Any] = {"startup_s": job.startup_s, "backend": job.worker_info["backend"]}
 
     def emit(row: dict[str, Any]) -> None:
         job.write_metrics(row)
         print(table_row(row), flush=True)
+        if report is not None:
+            report(row)
 
     t_start = time.perf_counter()
     print(HEADER, flush=True)

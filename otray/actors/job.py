@@ -61,8 +61,20 @@ def load_splits(name: str, env: EnvSection, seed: int) -> dict[str, TaskSource]:
     return sources
 
 
+def in_bundle(placement_group: Any, index: int) -> dict[str, Any]:
+    """Actor options that pin an actor to one bundle of the job's placement group (or nothing)."""
+    if placement_group is None:
+        return {}
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    return {"scheduling_strategy": PlacementGroupSchedulingStrategy(placement_group, placement_group_bundle_index=index)}
+
+
 class TrainJob:
-    def __init__(self, cfg: Config, job_dir: str | Path, *, log: Callable[[str], None] = print):
+    """Bundle layout in a job's placement group: 0 = learner (and the job driver), 1+i = rollout worker i."""
+
+    def __init__(self, cfg: Config, job_dir: str | Path, *, log: Callable[[str], None] = print,
+                 placement_group: Any = None):
         import ray
 
         from otray.actors.learner import PolicyLearner
@@ -79,10 +91,12 @@ class TrainJob:
         self.mixture = Mixture({n: s["train"] for n, s in self.splits.items()},
                                {n: e.weight for n, e in cfg.envs.items()}, seed=cfg.job.seed)
         res, lora = cfg.resources, cfg.model.lora
-        self.learner = ray.remote(num_cpus=res.learner_cpus)(PolicyLearner).remote(
+        self.learner = ray.remote(num_cpus=res.learner_cpus)(PolicyLearner).options(
+            **in_bundle(placement_group, 0)).remote(
             self.model_path, lora=to_dict(cfg)["model"]["lora"], dtype=cfg.model.dtype,
             micro_batch_tokens=cfg.algo.micro_batch_tokens, seed=cfg.job.seed, num_threads=res.learner_threads)
-        workers = [ray.remote(num_cpus=res.rollout_cpus)(RolloutWorker).remote(
+        workers = [ray.remote(num_cpus=res.rollout_cpus)(RolloutWorker).options(
+            **in_bundle(placement_group, 1 + i)).remote(
             self.model_path, cfg.rollout.backend, num_threads=res.rollout_threads, dtype=cfg.model.dtype,
             max_model_len=cfg.rollout.max_model_len, seed=cfg.job.seed + i, max_lora_rank=lora.rank,
             kv_cache_gb=cfg.rollout.kv_cache_gb, max_batch=cfg.rollout.max_batch)

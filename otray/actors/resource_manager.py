@@ -1,0 +1,227 @@
+"""ResourceManager: the named, detached actor that owns jobs and their leases.
+
+One placement group per job, sized from the job's ``resources`` section (bundle 0:
+learner + job driver; bundle 1+i: rollout worker i). Jobs wait in a FIFO queue
+until their placement group can be placed; a job that can never fit the cluster is
+rejected at submit with the missing resource named. The lease (placement group) is
+released on every exit path: success, failure, cancel, job actor death.
+
+The registry (SQLite) is the source of truth: a restarted ResourceManager reads
+it back; jobs that were queued are queued again, jobs that were starting or
+running when the manager died are marked FAILED (their actors died with it).
+
+Start or find it with :func:`get_or_create`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from otray import config as config_mod
+from otray.actors.registry import AuthError, JobRecord, JobState, Registry
+from otray.types import ConfigError
+
+log = logging.getLogger(__name__)
+NAMESPACE, NAME = "otray", "resource_manager"
+POLL_S = 0.2
+
+
+def bundles_for(cfg: config_mod.Config) -> list[dict[str, float]]:
+    res = cfg.resources
+    return [{"CPU": res.learner_cpus}] + [{"CPU": res.rollout_cpus} for _ in range(cfg.rollout.num_workers)]
+
+
+def missing_resources(bundles: list[dict[str, float]], strategy: str) -> list[str]:
+    """Why ``bundles`` can never fit this cluster (empty when they can)."""
+    total = ray.cluster_resources()
+    need: dict[str, float] = {}
+    for b in bundles:
+        for k, v in b.items():
+            need[k] = need.get(k, 0.0) + v
+    problems = [f"{k}: needs {v:g}, the cluster has {total.get(k, 0):g}" for k, v in need.items() if v > total.get(k, 0)]
+    if strategy in ("STRICT_PACK",):
+        biggest = max((n["Resources"].get("CPU", 0) for n in ray.nodes() if n["Alive"]), default=0)
+        if need.get("CPU", 0) > biggest:
+            problems.append(f"CPU: STRICT_PACK needs {need['CPU']:g} on one node, the largest node has {biggest:g}")
+    return problems
+
+
+@ray.remote(num_cpus=0)
+class JobDriver:
+    """Runs one job inside its placement group and reports rows to the ResourceManager."""
+
+    def __init__(self, cfg_dict: dict[str, Any], job_dir: str, job_id: str):
+        self.cfg, self.job_dir, self.job_id = config_mod.load(cfg_dict), Path(job_dir), job_id
+
+    def ping(self) -> bool:
+        return True
+
+    def run(self) -> dict[str, Any]:
+        from ray.util import get_current_placement_group
+
+        from otray.train import run
+
+        rm = ray.get_actor(NAME, namespace=NAMESPACE)
+        return run(self.cfg, self.job_dir, placement_group=get_current_placement_group(),
+                   report=lambda row: rm.report.remote(self.job_id, row))
+
+
+@ray.remote(num_cpus=0, max_concurrency=64)
+class ResourceManager:
+    def __init__(self, db_path: str, *, auth_enabled: bool = False, output_dir: str = "runs",
+                 strategy: str = "PACK"):
+        self.registry = Registry(db_path)
+        self.auth_enabled, self.output_dir, self.strategy = auth_enabled, output_dir, strategy
+        self.queue: deque[str] = deque()
+        self.pending: dict[str, Any] = {}  # job id -> placement group not yet placed
+        self.running: dict[str, tuple[Any, Any]] = {}  # job id -> (driver actor, placement group)
+        for job in self.registry.jobs():
+            if job.state is JobState.QUEUED:
+                self.queue.append(job.id)
+            elif job.state in (JobState.STARTING, JobState.RUNNING):
+                self.registry.set_state(job.id, JobState.FAILED, "the resource manager restarted while the job ran")
+        self._scheduler: asyncio.Task | None = None
+
+    async def ping(self) -> bool:
+        return True
+
+    # ------------------------------------------------------------------ auth
+
+    def _caller(self, api_key: str | None) -> tuple[str, bool]:
+        if not self.auth_enabled:
+            return "local", True
+        user = self.registry.authenticate(api_key)
+        return user.name, user.admin
+
+    def _own(self, job_id: str, api_key: str | None) -> JobRecord:
+        name, admin = self._caller(api_key)
+        job = self.registry.job(job_id)
+        if not admin and job.owner != name:
+            raise AuthError(f"job {job_id} belongs to another user; you can see and cancel only your own jobs")
+        return job
+
+    # ------------------------------------------------------------------ API
+
+    async def submit(self, cfg_dict: dict[str, Any], api_key: str | None = None) -> str:
+        owner, _ = self._caller(api_key)
+        cfg = config_mod.load(cfg_dict)
+        problems = missing_resources(bundles_for(cfg), self.strategy)
+        if problems:
+            raise ConfigError("this job can never fit the cluster: " + "; ".join(problems) +
+                              ". Lower resources.* / rollout.num_workers or add nodes.")
+        job_id = self.registry.create_job(owner, cfg.job.name, config_mod.to_dict(cfg))
+        self.queue.append(job_id)
+        self._kick()
+        return job_id
+
+    async def status(self, job_id: str, api_key: str | None = None) -> dict[str, Any]:
+        return _public(self._own(job_id, api_key))
+
+    async def jobs(self, api_key: str | None = None) -> list[dict[str, Any]]:
+        name, admin = self._caller(api_key)
+        return [_public(j) for j in self.registry.jobs(None if admin else name)]
+
+    async def cancel(self, job_id: str, api_key: str | None = None) -> dict[str, Any]:
+        job = self._own(job_id, api_key)
+        if job.state.terminal:
+            return _public(job)
+        if job_id in self.queue:
+            self.queue.remove(job_id)
+        pg = self.pending.pop(job_id, None)
+        if pg is not None:
+            ray.util.remove_placement_group(pg)
+        self.registry.set_state(job_id, JobState.CANCELLED)
+        if job_id in self.running:
+            actor, pg = self.running.pop(job_id)
+            ray.kill(actor)  # its learner and workers are owned by it and die with it
+            ray.util.remove_placement_group(pg)
+        self._kick()
+        return _public(self.registry.job(job_id))
+
+    async def report(self, job_id: str, row: dict[str, Any]) -> None:
+        self.registry.set_progress(job_id, row)
+
+    async def placement_group_id(self, job_id: str) -> str | None:
+        pair = self.running.get(job_id)
+        pg = pair[1] if pair else self.pending.get(job_id)
+        return pg.id.hex() if pg is not None else None
+
+    async def driver(self, job_id: str) -> Any:
+        """The job's driver actor handle (tests use it to simulate a crash)."""
+        return self.running[job_id][0]
+
+    # ------------------------------------------------------------------ scheduling
+
+    def _kick(self) -> None:
+        if self._scheduler is None or self._scheduler.done():
+            self._scheduler = asyncio.get_running_loop().create_task(self._schedule())
+
+    async def _schedule(self) -> None:
+        """Place queued jobs in FIFO order; the head waits until its placement group fits."""
+        from ray.util.placement_group import placement_group
+
+        while self.queue:
+            job_id = self.queue[0]
+            cfg = config_mod.load(self.registry.job(job_id).config)
+            pg = self.pending.get(job_id) or placement_group(bundles_for(cfg), strategy=self.strategy)
+            self.pending[job_id] = pg
+            while not ray.wait([pg.ready()], timeout=0)[0]:
+                await asyncio.sleep(POLL_S)
+                if job_id not in self.pending:  # cancelled while waiting
+                    break
+            if self.pending.pop(job_id, None) is None or not self.queue or self.queue[0] != job_id:
+                continue
+            self.queue.popleft()
+            await self._start(job_id, cfg, pg)
+
+    async def _start(self, job_id: str, cfg: config_mod.Config, pg: Any) -> None:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        self.registry.set_state(job_id, JobState.STARTING)
+        job_dir = str(Path(cfg.job.output_dir if cfg.job.output_dir != "runs" else self.output_dir).absolute() / job_id)
+        driver = JobDriver.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
+            pg, placement_group_bundle_index=0)).remote(config_mod.to_dict(cfg), job_dir, job_id)
+        self.running[job_id] = (driver, pg)
+        try:
+            await driver.ping.remote()
+        except Exception as e:  # noqa: BLE001
+            return self._finish(job_id, JobState.FAILED, f"job driver failed to start: {e}")
+        self.registry.set_state(job_id, JobState.RUNNING)
+        asyncio.get_running_loop().create_task(self._watch(job_id, driver.run.remote()))
+
+    async def _watch(self, job_id: str, ref: Any) -> None:
+        try:
+            await ref
+        except Exception as e:  # noqa: BLE001 - any failure ends the job as FAILED
+            if self.registry.job(job_id).state is not JobState.CANCELLED:
+                self._finish(job_id, JobState.FAILED, f"{type(e).__name__}: {str(e).strip().splitlines()[0][:1000]}")
+            return
+        self._finish(job_id, JobState.SUCCEEDED, None)
+
+    def _finish(self, job_id: str, state: JobState, error: str | None) -> None:
+        pair = self.running.pop(job_id, None)
+        if pair is not None:
+            ray.util.remove_placement_group(pair[1])
+        if not self.registry.job(job_id).state.terminal:
+            self.registry.set_state(job_id, state, error)
+        self._kick()
+
+
+def _public(job: JobRecord) -> dict[str, Any]:
+    return {"id": job.id, "owner": job.owner, "name": job.name, "state": job.state.value, "error": job.error,
+            "progress": job.progress, "created": job.created, "started": job.started, "finished": job.finished}
+
+
+def get_or_create(db_path: str = ".otray/registry.db", **kwargs: Any) -> Any:
+    """The cluster's ResourceManager: the existing one, or a new detached one."""
+    try:
+        return ray.get_actor(NAME, namespace=NAMESPACE)
+    except ValueError:
+        return ResourceManager.options(name=NAME, namespace=NAMESPACE, lifetime="detached",
+                                       get_if_exists=True).remote(str(Path(db_path).absolute()), **kwargs)
