@@ -24,8 +24,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -c "import transformers, vllm, ray, peft" 
 	touch $(STAMP)
 
+# `otray train` starts a local Ray, submits through the ResourceManager and streams the table.
 demo: $(STAMP)
-	$(BIN)/python -m otray.train conf/arithmetic_grpo.yaml
+	$(BIN)/otray train conf/arithmetic_grpo.yaml
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider

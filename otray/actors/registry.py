@@ -61,6 +61,8 @@ CREATE TABLE IF NOT EXISTS jobs (
     id TEXT PRIMARY KEY, owner TEXT NOT NULL, name TEXT NOT NULL, state TEXT NOT NULL,
     config TEXT NOT NULL, error TEXT, progress TEXT NOT NULL DEFAULT '{}',
     created REAL NOT NULL, started REAL, finished REAL, transitions TEXT NOT NULL DEFAULT '[]');
+CREATE TABLE IF NOT EXISTS metrics (
+    job_id TEXT NOT NULL, seq INTEGER NOT NULL, row TEXT NOT NULL, PRIMARY KEY (job_id, seq));
 CREATE TABLE IF NOT EXISTS checkpoints (
     job_id TEXT NOT NULL, step INTEGER NOT NULL, path TEXT NOT NULL, created REAL NOT NULL,
     PRIMARY KEY (job_id, step));
@@ -164,7 +166,16 @@ class Registry:
         return self.job(job_id)
 
     def set_progress(self, job_id: str, progress: dict[str, Any]) -> None:
-        self.db.execute("UPDATE jobs SET progress = ? WHERE id = ?", (json.dumps(progress), job_id))
+        """Record one metrics row: it becomes the job's progress and is appended to its metrics."""
+        row = json.dumps(progress)
+        self.db.execute("UPDATE jobs SET progress = ? WHERE id = ?", (row, job_id))
+        self.db.execute("INSERT INTO metrics VALUES (?, (SELECT COUNT(*) FROM metrics WHERE job_id = ?), ?)",
+                        (job_id, job_id, row))
+
+    def metrics(self, job_id: str, since: int = 0) -> list[dict[str, Any]]:
+        """The job's metrics rows from index ``since`` on, in order."""
+        rows = self.db.execute("SELECT row FROM metrics WHERE job_id = ? AND seq >= ? ORDER BY seq", (job_id, since))
+        return [json.loads(r[0]) for r in rows]
 
     @staticmethod
     def _record(row: tuple) -> JobRecord:

@@ -147,6 +147,21 @@ class ResourceManager:
     async def report(self, job_id: str, row: dict[str, Any]) -> None:
         self.registry.set_progress(job_id, row)
 
+    async def metrics(self, job_id: str, since: int = 0, api_key: str | None = None) -> list[dict[str, Any]]:
+        self._own(job_id, api_key)
+        return self.registry.metrics(job_id, since)
+
+    async def add_user(self, name: str, admin: bool = False, api_key: str | None = None) -> str:
+        """A new user's API key (shown once). With auth on, only an admin may add users,
+        except the very first user, who becomes an admin."""
+        if self.auth_enabled and self.registry.has_users():
+            _, is_admin = self._caller(api_key)
+            if not is_admin:
+                raise AuthError("only an admin can add users")
+        elif self.auth_enabled:
+            admin = True
+        return self.registry.add_user(name, admin)
+
     async def placement_group_id(self, job_id: str) -> str | None:
         pair = self.running.get(job_id)
         pg = pair[1] if pair else self.pending.get(job_id)

@@ -1,0 +1,141 @@
+"""The ``otray`` command.
+
+    otray train CONFIG [key=value ...]   submit, stream the per-step table, exit 0 on success
+    otray jobs | status JOB | metrics JOB | cancel JOB
+    otray users add NAME [--admin]       prints the new API key once
+    otray tiny-model DIR [--seed N]
+
+``--address`` (or ``RAY_ADDRESS``) joins a running cluster; without it a local Ray
+starts for the command. ``OTRAY_API_KEY`` carries the key when auth is on.
+Exit codes: 0 success, 1 the job failed or was cancelled, 2 bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from otray.types import OtrayError
+
+
+def _connect(args: argparse.Namespace):
+    from otray.client import connect
+
+    return connect(args.address, args.api_key)
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from otray import config as config_mod
+    from otray.train import HEADER, table_row
+
+    config_mod.load(args.config, args.overrides)  # fail before touching a cluster
+    client = _connect(args)
+    job = client.submit(args.config, args.overrides)
+    print(f"submitted job {job.id}", flush=True)
+    seen, state = 0, None
+    while True:
+        st = job.status()
+        rows = job.metrics(seen)
+        seen += len(rows)
+        if st["state"] != state and st["state"] not in ("SUCCEEDED", "FAILED", "CANCELLED"):
+            state = st["state"]
+            print(f"[{job.id}] {state}", flush=True)
+            if state == "RUNNING":
+                print(HEADER, flush=True)
+        for row in rows:
+            print(table_row(row), flush=True)
+        if st["state"] in ("SUCCEEDED", "FAILED", "CANCELLED") and not rows:
+            print(f"[{job.id}] {st['state']}", flush=True)
+            break
+        time.sleep(0.5)
+    if st["state"] != "SUCCEEDED":
+        print(f"job {job.id} {st['state']}: {st['error']}", file=sys.stderr)
+        return 1
+    evals = [r for r in job.metrics() if "eval/accuracy" in r]
+    start = next((r for r in evals if r.get("phase") in ("sft", "init")), evals[0] if evals else None)
+    if start is not None:
+        print(f"held-out accuracy: {start['eval/accuracy']:.3f} before RL -> {evals[-1]['eval/accuracy']:.3f} after")
+    return 0
+
+
+def cmd_jobs(args: argparse.Namespace) -> int:
+    jobs = _connect(args).jobs()
+    print(f"{'id':<24} {'owner':<10} {'name':<20} {'state':<10} {'step':>5} {'reward':>7}")
+    for j in jobs:
+        p = j["progress"]
+        reward = p.get("reward_mean")
+        print(f"{j['id']:<24} {j['owner']:<10} {j['name'][:20]:<20} {j['state']:<10} {p.get('step', ''):>5} "
+              f"{'' if reward is None else f'{reward:.3f}':>7}")
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    print(json.dumps(_connect(args).job(args.job).status(), indent=1))
+    return 0
+
+
+def cmd_metrics(args: argparse.Namespace) -> int:
+    for row in _connect(args).job(args.job).metrics():
+        print(json.dumps(row))
+    return 0
+
+
+def cmd_cancel(args: argparse.Namespace) -> int:
+    print(_connect(args).job(args.job).cancel()["state"])
+    return 0
+
+
+def cmd_users(args: argparse.Namespace) -> int:
+    key = _connect(args).add_user(args.name, args.admin)
+    print(f"API key for {args.name} (shown once, store it now):\n{key}")
+    return 0
+
+
+def cmd_tiny(args: argparse.Namespace) -> int:
+    from otray.models import build_tiny_model
+
+    print(f"built tiny model in {build_tiny_model(args.dir, args.seed)}")
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="otray", description="RL for LLM agents on Ray")
+    p.add_argument("--address", default=None, help="Ray cluster address (default: RAY_ADDRESS, else a local Ray)")
+    p.add_argument("--api-key", default=None, help="API key (default: OTRAY_API_KEY)")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    t = sub.add_parser("train", help="submit a training job and follow it")
+    t.add_argument("config")
+    t.add_argument("overrides", nargs="*", help="dotted key=value overrides")
+    t.set_defaults(fn=cmd_train)
+    sub.add_parser("jobs", help="list jobs").set_defaults(fn=cmd_jobs)
+    for name, fn in (("status", cmd_status), ("metrics", cmd_metrics), ("cancel", cmd_cancel)):
+        s = sub.add_parser(name)
+        s.add_argument("job")
+        s.set_defaults(fn=fn)
+    u = sub.add_parser("users").add_subparsers(dest="users_cmd", required=True).add_parser("add")
+    u.add_argument("name")
+    u.add_argument("--admin", action="store_true")
+    u.set_defaults(fn=cmd_users)
+    m = sub.add_parser("tiny-model", help="build the tiny Qwen2 model + tokenizer into DIR")
+    m.add_argument("dir")
+    m.add_argument("--seed", type=int, default=0)
+    m.set_defaults(fn=cmd_tiny)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except OtrayError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyError as e:
+        print(f"error: {e.args[0] if e.args else e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,109 @@
+"""Driver-side API: connect to a cluster, submit jobs, follow them.
+
+    client = otray.connect()                      # RAY_ADDRESS / a local Ray
+    job = client.submit("conf/arithmetic_grpo.yaml", overrides=["algo.steps=10"])
+    job.wait()                                    # -> final status dict
+    job.metrics()                                 # -> list of metrics rows
+
+Configs are validated here, before anything reaches the cluster, so a bad key
+fails at submit with the key named.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from otray import config as config_mod
+from otray.types import OtrayError
+
+TERMINAL = {"SUCCEEDED", "FAILED", "CANCELLED"}
+
+
+class JobFailedError(OtrayError, RuntimeError):
+    """``JobHandle.wait(raise_on_failure=True)`` on a job that did not succeed."""
+
+
+class JobHandle:
+    def __init__(self, client: Client, job_id: str):
+        self.client, self.id = client, job_id
+
+    def _call(self, method: str, *args: Any) -> Any:
+        import ray
+
+        return ray.get(getattr(self.client.rm, method).remote(*args, api_key=self.client.api_key))
+
+    def status(self) -> dict[str, Any]:
+        return self._call("status", self.id)
+
+    def metrics(self, since: int = 0) -> list[dict[str, Any]]:
+        return self._call("metrics", self.id, since)
+
+    def cancel(self) -> dict[str, Any]:
+        return self._call("cancel", self.id)
+
+    def wait(self, timeout: float | None = None, poll_s: float = 0.5, raise_on_failure: bool = False) -> dict[str, Any]:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            st = self.status()
+            if st["state"] in TERMINAL:
+                if raise_on_failure and st["state"] != "SUCCEEDED":
+                    raise JobFailedError(f"job {self.id} ended {st['state']}: {st['error']}")
+                return st
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"job {self.id} still {st['state']} after {timeout} s")
+            time.sleep(poll_s)
+
+    def __repr__(self) -> str:
+        return f"JobHandle({self.id!r})"
+
+
+class Client:
+    def __init__(self, rm: Any, api_key: str | None):
+        self.rm, self.api_key = rm, api_key
+
+    def submit(self, config: str | Path | dict[str, Any] | config_mod.Config,
+               overrides: list[str] | None = None) -> JobHandle:
+        import ray
+
+        cfg = config_mod.load(config, overrides)
+        out = Path(cfg.job.output_dir)
+        if not out.is_absolute():  # relative to the submitter, not to wherever the job lands
+            cfg.job.output_dir = str(out.absolute())
+        job_id = ray.get(self.rm.submit.remote(config_mod.to_dict(cfg), api_key=self.api_key))
+        return JobHandle(self, job_id)
+
+    def job(self, job_id: str) -> JobHandle:
+        return JobHandle(self, job_id)
+
+    def jobs(self) -> list[dict[str, Any]]:
+        import ray
+
+        return ray.get(self.rm.jobs.remote(api_key=self.api_key))
+
+    def add_user(self, name: str, admin: bool = False) -> str:
+        import ray
+
+        return ray.get(self.rm.add_user.remote(name, admin, api_key=self.api_key))
+
+
+def connect(address: str | None = None, api_key: str | None = None, *, db_path: str | None = None,
+            auth_enabled: bool | None = None) -> Client:
+    """Join the Ray cluster at ``address`` (default ``RAY_ADDRESS``, else start a local one)
+    and find or start its ResourceManager."""
+    import ray
+
+    from otray.actors.resource_manager import get_or_create
+
+    if not ray.is_initialized():
+        ray.init(address=address or os.environ.get("RAY_ADDRESS"), include_dashboard=False, log_to_driver=False,
+                 namespace="otray",
+                 runtime_env={"env_vars": {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+                                           "TOKENIZERS_PARALLELISM": "false"}})
+    if auth_enabled is None:
+        auth_enabled = os.environ.get("OTRAY_AUTH", "0") == "1"
+    rm = get_or_create(db_path or os.environ.get("OTRAY_DB", ".otray/registry.db"), auth_enabled=auth_enabled)
+    ray.get(rm.ping.remote())
+    return Client(rm, api_key if api_key is not None else os.environ.get("OTRAY_API_KEY"))

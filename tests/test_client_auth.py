@@ -1,0 +1,99 @@
+"""Driver API and auth through a ResourceManager with auth on; the `otray` CLI's exit codes."""
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from otray.actors.registry import AuthError
+from otray.types import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _cfg(tmp_path, tiny_path, steps=2):
+    return {"job": {"name": "client-test", "output_dir": str(tmp_path / "runs")},
+            "model": {"path": tiny_path}, "rollout": {"backend": "hf", "max_model_len": 64},
+            "algo": {"steps": steps, "batch_size": 2, "drop_uniform_groups": False},
+            "eval": {"num_samples": 4}, "checkpoint": {"save_at_end": False},
+            "envs": {"arithmetic": {
+                "entry": "envs.arithmetic:Arithmetic", "num_rollouts": 2, "max_tokens_per_turn": 3,
+                "dataset": {"builder": "envs.arithmetic:make_dataset", "dir": str(tmp_path / "data"),
+                            "kwargs": {"num_eval": 10}},
+                "splits": {"train": {}, "eval": {"shuffle": False}}}}}
+
+
+@pytest.fixture(scope="module")
+def cluster(ray_local, tmp_path_factory):
+    from otray.client import connect
+
+    db = tmp_path_factory.mktemp("auth") / "registry.db"
+    admin_client = connect(db_path=str(db), auth_enabled=True)
+    admin_key = admin_client.add_user("root")  # the first user becomes an admin
+    admin_client.api_key = admin_key
+    yield admin_client, db
+    ray_local.kill(ray_local.get_actor("resource_manager", namespace="otray"))
+
+
+def test_submit_wait_metrics_and_ownership(cluster, tmp_path, tiny_path):
+    from otray.client import Client
+
+    admin, db = cluster
+    alice = Client(admin.rm, admin.add_user("alice"))
+    bob = Client(admin.rm, admin.add_user("bob"))
+    job = alice.submit(_cfg(tmp_path, tiny_path))
+    final = job.wait(timeout=180)
+    assert final["state"] == "SUCCEEDED" and final["owner"] == "alice"
+    rows = job.metrics()
+    assert [r["phase"] for r in rows] == ["init", "grpo", "grpo"] and rows[-1]["step"] == 2
+    # bob can neither see nor cancel alice's job; the admin can see it
+    with pytest.raises(AuthError, match="belongs to another user"):
+        bob.job(job.id).status()
+    with pytest.raises(AuthError, match="belongs to another user"):
+        bob.job(job.id).cancel()
+    assert [j["id"] for j in bob.jobs()] == []
+    assert job.id in [j["id"] for j in admin.jobs()]
+    assert admin.job(job.id).status()["state"] == "SUCCEEDED"
+    with pytest.raises(AuthError, match="only an admin"):
+        bob.add_user("mallory")
+    raw = Path(db).read_bytes()
+    assert alice.api_key.encode() not in raw and bob.api_key.encode() not in raw
+
+
+def test_owner_cancels_and_bad_keys_change_nothing(cluster, tmp_path, tiny_path):
+    from otray.client import Client
+
+    admin, _ = cluster
+    carol = Client(admin.rm, admin.add_user("carol"))
+    job = carol.submit(_cfg(tmp_path, tiny_path, steps=500))
+    before = len(admin.jobs())
+    for key in (None, "otr_1_wrong", "garbage"):
+        with pytest.raises(AuthError):
+            Client(admin.rm, key).submit(_cfg(tmp_path, tiny_path))
+        with pytest.raises(AuthError):
+            Client(admin.rm, key).job(job.id).cancel()
+    assert len(admin.jobs()) == before
+    time.sleep(1)
+    assert carol.job(job.id).cancel()["state"] == "CANCELLED"
+
+
+def test_bad_config_fails_at_submit_naming_the_key(cluster, tmp_path, tiny_path):
+    admin, _ = cluster
+    bad = _cfg(tmp_path, tiny_path)
+    bad["algo"]["learnig_rate"] = 1.0
+    with pytest.raises(ConfigError, match="did you mean 'algo.learning_rate'"):
+        admin.submit(bad)
+
+
+def test_cli_exit_codes(tmp_path):
+    otray = [sys.executable, "-m", "otray.cli"]
+    bad = subprocess.run([*otray, "train", str(ROOT / "conf" / "arithmetic_grpo.yaml"), "algo.stepz=3"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert bad.returncode == 2 and "did you mean 'algo.steps'" in bad.stderr
+    missing = subprocess.run([*otray, "train", str(tmp_path / "nope.yaml")], capture_output=True, text=True,
+                             cwd=ROOT, timeout=120)
+    assert missing.returncode == 2 and "does not exist" in missing.stderr
+    built = subprocess.run([*otray, "tiny-model", str(tmp_path / "m")], capture_output=True, text=True, timeout=120)
+    assert built.returncode == 0 and (tmp_path / "m" / "config.json").exists()
