@@ -12,12 +12,13 @@ fails at submit with the key named.
 from __future__ import annotations
 
 import os
+import re
 import time
 from pathlib import Path
 from typing import Any
 
 from otray import config as config_mod
-from otray.types import OtrayError
+from otray.types import ConfigError, OtrayError
 
 TERMINAL = {"SUCCEEDED", "FAILED", "CANCELLED"}
 
@@ -60,15 +61,94 @@ class JobHandle:
         return f"JobHandle({self.id!r})"
 
 
+class TrainingClient:
+    """Tinker-style primitives on a PolicyLearner actor, for custom training loops.
+
+    Each call blocks and returns the learner's result; ``self.learner`` is the actor
+    handle for callers who want futures (``tc.learner.forward_backward.remote(...)``).
+    """
+
+    def __init__(self, model_path: str, *, lora_rank: int = 0, num_cpus: float = 1, **learner_kwargs: Any):
+        import ray
+
+        from otray.actors.learner import PolicyLearner
+
+        self.model_path = model_path
+        lora = {"rank": lora_rank, **learner_kwargs.pop("lora", {})}
+        self.learner = ray.remote(num_cpus=num_cpus)(PolicyLearner).remote(model_path, lora=lora, **learner_kwargs)
+
+    def _get(self, ref: Any) -> Any:
+        import ray
+
+        return ray.get(ref)
+
+    def forward(self, datums: list) -> list[list[float]]:
+        return self._get(self.learner.forward.remote(datums))
+
+    def forward_backward(self, datums: list, loss_fn: str, loss_fn_config: dict[str, float] | None = None,
+                         aggregation: str = "token_mean") -> dict[str, float]:
+        return self._get(self.learner.forward_backward.remote(datums, loss_fn, loss_fn_config, aggregation))
+
+    def optim_step(self, learning_rate: float = 1e-4, **adam: Any) -> dict[str, float]:
+        return self._get(self.learner.optim_step.remote(learning_rate, **adam))
+
+    def save_state(self, path: str) -> str:
+        return self._get(self.learner.save_state.remote(path))
+
+    def load_state(self, path: str) -> dict[str, Any]:
+        return self._get(self.learner.load_state.remote(path))
+
+    def sampling_client(self, backend: str = "hf", **worker_kwargs: Any) -> SamplingClient:
+        """A rollout worker holding this learner's *current* weights (sent via the object store)."""
+        client = SamplingClient(self.model_path, backend, **worker_kwargs)
+        client.update(self.learner.weights.remote())
+        return client
+
+
+class SamplingClient:
+    """Sampling on a RolloutWorker actor: ``sample(prompt_ids, params, n)``."""
+
+    def __init__(self, model_path: str, backend: str = "hf", *, num_cpus: float = 1, **worker_kwargs: Any):
+        import ray
+
+        from otray.actors.rollout import RolloutWorker
+
+        self.worker = ray.remote(num_cpus=num_cpus)(RolloutWorker).remote(model_path, backend, **worker_kwargs)
+
+    def update(self, weights_ref: Any) -> int:
+        import ray
+
+        return ray.get(self.worker.update_weights.remote(weights_ref))
+
+    def sample(self, prompt_ids: list[list[int]], params: Any, n: int = 1) -> list:
+        import ray
+
+        return ray.get(self.worker.generate.remote(prompt_ids, params, n))
+
+
 class Client:
     def __init__(self, rm: Any, api_key: str | None):
         self.rm, self.api_key = rm, api_key
+
+    def training_client(self, model: str = "tiny", *, lora_rank: int = 0, **kwargs: Any) -> TrainingClient:
+        """A learner actor for a custom loop; ``model`` is a path, hub id or ``tiny``."""
+        from otray.models import resolve_model_path
+
+        return TrainingClient(resolve_model_path(model), lora_rank=lora_rank, **kwargs)
 
     def submit(self, config: str | Path | dict[str, Any] | config_mod.Config,
                overrides: list[str] | None = None) -> JobHandle:
         import ray
 
         cfg = config_mod.load(config, overrides)
+        ref = cfg.checkpoint.resume_from
+        if ref and not Path(ref).exists() and re.fullmatch(r"[\w.-]+(:\d+)?", ref):
+            job_id, _, step = ref.partition(":")  # JOB_ID:STEP, or JOB_ID for its latest checkpoint
+            try:
+                _, cfg.checkpoint.resume_from = ray.get(self.rm.checkpoint.remote(
+                    job_id, int(step) if step else None, api_key=self.api_key))
+            except KeyError as e:
+                raise ConfigError(f"checkpoint.resume_from={ref!r}: {e.args[0]}") from None
         out = Path(cfg.job.output_dir)
         if not out.is_absolute():  # relative to the submitter, not to wherever the job lands
             cfg.job.output_dir = str(out.absolute())

@@ -30,8 +30,9 @@ def table_row(row: dict[str, Any]) -> str:
 
 
 def run(cfg: config_mod.Config, job_dir: Path, *, placement_group: Any = None,
-        report: Callable[[dict[str, Any]], Any] | None = None) -> dict[str, Any]:
-    """Run one job; ``report`` (if given) receives every metrics row as it is written."""
+        report: Callable[[dict[str, Any]], Any] | None = None,
+        on_checkpoint: Callable[[int, str], Any] | None = None) -> dict[str, Any]:
+    """Run one job; ``report`` receives every metrics row, ``on_checkpoint`` every (step, path)."""
     from otray.actors.job import TrainJob
 
     job = TrainJob(cfg, job_dir, placement_group=placement_group)
@@ -65,6 +66,8 @@ def run(cfg: config_mod.Config, job_dir: Path, *, placement_group: Any = None,
         emit({"phase": "grpo", **metrics})
         if (ck.save_every and job.step % ck.save_every == 0) or (last and ck.save_at_end):
             summary["last_checkpoint"] = job.save_checkpoint()
+            if on_checkpoint is not None:
+                on_checkpoint(job.step, summary["last_checkpoint"])
         if last:
             summary["heldout_after_grpo"] = metrics.get("eval/accuracy")
     summary["total_s"] = time.perf_counter() - t_start

@@ -97,3 +97,25 @@ def test_cli_exit_codes(tmp_path):
     assert missing.returncode == 2 and "does not exist" in missing.stderr
     built = subprocess.run([*otray, "tiny-model", str(tmp_path / "m")], capture_output=True, text=True, timeout=120)
     assert built.returncode == 0 and (tmp_path / "m" / "config.json").exists()
+
+
+def test_resume_from_job_id_and_step(cluster, tmp_path, tiny_path):
+    from otray.client import Client
+
+    admin, _ = cluster
+    dave = Client(admin.rm, admin.add_user("dave"))
+    data = _cfg(tmp_path, tiny_path, steps=2)
+    data["checkpoint"] = {"save_every": 1}
+    first = dave.submit(data)
+    assert first.wait(timeout=180)["state"] == "SUCCEEDED"
+    resumed_cfg = _cfg(tmp_path, tiny_path, steps=2)
+    resumed_cfg["checkpoint"] = {"resume_from": f"{first.id}:1", "save_at_end": False}
+    second = dave.submit(resumed_cfg)
+    assert second.wait(timeout=180)["state"] == "SUCCEEDED"
+    grpo = [r for r in second.metrics() if r["phase"] == "grpo"]
+    assert [r["step"] for r in grpo] == [2]
+    assert grpo[0]["batch"] == [r for r in first.metrics() if r.get("step") == 2 and r["phase"] == "grpo"][0]["batch"]
+    bad = _cfg(tmp_path, tiny_path)
+    bad["checkpoint"] = {"resume_from": f"{first.id}:7"}
+    with pytest.raises(ConfigError, match="no checkpoint at step 7"):
+        dave.submit(bad)

@@ -69,7 +69,8 @@ class JobDriver:
 
         rm = ray.get_actor(NAME, namespace=NAMESPACE)
         return run(self.cfg, self.job_dir, placement_group=get_current_placement_group(),
-                   report=lambda row: rm.report.remote(self.job_id, row))
+                   report=lambda row: rm.report.remote(self.job_id, row),
+                   on_checkpoint=lambda step, path: ray.get(rm.add_checkpoint.remote(self.job_id, step, path)))
 
 
 @ray.remote(num_cpus=0, max_concurrency=64)
@@ -146,6 +147,14 @@ class ResourceManager:
 
     async def report(self, job_id: str, row: dict[str, Any]) -> None:
         self.registry.set_progress(job_id, row)
+
+    async def add_checkpoint(self, job_id: str, step: int, path: str) -> None:
+        self.registry.add_checkpoint(job_id, step, path)
+
+    async def checkpoint(self, job_id: str, step: int | None = None, api_key: str | None = None) -> tuple[int, str]:
+        """(step, path) of a job's checkpoint at ``step``, or its latest."""
+        self._own(job_id, api_key)
+        return self.registry.checkpoint(job_id, step)
 
     async def metrics(self, job_id: str, since: int = 0, api_key: str | None = None) -> list[dict[str, Any]]:
         self._own(job_id, api_key)
