@@ -149,6 +149,14 @@ class EnvSection:
 
 
 @dataclass
+class LoggingSection:
+    wandb: bool = False
+    wandb_mode: str = "offline"  # offline | online (online needs WANDB_API_KEY and a network)
+    wandb_project: str = "otray"
+    ray_metrics: bool = True  # gauges via ray.util.metrics, scraped by Ray's Prometheus endpoint
+
+
+@dataclass
 class CheckpointSection:
     save_every: int = 0  # GRPO steps between checkpoints; 0 = only at the end
     save_at_end: bool = True
@@ -167,6 +175,7 @@ class Config:
     sft: SFTSection = field(default_factory=SFTSection)
     eval: EvalSection = field(default_factory=EvalSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    logging: LoggingSection = field(default_factory=LoggingSection)
     envs: dict[str, EnvSection] = field(default_factory=dict)
 
 
@@ -210,6 +219,7 @@ def _check_values(cfg: Config) -> None:
 
     one_of(cfg.job.kind, ("rl", "sft"), "job.kind")
     one_of(cfg.rollout.backend, ("auto", "vllm", "hf"), "rollout.backend")
+    one_of(cfg.logging.wandb_mode, ("offline", "online"), "logging.wandb_mode")
     one_of(cfg.algo.advantage, tuple(ADVANTAGES), "algo.advantage")
     one_of(cfg.algo.aggregation, AGGREGATIONS, "algo.aggregation")
     loss_config(cfg.algo.loss_fn, **cfg.algo.loss_fn_config)

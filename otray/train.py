@@ -35,11 +35,15 @@ def run(cfg: config_mod.Config, job_dir: Path, *, placement_group: Any = None,
     """Run one job; ``report`` receives every metrics row, ``on_checkpoint`` every (step, path)."""
     from otray.actors.job import TrainJob
 
+    from otray.metrics_sinks import MetricSinks
+
     job = TrainJob(cfg, job_dir, placement_group=placement_group)
+    sinks = MetricSinks(cfg, job_dir, job_dir.name)
     summary: dict[str, Any] = {"startup_s": job.startup_s, "backend": job.worker_info["backend"]}
 
     def emit(row: dict[str, Any]) -> None:
         job.write_metrics(row)
+        sinks.log(row)
         print(table_row(row), flush=True)
         if report is not None:
             report(row)
@@ -74,6 +78,7 @@ def run(cfg: config_mod.Config, job_dir: Path, *, placement_group: Any = None,
     if summary.get("heldout_after_grpo") is not None and summary.get("heldout_after_sft") is not None:
         summary["heldout_gain"] = summary["heldout_after_grpo"] - summary["heldout_after_sft"]
     (job_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    sinks.close()
     return summary
 
 

@@ -131,3 +131,13 @@ def test_resume_from_a_missing_checkpoint_is_a_clear_error(run_job, tmp_path):
     data["checkpoint"] = {"resume_from": str(tmp_path / "nope")}
     with pytest.raises(ModelLoadError, match="holds no learner state"):
         run_job(tmp_path, data)
+
+
+def test_metrics_reach_wandb_offline_and_ray_gauges(run_job, tmp_path):
+    data = _cfg(tmp_path)
+    data["sft"]["steps"] = 0
+    data["algo"]["steps"] = 1
+    data["logging"] = {"wandb": True, "wandb_mode": "offline", "ray_metrics": True}
+    _, job_dir = run_job(tmp_path, data)
+    runs = list((job_dir / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert runs and runs[0].stat().st_size > 0
