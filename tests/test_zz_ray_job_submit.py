@@ -1,0 +1,44 @@
+"""`ray start --head` + `ray job submit --working-dir . -- otray train ...` for two steps.
+
+Runs last (file name): it starts a second Ray cluster with its own temp dir and stops
+only that one's processes, leaving the suite's local cluster alone.
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+
+def test_ray_job_submit_runs_otray_train():
+    temp = tempfile.mkdtemp(prefix="orjs")
+    env = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}", "RAY_AUTH_MODE": "disabled",
+           "RAY_USAGE_STATS_ENABLED": "0"}
+    env.pop("RAY_ADDRESS", None)
+    ray, dash = str(BIN / "ray"), "http://127.0.0.1:8299"
+    subprocess.run([ray, "start", "--head", "--port=6399", "--num-cpus=3", "--include-dashboard=true",
+                    "--dashboard-port=8299", f"--temp-dir={temp}", "--disable-usage-stats"],
+                   check=True, env=env, capture_output=True, timeout=120)
+    try:
+        sub_id = f"otray-test-{int(time.time())}"
+        submit = subprocess.run(
+            [ray, "job", "submit", "--address", dash, "--working-dir", str(ROOT), "--submission-id", sub_id, "--",
+             "otray", "train", "conf/arithmetic_grpo.yaml", "algo.steps=2", "sft.steps=5", "sft.stop_at_accuracy=null",
+             "eval.num_samples=5"], env=env, capture_output=True, text=True, timeout=480)
+        assert submit.returncode == 0, submit.stdout[-3000:] + submit.stderr[-3000:]
+        logs = subprocess.run([ray, "job", "logs", "--address", dash, sub_id], env=env, capture_output=True,
+                              text=True, timeout=60).stdout
+        assert "    2 grpo" in logs and "SUCCEEDED" in logs
+        status = subprocess.run([ray, "job", "status", "--address", dash, sub_id], env=env, capture_output=True,
+                                text=True, timeout=60)
+        assert "succeeded" in (status.stdout + status.stderr).lower()
+    finally:
+        subprocess.run(["pkill", "-f", temp], timeout=30)
+        time.sleep(2)
+        shutil.rmtree(temp, ignore_errors=True)
