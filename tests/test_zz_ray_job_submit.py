@@ -26,11 +26,16 @@ def test_ray_job_submit_runs_otray_train():
                     "--dashboard-port=8299", f"--temp-dir={temp}", "--disable-usage-stats"],
                    check=True, env=env, capture_output=True, timeout=120)
     try:
-        sub_id = f"otray-test-{int(time.time())}"
-        submit = subprocess.run(
-            [ray, "job", "submit", "--address", dash, "--working-dir", str(ROOT), "--submission-id", sub_id, "--",
-             "otray", "train", "conf/arithmetic_grpo.yaml", "algo.steps=2", "sft.steps=5", "sft.stop_at_accuracy=null",
-             "eval.num_samples=5"], env=env, capture_output=True, text=True, timeout=480)
+        for attempt in range(12):  # right after `ray start` the job agent may not be up yet
+            sub_id = f"otray-test-{int(time.time())}-{attempt}"
+            submit = subprocess.run(
+                [ray, "job", "submit", "--address", dash, "--working-dir", str(ROOT), "--submission-id", sub_id,
+                 "--", "otray", "train", "conf/arithmetic_grpo.yaml", "algo.steps=2", "sft.steps=5",
+                 "sft.stop_at_accuracy=null", "eval.num_samples=5"], env=env, capture_output=True, text=True,
+                timeout=480)
+            if "No available agent" not in submit.stdout + submit.stderr:
+                break
+            time.sleep(5)
         assert submit.returncode == 0, submit.stdout[-3000:] + submit.stderr[-3000:]
         logs = subprocess.run([ray, "job", "logs", "--address", dash, sub_id], env=env, capture_output=True,
                               text=True, timeout=60).stdout
