@@ -23,7 +23,10 @@ def test_ray_job_submit_runs_otray_train():
     env.pop("RAY_ADDRESS", None)
     ray, dash = str(BIN / "ray"), "http://127.0.0.1:8299"
     subprocess.run([ray, "start", "--head", "--port=6399", "--num-cpus=3", "--include-dashboard=true",
-                    "--dashboard-port=8299", f"--temp-dir={temp}", "--disable-usage-stats"],
+                    "--dashboard-port=8299", f"--temp-dir={temp}", "--disable-usage-stats",
+                    # the suite's own local cluster holds the default agent/metrics ports
+                    "--dashboard-agent-listen-port=52711", "--dashboard-agent-grpc-port=52712",
+                    "--metrics-export-port=52713", "--runtime-env-agent-port=52714"],
                    check=True, env=env, capture_output=True, timeout=120)
     try:
         for attempt in range(12):  # right after `ray start` the job agent may not be up yet
