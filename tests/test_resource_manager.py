@@ -32,6 +32,15 @@ def _wait(rm, ray, job_id, states, timeout=120):
     raise AssertionError(f"job {job_id} stayed {st['state']}, expected {states}")
 
 
+def _running_long_job(rm, ray, tmp_path, tiny_path):
+    """Submit a job far too long to finish during the test; return (job id, placement group id) once RUNNING."""
+    data = _job(tmp_path, tiny_path)
+    data["algo"]["steps"] = 500
+    job_id = ray.get(rm.submit.remote(data))
+    _wait(rm, ray, job_id, {"RUNNING"})
+    return job_id, ray.get(rm.placement_group_id.remote(job_id))
+
+
 def _pg_state(ray, pg_id):
     return ray.util.placement_group_table()[pg_id]["state"]
 
@@ -80,11 +89,7 @@ def test_impossible_job_is_rejected_at_submit(rm, ray_local, tmp_path, tiny_path
 
 def test_cancel_frees_the_placement_group(rm, ray_local, tmp_path, tiny_path):
     handle, _ = rm
-    data = _job(tmp_path, tiny_path)
-    data["algo"]["steps"] = 500
-    job_id = ray_local.get(handle.submit.remote(data))
-    _wait(handle, ray_local, job_id, {"RUNNING"})
-    pg_id = ray_local.get(handle.placement_group_id.remote(job_id))
+    job_id, pg_id = _running_long_job(handle, ray_local, tmp_path, tiny_path)
     assert _pg_state(ray_local, pg_id) == "CREATED"
     assert ray_local.get(handle.cancel.remote(job_id))["state"] == "CANCELLED"
     assert _pg_state(ray_local, pg_id) == "REMOVED"
@@ -92,11 +97,7 @@ def test_cancel_frees_the_placement_group(rm, ray_local, tmp_path, tiny_path):
 
 def test_killed_job_actor_marks_failed_and_frees_resources(rm, ray_local, tmp_path, tiny_path):
     handle, _ = rm
-    data = _job(tmp_path, tiny_path)
-    data["algo"]["steps"] = 500
-    job_id = ray_local.get(handle.submit.remote(data))
-    _wait(handle, ray_local, job_id, {"RUNNING"})
-    pg_id = ray_local.get(handle.placement_group_id.remote(job_id))
+    job_id, pg_id = _running_long_job(handle, ray_local, tmp_path, tiny_path)
     ray_local.kill(ray_local.get(handle.driver.remote(job_id)))
     st = _wait(handle, ray_local, job_id, {"FAILED", "SUCCEEDED"})
     assert st["state"] == "FAILED" and "Actor" in st["error"]
