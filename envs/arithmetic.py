@@ -61,6 +61,31 @@ def make_dataset(out_dir: str | Path, *, seed: int = 0, num_eval: int = 500, max
     return paths
 
 
+def make_chat_dataset(out_dir: str | Path, *, seed: int = 0, num_eval: int = 500, max_operand: int = 99,
+                      ops: str = "+", system_prompt: str | None = None) -> dict[str, Path]:
+    """The same disjoint splits as :func:`make_dataset`, as chat conversations for SFT jobs.
+
+    Each ``.jsonl`` row has ``messages``: [system?], user question, assistant answer;
+    the eval split holds exactly the problems of :func:`make_dataset`'s eval split.
+    """
+    import json
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"train": out / "chat_train.jsonl", "eval": out / "chat_eval.jsonl"}
+    if all(p.exists() for p in paths.values()):
+        return paths
+    rows = make_problems(seed, max_operand, ops)
+    head = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    for split, part in (("eval", rows[:num_eval]), ("train", rows[num_eval:])):
+        with paths[split].open("w") as f:
+            for r in part:
+                msgs = head + [{"role": "user", "content": r["question"]},
+                               {"role": "assistant", "content": str(r["answer"])}]
+                f.write(json.dumps({"id": r["id"], "messages": msgs}) + "\n")
+    return paths
+
+
 class Arithmetic(Env):
     """Answer an arithmetic question with a number."""
 

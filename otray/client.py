@@ -12,13 +12,12 @@ fails at submit with the key named.
 from __future__ import annotations
 
 import os
-import re
 import time
 from pathlib import Path
 from typing import Any
 
 from otray import config as config_mod
-from otray.types import ConfigError, OtrayError
+from otray.types import OtrayError
 
 TERMINAL = {"SUCCEEDED", "FAILED", "CANCELLED"}
 
@@ -44,6 +43,14 @@ class JobHandle:
 
     def cancel(self) -> dict[str, Any]:
         return self._call("cancel", self.id)
+
+    def download_checkpoint(self, dest: str | Path, step: int | None = None) -> Path:
+        """Fetch the job's checkpoint at ``step`` (default: latest) through Ray into ``dest``:
+        ``dest/state`` (learner state) and ``dest/model`` (HF/PEFT model)."""
+        from otray.actors.checkpoint_store import unpack_dir
+
+        _, blob = self._call("checkpoint_blob", self.id, step)
+        return unpack_dir(blob, dest)
 
     def wait(self, timeout: float | None = None, poll_s: float = 0.5, raise_on_failure: bool = False) -> dict[str, Any]:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -141,14 +148,6 @@ class Client:
         import ray
 
         cfg = config_mod.load(config, overrides)
-        ref = cfg.checkpoint.resume_from
-        if ref and not Path(ref).exists() and re.fullmatch(r"[\w.-]+(:\d+)?", ref):
-            job_id, _, step = ref.partition(":")  # JOB_ID:STEP, or JOB_ID for its latest checkpoint
-            try:
-                _, cfg.checkpoint.resume_from = ray.get(self.rm.checkpoint.remote(
-                    job_id, int(step) if step else None, api_key=self.api_key))
-            except KeyError as e:
-                raise ConfigError(f"checkpoint.resume_from={ref!r}: {e.args[0]}") from None
         out = Path(cfg.job.output_dir)
         if not out.is_absolute():  # relative to the submitter, not to wherever the job lands
             cfg.job.output_dir = str(out.absolute())

@@ -68,6 +68,11 @@ class RolloutSection:
 class ResourcesSection:
     learner_cpus: float = 1.0
     rollout_cpus: float = 1.0  # per rollout worker
+    learner_gpus: float = 0.0
+    rollout_gpus: float = 0.0  # per rollout worker
+    # Placement of the job's bundles (0 = learner + job driver, 1+i = rollout worker i):
+    # PACK | SPREAD | STRICT_PACK | STRICT_SPREAD, as in Ray placement groups.
+    strategy: str = "PACK"
     # torch threads per actor; null = Ray's default (num_cpus). Learner and rollout
     # phases alternate, so each may use every core of a small machine.
     learner_threads: Optional[int] = None
@@ -91,24 +96,6 @@ class AlgoSection:
 
 
 @dataclass
-class SFTSection:
-    """Supervised warm-up before RL (or the whole job when ``job.kind == sft``)."""
-
-    steps: int = 0
-    batch_size: int = 32
-    learning_rate: float = 1e-3
-    warmup_steps: int = 50  # linear learning-rate warm-up (measured: without it the tiny model stalls)
-    # Stop early once greedy accuracy on a fixed sample of *training* tasks reaches
-    # this (null = run all steps). When SFT "clicks" varies by seed; this hands RL
-    # the same starting competence whatever the seed. Held-out data is not used.
-    stop_at_accuracy: Optional[float] = None
-    check_every: int = 50
-    check_samples: int = 128
-    env: Optional[str] = None  # env whose train split and prompts are used
-    completion_field: str = "answer"  # task field holding the target reply
-
-
-@dataclass
 class EvalSection:
     every: int = 0  # steps; 0 = only before and after training
     num_samples: int = 200
@@ -128,6 +115,37 @@ class SplitSection:
     path: Optional[str] = None  # .jsonl / .parquet; null = from the dataset builder
     shuffle: bool = True
     num_samples: Optional[int] = None  # null = all rows
+
+
+@dataclass
+class SFTSection:
+    """Supervised training: a warm-up before RL, or the whole job when ``job.kind == sft``.
+
+    A warm-up (``job.kind: rl``) trains on the env's own tasks: the env's first
+    observation as the prompt, ``completion_field`` of the task as the reply.
+    An SFT job (``job.kind: sft``) trains on a dataset of chat conversations (rows
+    with a ``messages`` list of ``{role, content}``); the loss covers the assistant
+    messages only. Its ``eval`` split gives the held-out loss; envs, when
+    configured, are evaluated as in RL jobs.
+    """
+
+    steps: int = 0
+    batch_size: int = 32
+    learning_rate: float = 1e-3
+    warmup_steps: int = 50  # linear learning-rate warm-up (measured: without it the tiny model stalls)
+    # Stop early once greedy accuracy on a fixed sample of *training* tasks reaches
+    # this (null = run all steps). When SFT "clicks" varies by seed; this hands RL
+    # the same starting competence whatever the seed. Held-out data is not used.
+    stop_at_accuracy: Optional[float] = None
+    check_every: int = 50
+    check_samples: int = 128
+    env: Optional[str] = None  # env whose train split and prompts are used
+    completion_field: str = "answer"  # task field holding the target reply
+    # SFT jobs: chat data, from explicit split paths or a dataset builder ({split: path}).
+    dataset: DatasetSection = field(default_factory=DatasetSection)
+    splits: dict[str, SplitSection] = field(default_factory=dict)
+    messages_field: str = "messages"
+    eval_samples: int = 200
 
 
 @dataclass
@@ -160,8 +178,10 @@ class LoggingSection:
 class CheckpointSection:
     save_every: int = 0  # GRPO steps between checkpoints; 0 = only at the end
     save_at_end: bool = True
-    # A checkpoint directory (``<job dir>/checkpoints/step-000010``) to continue from:
-    # learner state, optimizer, step counter, data position and RNG are restored.
+    # What to continue from: ``JOB_ID`` or ``JOB_ID:STEP`` (a checkpoint registered with
+    # the ResourceManager, fetched through Ray from any node), or a checkpoint
+    # directory (``<job dir>/checkpoints/step-000010``) that the job's node can read.
+    # Learner state, optimizer, step counter, data position and RNG are restored.
     resume_from: Optional[str] = None
 
 
@@ -227,7 +247,14 @@ def _check_values(cfg: Config) -> None:
                        ("rollout.num_workers", cfg.rollout.num_workers)):
         if value < (0 if key == "algo.steps" else 1):
             raise ConfigError(f"{key} must be positive, got {value}")
-    if not cfg.envs:
+    one_of(cfg.resources.strategy, ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"), "resources.strategy")
+    if cfg.job.kind == "sft":
+        if cfg.sft.steps < 1:
+            raise ConfigError("job.kind=sft needs sft.steps >= 1")
+        if "train" not in cfg.sft.splits:
+            raise ConfigError("job.kind=sft needs sft.splits.train (a chat dataset: rows with a 'messages' list); "
+                              "give sft.splits.train.path or sft.dataset.builder")
+    elif not cfg.envs:
         raise ConfigError("the config defines no environment: add at least one entry under 'envs'")
     for name, env in cfg.envs.items():
         if env.entry == "???":
@@ -295,3 +322,8 @@ def import_object(path: str) -> Any:
         return getattr(importlib.import_module(module), attr)
     except (ImportError, AttributeError) as e:
         raise ConfigError(f"cannot import {path!r}: {e}") from e
+
+
+def num_rollout_workers(cfg: Config) -> int:
+    """Rollout workers the job needs: none for an SFT job without envs to evaluate."""
+    return 0 if cfg.job.kind == "sft" and not cfg.envs else cfg.rollout.num_workers

@@ -1,8 +1,10 @@
 """``python -m otray.train CONFIG [key=value ...]``: run one training job on a local Ray.
 
-Prints a per-step table (step, mean reward, held-out accuracy, tokens/s, step
-time) and writes the same rows to ``<output_dir>/<name>/metrics.jsonl``, plus
-``summary.json`` with the accuracy after the SFT warm-up and after GRPO.
+Prints a per-step table (step, mean reward or SFT loss, held-out accuracy, tokens/s,
+step time) and writes the same rows to ``<output_dir>/<name>/metrics.jsonl``, plus
+``summary.json`` with the held-out figure at the start of the main phase (after
+the SFT warm-up, if any) and at the end: accuracy when envs are evaluated, else the
+SFT held-out loss.
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ HEADER = f"{'step':>5} {'phase':<6} {'reward':>7} {'heldout':>8} {'tok/s':>8} {'
 
 
 def table_row(row: dict[str, Any]) -> str:
-    acc, reward = row.get("eval/accuracy"), row.get("reward_mean")
+    """One table line; SFT rows show the loss under 'reward' and the held-out loss when no accuracy exists."""
+    acc = row.get("eval/accuracy", row.get("eval/sft_loss"))
+    reward = row.get("reward_mean", row.get("loss"))
     return (f"{row['step']:>5} {row['phase']:<6} {'' if reward is None else f'{reward:.3f}':>7} "
             f"{'' if acc is None else f'{acc:.3f}':>8} {row.get('tokens_per_s', 0.0):>8.0f} "
             f"{row.get('step_s', 0.0):>7.2f}")
@@ -50,33 +54,34 @@ def run(cfg: config_mod.Config, job_dir: Path, *, placement_group: Any = None,
 
     t_start = time.perf_counter()
     print(HEADER, flush=True)
-    ck = cfg.checkpoint
+    ck, sft_job = cfg.checkpoint, cfg.job.kind == "sft"
     if ck.resume_from:
         job.resume(ck.resume_from)
-    elif cfg.sft.steps:
+    elif cfg.sft.steps and not sft_job:
         emit({"step": 0, "phase": "base", **job.evaluate()})
         row = {"step": 0, "phase": "sft", **job.sft_warmup(), **job.evaluate()}
         emit(row)
-        summary["heldout_after_sft"] = row.get("eval/accuracy")
+        summary["heldout_start"] = row.get("eval/accuracy")
     else:
         row = {"step": 0, "phase": "init", **job.evaluate()}
         emit(row)
-        summary["heldout_after_sft"] = row.get("eval/accuracy")
-    while job.step < cfg.algo.steps:
-        metrics = job.rl_step()
-        last = job.step == cfg.algo.steps
+        summary["heldout_start"] = row.get("eval/accuracy", row.get("eval/sft_loss"))
+    steps, step_fn, phase = (cfg.sft.steps, job.sft_step, "sft") if sft_job else (cfg.algo.steps, job.rl_step, "grpo")
+    while job.step < steps:
+        metrics = step_fn()
+        last = job.step == steps
         if last or (cfg.eval.every and job.step % cfg.eval.every == 0):
             metrics.update(job.evaluate())
-        emit({"phase": "grpo", **metrics})
+        emit({"phase": phase, **metrics})
         if (ck.save_every and job.step % ck.save_every == 0) or (last and ck.save_at_end):
             summary["last_checkpoint"] = job.save_checkpoint()
             if on_checkpoint is not None:
                 on_checkpoint(job.step, summary["last_checkpoint"])
         if last:
-            summary["heldout_after_grpo"] = metrics.get("eval/accuracy")
+            summary["heldout_end"] = metrics.get("eval/accuracy", metrics.get("eval/sft_loss"))
     summary["total_s"] = time.perf_counter() - t_start
-    if summary.get("heldout_after_grpo") is not None and summary.get("heldout_after_sft") is not None:
-        summary["heldout_gain"] = summary["heldout_after_grpo"] - summary["heldout_after_sft"]
+    if summary.get("heldout_end") is not None and summary.get("heldout_start") is not None:
+        summary["heldout_change"] = summary["heldout_end"] - summary["heldout_start"]
     (job_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     sinks.close()
     return summary

@@ -1,5 +1,6 @@
 """Driver API and auth through a ResourceManager with auth on; the `otray` CLI's exit codes."""
 
+import shutil
 import subprocess
 import sys
 import time
@@ -108,6 +109,20 @@ def test_resume_from_job_id_and_step(cluster, tmp_path, tiny_path):
     data["checkpoint"] = {"save_every": 1}
     first = dave.submit(data)
     assert first.wait(timeout=180)["state"] == "SUCCEEDED"
+    # the registered copy lives in the ResourceManager's store; remove the job's own copy so
+    # that the resumed job can only get it through Ray
+    local = tmp_path / "runs" / first.id / "checkpoints"
+    assert (local / "step-000001" / "state").is_dir()
+    shutil.rmtree(local)
+    got = first.download_checkpoint(tmp_path / "fetched", step=1)
+    assert (got / "state" / "meta.json").exists() and (got / "model" / "config.json").exists()
+    eve = Client(admin.rm, admin.add_user("eve"))
+    stolen = _cfg(tmp_path, tiny_path)
+    stolen["checkpoint"] = {"resume_from": f"{first.id}:1"}
+    with pytest.raises(AuthError, match="belongs to another user"):
+        eve.submit(stolen)
+    with pytest.raises(AuthError, match="belongs to another user"):
+        eve.job(first.id).download_checkpoint(tmp_path / "nope")
     resumed_cfg = _cfg(tmp_path, tiny_path, steps=2)
     resumed_cfg["checkpoint"] = {"resume_from": f"{first.id}:1", "save_at_end": False}
     second = dave.submit(resumed_cfg)

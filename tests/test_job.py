@@ -46,7 +46,7 @@ def test_short_job_writes_metrics_and_trajectories(run_job, tmp_path):
     assert trajs and trajs[0]["messages"][-1]["role"] == "assistant"
     # drop_uniform_groups is off, so every logged episode was trained on and has an advantage
     assert all(isinstance(t["advantage"], float) for t in trajs)
-    assert summary["heldout_after_grpo"] is not None
+    assert summary["heldout_end"] is not None
 
 
 def test_env_exceptions_become_error_records_and_the_job_finishes(run_job, tmp_path):
@@ -56,7 +56,7 @@ def test_env_exceptions_become_error_records_and_the_job_finishes(run_job, tmp_p
     assert sum(r.get("episode_errors", 0) for r in rows) > 0
     trajs = [json.loads(line) for line in (job_dir / "trajectories.jsonl").read_text().splitlines()]
     assert any(t["error"] and "odd answers" in t["error"] for t in trajs)
-    assert summary["heldout_after_grpo"] is not None
+    assert summary["heldout_end"] is not None
 
 
 def test_unparseable_output_gets_zero_reward(run_job, tmp_path):

@@ -1,7 +1,9 @@
-"""TrainJob: the driver of one training job (SFT warm-up, then GRPO).
+"""TrainJob: the driver of one training job (RL with an optional SFT warm-up, or SFT).
 
 It owns a PolicyLearner actor and a fleet of RolloutWorker actors, and runs the RL
-step of ARCHITECTURE.md, readable top to bottom in :meth:`TrainJob.rl_step`.
+step of ARCHITECTURE.md, readable top to bottom in :meth:`TrainJob.rl_step`; an SFT
+job (``job.kind: sft``) runs :meth:`TrainJob.sft_step` on chat data instead, with
+rollout workers only when there are envs to evaluate.
 Metrics go to ``<job_dir>/metrics.jsonl``, a sample of each step's episodes to
 ``<job_dir>/trajectories.jsonl``.
 """
@@ -16,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from otray.algos import advantages as adv
-from otray.algos.datums import build_datums, sft_datum
-from otray.config import Config, EnvSection, import_object, to_dict
+from otray.algos.datums import build_datums, chat_datum, sft_datum
+from otray.config import Config, DatasetSection, EnvSection, SplitSection, import_object, num_rollout_workers, to_dict
 from otray.coordinator.agent_loop import AgentLoop, Limits
 from otray.env import Mixture, TaskSource, resolve
 from otray.models import chat_prompt_ids, end_of_turn_ids, load_tokenizer, resolve_model_path
@@ -47,16 +49,17 @@ def solved(traj: Trajectory) -> bool:
     return bool(traj.info.get("correct", traj.reward > 0))
 
 
-def load_splits(name: str, env: EnvSection, seed: int) -> dict[str, TaskSource]:
-    """Task sources of one env: explicit split paths, else the dataset builder's output."""
+def load_splits(name: str, dataset: DatasetSection, splits: dict[str, SplitSection], seed: int,
+                where: str) -> dict[str, TaskSource]:
+    """Task sources of one env (or of SFT chat data): explicit split paths, else the builder's output."""
     built: dict[str, Any] = {}
-    if env.dataset.builder:
-        built = import_object(env.dataset.builder)(env.dataset.dir, **env.dataset.kwargs)
+    if dataset.builder:
+        built = import_object(dataset.builder)(dataset.dir, **dataset.kwargs)
     sources = {}
-    for split, sc in env.splits.items():
+    for split, sc in splits.items():
         path = sc.path or built.get(split)
         if path is None:
-            raise DatasetError(f"envs.{name}.splits.{split} has no path and the dataset builder made no {split!r} split")
+            raise DatasetError(f"{where}.splits.{split} has no path and the dataset builder made no {split!r} split")
         sources[split] = TaskSource.from_file(path, name, limit=sc.num_samples, shuffle=sc.shuffle, seed=seed)
     return sources
 
@@ -87,9 +90,13 @@ class TrainJob:
         t0 = time.perf_counter()
         self.model_path = resolve_model_path(cfg.model.path, cfg.model.cache_dir)
         self.tokenizer = load_tokenizer(self.model_path)
-        self.splits = {name: load_splits(name, e, cfg.job.seed) for name, e in cfg.envs.items()}
-        self.mixture = Mixture({n: s["train"] for n, s in self.splits.items()},
-                               {n: e.weight for n, e in cfg.envs.items()}, seed=cfg.job.seed)
+        self.splits = {name: load_splits(name, e.dataset, e.splits, cfg.job.seed, f"envs.{name}")
+                       for name, e in cfg.envs.items()}
+        self.mixture = (Mixture({n: s["train"] for n, s in self.splits.items()},
+                                {n: e.weight for n, e in cfg.envs.items()}, seed=cfg.job.seed)
+                        if cfg.job.kind == "rl" else None)
+        self.chat = (load_splits("sft", cfg.sft.dataset, cfg.sft.splits, cfg.job.seed, "sft")
+                     if cfg.job.kind == "sft" else {})
         res, lora = cfg.resources, cfg.model.lora
         self.learner = ray.remote(num_cpus=res.learner_cpus)(PolicyLearner).options(
             **in_bundle(placement_group, 0)).remote(
@@ -100,11 +107,13 @@ class TrainJob:
             self.model_path, cfg.rollout.backend, num_threads=res.rollout_threads, dtype=cfg.model.dtype,
             max_model_len=cfg.rollout.max_model_len, seed=cfg.job.seed + i, max_lora_rank=lora.rank,
             kv_cache_gb=cfg.rollout.kv_cache_gb, max_batch=cfg.rollout.max_batch)
-            for i in range(cfg.rollout.num_workers)]
-        self.fleet = RolloutFleet(workers)
+            for i in range(num_rollout_workers(cfg))]
+        self.fleet = RolloutFleet(workers) if workers else None
         wait_ready([self.learner, *workers])
-        self.worker_info = ray.get(workers[0].info.remote())
+        self.worker_info = (ray.get(workers[0].info.remote()) if workers
+                            else {"backend": None, "max_model_len": cfg.rollout.max_model_len})
         self.step = 0
+        self.weights_synced = True  # False after optimizer steps that the workers have not seen
         self.startup_s = time.perf_counter() - t0
         log(f"job ready in {self.startup_s:.1f}s: model {self.model_path}, backend {self.worker_info['backend']}, "
             f"{len(workers)} rollout worker(s)")
@@ -139,7 +148,9 @@ class TrainJob:
     def sync_weights(self) -> float:
         """Push the learner's weights to every rollout worker through the object store."""
         t0 = time.perf_counter()
-        self.fleet.update_weights(self.learner.weights.remote())
+        if self.fleet is not None:
+            self.fleet.update_weights(self.learner.weights.remote())
+        self.weights_synced = True
         return time.perf_counter() - t0
 
     # ------------------------------------------------------------------ one RL step
@@ -194,19 +205,66 @@ class TrainJob:
             datums.append(sft_datum(prompt, completion + [eot]))
         return datums
 
-    def sft_warmup(self) -> dict[str, float]:
+    def chat_batch(self, tasks: list[Task]) -> list:
+        """Datums of chat rows (``sft.messages_field``), each checked to fit the model's context."""
+        field, limit = self.cfg.sft.messages_field, self.worker_info["max_model_len"]
+        datums = []
+        for task in tasks:
+            if field not in task.data:
+                raise DatasetError(f"SFT row {task.id!r} has no {field!r} field (sft.messages_field); "
+                                   f"its fields: {', '.join(task.data)}")
+            try:
+                datum = chat_datum(self.tokenizer, task.data[field])
+            except DatasetError as e:
+                raise DatasetError(f"SFT row {task.id!r}: {e}") from None
+            if len(datum.input_ids) + 1 > limit:
+                raise DatasetError(f"SFT row {task.id!r} has {len(datum.input_ids) + 1} tokens, more than "
+                                   f"rollout.max_model_len={limit}; shorten it or raise the limit")
+            datums.append(datum)
+        return datums
+
+    def sft_update(self, datums: list, lr: float) -> dict[str, float]:
+        """One optimizer step of token-mean cross-entropy on ``datums``."""
         import ray
 
+        fb = ray.get(self.learner.forward_backward.remote(datums, "cross_entropy", {}, "token_mean"))
+        opt = ray.get(self.learner.optim_step.remote(lr, tuple(self.cfg.algo.betas), 1e-8,
+                                                      self.cfg.algo.weight_decay, self.cfg.algo.grad_clip))
+        self.weights_synced = False
+        return {**fb, **opt}
+
+    def sft_lr(self, step: int) -> float:
+        """Linear warm-up over ``sft.warmup_steps``, then constant."""
+        return self.cfg.sft.learning_rate * min(1.0, step / max(1, self.cfg.sft.warmup_steps))
+
+    def sft_step(self) -> dict[str, Any]:
+        """One step of an SFT job: a batch of chat conversations, cross-entropy on assistant turns."""
+        t0 = time.perf_counter()
+        tasks = self.chat["train"].sample(self.cfg.sft.batch_size)
+        datums = self.chat_batch(tasks)
+        out = self.sft_update(datums, self.sft_lr(self.step + 1))
+        self.step += 1
+        return {"step": self.step, "batch": batch_digest(tasks), "loss": out["loss"],
+                "trained_tokens": sum(sum(d.mask) for d in datums), "lr": self.sft_lr(self.step),
+                "step_s": time.perf_counter() - t0, **{f"learner/{k}": v for k, v in out.items()}}
+
+    def heldout_loss(self) -> float:
+        """Token-mean cross-entropy of the SFT eval split (``sft.eval_samples`` rows)."""
+        import ray
+
+        datums = self.chat_batch(self.chat["eval"].tasks[: self.cfg.sft.eval_samples])
+        logprobs = ray.get(self.learner.forward.remote(datums))
+        total = sum(-lp * m for d, lps in zip(datums, logprobs) for lp, m in zip(lps, d.mask))
+        return total / max(1.0, sum(sum(d.mask) for d in datums))
+
+    def sft_warmup(self) -> dict[str, float]:
         sft = self.cfg.sft
         env_name = sft.env or next(iter(self.cfg.envs))
         source = TaskSource(self.splits[env_name]["train"].tasks, seed=self.cfg.job.seed + 1)
         probe = source.tasks[: sft.check_samples]  # fixed training tasks for the early stop
         t0, losses, train_acc, steps = time.perf_counter(), [], None, 0
         for steps in range(1, sft.steps + 1):
-            fb = ray.get(self.learner.forward_backward.remote(self.sft_batch(source.sample(sft.batch_size)),
-                                                              "cross_entropy", {}, "token_mean"))
-            lr = sft.learning_rate * min(1.0, steps / max(1, sft.warmup_steps))
-            ray.get(self.learner.optim_step.remote(lr, tuple(self.cfg.algo.betas), 1e-8, 0.0, self.cfg.algo.grad_clip))
+            fb = self.sft_update(self.sft_batch(source.sample(sft.batch_size)), self.sft_lr(steps))
             losses.append(fb["loss"])
             if sft.stop_at_accuracy is not None and steps % sft.check_every == 0:
                 self.sync_weights()
@@ -227,8 +285,17 @@ class TrainJob:
         return statistics.fmean(map(solved, trajs))
 
     def evaluate(self) -> dict[str, float]:
-        """Greedy (or sampled) episodes on each env's eval split; accuracy = share rewarded as correct."""
+        """Greedy (or sampled) episodes on each env's eval split; accuracy = share rewarded as correct.
+
+        SFT jobs add ``eval/sft_loss``, the held-out cross-entropy of the chat eval split.
+        """
         ev, out = self.cfg.eval, {}
+        if "eval" in self.chat:
+            out["eval/sft_loss"] = self.heldout_loss()
+        if self.fleet is None:
+            return out
+        if not self.weights_synced:
+            self.sync_weights()
         for name, splits in self.splits.items():
             if ev.split not in splits:
                 continue
@@ -237,8 +304,8 @@ class TrainJob:
             out[f"eval/{name}/accuracy"] = statistics.fmean(map(solved, trajs))
             out[f"eval/{name}/reward_mean"] = statistics.fmean(t.reward for t in trajs)
             out[f"eval/{name}/turns_mean"] = statistics.fmean(t.num_turns for t in trajs)
-        if out:
-            accs = [v for k, v in out.items() if k.endswith("/accuracy")]
+        accs = [v for k, v in out.items() if k.endswith("/accuracy")]
+        if accs:
             out["eval/accuracy"] = statistics.fmean(accs)
         return out
 
@@ -262,7 +329,7 @@ class TrainJob:
         import ray
 
         path = self.dir / "checkpoints" / f"step-{self.step:06d}"
-        extra = {"job_step": self.step, "mixture": self.mixture.state()}
+        extra = {"job_step": self.step, "data": self.data_state()}
         ray.get(self.learner.save_state.remote(str(path / "state"), extra))
         ray.get(self.learner.export.remote(str(path / "model")))
         self.log(f"  checkpoint: {path}")
@@ -280,10 +347,21 @@ class TrainJob:
                                  "give a directory like <job dir>/checkpoints/step-000010")
         meta = ray.get(self.learner.load_state.remote(str(state)))
         self.step = meta["extra_state"]["job_step"]
-        self.mixture.load_state(meta["extra_state"]["mixture"])
+        self.load_data_state(meta["extra_state"]["data"])
         self.sync_weights()
         self.log(f"resumed from {path} at step {self.step}")
         return self.step
+
+    def data_state(self) -> dict[str, Any]:
+        """Where the job is in its data: the env mixture (RL) or the chat train split (SFT)."""
+        return ({"mixture": self.mixture.state()} if self.mixture is not None
+                else {"sft_position": list(self.chat["train"].position)})
+
+    def load_data_state(self, state: dict[str, Any]) -> None:
+        if self.mixture is not None:
+            self.mixture.load_state(state["mixture"])
+        else:
+            self.chat["train"].seek(tuple(state["sft_position"]))
 
     def write_metrics(self, row: dict[str, Any]) -> None:
         with (self.dir / "metrics.jsonl").open("a") as f:

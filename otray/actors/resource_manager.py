@@ -24,6 +24,7 @@ from typing import Any
 import ray
 
 from otray import config as config_mod
+from otray.actors.checkpoint_store import CheckpointStore, pack_dir, parse_ref, unpack_dir
 from otray.actors.registry import AuthError, JobRecord, JobState, Registry
 from otray.types import ConfigError
 
@@ -33,8 +34,14 @@ POLL_S = 0.2
 
 
 def bundles_for(cfg: config_mod.Config) -> list[dict[str, float]]:
+    """Bundle 0: learner (+ the job driver, 0 CPU); bundle 1+i: rollout worker i. GPUs only where asked."""
     res = cfg.resources
-    return [{"CPU": res.learner_cpus}] + [{"CPU": res.rollout_cpus} for _ in range(cfg.rollout.num_workers)]
+
+    def bundle(cpus: float, gpus: float) -> dict[str, float]:
+        return {"CPU": cpus, **({"GPU": gpus} if gpus else {})}
+
+    return [bundle(res.learner_cpus, res.learner_gpus)] + [
+        bundle(res.rollout_cpus, res.rollout_gpus) for _ in range(config_mod.num_rollout_workers(cfg))]
 
 
 def missing_resources(bundles: list[dict[str, float]], strategy: str) -> list[str]:
@@ -45,10 +52,18 @@ def missing_resources(bundles: list[dict[str, float]], strategy: str) -> list[st
         for k, v in b.items():
             need[k] = need.get(k, 0.0) + v
     problems = [f"{k}: needs {v:g}, the cluster has {total.get(k, 0):g}" for k, v in need.items() if v > total.get(k, 0)]
-    if strategy in ("STRICT_PACK",):
-        biggest = max((n["Resources"].get("CPU", 0) for n in ray.nodes() if n["Alive"]), default=0)
-        if need.get("CPU", 0) > biggest:
-            problems.append(f"CPU: STRICT_PACK needs {need['CPU']:g} on one node, the largest node has {biggest:g}")
+    nodes = [n["Resources"] for n in ray.nodes() if n["Alive"]]
+    if strategy == "STRICT_PACK":
+        for k, v in need.items():
+            biggest = max((n.get(k, 0) for n in nodes), default=0)
+            if v > biggest:
+                problems.append(f"{k}: STRICT_PACK needs {v:g} on one node, the largest node has {biggest:g}")
+    elif strategy == "STRICT_SPREAD" and len(bundles) > len(nodes):
+        problems.append(f"nodes: STRICT_SPREAD needs {len(bundles)} nodes (one per bundle), the cluster has {len(nodes)}")
+    for b in bundles:  # any strategy: each bundle must fit on some node
+        if not any(all(n.get(k, 0) >= v for k, v in b.items()) for n in nodes):
+            problems.append(f"bundle {b}: no node has that much")
+            break
     return problems
 
 
@@ -68,17 +83,22 @@ class JobDriver:
         from otray.train import run
 
         rm = ray.get_actor(NAME, namespace=NAMESPACE)
+        ref = self.cfg.checkpoint.resume_from
+        if ref and parse_ref(ref) is not None:  # a registered checkpoint: fetch it through Ray
+            step, blob = ray.get(rm.resume_blob.remote(self.job_id))
+            self.cfg.checkpoint.resume_from = str(unpack_dir(blob, self.job_dir / "resumed" / f"step-{step:06d}"))
         return run(self.cfg, self.job_dir, placement_group=get_current_placement_group(),
                    report=lambda row: rm.report.remote(self.job_id, row),
-                   on_checkpoint=lambda step, path: ray.get(rm.add_checkpoint.remote(self.job_id, step, path)))
+                   on_checkpoint=lambda step, path: ray.get(rm.put_checkpoint.remote(self.job_id, step, pack_dir(path))))
 
 
 @ray.remote(num_cpus=0, max_concurrency=64)
 class ResourceManager:
     def __init__(self, db_path: str, *, auth_enabled: bool = False, output_dir: str = "runs",
-                 strategy: str = "PACK"):
+                 store_dir: str | None = None):
         self.registry = Registry(db_path)
-        self.auth_enabled, self.output_dir, self.strategy = auth_enabled, output_dir, strategy
+        self.store = CheckpointStore(store_dir or Path(db_path).parent / "checkpoints")
+        self.auth_enabled, self.output_dir = auth_enabled, output_dir
         self.queue: deque[str] = deque()
         self.pending: dict[str, Any] = {}  # job id -> placement group not yet placed
         self.running: dict[str, tuple[Any, Any]] = {}  # job id -> (driver actor, placement group)
@@ -112,7 +132,16 @@ class ResourceManager:
     async def submit(self, cfg_dict: dict[str, Any], api_key: str | None = None) -> str:
         owner, _ = self._caller(api_key)
         cfg = config_mod.load(cfg_dict)
-        problems = missing_resources(bundles_for(cfg), self.strategy)
+        ref = cfg.checkpoint.resume_from
+        if ref and parse_ref(ref) is not None:  # JOB_ID[:STEP] -> pinned to a step the caller may read
+            src, step = parse_ref(ref)
+            try:
+                self._own(src, api_key)
+                step, _ = self.registry.checkpoint(src, step)
+            except KeyError as e:
+                raise ConfigError(f"checkpoint.resume_from={ref!r}: {e.args[0]}") from None
+            cfg.checkpoint.resume_from = f"{src}:{step}"
+        problems = missing_resources(bundles_for(cfg), cfg.resources.strategy)
         if problems:
             raise ConfigError("this job can never fit the cluster: " + "; ".join(problems) +
                               ". Lower resources.* / rollout.num_workers or add nodes.")
@@ -148,8 +177,24 @@ class ResourceManager:
     async def report(self, job_id: str, row: dict[str, Any]) -> None:
         self.registry.set_progress(job_id, row)
 
-    async def add_checkpoint(self, job_id: str, step: int, path: str) -> None:
+    async def put_checkpoint(self, job_id: str, step: int, blob: bytes) -> str:
+        """Store a job's packed checkpoint on this node and register it; returns the stored path."""
+        path = self.store.put(job_id, step, blob)
         self.registry.add_checkpoint(job_id, step, path)
+        return path
+
+    async def checkpoint_blob(self, job_id: str, step: int | None = None,
+                              api_key: str | None = None) -> tuple[int, bytes]:
+        """(step, packed checkpoint) of a job's checkpoint at ``step``, or its latest."""
+        self._own(job_id, api_key)
+        step, path = self.registry.checkpoint(job_id, step)
+        return step, self.store.get(path)
+
+    async def resume_blob(self, job_id: str) -> tuple[int, bytes]:
+        """The checkpoint that job ``job_id`` resumes from, checked against its owner at submit."""
+        src, step = parse_ref(self.registry.job(job_id).config["checkpoint"]["resume_from"])
+        step, path = self.registry.checkpoint(src, step)
+        return step, self.store.get(path)
 
     async def checkpoint(self, job_id: str, step: int | None = None, api_key: str | None = None) -> tuple[int, str]:
         """(step, path) of a job's checkpoint at ``step``, or its latest."""
@@ -193,7 +238,7 @@ class ResourceManager:
         while self.queue:
             job_id = self.queue[0]
             cfg = config_mod.load(self.registry.job(job_id).config)
-            pg = self.pending.get(job_id) or placement_group(bundles_for(cfg), strategy=self.strategy)
+            pg = self.pending.get(job_id) or placement_group(bundles_for(cfg), strategy=cfg.resources.strategy)
             self.pending[job_id] = pg
             while not ray.wait([pg.ready()], timeout=0)[0]:
                 await asyncio.sleep(POLL_S)

@@ -51,3 +51,41 @@ def sft_datum(prompt_ids: Sequence[int], completion_ids: Sequence[int]) -> Datum
         sampler_logprobs=[0.0] * len(mask),
         weights=list(mask),
     )
+
+
+def chat_datum(tokenizer, messages: Sequence[dict[str, str]], *, train_role: str = "assistant") -> Datum:
+    """Cross-entropy on the ``train_role`` messages of one conversation, nothing else.
+
+    The conversation is rendered by the tokenizer's chat template prefix by prefix,
+    so each trained message's tokens are exactly those a sampler would have produced
+    after the generation prompt: its content and its end-of-turn token (mask 1).
+    Template text after the end-of-turn token (a newline) and every other message
+    get mask 0. A template whose renderings are not prefixes of each other cannot be
+    split this way and raises ``DatasetError``.
+    """
+    from otray.models import chat_prompt_ids, end_of_turn_ids
+    from otray.types import DatasetError
+
+    if not messages or not any(m.get("role") == train_role for m in messages):
+        raise DatasetError(f"a conversation needs at least one {train_role!r} message to train on")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise DatasetError(f"message {i} must be an object with string 'role' and 'content', got {m!r}")
+    eot = set(end_of_turn_ids(tokenizer))
+    seq: list[int] = []
+    mask: list[int] = []
+    for i, msg in enumerate(messages):
+        full = chat_prompt_ids(tokenizer, list(messages[: i + 1]), add_generation_prompt=False)
+        head = (chat_prompt_ids(tokenizer, list(messages[:i]), add_generation_prompt=True)
+                if msg["role"] == train_role else full)
+        if head[: len(seq)] != seq or full[: len(head)] != head:
+            raise DatasetError("the chat template does not render this conversation prefix by prefix "
+                               f"(message {i}); SFT on it needs a template whose turns only append tokens")
+        span = full[len(head):]
+        ends = [j for j, t in enumerate(span) if t in eot]
+        trained = ends[-1] + 1 if ends else len(span)
+        mask += [0] * (len(head) - len(seq)) + [1] * trained + [0] * (len(span) - trained)
+        seq = full
+    return Datum(input_ids=seq[:-1], target_ids=seq[1:], mask=[float(m) for m in mask[1:]],
+                 advantages=[0.0] * (len(seq) - 1), sampler_logprobs=[0.0] * (len(seq) - 1),
+                 weights=[float(m) for m in mask[1:]])
