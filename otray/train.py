@@ -43,7 +43,7 @@ def run(cfg: config_mod.Config, job_dir: Path, *, placement_group: Any = None,
 
     job = TrainJob(cfg, job_dir, placement_group=placement_group)
     sinks = MetricSinks(cfg, job_dir, job_dir.name)
-    summary: dict[str, Any] = {"startup_s": job.startup_s, "backend": job.worker_info["backend"]}
+    summary: dict[str, Any] = {"startup_s": job.startup_s, "backend": job.worker_info["backend"], "nodes": job.nodes}
 
     def emit(row: dict[str, Any]) -> None:
         job.write_metrics(row)

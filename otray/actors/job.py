@@ -110,8 +110,10 @@ class TrainJob:
             for i in range(num_rollout_workers(cfg))]
         self.fleet = RolloutFleet(workers) if workers else None
         wait_ready([self.learner, *workers])
-        self.worker_info = (ray.get(workers[0].info.remote()) if workers
-                            else {"backend": None, "max_model_len": cfg.rollout.max_model_len})
+        infos = ray.get([w.info.remote() for w in workers])
+        self.worker_info = infos[0] if infos else {"backend": None, "max_model_len": cfg.rollout.max_model_len}
+        self.nodes = {"learner": ray.get(self.learner.info.remote())["node_id"],
+                      "rollout": [i["node_id"] for i in infos]}  # Ray node ids, for the record
         self.step = 0
         self.weights_synced = True  # False after optimizer steps that the workers have not seen
         self.startup_s = time.perf_counter() - t0

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from otray.actors import current_node_id
 from otray.algos.losses import aggregate, per_token_loss
 from otray.models import LoraSpec, apply_lora, load_model
 from otray.types import Datum, ModelLoadError, WeightUpdate
@@ -80,6 +81,10 @@ class PolicyLearner:
 
     def ping(self) -> bool:
         return True
+
+    def info(self) -> dict[str, Any]:
+        return {"step": self.step, "policy_version": self.version, "lora_rank": self.lora.rank,
+                "node_id": current_node_id()}
 
     @property
     def is_lora(self) -> bool:

@@ -16,6 +16,7 @@ import os
 import time
 from typing import Any
 
+from otray.actors import current_node_id
 from otray.types import ConfigError, GenerateResult, RolloutError, SamplingParams, WeightUpdate
 
 log = logging.getLogger(__name__)
@@ -54,7 +55,7 @@ class RolloutWorker:
     def info(self) -> dict[str, Any]:
         return {"backend": self.backend.name, "max_model_len": self.backend.max_model_len,
                 "stop_token_ids": list(self.backend.stop_token_ids), "policy_version": self.version,
-                "node_id": _node_id()}
+                "node_id": current_node_id()}
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, n: int = 1) -> list[GenerateResult]:
         samples = self.backend.generate(prompts, params, n)
@@ -78,15 +79,6 @@ class RolloutWorker:
         stop = getattr(self.backend, "shutdown", None)
         if stop is not None:
             stop()
-
-
-def _node_id() -> str | None:
-    try:
-        import ray
-
-        return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
-    except Exception:  # noqa: BLE001
-        return None
 
 
 class RolloutFleet:
