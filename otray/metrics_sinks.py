@@ -1,8 +1,9 @@
 """Where a job's metrics rows go besides JSONL: wandb and Ray's metrics API.
 
 wandb runs offline by default (files under ``<job dir>/wandb``; ``wandb sync`` uploads
-them later). Ray gauges are named ``otray_<metric>`` with a ``job`` tag and show up
-on the Ray dashboard's Prometheus endpoint.
+them later). Ray gauges are named ``otray_<metric>`` (non-alphanumerics -> ``_``) with a
+``job`` tag; each node's metrics agent serves them to Prometheus as ``ray_otray_<metric>``
+(port ``MetricsExportPort`` in ``ray.nodes()``, or ``ray start --metrics-export-port``).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from otray.config import Config, to_dict
 
 
 class MetricSinks:
-    def __init__(self, cfg: Config, job_dir: Path, job_name: str):
+    def __init__(self, cfg: Config, job_dir: Path | None, job_name: str):
         self.run = None
         self.gauges: dict[str, Any] = {}
         self.job = job_name
