@@ -262,6 +262,9 @@ def _check_values(cfg: Config) -> None:
         one_of(env.reward_reduction, REWARD_REDUCTIONS, f"envs.{name}.reward_reduction")
         if env.num_rollouts < 1:
             raise ConfigError(f"envs.{name}.num_rollouts must be >= 1, got {env.num_rollouts}")
+        if cfg.job.kind == "rl" and "train" not in env.splits:
+            raise ConfigError(f"envs.{name}.splits has no 'train' split for RL to sample from "
+                              f"(it has: {', '.join(env.splits) or 'none'}); add envs.{name}.splits.train")
     if cfg.sft.steps and cfg.sft.env is not None and cfg.sft.env not in cfg.envs:
         raise ConfigError(f"sft.env={cfg.sft.env!r} names no env; defined envs: {', '.join(cfg.envs)}")
 

@@ -80,6 +80,7 @@ def run(cfg: config_mod.Config, job_dir: Path, *, placement_group: Any = None,
         if last:
             summary["heldout_end"] = metrics.get("eval/accuracy", metrics.get("eval/sft_loss"))
     summary["total_s"] = time.perf_counter() - t_start
+    summary["first_rollout_at"] = job.first_rollout_at
     if summary.get("heldout_end") is not None and summary.get("heldout_start") is not None:
         summary["heldout_change"] = summary["heldout_end"] - summary["heldout_start"]
     (job_dir / "summary.json").write_text(json.dumps(summary, indent=1))

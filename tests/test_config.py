@@ -6,7 +6,7 @@ from otray import config
 from otray.types import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
-MINIMAL = {"envs": {"arithmetic": {"entry": "envs.arithmetic:Arithmetic"}}}
+MINIMAL = {"envs": {"arithmetic": {"entry": "envs.arithmetic:Arithmetic", "splits": {"train": {}}}}}
 
 
 def test_every_bundled_config_loads():
@@ -32,6 +32,8 @@ def test_overrides_apply_with_types():
     ({**MINIMAL, "algo": {"advantage": "gae"}}, r"algo\.advantage='gae'"),
     ({"envs": {}}, r"defines no environment"),
     ({"envs": {"a": {"reward_reduction": "sum"}}}, r"envs\.a\.entry is missing"),
+    ({"envs": {"a": {"entry": "x:y", "splits": {"eval": {}}}}}, r"envs\.a\.splits has no 'train' split.*has: eval"),
+    ({**MINIMAL, "resources": {"strategy": "SPREAD_OUT"}}, r"resources\.strategy='SPREAD_OUT'.*STRICT_SPREAD"),
 ])
 def test_bad_configs_name_the_key(data, match):
     with pytest.raises(ConfigError, match=match):

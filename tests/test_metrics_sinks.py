@@ -15,7 +15,7 @@ class SinkHolder:
     def log(self, row):
         from otray.metrics_sinks import MetricSinks
 
-        cfg = config.load({"envs": {"a": {"entry": "envs.arithmetic:Arithmetic"}}})
+        cfg = config.load({"envs": {"a": {"entry": "envs.arithmetic:Arithmetic", "splits": {"train": {}}}}})
         self.sinks = MetricSinks(cfg, None, "prom-test")
         self.sinks.log(row)
         return True

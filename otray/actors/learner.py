@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import random
 import shutil
+import time
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
@@ -116,6 +117,7 @@ class PolicyLearner:
         """Accumulate gradients of the aggregated loss; returns loss metrics for this call."""
         if not datums:
             return {"loss": 0.0, "num_tokens": 0.0, "num_sequences": 0.0}
+        t0 = time.perf_counter()
         self.model.train()
         cfg = dict(loss_fn_config or {})
         total_tokens = float(sum(sum(d.mask) for d in datums))
@@ -141,7 +143,8 @@ class PolicyLearner:
                 kl_sum += ((q - lp) * mask).sum().item()
                 absdiff += ((q - lp).abs() * mask).sum().item()
         n = max(total_tokens, 1.0)
-        metrics = {"loss": loss_sum, "num_tokens": total_tokens, "num_sequences": total_seqs}
+        metrics = {"loss": loss_sum, "num_tokens": total_tokens, "num_sequences": total_seqs,
+                   "compute_s": time.perf_counter() - t0}  # inside the learner, without transport
         if loss_fn != "cross_entropy":
             metrics.update({"ratio_mean": ratio_sum / n, "clip_frac": clipped / n, "approx_kl": kl_sum / n,
                             "sampler_learner_abs_diff": absdiff / n})

@@ -16,6 +16,7 @@ Each episode moves PENDING -> GENERATING <-> INTERACTING -> TERMINATED:
 from __future__ import annotations
 
 import enum
+import time
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -81,6 +82,7 @@ class AgentLoop:
         self.generate = generate
         self.limits = limits
         self.continuation = ChatContinuation(tokenizer)
+        self.generate_s = 0.0  # time spent in ``generate`` calls, summed over runs
 
     def run(self, episodes: Sequence[tuple[Task, Env, int | None]], params: SamplingParams) -> list[Trajectory]:
         eps = [_Episode(env, Trajectory(task=task), seed=seed) for task, env, seed in episodes]
@@ -130,12 +132,15 @@ class AgentLoop:
         for ep in active:
             by_budget.setdefault(self._turn_budget(ep), []).append(ep)
         for budget, group in by_budget.items():
+            t0 = time.perf_counter()
             try:
                 results = self.generate([ep.traj.token_ids for ep in group], replace(params, max_tokens=budget), 1)
             except Exception as e:  # noqa: BLE001 - a failed call fails these episodes only
                 for ep in group:
                     self._fail(ep, "rollout_failed", e)
                 continue
+            finally:
+                self.generate_s += time.perf_counter() - t0
             for ep, res in zip(group, results):
                 sample = res.samples[0]
                 ep.traj.append(sample.token_ids, sampled=True, logprobs=sample.logprobs)
