@@ -108,6 +108,9 @@ class DatasetSection:
     builder: Optional[str] = None  # "module:fn", called as fn(dir, **kwargs) -> {split: path}
     dir: str = ".cache/data"
     kwargs: dict[str, Any] = field(default_factory=dict)
+    # Data-free envs: "module:fn", called as fn(rng) -> row, num_samples rows per split
+    # (default 1000), seeded by job.seed and the split name. otray.env:seed_task gives {"seed": int}.
+    generator: Optional[str] = None
 
 
 @dataclass

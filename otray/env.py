@@ -18,7 +18,6 @@ by an import path ``"package.module:Class"``.
 
 from __future__ import annotations
 
-import importlib
 import json
 import math
 import numbers
@@ -28,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from otray.config import import_object
 from otray.types import ConfigError, DatasetError, EnvCheckError, EnvStateError, Task
 
 
@@ -66,22 +66,105 @@ def register(name: str, factory: Callable[..., Env]) -> None:
     _REGISTRY[name] = factory
 
 
+# The bundled envs (package ``envs``), resolvable by name before their module is imported.
+BUNDLED = {
+    "arithmetic": "envs.arithmetic:Arithmetic", "math_word": "envs.math_word:MathWord",
+    "calculator": "envs.calculator:Calculator", "math_code": "envs.python_tool:MathWithCode",
+    "bandit": "envs.bandit:Bandit", "guess_number": "envs.guess_number:GuessNumber",
+}
+
+
 def resolve(entry: str) -> Callable[..., Env]:
-    """An env factory from a registered name or a ``module:attr`` import path."""
+    """An env factory from a registered name (bundled names included) or a ``module:attr`` import path."""
     if entry in _REGISTRY:
         return _REGISTRY[entry]
+    if entry in BUNDLED:
+        return import_object(BUNDLED[entry])
     if ":" not in entry:
-        known = ", ".join(sorted(_REGISTRY)) or "none registered"
+        known = ", ".join(sorted(set(_REGISTRY) | set(BUNDLED)))
         raise ConfigError(f"unknown env {entry!r}: give an import path 'module:Class' or a registered name ({known})")
-    module, _, attr = entry.partition(":")
-    try:
-        return getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as e:
-        raise ConfigError(f"cannot import env {entry!r}: {e}") from e
+    return import_object(entry)
 
 
 def make(entry: str, **kwargs: Any) -> Env:
     return resolve(entry)(**kwargs)
+
+
+# --------------------------------------------------------------------------- Gymnasium adapter
+
+
+class GymnasiumEnv(Env):
+    """Any Gymnasium env as an otray env.
+
+    ``env``: a ``gymnasium.Env``, a registered Gymnasium id (``gymnasium.make(id,
+    **make_kwargs)``) or an import path ``module:Class`` (called with ``make_kwargs``).
+    Observations and actions must be text (``gymnasium.spaces.Text``), unless you
+    give ``obs_to_text(obs, info) -> str`` and/or ``text_to_action(text) -> action``
+    (functions or import paths). A reply that ``text_to_action`` rejects (raises
+    ``ValueError``) or that the action space does not contain is not sent to the env:
+    the policy is told why and gets ``invalid_action_reward``; ``info["invalid_actions"]``
+    counts them. The Gymnasium episode's ``terminated or truncated`` is ``done``, and so
+    is reaching ``max_turns`` (default: the env spec's ``max_episode_steps``, else 1).
+    """
+
+    def __init__(self, env: Any, *, obs_to_text: Any = None, text_to_action: Any = None,
+                 make_kwargs: dict[str, Any] | None = None, max_turns: int | None = None,
+                 invalid_action_reward: float = 0.0, system_prompt: str | None = None):
+        import gymnasium as gym
+
+        if isinstance(env, str):
+            env = import_object(env)(**(make_kwargs or {})) if ":" in env else gym.make(env, **(make_kwargs or {}))
+        self.env = env
+        self.obs_to_text = import_object(obs_to_text) if isinstance(obs_to_text, str) else obs_to_text
+        self.text_to_action = import_object(text_to_action) if isinstance(text_to_action, str) else text_to_action
+        name = type(getattr(env, "unwrapped", env)).__name__
+        if self.obs_to_text is None and not isinstance(env.observation_space, gym.spaces.Text):
+            raise ConfigError(f"{name}'s observation space is {env.observation_space}, not gymnasium.spaces.Text: "
+                              "give obs_to_text(obs, info) -> str")
+        if self.text_to_action is None and not isinstance(env.action_space, gym.spaces.Text):
+            raise ConfigError(f"{name}'s action space is {env.action_space}, not gymnasium.spaces.Text: "
+                              "give text_to_action(text) -> action")
+        spec = getattr(env, "spec", None)
+        self.max_turns = max_turns or (spec.max_episode_steps if spec and spec.max_episode_steps else 1)
+        self.invalid_action_reward = invalid_action_reward
+        self.system_prompt = system_prompt
+        self._live = False
+        self._invalid = 0
+
+    def _text(self, obs: Any, info: dict[str, Any]) -> str:
+        return self.obs_to_text(obs, info) if self.obs_to_text is not None else str(obs)
+
+    def reset(self, task: Task, seed: int | None = None) -> tuple[str, dict[str, Any]]:
+        seed = task.data.get("seed", seed)
+        obs, info = self.env.reset(seed=seed, options=task.data.get("options"))
+        self._live, self._invalid, self._turn = True, 0, 0
+        return self._text(obs, info), dict(info)
+
+    def step(self, action: str) -> StepResult:
+        if not self._live:
+            raise EnvStateError("GymnasiumEnv.step called before reset (or after the episode ended)")
+        self._turn += 1
+        out_of_turns = self._turn >= self.max_turns
+        try:
+            act = self.text_to_action(action) if self.text_to_action is not None else action
+            if not self.env.action_space.contains(act):
+                raise ValueError(f"{act!r} is not in the action space {self.env.action_space}")
+        except ValueError as e:
+            self._invalid += 1
+            self._live = not out_of_turns
+            return StepResult(f"Invalid action: {e}", float(self.invalid_action_reward), out_of_turns,
+                              {"invalid_actions": self._invalid})
+        obs, reward, terminated, truncated, info = self.env.step(act)
+        done = bool(terminated or truncated or out_of_turns)
+        self._live = not done
+        return StepResult("" if done else self._text(obs, info), float(reward), done,
+                          {**info, "truncated_by_env": bool(truncated), "invalid_actions": self._invalid})
+
+    def close(self) -> None:
+        self.env.close()
+
+
+register("gymnasium", GymnasiumEnv)
 
 
 # --------------------------------------------------------------------------- task sources
@@ -174,6 +257,18 @@ class TaskSource:
         """``n`` tasks made by ``fn(rng)`` with a seeded ``random.Random``."""
         rng = random.Random(seed)
         return cls.from_rows((fn(rng) for _ in range(n)), env, shuffle=shuffle, seed=seed, id_prefix="gen-")
+
+
+def seed_task(rng: random.Random) -> dict[str, Any]:
+    """A task for a data-free env: only a seed, from which the env draws its instance."""
+    return {"seed": rng.randrange(2**31)}
+
+
+def split_seed(seed: int, split: str) -> int:
+    """A per-split seed, so that generated train and eval tasks differ (stable across runs)."""
+    import zlib
+
+    return seed * 1_000_003 + zlib.crc32(split.encode())
 
 
 # --------------------------------------------------------------------------- check_env

@@ -13,6 +13,13 @@ SMOKE = {
     "arithmetic_grpo.yaml": ["sft.steps=2", "sft.stop_at_accuracy=null", "algo.steps=2", "algo.batch_size=4",
                              "eval.num_samples=5"],
     "arithmetic_sft.yaml": ["sft.steps=2", "sft.eval_samples=8", "eval.num_samples=5", "checkpoint.save_every=1"],
+    "guess_number.yaml": ["sft.steps=2", "sft.stop_at_accuracy=null", "algo.steps=2", "algo.batch_size=2",
+                          "eval.num_samples=4"],
+    "bandit.yaml": ["algo.steps=2", "algo.batch_size=2", "eval.num_samples=4"],
+    "math_word.yaml": ["algo.steps=2", "algo.batch_size=2", "eval.num_samples=4"],
+    "calculator.yaml": ["algo.steps=2", "algo.batch_size=2", "eval.num_samples=4"],
+    "math_code.yaml": ["algo.steps=2", "algo.batch_size=2", "eval.num_samples=2"],
+    "multienv.yaml": ["algo.steps=2", "algo.batch_size=6", "eval.num_samples=3"],
 }
 
 
@@ -29,3 +36,8 @@ def test_config_runs_two_steps(ray_local, tmp_path, name):
     summary = run(cfg, job_dir)
     rows = [json.loads(line) for line in (job_dir / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["step"] == 2 and summary["heldout_end"] is not None
+    if len(cfg.envs) > 1:  # every metric per env and overall
+        for env in cfg.envs:
+            assert f"eval/{env}/reward_mean" in rows[-1] and f"eval/{env}/turns_mean" in rows[-1]
+        assert any(k.startswith("env/") and k.endswith("/reward_mean") for k in rows[-1])
+        assert "eval/calculator/tool_error_rate" in rows[-1]

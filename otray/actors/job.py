@@ -21,7 +21,7 @@ from otray.algos import advantages as adv
 from otray.algos.datums import build_datums, chat_datum, sft_datum
 from otray.config import Config, DatasetSection, EnvSection, SplitSection, import_object, num_rollout_workers, to_dict
 from otray.coordinator.agent_loop import AgentLoop, Limits
-from otray.env import Mixture, TaskSource, resolve
+from otray.env import Mixture, TaskSource, resolve, split_seed
 from otray.models import chat_prompt_ids, end_of_turn_ids, load_tokenizer, resolve_model_path
 from otray.types import DatasetError, SamplingParams, Task, Trajectory, TrajectoryGroup
 
@@ -49,6 +49,20 @@ def solved(traj: Trajectory) -> bool:
     return bool(traj.info.get("correct", traj.reward > 0))
 
 
+def episode_metrics(trajs: list[Trajectory], prefix: str) -> dict[str, float]:
+    """Mean reward, success rate, mean turns, error count and, for tool envs (``info["tool_calls"]``),
+    tool calls per episode and the share of them that failed."""
+    out = {f"{prefix}reward_mean": statistics.fmean(t.reward for t in trajs),
+           f"{prefix}success_rate": statistics.fmean(map(solved, trajs)),
+           f"{prefix}turns_mean": statistics.fmean(t.num_turns for t in trajs),
+           f"{prefix}episode_errors": float(sum(t.error is not None for t in trajs))}
+    calls = sum(int(t.info.get("tool_calls", 0)) for t in trajs)
+    if any("tool_calls" in t.info for t in trajs):
+        out[f"{prefix}tool_calls_mean"] = calls / len(trajs)
+        out[f"{prefix}tool_error_rate"] = sum(int(t.info.get("tool_errors", 0)) for t in trajs) / max(1, calls)
+    return out
+
+
 def load_splits(name: str, dataset: DatasetSection, splits: dict[str, SplitSection], seed: int,
                 where: str) -> dict[str, TaskSource]:
     """Task sources of one env (or of SFT chat data): explicit split paths, else the builder's output."""
@@ -57,6 +71,10 @@ def load_splits(name: str, dataset: DatasetSection, splits: dict[str, SplitSecti
         built = import_object(dataset.builder)(dataset.dir, **dataset.kwargs)
     sources = {}
     for split, sc in splits.items():
+        if dataset.generator and not sc.path:
+            sources[split] = TaskSource.from_generator(import_object(dataset.generator), sc.num_samples or 1000, name,
+                                                       seed=split_seed(seed, split), shuffle=sc.shuffle)
+            continue
         path = sc.path or built.get(split)
         if path is None:
             raise DatasetError(f"{where}.splits.{split} has no path and the dataset builder made no {split!r} split")
@@ -109,8 +127,9 @@ class TrainJob:
         self.mixture = (Mixture({n: s["train"] for n, s in self.splits.items()},
                                 {n: e.weight for n, e in cfg.envs.items()}, seed=cfg.job.seed)
                         if cfg.job.kind == "rl" else None)
+        # chat data: the whole of an SFT job, or an RL job's warm-up data when sft.splits.train is given
         self.chat = (load_splits("sft", cfg.sft.dataset, cfg.sft.splits, cfg.job.seed, "sft")
-                     if cfg.job.kind == "sft" else {})
+                     if "train" in cfg.sft.splits else {})
         res, lora = cfg.resources, cfg.model.lora
         self.learner = ray.remote(num_cpus=res.learner_cpus, num_gpus=res.learner_gpus)(PolicyLearner).options(
             **in_bundle(placement_group, 0), **threads_env(res.learner_threads)).remote(
@@ -138,33 +157,38 @@ class TrainJob:
 
     # ------------------------------------------------------------------ rollouts
 
-    def make_loop(self, env: EnvSection, factory_max_turns: int) -> AgentLoop:
-        limits = Limits(max_turns=env.max_turns or factory_max_turns, max_tokens_per_turn=env.max_tokens_per_turn,
-                        max_tokens_per_episode=env.max_tokens_per_episode,
-                        max_model_len=self.worker_info["max_model_len"])
-        return AgentLoop(self.tokenizer, self.fleet.generate, limits)
+    def limits(self, env: EnvSection, factory_max_turns: int) -> Limits:
+        return Limits(max_turns=env.max_turns or factory_max_turns, max_tokens_per_turn=env.max_tokens_per_turn,
+                      max_tokens_per_episode=env.max_tokens_per_episode,
+                      max_model_len=self.worker_info["max_model_len"])
 
     def rollout(self, tasks: list[Task], *, n: int | None = None, greedy: bool = False) -> list[TrajectoryGroup]:
-        """Roll out ``n`` (default: the env's ``num_rollouts``) episodes per task."""
+        """Roll out ``n`` (default: the env's ``num_rollouts``) episodes per task, every env in one agent loop
+        (their generate calls batch together); groups come back env by env in config order."""
         if self.first_rollout_at is None:
             self.first_rollout_at = time.time()
-        groups: list[TrajectoryGroup] = []
+        batches, layout = [], []
         for name, env_cfg in self.cfg.envs.items():
             mine = [t for t in tasks if t.env == name]
             if not mine:
                 continue
-            factory = resolve(env_cfg.entry)
-            k = n or env_cfg.num_rollouts
-            episodes = [(t, factory(**env_cfg.kwargs), self.cfg.job.seed + self.step * 1000 + i)
-                        for t in mine for i in range(k)]
+            factory, k = resolve(env_cfg.entry), n or env_cfg.num_rollouts
+            base = self.cfg.job.seed * 1_000_003 + self.step * 100_003 + len(layout) * 10_007
+            episodes = [(t, factory(**env_cfg.kwargs), base + j * k + i) for j, t in enumerate(mine) for i in range(k)]
             params = SamplingParams(max_tokens=env_cfg.max_tokens_per_turn,
                                     temperature=0.0 if greedy else env_cfg.temperature, top_p=env_cfg.top_p)
-            loop = self.make_loop(env_cfg, episodes[0][1].max_turns)
-            trajs = loop.run(episodes, params)
-            self.generate_s += loop.generate_s
-            for traj in trajs:
-                traj.reward = episode_reward(traj, env_cfg)
-            groups.extend(TrajectoryGroup(t, trajs[j * k:(j + 1) * k]) for j, t in enumerate(mine))
+            batches.append((episodes, params, self.limits(env_cfg, episodes[0][1].max_turns)))
+            layout.append((env_cfg, mine, k))
+        loop = AgentLoop(self.tokenizer, self.fleet.generate, Limits())
+        trajs = iter(loop.run_many(batches))
+        self.generate_s += loop.generate_s
+        groups: list[TrajectoryGroup] = []
+        for env_cfg, mine, k in layout:
+            for t in mine:
+                members = [next(trajs) for _ in range(k)]
+                for traj in members:
+                    traj.reward = episode_reward(traj, env_cfg)
+                groups.append(TrajectoryGroup(t, members))
         return groups
 
     def sync_weights(self) -> float:
@@ -206,11 +230,16 @@ class TrainJob:
         all_trajs = [t for g in groups for t in g.trajectories]                        # 8. metrics
         sampled = sum(t.num_sampled for t in all_trajs)
         self._log_trajectories(groups[:2], {id(t): a for t, a in zip(trajs, advantages)})
+        per_env: dict[str, Any] = {}
+        for name in self.cfg.envs if len(self.cfg.envs) > 1 else ():
+            mine = [t for g in groups if g.task.env == name for t in g.trajectories]
+            if mine:
+                per_env.update(episode_metrics(mine, f"env/{name}/"))
         return {"step": self.step, "batch": batch_digest(tasks),
-                "reward_mean": statistics.fmean(t.reward for t in all_trajs),
+                "reward_mean": statistics.fmean(t.reward for t in all_trajs), **per_env,
+                **{k: v for k, v in episode_metrics(all_trajs, "").items() if k != "reward_mean"},
                 "groups_kept": len(kept), "groups_dropped_uniform": sum(len(set(g.rewards)) == 1 for g in groups),
                 "groups_dropped_failing": sum(g.num_failed > cfg.envs[g.task.env].max_failing_rollouts for g in groups),
-                "episode_errors": sum(t.error is not None for t in all_trajs),
                 "tokens_per_s": sampled / max(t_gen, 1e-9), "rollout_s": t_gen, "generate_s": self.generate_s - gen0, "learn_s": learn_s,
                 "sync_s": sync_s, "step_s": time.perf_counter() - t0,
                 **{f"learner/{k}": v for k, v in {**fb, **opt}.items()}}
@@ -289,7 +318,9 @@ class TrainJob:
         probe = source.tasks[: sft.check_samples]  # fixed training tasks for the early stop
         t0, losses, train_acc, steps = time.perf_counter(), [], None, 0
         for steps in range(1, sft.steps + 1):
-            fb = self.sft_update(self.sft_batch(source.sample(sft.batch_size)), self.sft_lr(steps))
+            batch = (self.chat_batch(self.chat["train"].sample(sft.batch_size)) if self.chat  # chat demonstrations
+                     else self.sft_batch(source.sample(sft.batch_size)))  # the env's prompts + completion_field
+            fb = self.sft_update(batch, self.sft_lr(steps))
             losses.append(fb["loss"])
             if sft.stop_at_accuracy is not None and steps % sft.check_every == 0:
                 self.sync_weights()
@@ -321,14 +352,14 @@ class TrainJob:
             return out
         if not self.weights_synced:
             self.sync_weights()
-        for name, splits in self.splits.items():
-            if ev.split not in splits:
-                continue
-            tasks = splits[ev.split].tasks[: ev.num_samples]
-            trajs = [t for g in self.rollout(tasks, n=1, greedy=ev.greedy) for t in g.trajectories]
-            out[f"eval/{name}/accuracy"] = statistics.fmean(map(solved, trajs))
-            out[f"eval/{name}/reward_mean"] = statistics.fmean(t.reward for t in trajs)
-            out[f"eval/{name}/turns_mean"] = statistics.fmean(t.num_turns for t in trajs)
+        tasks = [t for splits in self.splits.values() if ev.split in splits
+                 for t in splits[ev.split].tasks[: ev.num_samples]]
+        groups = self.rollout(tasks, n=1, greedy=ev.greedy) if tasks else []  # every env in one loop
+        for name in self.splits:
+            trajs = [t for g in groups if g.task.env == name for t in g.trajectories]
+            if trajs:
+                out.update(episode_metrics(trajs, f"eval/{name}/"))
+                out[f"eval/{name}/accuracy"] = out[f"eval/{name}/success_rate"]
         accs = [v for k, v in out.items() if k.endswith("/accuracy")]
         if accs:
             out["eval/accuracy"] = statistics.fmean(accs)

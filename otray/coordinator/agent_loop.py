@@ -70,6 +70,8 @@ class ChatContinuation:
 class _Episode:
     env: Env
     traj: Trajectory
+    limits: Limits
+    params: SamplingParams
     state: State = State.PENDING
     seed: int | None = None
 
@@ -85,14 +87,26 @@ class AgentLoop:
         self.generate_s = 0.0  # time spent in ``generate`` calls, summed over runs
 
     def run(self, episodes: Sequence[tuple[Task, Env, int | None]], params: SamplingParams) -> list[Trajectory]:
-        eps = [_Episode(env, Trajectory(task=task), seed=seed) for task, env, seed in episodes]
+        """Run ``episodes`` (task, env, seed) to the end with this loop's limits."""
+        return self.run_many([(episodes, params, self.limits)])
+
+    def run_many(self, batches: Sequence[tuple[Sequence[tuple[Task, Env, int | None]], SamplingParams, Limits]]
+                 ) -> list[Trajectory]:
+        """Episodes of several envs at once, each batch with its own sampling params and limits.
+
+        Every turn, all generating episodes share generate calls (one per distinct
+        params and token budget), so envs batch together. Trajectories come back in
+        the order of the batches and their episodes.
+        """
+        eps = [_Episode(env, Trajectory(task=task), limits, params, seed=seed)
+               for episodes, params, limits in batches for task, env, seed in episodes]
         for ep in eps:
             self._start(ep)
         while True:
             active = [ep for ep in eps if ep.state is State.GENERATING]
             if not active:
                 break
-            self._generate_turn(active, params)
+            self._generate_turn(active)
             for ep in active:
                 if ep.state is State.INTERACTING:
                     self._interact(ep)
@@ -117,24 +131,25 @@ class AgentLoop:
         ep.traj.info.update(info)
         ep.traj.append(ids, sampled=False)
         ep.traj.prompt_len = len(ids)
-        if len(ids) >= self.limits.max_model_len:
+        if len(ids) >= ep.limits.max_model_len:
             return self._fail(ep, "prompt_too_long",
-                              f"prompt has {len(ids)} tokens; the context is {self.limits.max_model_len}")
+                              f"prompt has {len(ids)} tokens; the context is {ep.limits.max_model_len}")
         ep.state = State.GENERATING
 
     def _turn_budget(self, ep: _Episode) -> int:
-        lim = self.limits
+        lim = ep.limits
         return min(lim.max_tokens_per_turn, lim.max_tokens_per_episode - ep.traj.num_sampled,
                    lim.max_model_len - len(ep.traj.token_ids))
 
-    def _generate_turn(self, active: list[_Episode], params: SamplingParams) -> None:
-        by_budget: dict[int, list[_Episode]] = {}
+    def _generate_turn(self, active: list[_Episode]) -> None:
+        calls: dict[tuple[int, int], list[_Episode]] = {}  # (id of params, token budget) -> episodes
         for ep in active:
-            by_budget.setdefault(self._turn_budget(ep), []).append(ep)
-        for budget, group in by_budget.items():
+            calls.setdefault((id(ep.params), self._turn_budget(ep)), []).append(ep)
+        for (_, budget), group in calls.items():
             t0 = time.perf_counter()
             try:
-                results = self.generate([ep.traj.token_ids for ep in group], replace(params, max_tokens=budget), 1)
+                results = self.generate([ep.traj.token_ids for ep in group],
+                                        replace(group[0].params, max_tokens=budget), 1)
             except Exception as e:  # noqa: BLE001 - a failed call fails these episodes only
                 for ep in group:
                     self._fail(ep, "rollout_failed", e)
@@ -168,12 +183,12 @@ class AgentLoop:
             ep.state = State.TERMINATED
             return
         out_of_budget = self._turn_budget(ep) <= 0
-        if traj.num_turns >= self.limits.max_turns or out_of_budget:
+        if traj.num_turns >= ep.limits.max_turns or out_of_budget:
             traj.truncated = True
             ep.state = State.TERMINATED
             return
         cont = self.continuation.ids(result.observation, stop)
-        if len(traj.token_ids) + len(cont) >= self.limits.max_model_len:
+        if len(traj.token_ids) + len(cont) >= ep.limits.max_model_len:
             traj.truncated = True
             ep.state = State.TERMINATED
             return

@@ -1,0 +1,184 @@
+"""Tool calling: one documented text format, parsed strictly.
+
+A policy calls a tool by writing, anywhere in its reply::
+
+    <tool_call>{"name": "calculator", "arguments": {"expression": "12*(3+4)"}}</tool_call>
+
+The body is one JSON object with exactly two keys: ``name`` (a non-empty string)
+and ``arguments`` (an object). Several calls may appear in one reply. The env
+answers each call with ``<tool_response>...</tool_response>`` in the next
+observation, or with ``<tool_error>...</tool_error>`` when the call was malformed
+or the tool failed; envs count both kinds in ``info``.
+
+Anything not matching this grammar is a *malformed call*, never an exception:
+:func:`parse_tool_calls` returns the calls it could read and one error string per
+malformed block (an unclosed tag, a body that is not JSON, wrong or extra keys).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+
+@dataclass
+class ToolCall:
+    name: str
+    arguments: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class ParsedReply:
+    """The calls found in one reply, the malformed blocks, and the text outside the tags."""
+
+    calls: list[ToolCall]
+    errors: list[str]
+    text: str
+
+    @property
+    def has_tool_syntax(self) -> bool:
+        return bool(self.calls or self.errors)
+
+
+def format_tool_call(call: ToolCall) -> str:
+    """The canonical text of a call (what :func:`parse_tool_calls` reads back)."""
+    return f"{OPEN}{json.dumps({'name': call.name, 'arguments': call.arguments}, ensure_ascii=False)}{CLOSE}"
+
+
+def _read_call(body: str) -> ToolCall | str:
+    try:
+        obj = json.loads(body)
+    except (json.JSONDecodeError, RecursionError) as e:
+        return f"the tool call is not valid JSON ({type(e).__name__}: {str(e)[:80]})"
+    if not isinstance(obj, dict):
+        return f"the tool call must be a JSON object, got {type(obj).__name__}"
+    if set(obj) != {"name", "arguments"}:
+        return f"the tool call needs exactly the keys 'name' and 'arguments', got {sorted(map(str, obj))}"
+    if not isinstance(obj["name"], str) or not obj["name"].strip():
+        return "the tool call's 'name' must be a non-empty string"
+    if not isinstance(obj["arguments"], dict):
+        return f"the tool call's 'arguments' must be an object, got {type(obj['arguments']).__name__}"
+    return ToolCall(obj["name"], obj["arguments"])
+
+
+def parse_tool_calls(text: str) -> ParsedReply:
+    """Every ``<tool_call>...</tool_call>`` block in ``text``; never raises."""
+    calls: list[ToolCall] = []
+    errors: list[str] = []
+    outside: list[str] = []
+    pos = 0
+    while True:
+        start = text.find(OPEN, pos)
+        stray = text.find(CLOSE, pos)
+        if stray != -1 and (start == -1 or stray < start):
+            errors.append(f"'{CLOSE}' without a matching '{OPEN}'")
+            outside.append(text[pos:stray])
+            pos = stray + len(CLOSE)
+            continue
+        if start == -1:
+            outside.append(text[pos:])
+            break
+        outside.append(text[pos:start])
+        end = text.find(CLOSE, start + len(OPEN))
+        if end == -1:
+            errors.append(f"'{OPEN}' is never closed with '{CLOSE}'")
+            break
+        body = text[start + len(OPEN):end]
+        if OPEN in body:
+            errors.append(f"'{OPEN}' opened again before '{CLOSE}'")
+        else:
+            got = _read_call(body)
+            (calls if isinstance(got, ToolCall) else errors).append(got)  # type: ignore[arg-type]
+        pos = end + len(CLOSE)
+    return ParsedReply(calls, errors, "".join(outside))
+
+
+def tool_response(content: str) -> str:
+    return f"<tool_response>{content}</tool_response>"
+
+
+def tool_error(message: str) -> str:
+    return f"<tool_error>{message}</tool_error>"
+
+
+# --------------------------------------------------------------------------- tool-using envs
+
+
+class ToolFailure(Exception):
+    """Raised by a tool function: the message goes back to the policy as a ``<tool_error>``."""
+
+
+@dataclass
+class Tool:
+    """A tool the policy may call: ``fn(**arguments) -> str``; ``arguments`` are the required names."""
+
+    fn: Any
+    arguments: tuple[str, ...]
+    description: str = ""
+
+
+class ToolEnv:
+    """Base of multi-turn envs where the policy calls tools, then answers.
+
+    Subclasses set ``tools`` and implement ``start(task) -> first message`` and
+    ``final(text) -> (reward, info)``. Each turn: a reply with tool-call syntax is
+    answered with one ``<tool_response>`` / ``<tool_error>`` per call (malformed
+    calls, unknown tools, wrong arguments and :class:`ToolFailure` count in
+    ``info["tool_errors"]``); a reply without it is the final answer. Reaching
+    ``max_turns`` without an answer ends the episode with reward 0. Mix this into an
+    :class:`otray.env.Env` subclass (``class MyEnv(ToolEnv, Env)``).
+    """
+
+    tools: dict[str, Tool] = {}
+    max_turns: int = 3
+
+    def start(self, task: Any) -> str:
+        raise NotImplementedError
+
+    def final(self, text: str) -> tuple[float, dict[str, Any]]:
+        raise NotImplementedError
+
+    def reset(self, task: Any, seed: int | None = None) -> tuple[str, dict[str, Any]]:
+        self._turn, self._live = 0, True
+        self._info: dict[str, Any] = {"tool_calls": 0, "tool_errors": 0}
+        return self.start(task), {}
+
+    def step(self, action: str):
+        from otray.env import StepResult
+        from otray.types import EnvStateError
+
+        if not getattr(self, "_live", False):
+            raise EnvStateError(f"{type(self).__name__}.step called before reset (or after the episode ended)")
+        self._turn += 1
+        parsed = parse_tool_calls(action)
+        if not parsed.has_tool_syntax:
+            reward, info = self.final(action)
+            self._live = False
+            return StepResult("", reward, True, {**self._info, **info, "turns": self._turn})
+        replies = [tool_error(e) for e in parsed.errors]
+        self._info["tool_calls"] += len(parsed.errors)  # attempts, malformed ones included
+        self._info["tool_errors"] += len(parsed.errors)
+        for call in parsed.calls:
+            self._info["tool_calls"] += 1
+            replies.append(self._run(call))
+        if self._turn >= self.max_turns:
+            self._live = False
+            return StepResult("", 0.0, True, {**self._info, "correct": False, "turns": self._turn})
+        return StepResult("\n".join(replies), 0.0, False, {**self._info, "turns": self._turn})
+
+    def _run(self, call: ToolCall) -> str:
+        tool = self.tools.get(call.name)
+        if tool is None:
+            self._info["tool_errors"] += 1
+            return tool_error(f"unknown tool {call.name!r}; tools: {', '.join(self.tools)}")
+        if set(call.arguments) != set(tool.arguments):
+            self._info["tool_errors"] += 1
+            return tool_error(f"{call.name} takes arguments {list(tool.arguments)}, got {sorted(call.arguments)}")
+        try:
+            return tool_response(str(tool.fn(**call.arguments)))
+        except ToolFailure as e:
+            self._info["tool_errors"] += 1
+            return tool_error(str(e))
