@@ -1,0 +1,158 @@
+"""Gomoku (five in a row) as a PettingZoo ``AECEnv``, in PettingZoo's classic style.
+
+Two agents, ``black`` (moves first) and ``white``, place stones on a ``size`` x
+``size`` board (default 9x9); ``win_length`` in a row (default 5) in any direction
+wins. Conventions as in ``pettingzoo.classic``:
+
+- ``env()`` returns the wrapped env (illegal move ends the game with -1 for the
+  mover, out-of-bounds asserted, order enforced); ``raw_env`` is the bare class.
+- Observations are dicts: ``observation`` of shape ``(size, size, 2)`` (plane 0 =
+  the observing agent's stones, plane 1 = the opponent's) and ``action_mask`` over
+  the ``size * size`` cells (1 = empty).
+- Action ``i`` puts a stone on row ``i // size``, column ``i % size``.
+- Rewards: win +1, loss -1, draw (full board) 0.
+
+The text side (what an LLM sees and says) is :func:`render_text` and
+:func:`parse_move`: columns are letters, rows numbers from 1, a move is
+``<move>E5</move>``.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import numpy as np
+from gymnasium import spaces
+from pettingzoo import AECEnv
+from pettingzoo.utils import AgentSelector, wrappers
+
+LETTERS = "ABCDEFGHJKLMNOPQRST"  # no I, as on go boards
+
+
+def env(**kwargs: Any) -> AECEnv:
+    e = raw_env(**kwargs)
+    e = wrappers.TerminateIllegalWrapper(e, illegal_reward=-1)
+    e = wrappers.AssertOutOfBoundsWrapper(e)
+    return wrappers.OrderEnforcingWrapper(e)
+
+
+class raw_env(AECEnv):  # noqa: N801 - PettingZoo's naming convention
+    metadata = {"render_modes": ["ansi"], "name": "gomoku_v0", "is_parallelizable": False}
+
+    def __init__(self, size: int = 9, win_length: int = 5, render_mode: str | None = None):
+        super().__init__()
+        if not 3 <= size <= len(LETTERS) or not 2 <= win_length <= size:
+            raise ValueError(f"gomoku needs 3 <= size <= {len(LETTERS)} and 2 <= win_length <= size, "
+                             f"got size={size}, win_length={win_length}")
+        self.size, self.win_length, self.render_mode = size, win_length, render_mode
+        self.possible_agents = ["black", "white"]
+        self.agents = list(self.possible_agents)
+        cells = size * size
+        self.action_spaces = {a: spaces.Discrete(cells) for a in self.possible_agents}
+        self.observation_spaces = {a: spaces.Dict({
+            "observation": spaces.Box(0, 1, (size, size, 2), np.int8),
+            "action_mask": spaces.Box(0, 1, (cells,), np.int8)}) for a in self.possible_agents}
+        self.board = np.zeros((size, size), np.int8)  # 0 empty, 1 black, 2 white
+
+    def observation_space(self, agent: str) -> spaces.Space:
+        return self.observation_spaces[agent]
+
+    def action_space(self, agent: str) -> spaces.Space:
+        return self.action_spaces[agent]
+
+    def observe(self, agent: str) -> dict[str, np.ndarray]:
+        me = self.possible_agents.index(agent) + 1
+        planes = np.stack([self.board == me, (self.board != me) & (self.board != 0)], axis=-1).astype(np.int8)
+        return {"observation": planes, "action_mask": (self.board.reshape(-1) == 0).astype(np.int8)}
+
+    def reset(self, seed: int | None = None, options: dict | None = None) -> None:
+        self.board[:] = 0
+        self.agents = list(self.possible_agents)
+        self.rewards = {a: 0 for a in self.agents}
+        self._cumulative_rewards = {a: 0 for a in self.agents}
+        self.terminations = {a: False for a in self.agents}
+        self.truncations = {a: False for a in self.agents}
+        self.infos = {a: {} for a in self.agents}
+        self._selector = AgentSelector(self.agents)
+        self.agent_selection = self._selector.reset()
+        self.moves = 0
+
+    def step(self, action: int) -> None:
+        if self.terminations[self.agent_selection] or self.truncations[self.agent_selection]:
+            return self._was_dead_step(action)
+        agent = self.agent_selection
+        row, col = divmod(int(action), self.size)
+        if self.board[row, col] != 0:
+            raise ValueError(f"cell {move_name(int(action), self.size)} is taken (the action mask forbids it)")
+        me = self.possible_agents.index(agent) + 1
+        self.board[row, col] = me
+        self.moves += 1
+        self._cumulative_rewards[agent] = 0
+        if self._wins(row, col, me):
+            other = self.possible_agents[2 - me]
+            self.rewards = {agent: 1, other: -1}
+            self.terminations = {a: True for a in self.agents}
+        elif self.moves == self.size * self.size:
+            self.rewards = {a: 0 for a in self.agents}
+            self.terminations = {a: True for a in self.agents}
+        self.agent_selection = self._selector.next()
+        self._accumulate_rewards()
+        if self.render_mode == "ansi":
+            print(self.render())
+
+    def _wins(self, row: int, col: int, me: int) -> bool:
+        for dr, dc in ((0, 1), (1, 0), (1, 1), (1, -1)):
+            count = 1
+            for sign in (1, -1):
+                r, c = row + sign * dr, col + sign * dc
+                while 0 <= r < self.size and 0 <= c < self.size and self.board[r, c] == me:
+                    count += 1
+                    r, c = r + sign * dr, c + sign * dc
+            if count >= self.win_length:
+                return True
+        return False
+
+    def render(self) -> str:
+        return render_board(self.board)
+
+    def close(self) -> None:
+        pass
+
+
+# --------------------------------------------------------------------------- text side
+
+
+def move_name(action: int, size: int) -> str:
+    row, col = divmod(action, size)
+    return f"{LETTERS[col]}{row + 1}"
+
+
+def render_board(board: np.ndarray) -> str:
+    """Rows numbered from 1 (top), columns lettered; X = black, O = white, . = empty."""
+    size = board.shape[0]
+    header = "   " + " ".join(LETTERS[:size])
+    rows = [f"{r + 1:>2} " + " ".join(".XO"[v] for v in board[r]) for r in range(size)]
+    return "\n".join([header, *rows])
+
+
+def render_text(observation: dict[str, np.ndarray], agent: str) -> str:
+    """What the agent to move sees: the board from its side (X = its stones) and whose turn it is."""
+    planes = observation["observation"]
+    board = planes[..., 0] + 2 * planes[..., 1]
+    return f"{render_board(board)}\nYou are X. Reply with your move as <move>E5</move>."
+
+
+_MOVE = re.compile(r"<move>\s*([A-Za-z])\s*(\d{1,2})\s*</move>")
+
+
+def parse_move(text: str, size: int) -> int | None:
+    """``<move>E5</move>`` -> the action index, or None (unparseable or off the board)."""
+    found = _MOVE.findall(text)
+    if not found:
+        return None
+    letter, number = found[-1]
+    col, row = LETTERS.find(letter.upper()), int(number) - 1
+    if not (0 <= col < size and 0 <= row < size):
+        return None
+    return row * size + col

@@ -1,0 +1,82 @@
+"""Gomoku as a PettingZoo AECEnv: PettingZoo's api_test, rules, reproducibility, text side."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from pettingzoo.test import api_test
+
+from envs import gomoku
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"size": 5, "win_length": 4}])
+def test_pettingzoo_api_test(kwargs):
+    api_test(gomoku.env(**kwargs), num_cycles=300)
+
+
+def _play(seed, size=9):
+    """A seeded game of random legal moves; returns the moves and final rewards."""
+    e = gomoku.env(size=size)
+    e.reset(seed=seed)
+    rng = np.random.default_rng(seed)
+    moves = []
+    for agent in e.agent_iter():
+        obs, reward, term, trunc, _ = e.last()
+        if term or trunc:
+            e.step(None)
+            continue
+        action = int(rng.choice(np.flatnonzero(obs["action_mask"])))
+        moves.append(action)
+        e.step(action)
+    return moves, dict(e.rewards)
+
+
+def test_seeded_games_are_reproducible_and_zero_sum():
+    a, b = _play(3), _play(3)
+    assert a == b and _play(4)[0] != a[0]
+    for seed in range(5):
+        _, rewards = _play(seed, size=5)
+        assert sum(rewards.values()) == 0
+
+
+@pytest.mark.parametrize("line", [
+    [(4, c) for c in range(5)],            # row
+    [(r, 2) for r in range(5)],            # column
+    [(i, i) for i in range(5)],            # diagonal
+    [(i, 8 - i) for i in range(4, 9)],     # anti-diagonal
+])
+def test_five_in_a_row_wins_in_every_direction(line):
+    e = gomoku.raw_env()
+    e.reset()
+    filler = [r * 9 + c for r, c in [(0, 8), (1, 8), (2, 8), (3, 7)]]  # on no line above
+    for k, (r, c) in enumerate(line):
+        e.step(r * 9 + c)  # black
+        if k < 4:
+            e.step(filler[k])  # white, far away
+    assert e.rewards == {"black": 1, "white": -1} and all(e.terminations.values())
+
+
+def test_observation_is_from_the_observers_side():
+    e = gomoku.raw_env(size=5, win_length=4)
+    e.reset()
+    e.step(0)  # black at A1
+    white = e.observe("white")["observation"]
+    black = e.observe("black")["observation"]
+    assert black[0, 0, 0] == 1 and white[0, 0, 1] == 1 and white[0, 0, 0] == 0
+    assert e.observe("white")["action_mask"][0] == 0
+    text = gomoku.render_text(e.observe("white"), "white")
+    assert text.splitlines()[1].startswith(" 1 O") and "<move>E5</move>" in text
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(3, 19).flatmap(lambda n: st.tuples(st.just(n), st.integers(0, n * n - 1))))
+def test_move_names_round_trip(size_action):
+    size, action = size_action
+    assert gomoku.parse_move(f"I play <move>{gomoku.move_name(action, size)}</move>.", size) == action
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text())
+def test_move_parser_never_raises(text):
+    got = gomoku.parse_move(text, 9)
+    assert got is None or 0 <= got < 81
