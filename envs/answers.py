@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 from fractions import Fraction
+from typing import Any
 
 _NUM = r"[+-]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|[+-]?\.\d+"
 _PLAIN = re.compile(rf"(?:{_NUM})")
@@ -90,3 +91,17 @@ def last_number(text: str) -> Fraction | None:
 
 def format_number(value: Fraction) -> str:
     return str(value.numerator) if value.denominator == 1 else f"{value.numerator}/{value.denominator}"
+
+
+class ExactAnswer:
+    """Mixin for tool envs whose task has ``question`` and an exact ``answer``: ``start``
+    shows the question, ``final`` rewards 1.0 when the reply's answer equals it."""
+
+    def start(self, task: Any) -> str:
+        self._answer = Fraction(str(task.data["answer"]))
+        return str(task.data["question"])
+
+    def final(self, text: str) -> tuple[float, dict[str, Any]]:
+        got = last_number(text)
+        correct = got == self._answer
+        return (1.0 if correct else 0.0), {"correct": correct, "parse_error": got is None}

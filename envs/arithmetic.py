@@ -14,7 +14,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from otray.env import Env, StepResult, register
+from otray.env import Env, StepResult, dataset_paths, register
 from otray.types import EnvStateError, Task
 
 _INT = re.compile(r"-?\d+")
@@ -48,10 +48,8 @@ def make_dataset(out_dir: str | Path, *, seed: int = 0, num_eval: int = 500, max
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = {"train": out / "train.parquet", "eval": out / "eval.parquet"}
-    if all(p.exists() for p in paths.values()):
+    paths, built = dataset_paths(out_dir, {"train": "train.parquet", "eval": "eval.parquet"})
+    if built:
         return paths
     rows = make_problems(seed, max_operand, ops)
     if num_eval >= len(rows):
@@ -70,10 +68,8 @@ def make_chat_dataset(out_dir: str | Path, *, seed: int = 0, num_eval: int = 500
     """
     import json
 
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = {"train": out / "chat_train.jsonl", "eval": out / "chat_eval.jsonl"}
-    if all(p.exists() for p in paths.values()):
+    paths, built = dataset_paths(out_dir, {"train": "chat_train.jsonl", "eval": "chat_eval.jsonl"})
+    if built:
         return paths
     rows = make_problems(seed, max_operand, ops)
     head = [{"role": "system", "content": system_prompt}] if system_prompt else []

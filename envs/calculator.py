@@ -24,10 +24,10 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
-from envs.answers import format_number, last_number
-from otray.env import Env, register
+from envs.answers import ExactAnswer, format_number
+from otray.env import Env, dataset_paths, register
 from otray.tools import Tool, ToolEnv, ToolFailure
-from otray.types import OtrayError, Task
+from otray.types import OtrayError
 
 MAX_EXPR_CHARS = 200
 MAX_EXPONENT = 64
@@ -151,10 +151,8 @@ def make_dataset(out_dir: str | Path, *, seed: int = 0, num_train: int = 5000, n
     """Train and eval JSONL splits (disjoint seeds)."""
     import json
 
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = {"train": out / "train.jsonl", "eval": out / "eval.jsonl"}
-    if all(p.exists() for p in paths.values()):
+    paths, built = dataset_paths(out_dir, {"train": "train.jsonl", "eval": "eval.jsonl"})
+    if built:
         return paths
     for split, rows in (("train", make_problems(seed, num_train)), ("eval", make_problems(seed + 10_000, num_eval))):
         paths[split].write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -168,7 +166,7 @@ def calculator_tool(expression: str) -> str:
         raise ToolFailure(str(e)) from None
 
 
-class Calculator(ToolEnv, Env):
+class Calculator(ExactAnswer, ToolEnv, Env):
     """Answer with the calculator's help; ``max_turns`` bounds tool calls plus the answer."""
 
     system_prompt = ('Use the calculator by writing <tool_call>{"name": "calculator", "arguments": '
@@ -179,15 +177,6 @@ class Calculator(ToolEnv, Env):
         self.max_turns = max_turns
         if system_prompt is not None:
             self.system_prompt = system_prompt
-
-    def start(self, task: Task) -> str:
-        self._answer = Fraction(str(task.data["answer"]))
-        return str(task.data["question"])
-
-    def final(self, text: str) -> tuple[float, dict[str, Any]]:
-        got = last_number(text)
-        correct = got == self._answer
-        return (1.0 if correct else 0.0), {"correct": correct, "parse_error": got is None}
 
 
 register("calculator", Calculator)

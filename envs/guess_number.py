@@ -15,7 +15,7 @@ import random
 import re
 from typing import Any
 
-from otray.env import Env, StepResult, register
+from otray.env import Env, StepResult, dataset_paths, register
 from otray.types import EnvStateError, Task
 
 _INT = re.compile(r"-?\d+")
@@ -80,12 +80,9 @@ def make_chat_dataset(out_dir: str, *, seed: int = 0, num_train: int = 4000, num
                       high: int = 16) -> dict[str, Any]:
     """Binary-search demonstrations as chat JSONL (train/eval), for an SFT warm-up."""
     import json
-    from pathlib import Path
 
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = {"train": out / "chat_train.jsonl", "eval": out / "chat_eval.jsonl"}
-    if all(p.exists() for p in paths.values()):
+    paths, built = dataset_paths(out_dir, {"train": "chat_train.jsonl", "eval": "chat_eval.jsonl"})
+    if built:
         return paths
     rng = random.Random(seed)
     for split, n in (("train", num_train), ("eval", num_eval)):

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from envs.answers import format_number, last_number
-from otray.env import Env, StepResult, register
+from otray.env import Env, StepResult, dataset_paths, register
 from otray.types import EnvStateError, Task
 
 NAMES = ["Ana", "Ben", "Chen", "Dara", "Eli", "Fatima", "Gus", "Hana"]
@@ -43,10 +43,8 @@ def _problem(rng: random.Random) -> tuple[str, Fraction]:
 
 
 def make_dataset(out_dir: str | Path, *, seed: int = 0, num_train: int = 4000, num_eval: int = 300) -> dict[str, Path]:
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = {"train": out / "train.jsonl", "eval": out / "eval.jsonl"}
-    if all(p.exists() for p in paths.values()):
+    paths, built = dataset_paths(out_dir, {"train": "train.jsonl", "eval": "eval.jsonl"})
+    if built:
         return paths
     seen: set[str] = set()
     rng = random.Random(seed)

@@ -28,13 +28,10 @@ import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
-from fractions import Fraction
-from typing import Any
 
-from envs.answers import last_number
+from envs.answers import ExactAnswer
 from otray.env import Env, register
 from otray.tools import Tool, ToolEnv, ToolFailure
-from otray.types import Task
 
 # Runs inside the child before the user's code; ``ROOT`` is the sandbox dir.
 _BOOT = r'''
@@ -143,7 +140,7 @@ def python_tool(code: str) -> str:
     return result.output.strip() or "(no output; print the result)"
 
 
-class MathWithCode(ToolEnv, Env):
+class MathWithCode(ExactAnswer, ToolEnv, Env):
     """Math word problems (dataset: ``envs.math_word:make_dataset``); the policy may run Python."""
 
     system_prompt = ('You may run Python: <tool_call>{"name": "python", "arguments": {"code": "print(6*7)"}}'
@@ -152,15 +149,6 @@ class MathWithCode(ToolEnv, Env):
 
     def __init__(self, max_turns: int = 3):
         self.max_turns = max_turns
-
-    def start(self, task: Task) -> str:
-        self._answer = Fraction(str(task.data["answer"]))
-        return str(task.data["question"])
-
-    def final(self, text: str) -> tuple[float, dict[str, Any]]:
-        got = last_number(text)
-        correct = got == self._answer
-        return (1.0 if correct else 0.0), {"correct": correct, "parse_error": got is None}
 
 
 register("math_code", MathWithCode)

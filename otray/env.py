@@ -259,6 +259,15 @@ class TaskSource:
         return cls.from_rows((fn(rng) for _ in range(n)), env, shuffle=shuffle, seed=seed, id_prefix="gen-")
 
 
+def dataset_paths(out_dir: str | Path, files: dict[str, str]) -> tuple[dict[str, Path], bool]:
+    """For dataset builders: ``{split: out_dir/file}`` (the dir created) and whether all exist
+    already (builders are idempotent: same arguments, same files, built once)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {split: out / name for split, name in files.items()}
+    return paths, all(p.exists() for p in paths.values())
+
+
 def seed_task(rng: random.Random) -> dict[str, Any]:
     """A task for a data-free env: only a seed, from which the env draws its instance."""
     return {"seed": rng.randrange(2**31)}
