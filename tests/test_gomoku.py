@@ -80,3 +80,23 @@ def test_move_names_round_trip(size_action):
 def test_move_parser_never_raises(text):
     got = gomoku.parse_move(text, 9)
     assert got is None or 0 <= got < 81
+
+
+# --------------------------------------------------------------------------- the simultaneous-move game
+
+
+def test_rps_parallel_api_and_rules():
+    from pettingzoo.test import parallel_api_test
+
+    from envs import rps
+
+    parallel_api_test(rps.parallel_env(), num_cycles=100)
+    e = rps.parallel_env(rounds=2)
+    obs, _ = e.reset(seed=0)
+    assert obs == {"player_0": rps.NONE, "player_1": rps.NONE}
+    obs, rewards, term, _, _ = e.step({"player_0": 1, "player_1": 0})  # paper beats rock
+    assert rewards == {"player_0": 1.0, "player_1": -1.0} and obs == {"player_0": 0, "player_1": 1}
+    _, rewards, term, _, _ = e.step({"player_0": 2, "player_1": 0})  # rock beats scissors
+    assert rewards == {"player_0": -1.0, "player_1": 1.0} and all(term.values()) and e.agents == []
+    assert rps.parse_move("I say <move>Scissors</move>") == 2 and rps.parse_move("scissors") is None
+    assert "last move: paper" in rps.render_text(1, "player_0")
