@@ -49,3 +49,21 @@ def test_generic_fallback_lists_legal_indices():
     assert 7 not in [int(x) for x in legal.split(",")] and 8 in [int(x) for x in legal.split(",")]
     assert generic_parse("<move> 12 </move>") == 12 and generic_parse("12") is None
     assert generic_render({"observation": [1], "action_mask": [0, 1]}, "p").endswith("Reply with one as <move>N</move>.")
+
+
+def test_pettingzoo_tictactoe_unmodified_through_the_bridge():
+    from pettingzoo.classic import tictactoe_v3
+
+    from envs.tictactoe_text import TEXT
+
+    env = tictactoe_v3.env()
+    env.reset(seed=0)
+    bridge = TextBridge(env, TEXT, MoveRules(max_retries=1))
+    assert bridge.prompt("player_1").splitlines()[0] == "0 | 3 | 6"
+    for agent, square in [("player_1", 0), ("player_2", 1), ("player_1", 3), ("player_2", 4)]:
+        assert bridge.act(agent, f"<move>{square}</move>").kind == "played"
+    # player_1 sees the opponent's marks as O: squares 1 and 4 (left and centre of the middle row)
+    assert bridge.prompt("player_1").splitlines()[1] == "O | O | 7"
+    assert bridge.act("player_1", "<move>4</move>").kind == "retry"  # taken
+    assert bridge.act("player_1", "<move>6</move>").kind == "played"  # top row: X X X
+    assert all(env.terminations.values()) and bridge.rewards() == {"player_1": 1.0, "player_2": -1.0}
