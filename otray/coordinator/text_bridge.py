@@ -100,6 +100,16 @@ class TextBridge:
     def prompt(self, agent: str) -> str:
         return self.text.render(self.env.observe(agent), agent)
 
+    def play(self, agent: str, action: int) -> Decision:
+        """Apply an action chosen without text (scripted and random policies); it must be legal."""
+        if self.env.agent_selection != agent:
+            raise ValueError(f"it is {self.env.agent_selection}'s turn, not {agent}'s")
+        legal = legal_actions(self.env.observe(agent))
+        if legal and action not in legal:
+            raise ValueError(f"{agent} chose action {action}, which the action mask forbids")
+        self._step(action)
+        return Decision("played", action)
+
     def act(self, agent: str, reply: str) -> Decision:
         """Apply ``agent``'s reply to the game (it must be ``agent``'s turn)."""
         if self.env.agent_selection != agent:

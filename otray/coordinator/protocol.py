@@ -1,0 +1,227 @@
+"""ProtocolCoordinator: phase-synchronized multi-agent games over PettingZoo AEC envs.
+
+G games run at once. A *phase* is one synchronized tick over all live games: in
+each, the agent whose turn it is has a pending decision; decisions are grouped by
+policy; every model policy answers its whole group with **one** batched generate
+call, scripted and random policies answer directly; every reply is applied through
+the game's :class:`~otray.coordinator.text_bridge.TextBridge` (parsing, the
+illegal-move rule). Phases repeat until every game has ended.
+
+Policies (:class:`Policy`): ``model`` (a generate function: a trained policy's
+rollout fleet or a frozen checkpoint's), ``scripted`` (``fn(observation, agent) ->
+action``) or ``random`` (a uniformly random legal move). Each agent played by a
+model gets its own multi-turn trajectory, exactly as the single-agent loop builds
+them: its prompt and every later observation are mask 0, only the tokens it
+sampled are mask 1 (with the sampler's logprobs); it never sees another agent's
+observation. Its reward is its PettingZoo reward for the game.
+
+Status: the coordinator class, tested without Ray on Gomoku and tic-tac-toe; the
+actor wrapper, training modes and configs are the next step (NOTES.md).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from otray.coordinator.agent_loop import ChatContinuation, GenerateFn, Limits
+from otray.coordinator.text_bridge import Decision, GameText, MoveRules, TextBridge, legal_actions
+from otray.models import chat_prompt_ids
+from otray.types import ErrorRecord, FinishReason, SamplingParams, Task, Trajectory
+
+
+@dataclass
+class Policy:
+    """How an agent decides: ``kind`` is ``model``, ``scripted`` or ``random``."""
+
+    kind: str
+    name: str = ""
+    generate: GenerateFn | None = None  # model
+    params: SamplingParams = field(default_factory=lambda: SamplingParams(max_tokens=16))  # model
+    fn: Callable[[Any, str], int] | None = None  # scripted
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("model", "scripted", "random"):
+            raise ValueError(f"policy kind must be model, scripted or random, got {self.kind!r}")
+        if self.kind == "model" and self.generate is None:
+            raise ValueError(f"model policy {self.name!r} needs a generate function")
+        if self.kind == "scripted" and self.fn is None:
+            raise ValueError(f"scripted policy {self.name!r} needs fn(observation, agent) -> action")
+        self.name = self.name or self.kind
+
+
+@dataclass
+class GameResult:
+    seed: int
+    rewards: dict[str, float]
+    moves: list[tuple[str, int]]  # (agent, action) in the order they were played
+    trajectories: dict[str, Trajectory]  # agents played by a model policy
+    counts: dict[str, dict[str, int]]  # per agent: illegal, random_moves, forfeits
+    phases: int
+    error: ErrorRecord | None = None
+
+
+@dataclass
+class _Seat:
+    """One model-played agent in one game: its conversation so far."""
+
+    traj: Trajectory
+    last_stop: int | None = None
+    next_observation: str | None = None  # set by a retry; else the bridge's prompt
+
+
+class _Game:
+    def __init__(self, seed: int, env: Any, bridge: TextBridge):
+        self.seed, self.env, self.bridge = seed, env, bridge
+        self.seats: dict[str, _Seat] = {}
+        self.moves: list[tuple[str, int]] = []
+        self.error: ErrorRecord | None = None
+        self.phases = 0
+
+    def skip_dead(self) -> None:
+        """Step terminated agents out (PettingZoo's ``step(None)`` for the dead)."""
+        env = self.env
+        while env.agents and (env.terminations[env.agent_selection] or env.truncations[env.agent_selection]):
+            env.step(None)
+
+    @property
+    def over(self) -> bool:
+        return self.error is not None or self.bridge.forfeited is not None or not self.env.agents
+
+
+class ProtocolCoordinator:
+    def __init__(self, make_env: Callable[[], Any], text: GameText, policies: dict[str, Policy], tokenizer: Any = None,
+                 *, rules: MoveRules | None = None, limits: Limits | None = None, system_prompt: str | None = None,
+                 env_name: str = "game"):
+        self.make_env, self.text, self.policies = make_env, text, policies
+        self.rules = rules or MoveRules()
+        self.limits = limits or Limits(max_turns=10_000, max_tokens_per_turn=16, max_tokens_per_episode=10_000,
+                                       max_model_len=2048)
+        self.tokenizer, self.system_prompt, self.env_name = tokenizer, system_prompt, env_name
+        if any(p.kind == "model" for p in policies.values()) and tokenizer is None:
+            raise ValueError("model policies need the tokenizer")
+        self.continuation = ChatContinuation(tokenizer) if tokenizer is not None else None
+        self.generate_s = 0.0  # time inside generate calls, for the share of phase time outside them
+        self.generate_calls = 0
+
+    # ------------------------------------------------------------------ the phase loop
+
+    def run(self, seeds: Sequence[int]) -> list[GameResult]:
+        games = []
+        for seed in seeds:
+            env = self.make_env()
+            env.reset(seed=seed)
+            missing = set(env.possible_agents) - set(self.policies)
+            if missing:
+                raise ValueError(f"no policy for agent(s) {sorted(missing)}; policies cover {sorted(self.policies)}")
+            games.append(_Game(seed, env, TextBridge(env, self.text, self.rules, seed=seed)))
+        while True:
+            live = []
+            for g in games:
+                g.skip_dead()
+                if not g.over:
+                    live.append(g)
+            if not live:
+                break
+            by_policy: dict[str, list[tuple[_Game, str]]] = {}
+            for g in live:
+                g.phases += 1
+                agent = g.env.agent_selection
+                by_policy.setdefault(agent, []).append((g, agent))
+            groups: dict[int, list[tuple[_Game, str]]] = {}
+            for agent, decisions in by_policy.items():  # agents sharing one policy share its call
+                groups.setdefault(id(self.policies[agent]), []).extend(decisions)
+            for decisions in groups.values():
+                self._decide(self.policies[decisions[0][1]], decisions)
+        return [self._result(g) for g in games]
+
+    def _decide(self, policy: Policy, decisions: list[tuple[_Game, str]]) -> None:
+        if policy.kind != "model":
+            for g, agent in decisions:
+                try:
+                    obs = g.env.observe(agent)
+                    action = (random.Random(g.seed * 7919 + len(g.moves)).choice(legal_actions(obs))
+                              if policy.kind == "random" else int(policy.fn(obs, agent)))
+                    self._apply(g, agent, g.bridge.play(agent, action))
+                except Exception as e:  # noqa: BLE001 - a scripted policy's bug ends that game only
+                    self._fail(g, "policy_exception", e)
+            return
+        ready = [(g, agent) for g, agent in decisions if self._prepare(g, agent)]
+        if not ready:
+            return
+        budgets = [self._budget(g.seats[a]) for g, a in ready]
+        t0 = time.perf_counter()
+        try:
+            results = policy.generate([g.seats[a].traj.token_ids for g, a in ready],
+                                      replace(policy.params, max_tokens=max(1, min(budgets))), 1)
+        except Exception as e:  # noqa: BLE001 - a failed call ends these games, not the others
+            for g, _ in ready:
+                self._fail(g, "rollout_failed", e)
+            return
+        finally:
+            self.generate_s += time.perf_counter() - t0
+            self.generate_calls += 1
+        for (g, agent), res in zip(ready, results):
+            sample, seat = res.samples[0], g.seats[agent]
+            seat.traj.append(sample.token_ids, sampled=True, logprobs=sample.logprobs)
+            seat.traj.policy_version = res.policy_version
+            stopped = sample.finish_reason is FinishReason.STOP
+            seat.last_stop = sample.token_ids[-1] if stopped else None
+            body = sample.token_ids[:-1] if stopped else sample.token_ids
+            reply = self.tokenizer.decode(body, skip_special_tokens=False)
+            seat.traj.messages.append({"role": "assistant", "content": reply})
+            seat.traj.num_turns += 1
+            self._apply(g, agent, g.bridge.act(agent, reply))
+
+    def _prepare(self, g: _Game, agent: str) -> bool:
+        """Add the agent's current observation to its conversation; False if it no longer fits."""
+        observation = g.seats[agent].next_observation if agent in g.seats else None
+        observation = observation or g.bridge.prompt(agent)
+        if agent not in g.seats:
+            traj = Trajectory(task=Task(id=f"{self.env_name}-{g.seed}", env=self.env_name, data={"seed": g.seed}),
+                              agent_id=agent)
+            messages = ([{"role": "system", "content": self.system_prompt}] if self.system_prompt else [])
+            messages.append({"role": "user", "content": observation})
+            ids = chat_prompt_ids(self.tokenizer, messages)
+            traj.messages, traj.prompt_len = messages, len(ids)
+            traj.append(ids, sampled=False)
+            g.seats[agent] = _Seat(traj)
+        else:
+            seat = g.seats[agent]
+            seat.traj.append(self.continuation.ids(observation, seat.last_stop), sampled=False)
+            seat.traj.messages.append({"role": "user", "content": observation})
+            seat.next_observation = None
+        if self._budget(g.seats[agent]) <= 0:
+            self._fail(g, "context_full", f"{agent}'s conversation no longer fits max_model_len="
+                                          f"{self.limits.max_model_len}")
+            return False
+        return True
+
+    def _budget(self, seat: _Seat) -> int:
+        lim = self.limits
+        return min(lim.max_tokens_per_turn, lim.max_tokens_per_episode - seat.traj.num_sampled,
+                   lim.max_model_len - len(seat.traj.token_ids))
+
+    def _apply(self, g: _Game, agent: str, decision: Decision) -> None:
+        if decision.kind in ("played", "random"):
+            g.moves.append((agent, int(decision.action)))
+        elif decision.kind == "retry" and agent in g.seats:
+            g.seats[agent].next_observation = decision.observation
+
+    def _fail(self, g: _Game, kind: str, err: BaseException | str) -> None:
+        msg = err if isinstance(err, str) else f"{type(err).__name__}: {err}\n{traceback.format_exc(limit=3)}"
+        g.error = ErrorRecord(kind, msg[:2000], turn=len(g.moves))
+
+    def _result(self, g: _Game) -> GameResult:
+        rewards = {a: 0.0 for a in g.env.possible_agents} if g.error is not None else g.bridge.rewards()
+        for agent, seat in g.seats.items():
+            seat.traj.reward = rewards[agent]
+            seat.traj.finished = g.error is None
+            seat.traj.error = g.error
+            seat.traj.info.update({"role": agent, "game_seed": g.seed, **g.bridge.counts[agent]})
+        return GameResult(g.seed, rewards, g.moves, {a: s.traj for a, s in g.seats.items()}, g.bridge.counts,
+                          g.phases, g.error)

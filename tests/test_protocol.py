@@ -1,0 +1,91 @@
+"""ProtocolCoordinator without Ray: phases over G games, policies, per-agent trajectories."""
+
+import pytest
+
+from envs import gomoku
+from envs.tictactoe_text import TEXT as TTT_TEXT
+from otray.coordinator.agent_loop import Limits
+from otray.coordinator.protocol import Policy, ProtocolCoordinator
+from otray.coordinator.text_bridge import GameText, MoveRules, legal_actions
+from otray.types import SamplingParams
+
+GOMOKU_TEXT = GameText(render=gomoku.render_text, parse=lambda r: gomoku.parse_move(r, 5))
+
+
+def first_legal(obs, agent):
+    return legal_actions(obs)[0]
+
+
+def _gomoku():
+    return gomoku.env(size=5, win_length=4)
+
+
+def test_turn_order_zero_sum_and_reproducible_games():
+    pol = {"black": Policy("random"), "white": Policy("scripted", fn=first_legal)}
+    runs = [ProtocolCoordinator(_gomoku, GOMOKU_TEXT, pol).run(range(8)) for _ in range(2)]
+    assert [r.moves for r in runs[0]] == [r.moves for r in runs[1]]
+    for game in runs[0]:
+        assert game.error is None and sum(game.rewards.values()) == 0
+        agents = [a for a, _ in game.moves]
+        assert agents == ["black", "white"] * (len(agents) // 2) + ["black"] * (len(agents) % 2)  # AEC order
+        assert game.phases == len(game.moves)  # one decision per game per phase
+    assert len({tuple(g.moves) for g in runs[0]}) > 1
+
+
+def test_a_broken_scripted_policy_ends_only_its_game():
+    calls = []
+
+    def breaks_once(obs, agent):  # white's 6th decision overall: game 1 in the second white phase
+        calls.append(agent)
+        if len(calls) == 6:
+            raise RuntimeError("boom")
+        return legal_actions(obs)[0]
+
+    pol = {"black": Policy("random"), "white": Policy("scripted", fn=breaks_once)}
+    results = ProtocolCoordinator(_gomoku, GOMOKU_TEXT, pol).run(range(4))
+    assert [r.error is not None for r in results] == [False, True, False, False]
+    assert results[1].error.kind == "policy_exception" and "boom" in results[1].error.message
+    assert results[1].rewards == {"black": 0.0, "white": 0.0}
+    for r in (results[0], results[2], results[3]):  # the other games played to the end
+        assert sum(r.rewards.values()) == 0 and len(r.moves) > len(results[1].moves)
+
+
+@pytest.fixture(scope="module")
+def worker(tiny_path):
+    from otray.actors.rollout import RolloutWorker
+
+    return RolloutWorker(tiny_path, "hf", max_model_len=512, seed=0)
+
+
+def test_model_policy_trajectories_masks_and_private_observations(worker, tokenizer):
+    from pettingzoo.classic import tictactoe_v3
+
+    calls = []
+
+    def generate(prompts, params, n):
+        calls.append(len(prompts))
+        return worker.generate(prompts, params, n)
+
+    pol = {"player_1": Policy("model", generate=generate, params=SamplingParams(max_tokens=8, temperature=1.0)),
+           "player_2": Policy("random")}
+    coord = ProtocolCoordinator(tictactoe_v3.env, TTT_TEXT, pol, tokenizer, rules=MoveRules(max_retries=0),
+                                limits=Limits(max_turns=100, max_tokens_per_turn=8, max_tokens_per_episode=200,
+                                              max_model_len=512))
+    results = coord.run(range(6))
+    assert max(calls) > 1 and len(calls) < sum(len(r.trajectories["player_1"].messages) for r in results)  # batched
+    for game in results:
+        assert game.error is None and set(game.trajectories) == {"player_1"}
+        traj = game.trajectories["player_1"]
+        # mask 1 exactly on sampled tokens: the assistant turns, as sampled
+        sampled = [t for t, m in zip(traj.token_ids, traj.loss_mask) if m]
+        assert len(sampled) == traj.num_sampled > 0 and len(traj.logprobs) == len(traj.token_ids)
+        assert traj.reward == game.rewards["player_1"] and traj.agent_id == "player_1"
+        # it only ever saw its own view (X = its marks), never player_2's: before its k-th move
+        # the board shows k-1 of its marks as X
+        boards = [m["content"] for m in traj.messages if m["role"] == "user" and not m["content"].startswith("Invalid")]
+        before = [game.moves[: i] for i, (a, _) in enumerate(game.moves) if a == "player_1"]
+        for board, history in zip(boards, before):
+            grid = "\n".join(board.splitlines()[:3])
+            assert grid.count("X") == sum(a == "player_1" for a, _ in history)
+            assert grid.count("O") == sum(a == "player_2" for a, _ in history)
+    assert all(r.counts["player_2"]["illegal"] == 0 for r in results)  # random never errs
