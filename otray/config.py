@@ -170,6 +170,30 @@ class EnvSection:
 
 
 @dataclass
+class GameSection:
+    """A multi-agent PettingZoo game played through the ProtocolCoordinator (one per job).
+
+    ``policies`` maps every agent of the game to ``trained`` (the job's policy; two
+    trained agents share it: self-play), ``random`` or ``scripted:module:fn``
+    (``fn(observation, agent) -> action``). Each step plays ``algo.batch_size`` seeds
+    ``num_rollouts`` times; advantages are grouped by (seed, role).
+    """
+
+    entry: str = "???"  # "module:factory" of a PettingZoo AEC env, e.g. envs.gomoku:env
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    text: str = "???"  # "module:GameText", e.g. envs.tictactoe_text:TEXT
+    policies: dict[str, str] = field(default_factory=dict)
+    num_rollouts: int = 8
+    max_retries: int = 1
+    on_exhausted: str = "random"  # random | forfeit
+    temperature: float = 1.0
+    max_tokens_per_turn: int = 8
+    max_tokens_per_episode: int = 64
+    eval_opponent: str = "random"  # who the trained policy meets in evaluation, in every role
+    eval_games: int = 100  # per role
+
+
+@dataclass
 class LoggingSection:
     wandb: bool = False
     wandb_mode: str = "offline"  # offline | online (online needs WANDB_API_KEY and a network)
@@ -200,6 +224,7 @@ class Config:
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     logging: LoggingSection = field(default_factory=LoggingSection)
     envs: dict[str, EnvSection] = field(default_factory=dict)
+    game: Optional[GameSection] = None
 
 
 # --------------------------------------------------------------------------- validation
@@ -257,8 +282,20 @@ def _check_values(cfg: Config) -> None:
         if "train" not in cfg.sft.splits:
             raise ConfigError("job.kind=sft needs sft.splits.train (a chat dataset: rows with a 'messages' list); "
                               "give sft.splits.train.path or sft.dataset.builder")
+    elif cfg.game is not None:
+        if cfg.envs:
+            raise ConfigError("a job trains on 'envs' or on one 'game', not both (yet): remove one of them")
+        for key in ("entry", "text"):
+            if getattr(cfg.game, key) == "???":
+                raise ConfigError(f"game.{key} is missing: give an import path 'module:attr'")
+        one_of(cfg.game.on_exhausted, ("random", "forfeit"), "game.on_exhausted")
+        bad = {a: p for a, p in cfg.game.policies.items()
+               if not (p in ("trained", "random") or p.startswith("scripted:"))}
+        if bad or "trained" not in cfg.game.policies.values():
+            raise ConfigError(f"game.policies must map agents to trained | random | scripted:module:fn, with at "
+                              f"least one trained agent; got {dict(cfg.game.policies)}")
     elif not cfg.envs:
-        raise ConfigError("the config defines no environment: add at least one entry under 'envs'")
+        raise ConfigError("the config defines no environment: add at least one entry under 'envs' (or a 'game')")
     for name, env in cfg.envs.items():
         if env.entry == "???":
             raise ConfigError(f"envs.{name}.entry is missing: give an import path 'module:Class' or a registered name")

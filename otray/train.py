@@ -66,7 +66,8 @@ def run(cfg: config_mod.Config, job_dir: Path, *, placement_group: Any = None,
         row = {"step": 0, "phase": "init", **job.evaluate()}
         emit(row)
         summary["heldout_start"] = row.get("eval/accuracy", row.get("eval/sft_loss"))
-    steps, step_fn, phase = (cfg.sft.steps, job.sft_step, "sft") if sft_job else (cfg.algo.steps, job.rl_step, "grpo")
+    steps, step_fn, phase = ((cfg.sft.steps, job.sft_step, "sft") if sft_job else
+                             (cfg.algo.steps, job.games.step if job.games else job.rl_step, "grpo"))
     while job.step < steps:
         metrics = step_fn()
         last = job.step == steps

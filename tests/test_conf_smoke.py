@@ -20,6 +20,7 @@ SMOKE = {
     "calculator.yaml": ["algo.steps=2", "algo.batch_size=2", "eval.num_samples=4"],
     "math_code.yaml": ["algo.steps=2", "algo.batch_size=2", "eval.num_samples=2"],
     "multienv.yaml": ["algo.steps=2", "algo.batch_size=6", "eval.num_samples=3"],
+    "tictactoe_vs_random.yaml": ["algo.steps=2", "algo.batch_size=2", "game.num_rollouts=2", "game.eval_games=3"],
 }
 
 
@@ -36,6 +37,10 @@ def test_config_runs_two_steps(ray_local, tmp_path, name):
     summary = run(cfg, job_dir)
     rows = [json.loads(line) for line in (job_dir / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["step"] == 2 and summary["heldout_end"] is not None
+    if cfg.game is not None:  # win/draw/loss per role against the eval opponent
+        for role in ("player_1", "player_2"):
+            assert f"eval/{role}_vs_random/win_rate" in rows[-1]
+        assert rows[-1]["games"] == 4 and "learner/loss" in rows[-1]
     if len(cfg.envs) > 1:  # every metric per env and overall
         for env in cfg.envs:
             assert f"eval/{env}/reward_mean" in rows[-1] and f"eval/{env}/turns_mean" in rows[-1]

@@ -126,7 +126,7 @@ class TrainJob:
                        for name, e in cfg.envs.items()}
         self.mixture = (Mixture({n: s["train"] for n, s in self.splits.items()},
                                 {n: e.weight for n, e in cfg.envs.items()}, seed=cfg.job.seed)
-                        if cfg.job.kind == "rl" else None)
+                        if cfg.job.kind == "rl" and cfg.envs else None)
         # chat data: the whole of an SFT job, or an RL job's warm-up data when sft.splits.train is given
         self.chat = (load_splits("sft", cfg.sft.dataset, cfg.sft.splits, cfg.job.seed, "sft")
                      if "train" in cfg.sft.splits else {})
@@ -151,6 +151,9 @@ class TrainJob:
         self.weights_synced = True  # False after optimizer steps that the workers have not seen
         self.first_rollout_at: float | None = None  # wall clock (time.time) of the first rollout
         self.generate_s = 0.0  # time in generate calls, summed; rl_step reports its share
+        from otray.actors.games import GameTrainer
+
+        self.games = GameTrainer(self) if cfg.game is not None else None  # multi-agent game jobs
         self.startup_s = time.perf_counter() - t0
         log(f"job ready in {self.startup_s:.1f}s: model {self.model_path}, backend {self.worker_info['backend']}, "
             f"{len(workers)} rollout worker(s)")
@@ -202,8 +205,6 @@ class TrainJob:
     # ------------------------------------------------------------------ one RL step
 
     def rl_step(self) -> dict[str, Any]:
-        import ray
-
         cfg, algo, t0 = self.cfg, self.cfg.algo, time.perf_counter()
         gen0 = self.generate_s
         tasks = self.mixture.sample(algo.batch_size)                                   # 1. tasks
@@ -216,16 +217,7 @@ class TrainJob:
         for g in kept:                                                                 # 5. advantages
             trajs.extend(g.trajectories)
             advantages.extend(adv.compute(algo.advantage, g.rewards))
-        datums = build_datums(trajs, advantages)
-        fb, opt, sync_s, t_learn = {}, {}, 0.0, time.perf_counter()
-        if datums:                                                                     # 6. learn
-            fb = ray.get(self.learner.forward_backward.remote(
-                datums, algo.loss_fn, algo.loss_fn_config, algo.aggregation))
-            opt = ray.get(self.learner.optim_step.remote(
-                algo.learning_rate, tuple(algo.betas), 1e-8, algo.weight_decay, algo.grad_clip))
-        learn_s = time.perf_counter() - t_learn
-        if datums:
-            sync_s = self.sync_weights()                                               # 7. push weights
+        learned = self.learn(build_datums(trajs, advantages))                         # 6-7. learn, push weights
         self.step += 1
         all_trajs = [t for g in groups for t in g.trajectories]                        # 8. metrics
         sampled = sum(t.num_sampled for t in all_trajs)
@@ -240,9 +232,24 @@ class TrainJob:
                 **{k: v for k, v in episode_metrics(all_trajs, "").items() if k != "reward_mean"},
                 "groups_kept": len(kept), "groups_dropped_uniform": sum(len(set(g.rewards)) == 1 for g in groups),
                 "groups_dropped_failing": sum(g.num_failed > cfg.envs[g.task.env].max_failing_rollouts for g in groups),
-                "tokens_per_s": sampled / max(t_gen, 1e-9), "rollout_s": t_gen, "generate_s": self.generate_s - gen0, "learn_s": learn_s,
-                "sync_s": sync_s, "step_s": time.perf_counter() - t0,
-                **{f"learner/{k}": v for k, v in {**fb, **opt}.items()}}
+                "tokens_per_s": sampled / max(t_gen, 1e-9), "rollout_s": t_gen, "generate_s": self.generate_s - gen0,
+                "step_s": time.perf_counter() - t0, **learned}
+
+    def learn(self, datums: list) -> dict[str, Any]:
+        """forward_backward + optim_step with the RL loss on ``datums``, then push the weights.
+        Returns ``learn_s``, ``sync_s`` and the learner's metrics (``learner/...``)."""
+        import ray
+
+        algo, fb, opt, sync_s, t0 = self.cfg.algo, {}, {}, 0.0, time.perf_counter()
+        if datums:
+            fb = ray.get(self.learner.forward_backward.remote(
+                datums, algo.loss_fn, algo.loss_fn_config, algo.aggregation))
+            opt = ray.get(self.learner.optim_step.remote(
+                algo.learning_rate, tuple(algo.betas), 1e-8, algo.weight_decay, algo.grad_clip))
+        learn_s = time.perf_counter() - t0
+        if datums:
+            sync_s = self.sync_weights()
+        return {"learn_s": learn_s, "sync_s": sync_s, **{f"learner/{k}": v for k, v in {**fb, **opt}.items()}}
 
     # ------------------------------------------------------------------ SFT warm-up and evaluation
 
@@ -352,6 +359,8 @@ class TrainJob:
             return out
         if not self.weights_synced:
             self.sync_weights()
+        if self.games is not None:
+            out.update(self.games.evaluate(greedy=ev.greedy))
         tasks = [t for splits in self.splits.values() if ev.split in splits
                  for t in splits[ev.split].tasks[: ev.num_samples]]
         groups = self.rollout(tasks, n=1, greedy=ev.greedy) if tasks else []  # every env in one loop
@@ -409,14 +418,22 @@ class TrainJob:
         return self.step
 
     def data_state(self) -> dict[str, Any]:
-        """Where the job is in its data: the env mixture (RL) or the chat train split (SFT)."""
-        return ({"mixture": self.mixture.state()} if self.mixture is not None
-                else {"sft_position": list(self.chat["train"].position)})
+        """Where the job is in its data: the env mixture, the next game seed, the chat train split."""
+        state: dict[str, Any] = {}
+        if self.mixture is not None:
+            state["mixture"] = self.mixture.state()
+        if self.games is not None:
+            state["game_seed"] = self.games.next_seed
+        if self.cfg.job.kind == "sft":
+            state["sft_position"] = list(self.chat["train"].position)
+        return state
 
     def load_data_state(self, state: dict[str, Any]) -> None:
-        if self.mixture is not None:
+        if "mixture" in state:
             self.mixture.load_state(state["mixture"])
-        else:
+        if "game_seed" in state:
+            self.games.next_seed = state["game_seed"]
+        if "sft_position" in state:
             self.chat["train"].seek(tuple(state["sft_position"]))
 
     def write_metrics(self, row: dict[str, Any]) -> None:
