@@ -222,9 +222,7 @@ class TrainJob(SFTMixin):
             mine = [t for g in groups if g.task.env == name for t in g.trajectories]
             if mine:
                 per_env.update(episode_metrics(mine, f"env/{name}/"))
-        return {"step": self.step, "batch": batch_digest(tasks),
-                "reward_mean": statistics.fmean(t.reward for t in all_trajs), **per_env,
-                **{k: v for k, v in episode_metrics(all_trajs, "").items() if k != "reward_mean"},
+        return {"step": self.step, "batch": batch_digest(tasks), **episode_metrics(all_trajs, ""), **per_env,
                 "groups_kept": len(kept), "groups_dropped_uniform": sum(len(set(g.rewards)) == 1 for g in groups),
                 "groups_dropped_failing": sum(g.num_failed > cfg.envs[g.task.env].max_failing_rollouts for g in groups),
                 "tokens_per_s": sampled / max(t_gen, 1e-9), "rollout_s": t_gen, "generate_s": self.generate_s - gen0,
