@@ -171,26 +171,61 @@ class EnvSection:
 
 @dataclass
 class GameSection:
-    """A multi-agent PettingZoo game played through the ProtocolCoordinator (one per job).
+    """A multi-agent PettingZoo game (AEC or Parallel) played through the ProtocolCoordinator.
 
-    ``policies`` maps every agent of the game to ``trained`` (the job's policy; two
-    trained agents share it: self-play), ``random`` or ``scripted:module:fn``
-    (``fn(observation, agent) -> action``). Each step plays ``algo.batch_size`` seeds
-    ``num_rollouts`` times; advantages are grouped by (seed, role).
+    ``policies`` maps every agent of the game to a policy:
+
+    - ``trained`` or ``trained:NAME``: a policy this job trains. Agents with the same
+      name share it (self-play); each distinct name has its own learner and rollout
+      workers (``resources`` and ``rollout.num_workers`` are per trained policy), and
+      all of them update in the same synchronized step.
+    - ``frozen:REF``: a fixed model on its own rollout worker; REF is ``JOB_ID[:STEP]``
+      (a checkpoint registered with the ResourceManager), a checkpoint directory, or a
+      Hugging Face model directory.
+    - ``random`` (a uniformly random legal move) or ``scripted:module:fn``
+      (``fn(observation, agent) -> action``).
+
+    Each step plays ``algo.batch_size`` seeds ``num_rollouts`` times (with
+    ``rotate_seats``, once per cyclic rotation of the seating as well, so a policy
+    trains in every role); advantages are grouped by (seed, seating, role).
+    ``text`` is a ``GameText`` or a function of ``kwargs`` returning one.
     """
 
-    entry: str = "???"  # "module:factory" of a PettingZoo AEC env, e.g. envs.gomoku:env
+    entry: str = "???"  # "module:factory" of a PettingZoo AEC or Parallel env, e.g. envs.gomoku:env
     kwargs: dict[str, Any] = field(default_factory=dict)
-    text: str = "???"  # "module:GameText", e.g. envs.tictactoe_text:TEXT
+    text: str = "???"  # "module:GameText" (or a function of kwargs), e.g. envs.tictactoe_text:TEXT
     policies: dict[str, str] = field(default_factory=dict)
+    rotate_seats: bool = False
     num_rollouts: int = 8
     max_retries: int = 1
     on_exhausted: str = "random"  # random | forfeit
     temperature: float = 1.0
     max_tokens_per_turn: int = 8
     max_tokens_per_episode: int = 64
-    eval_opponent: str = "random"  # who the trained policy meets in evaluation, in every role
-    eval_games: int = 100  # per role
+    # whom each trained policy meets in evaluation (in every role): random | scripted:... | frozen:...
+    eval_opponents: list[str] = field(default_factory=lambda: ["random"])
+    eval_games: int = 100  # per role and opponent
+
+
+def policy_name(spec: str) -> str:
+    """The key that identifies a policy spec: ``trained`` and ``trained:main`` are one policy."""
+    return "trained:main" if spec == "trained" else spec
+
+
+def trained_policies(cfg: "Config") -> list[str]:
+    """Names of the game's trained policies, in the order they first appear (the first is the job's own)."""
+    if cfg.game is None:
+        return ["main"]
+    names = [policy_name(p).split(":", 1)[1] for p in cfg.game.policies.values() if policy_name(p).startswith("trained:")]
+    return list(dict.fromkeys(names))
+
+
+def frozen_policies(cfg: "Config") -> list[str]:
+    """The game's ``frozen:REF`` specs (seats and eval opponents), each once."""
+    if cfg.game is None:
+        return []
+    specs = [*cfg.game.policies.values(), *cfg.game.eval_opponents]
+    return list(dict.fromkeys(p for p in specs if p.startswith("frozen:")))
 
 
 @dataclass
@@ -289,11 +324,23 @@ def _check_values(cfg: Config) -> None:
             if getattr(cfg.game, key) == "???":
                 raise ConfigError(f"game.{key} is missing: give an import path 'module:attr'")
         one_of(cfg.game.on_exhausted, ("random", "forfeit"), "game.on_exhausted")
-        bad = {a: p for a, p in cfg.game.policies.items()
-               if not (p in ("trained", "random") or p.startswith("scripted:"))}
-        if bad or "trained" not in cfg.game.policies.values():
-            raise ConfigError(f"game.policies must map agents to trained | random | scripted:module:fn, with at "
-                              f"least one trained agent; got {dict(cfg.game.policies)}")
+        def known(p: str) -> bool:
+            kind, _, arg = p.partition(":")
+            return p in ("trained", "random") or (kind in ("trained", "frozen", "scripted") and bool(arg))
+
+        bad = {a: p for a, p in cfg.game.policies.items() if not known(p)}
+        if bad or not any(policy_name(p).startswith("trained:") for p in cfg.game.policies.values()):
+            raise ConfigError(f"game.policies must map agents to trained[:NAME] | frozen:REF | random | "
+                              f"scripted:module:fn, with at least one trained agent; got {dict(cfg.game.policies)}")
+        bad = [p for p in cfg.game.eval_opponents if not known(p) or p.startswith("trained")]
+        if bad:
+            raise ConfigError(f"game.eval_opponents takes random | scripted:module:fn | frozen:REF; got {bad}")
+        if "train" in cfg.sft.splits and len(trained_policies(cfg)) > 1:
+            raise ConfigError("an SFT warm-up trains the job's first policy only; with several trained policies "
+                              f"({', '.join(trained_policies(cfg))}) drop sft.splits.train or train one policy")
+        if cfg.sft.stop_at_accuracy is not None:
+            raise ConfigError("sft.stop_at_accuracy needs an env to measure accuracy on; a game job's SFT warm-up "
+                              "runs sft.steps steps: remove sft.stop_at_accuracy")
     elif not cfg.envs:
         raise ConfigError("the config defines no environment: add at least one entry under 'envs' (or a 'game')")
     for name, env in cfg.envs.items():

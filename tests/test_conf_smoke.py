@@ -20,7 +20,8 @@ SMOKE = {
     "calculator.yaml": ["algo.steps=2", "algo.batch_size=2", "eval.num_samples=4"],
     "math_code.yaml": ["algo.steps=2", "algo.batch_size=2", "eval.num_samples=2"],
     "multienv.yaml": ["algo.steps=2", "algo.batch_size=6", "eval.num_samples=3"],
-    "tictactoe_vs_random.yaml": ["algo.steps=2", "algo.batch_size=2", "game.num_rollouts=2", "game.eval_games=3"],
+    "tictactoe_vs_random.yaml": ["algo.steps=2", "algo.batch_size=2", "game.num_rollouts=2", "game.eval_games=3",
+                                 "sft.steps=2", "sft.batch_size=4"],
 }
 
 

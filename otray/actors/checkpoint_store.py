@@ -19,6 +19,7 @@ import re
 import shutil
 import tarfile
 from pathlib import Path
+from typing import Any
 
 from otray.types import ModelLoadError
 
@@ -31,6 +32,52 @@ def parse_ref(ref: str) -> tuple[str, int | None] | None:
     if m is None:
         return None
     return m["job"], int(m["step"]) if m["step"] is not None else None
+
+
+def registered_refs(cfg: Any) -> list[str]:
+    """The ``JOB_ID[:STEP]`` checkpoints a config names: ``checkpoint.resume_from`` and ``frozen:`` policies."""
+    from otray.config import frozen_policies
+
+    refs = [cfg.checkpoint.resume_from or ""] + [spec.split(":", 1)[1] for spec in frozen_policies(cfg)]
+    return list(dict.fromkeys(r for r in refs if r and parse_ref(r) is not None))
+
+
+def pin_refs(cfg: Any, pinned: dict[str, str]) -> None:
+    """Rewrite the config's checkpoint refs (``JOB_ID`` -> ``JOB_ID:STEP``) in place."""
+    if cfg.checkpoint.resume_from in pinned:
+        cfg.checkpoint.resume_from = pinned[cfg.checkpoint.resume_from]
+    if cfg.game is not None:
+        def pin(spec: str) -> str:
+            kind, _, ref = spec.partition(":")
+            return f"frozen:{pinned[ref]}" if kind == "frozen" and ref in pinned else spec
+
+        cfg.game.policies = {a: pin(p) for a, p in cfg.game.policies.items()}
+        cfg.game.eval_opponents = [pin(p) for p in cfg.game.eval_opponents]
+
+
+def fetched_dir(job_dir: str | Path, ref: str) -> Path:
+    """Where a job keeps a registered checkpoint it fetched: ``<job dir>/fetched/<JOB_ID>-step-N``."""
+    src, step = parse_ref(ref)
+    return Path(job_dir) / "fetched" / f"{src}-step-{step:06d}"
+
+
+def frozen_model_dir(ref: str, job_dir: str | Path) -> str:
+    """The model directory of a ``frozen:REF`` policy: a fetched registered checkpoint, a checkpoint
+    directory (its ``model/``), or a model directory (has ``config.json``)."""
+    if parse_ref(ref) is not None:
+        if parse_ref(ref)[1] is None or not fetched_dir(job_dir, ref).exists():
+            raise ModelLoadError(f"frozen:{ref} names a registered checkpoint, which only a job submitted to the "
+                                 "ResourceManager (otray train, client.submit) can fetch; give a directory instead")
+        ref = str(fetched_dir(job_dir, ref))
+    path = Path(ref)
+    for candidate in (path / "model", path):
+        if (candidate / "adapter_config.json").exists():
+            raise ModelLoadError(f"frozen:{ref} is a LoRA adapter; frozen policies need full weights for now "
+                                 "(train the opponent with model.lora.rank=0, or serve the adapter with otray serve)")
+        if (candidate / "config.json").exists():
+            return str(candidate)
+    raise ModelLoadError(f"frozen:{ref}: no model there (looked for {path}/model/config.json and "
+                         f"{path}/config.json); give a checkpoint directory like <job dir>/checkpoints/step-000010")
 
 
 def pack_dir(path: str | Path) -> bytes:

@@ -101,14 +101,15 @@ def threads_env(num_threads: int | None) -> dict[str, Any]:
 
 
 class TrainJob(SFTMixin):
-    """Bundle layout in a job's placement group: 0 = learner (and the job driver), 1+i = rollout worker i."""
+    """Bundle layout in a job's placement group: 0 = learner (and the job driver), 1+i = rollout worker i;
+    a game with more trained policies repeats that block per policy, then one bundle per frozen policy
+    (``otray.actors.resource_manager.bundles_for``)."""
 
     def __init__(self, cfg: Config, job_dir: str | Path, *, log: Callable[[str], None] = print,
                  placement_group: Any = None):
         import ray
 
-        from otray.actors.learner import PolicyLearner
-        from otray.actors.rollout import RolloutFleet, RolloutWorker, wait_ready
+        from otray.actors.rollout import RolloutFleet, wait_ready
 
         self.cfg, self.log = cfg, log
         self.dir = Path(job_dir)
@@ -125,17 +126,9 @@ class TrainJob(SFTMixin):
         # chat data: the whole of an SFT job, or an RL job's warm-up data when sft.splits.train is given
         self.chat = (load_splits("sft", cfg.sft.dataset, cfg.sft.splits, cfg.job.seed, "sft")
                      if "train" in cfg.sft.splits else {})
-        res, lora = cfg.resources, cfg.model.lora
-        self.learner = ray.remote(num_cpus=res.learner_cpus, num_gpus=res.learner_gpus)(PolicyLearner).options(
-            **in_bundle(placement_group, 0), **threads_env(res.learner_threads)).remote(
-            self.model_path, lora=to_dict(cfg)["model"]["lora"], dtype=cfg.model.dtype,
-            micro_batch_tokens=cfg.algo.micro_batch_tokens, seed=cfg.job.seed, num_threads=res.learner_threads)
-        workers = [ray.remote(num_cpus=res.rollout_cpus, num_gpus=res.rollout_gpus)(RolloutWorker).options(
-            **in_bundle(placement_group, 1 + i), **threads_env(res.rollout_threads)).remote(
-            self.model_path, cfg.rollout.backend, num_threads=res.rollout_threads, dtype=cfg.model.dtype,
-            max_model_len=cfg.rollout.max_model_len, seed=cfg.job.seed + i, max_lora_rank=lora.rank,
-            kv_cache_gb=cfg.rollout.kv_cache_gb, max_batch=cfg.rollout.max_batch)
-            for i in range(num_rollout_workers(cfg))]
+        self.placement_group = placement_group
+        self.learner = self.make_learner(0)
+        workers = self.make_workers(1, num_rollout_workers(cfg), self.model_path)
         self.fleet = RolloutFleet(workers) if workers else None
         wait_ready([self.learner, *workers])
         infos = ray.get([w.info.remote() for w in workers])
@@ -152,6 +145,31 @@ class TrainJob(SFTMixin):
         self.startup_s = time.perf_counter() - t0
         log(f"job ready in {self.startup_s:.1f}s: model {self.model_path}, backend {self.worker_info['backend']}, "
             f"{len(workers)} rollout worker(s)")
+
+    def make_learner(self, bundle: int) -> Any:
+        """A PolicyLearner for this job's model in placement-group bundle ``bundle``."""
+        import ray
+
+        from otray.actors.learner import PolicyLearner
+
+        cfg, res = self.cfg, self.cfg.resources
+        return ray.remote(num_cpus=res.learner_cpus, num_gpus=res.learner_gpus)(PolicyLearner).options(
+            **in_bundle(self.placement_group, bundle), **threads_env(res.learner_threads)).remote(
+            self.model_path, lora=to_dict(cfg)["model"]["lora"], dtype=cfg.model.dtype,
+            micro_batch_tokens=cfg.algo.micro_batch_tokens, seed=cfg.job.seed, num_threads=res.learner_threads)
+
+    def make_workers(self, first_bundle: int, n: int, model_path: str) -> list[Any]:
+        """``n`` RolloutWorkers serving ``model_path``, in bundles ``first_bundle``, ``first_bundle + 1``, ..."""
+        import ray
+
+        from otray.actors.rollout import RolloutWorker
+
+        cfg, res = self.cfg, self.cfg.resources
+        return [ray.remote(num_cpus=res.rollout_cpus, num_gpus=res.rollout_gpus)(RolloutWorker).options(
+            **in_bundle(self.placement_group, first_bundle + i), **threads_env(res.rollout_threads)).remote(
+            model_path, cfg.rollout.backend, num_threads=res.rollout_threads, dtype=cfg.model.dtype,
+            max_model_len=cfg.rollout.max_model_len, seed=cfg.job.seed + i, max_lora_rank=cfg.model.lora.rank,
+            kv_cache_gb=cfg.rollout.kv_cache_gb, max_batch=cfg.rollout.max_batch) for i in range(n)]
 
     # ------------------------------------------------------------------ rollouts
 
@@ -189,12 +207,14 @@ class TrainJob(SFTMixin):
                 groups.append(TrajectoryGroup(t, members))
         return groups
 
-    def sync_weights(self) -> float:
-        """Push the learner's weights to every rollout worker through the object store."""
+    def sync_weights(self, learner: Any = None, fleet: Any = None) -> float:
+        """Push a learner's weights (default: the job's) to its rollout workers through the object store."""
         t0 = time.perf_counter()
-        if self.fleet is not None:
-            self.fleet.update_weights(self.learner.weights.remote())
-        self.weights_synced = True
+        learner, fleet = learner or self.learner, fleet or self.fleet
+        if fleet is not None:
+            fleet.update_weights(learner.weights.remote())
+        if learner is self.learner:
+            self.weights_synced = True
         return time.perf_counter() - t0
 
     # ------------------------------------------------------------------ one RL step
@@ -228,20 +248,22 @@ class TrainJob(SFTMixin):
                 "tokens_per_s": sampled / max(t_gen, 1e-9), "rollout_s": t_gen, "generate_s": self.generate_s - gen0,
                 "step_s": time.perf_counter() - t0, **learned}
 
-    def learn(self, datums: list) -> dict[str, Any]:
-        """forward_backward + optim_step with the RL loss on ``datums``, then push the weights.
+    def learn(self, datums: list, learner: Any = None, fleet: Any = None) -> dict[str, Any]:
+        """forward_backward + optim_step with the RL loss on ``datums``, then push the weights
+        (of the job's learner, or of ``learner`` to ``fleet`` for a game's other trained policies).
         Returns ``learn_s``, ``sync_s`` and the learner's metrics (``learner/...``)."""
         import ray
 
+        learner = learner or self.learner
         algo, fb, opt, sync_s, t0 = self.cfg.algo, {}, {}, 0.0, time.perf_counter()
         if datums:
-            fb = ray.get(self.learner.forward_backward.remote(
+            fb = ray.get(learner.forward_backward.remote(
                 datums, algo.loss_fn, algo.loss_fn_config, algo.aggregation))
-            opt = ray.get(self.learner.optim_step.remote(
+            opt = ray.get(learner.optim_step.remote(
                 algo.learning_rate, tuple(algo.betas), 1e-8, algo.weight_decay, algo.grad_clip))
         learn_s = time.perf_counter() - t0
         if datums:
-            sync_s = self.sync_weights()
+            sync_s = self.sync_weights(learner, fleet)
         return {"learn_s": learn_s, "sync_s": sync_s, **{f"learner/{k}": v for k, v in {**fb, **opt}.items()}}
 
     # ------------------------------------------------------------------ evaluation
@@ -301,6 +323,8 @@ class TrainJob(SFTMixin):
         extra = {"job_step": self.step, "data": self.data_state()}
         ray.get(self.learner.save_state.remote(str(path / "state"), extra))
         ray.get(self.learner.export.remote(str(path / "model")))
+        if self.games is not None:
+            self.games.save(path)
         self.log(f"  checkpoint: {path}")
         return str(path)
 
@@ -318,6 +342,8 @@ class TrainJob(SFTMixin):
         self.step = meta["extra_state"]["job_step"]
         self.load_data_state(meta["extra_state"]["data"])
         self.sync_weights()
+        if self.games is not None:
+            self.games.load(Path(path))
         self.log(f"resumed from {path} at step {self.step}")
         return self.step
 

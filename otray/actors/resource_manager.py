@@ -24,7 +24,8 @@ from typing import Any
 import ray
 
 from otray import config as config_mod
-from otray.actors.checkpoint_store import CheckpointStore, pack_dir, parse_ref, unpack_dir
+from otray.actors.checkpoint_store import (CheckpointStore, fetched_dir, pack_dir, parse_ref, pin_refs,
+                                          registered_refs, unpack_dir)
 from otray.actors.registry import AuthError, JobRecord, JobState, Registry
 from otray.types import ConfigError
 
@@ -40,8 +41,11 @@ def bundles_for(cfg: config_mod.Config) -> list[dict[str, float]]:
     def bundle(cpus: float, gpus: float) -> dict[str, float]:
         return {"CPU": cpus, **({"GPU": gpus} if gpus else {})}
 
-    return [bundle(res.learner_cpus, res.learner_gpus)] + [
+    policy = [bundle(res.learner_cpus, res.learner_gpus)] + [
         bundle(res.rollout_cpus, res.rollout_gpus) for _ in range(config_mod.num_rollout_workers(cfg))]
+    # a game's further trained policies: the same block each; a frozen policy: one rollout bundle each
+    return (policy * len(config_mod.trained_policies(cfg))
+            + [bundle(res.rollout_cpus, res.rollout_gpus) for _ in config_mod.frozen_policies(cfg)])
 
 
 def missing_resources(bundles: list[dict[str, float]], strategy: str) -> list[str]:
@@ -83,10 +87,11 @@ class JobDriver:
         from otray.train import run
 
         rm = ray.get_actor(NAME, namespace=NAMESPACE)
-        ref = self.cfg.checkpoint.resume_from
-        if ref and parse_ref(ref) is not None:  # a registered checkpoint: fetch it through Ray
-            step, blob = ray.get(rm.resume_blob.remote(self.job_id))
-            self.cfg.checkpoint.resume_from = str(unpack_dir(blob, self.job_dir / "resumed" / f"step-{step:06d}"))
+        for ref in registered_refs(self.cfg):  # registered checkpoints (pinned at submit): fetch them through Ray
+            step, blob = ray.get(rm.ref_blob.remote(self.job_id, ref))
+            local = unpack_dir(blob, fetched_dir(self.job_dir, ref))
+            if ref == self.cfg.checkpoint.resume_from:
+                self.cfg.checkpoint.resume_from = str(local)
         return run(self.cfg, self.job_dir, placement_group=get_current_placement_group(),
                    report=lambda row: rm.report.remote(self.job_id, row),
                    on_checkpoint=lambda step, path: ray.get(rm.put_checkpoint.remote(self.job_id, step, pack_dir(path))))
@@ -132,15 +137,16 @@ class ResourceManager:
     async def submit(self, cfg_dict: dict[str, Any], api_key: str | None = None) -> str:
         owner, _ = self._caller(api_key)
         cfg = config_mod.load(cfg_dict)
-        ref = cfg.checkpoint.resume_from
-        if ref and parse_ref(ref) is not None:  # JOB_ID[:STEP] -> pinned to a step the caller may read
+        pinned = {}
+        for ref in registered_refs(cfg):  # JOB_ID[:STEP] -> pinned to a step the caller may read
             src, step = parse_ref(ref)
             try:
                 self._own(src, api_key)
                 step, _ = self.registry.checkpoint(src, step)
             except KeyError as e:
-                raise ConfigError(f"checkpoint.resume_from={ref!r}: {e.args[0]}") from None
-            cfg.checkpoint.resume_from = f"{src}:{step}"
+                raise ConfigError(f"checkpoint {ref!r}: {e.args[0]}") from None
+            pinned[ref] = f"{src}:{step}"
+        pin_refs(cfg, pinned)
         problems = missing_resources(bundles_for(cfg), cfg.resources.strategy)
         if problems:
             raise ConfigError("this job can never fit the cluster: " + "; ".join(problems) +
@@ -190,9 +196,12 @@ class ResourceManager:
         step, path = self.registry.checkpoint(job_id, step)
         return step, self.store.get(path)
 
-    async def resume_blob(self, job_id: str) -> tuple[int, bytes]:
-        """The checkpoint that job ``job_id`` resumes from, checked against its owner at submit."""
-        src, step = parse_ref(self.registry.job(job_id).config["checkpoint"]["resume_from"])
+    async def ref_blob(self, job_id: str, ref: str) -> tuple[int, bytes]:
+        """A checkpoint that job ``job_id``'s config names (resume_from, frozen policies); the caller's
+        right to read it was checked at submit, so only refs in the job's own config are served."""
+        if ref not in registered_refs(config_mod.load(self.registry.job(job_id).config)):
+            raise AuthError(f"job {job_id}'s config does not name checkpoint {ref!r}")
+        src, step = parse_ref(ref)
         step, path = self.registry.checkpoint(src, step)
         return step, self.store.get(path)
 

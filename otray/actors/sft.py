@@ -92,16 +92,18 @@ class SFTMixin:
 
     def sft_warmup(self) -> dict[str, float]:
         sft = self.cfg.sft
-        env_name = sft.env or next(iter(self.cfg.envs))
-        source = TaskSource(self.splits[env_name]["train"].tasks, seed=self.cfg.job.seed + 1)
-        probe = source.tasks[: sft.check_samples]  # fixed training tasks for the early stop
+        source = probe = None
+        if self.cfg.envs:  # a game job warms up on chat data only, without the accuracy check
+            env_name = sft.env or next(iter(self.cfg.envs))
+            source = TaskSource(self.splits[env_name]["train"].tasks, seed=self.cfg.job.seed + 1)
+            probe = source.tasks[: sft.check_samples]  # fixed training tasks for the early stop
         t0, losses, train_acc, steps = time.perf_counter(), [], None, 0
         for steps in range(1, sft.steps + 1):
             batch = (self.chat_batch(self.chat["train"].sample(sft.batch_size)) if self.chat  # chat demonstrations
                      else self.sft_batch(source.sample(sft.batch_size)))  # the env's prompts + completion_field
             fb = self.sft_update(batch, self.sft_lr(steps))
             losses.append(fb["loss"])
-            if sft.stop_at_accuracy is not None and steps % sft.check_every == 0:
+            if sft.stop_at_accuracy is not None and probe and steps % sft.check_every == 0:
                 self.sync_weights()
                 train_acc = self.accuracy(probe)
                 self.log(f"  sft {steps}/{sft.steps}: loss {statistics.fmean(losses[-20:]):.3f}, "

@@ -1,11 +1,13 @@
-"""ProtocolCoordinator: phase-synchronized multi-agent games over PettingZoo AEC envs.
+"""ProtocolCoordinator: phase-synchronized multi-agent games over PettingZoo envs.
 
-G games run at once. A *phase* is one synchronized tick over all live games: in
-each, the agent whose turn it is has a pending decision; decisions are grouped by
-policy; every model policy answers its whole group with **one** batched generate
-call, scripted and random policies answer directly; every reply is applied through
-the game's :class:`~otray.coordinator.text_bridge.TextBridge` (parsing, the
-illegal-move rule). Phases repeat until every game has ended.
+G games run at once. A *phase* is one synchronized tick over all live games: in an
+``AECEnv`` the agent whose turn it is has a pending decision, in a ``ParallelEnv``
+every live agent that has not chosen yet this round (so all of them act in the same
+phase); decisions are grouped by policy; every model policy answers its whole group
+with **one** batched generate call, scripted and random policies answer directly;
+every reply is applied through the game's bridge
+(:mod:`otray.coordinator.text_bridge`: parsing, the illegal-move rule). Phases
+repeat until every game has ended.
 
 Policies (:class:`Policy`): ``model`` (a generate function: a trained policy's
 rollout fleet or a frozen checkpoint's), ``scripted`` (``fn(observation, agent) ->
@@ -15,8 +17,11 @@ them: its prompt and every later observation are mask 0, only the tokens it
 sampled are mask 1 (with the sampler's logprobs); it never sees another agent's
 observation. Its reward is its PettingZoo reward for the game.
 
-Status: the coordinator class, tested without Ray on Gomoku and tic-tac-toe; the
-actor wrapper, training modes and configs are the next step (NOTES.md).
+``policies`` is either keyed by agent (every game seats the same policies) or a
+library keyed by policy name, with a *seating* (agent -> policy name) per game given
+to :meth:`ProtocolCoordinator.run`. The class is plain Python; game jobs run it as a
+Ray actor (``ray.remote(ProtocolCoordinator)``, see ``otray/actors/games.py``), so the
+games' envs live in the coordinator's process and only dataclasses cross.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from otray.coordinator.agent_loop import ChatContinuation, GenerateFn, Limits
-from otray.coordinator.text_bridge import Decision, GameText, MoveRules, TextBridge, legal_actions
+from otray.coordinator.text_bridge import Bridge, Decision, GameText, MoveRules, bridge_for
 from otray.models import chat_prompt_ids
 from otray.types import ErrorRecord, FinishReason, SamplingParams, Task, Trajectory
 
@@ -63,6 +68,21 @@ class GameResult:
     counts: dict[str, dict[str, int]]  # per agent: illegal, random_moves, forfeits
     phases: int
     error: ErrorRecord | None = None
+    seating: dict[str, str] = field(default_factory=dict)  # agent -> policy name
+
+
+@dataclass
+class Played:
+    """One :meth:`ProtocolCoordinator.play`: the games and where the time went."""
+
+    results: list[GameResult]
+    elapsed_s: float
+    generate_s: float
+    generate_calls: int
+
+    @property
+    def share_outside_generate(self) -> float:
+        return (self.elapsed_s - self.generate_s) / max(self.elapsed_s, 1e-9)
 
 
 @dataclass
@@ -75,22 +95,15 @@ class _Seat:
 
 
 class _Game:
-    def __init__(self, seed: int, env: Any, bridge: TextBridge):
-        self.seed, self.env, self.bridge = seed, env, bridge
+    def __init__(self, seed: int, env: Any, bridge: Bridge, seating: dict[str, str]):
+        self.seed, self.env, self.bridge, self.seating = seed, env, bridge, seating
         self.seats: dict[str, _Seat] = {}
         self.moves: list[tuple[str, int]] = []
         self.error: ErrorRecord | None = None
         self.phases = 0
 
-    def skip_dead(self) -> None:
-        """Step terminated agents out (PettingZoo's ``step(None)`` for the dead)."""
-        env = self.env
-        while env.agents and (env.terminations[env.agent_selection] or env.truncations[env.agent_selection]):
-            env.step(None)
-
-    @property
-    def over(self) -> bool:
-        return self.error is not None or self.bridge.forfeited is not None or not self.env.agents
+    def waiting(self) -> list[str]:
+        return [] if self.error is not None else self.bridge.waiting()
 
 
 class ProtocolCoordinator:
@@ -110,42 +123,49 @@ class ProtocolCoordinator:
 
     # ------------------------------------------------------------------ the phase loop
 
-    def run(self, seeds: Sequence[int]) -> list[GameResult]:
+    def ping(self) -> bool:
+        return True
+
+    def run(self, seeds: Sequence[int], seating: dict[str, str] | Sequence[dict[str, str]] | None = None
+            ) -> list[GameResult]:
+        """Play one game per seed. ``seating``: agent -> policy name, for all games or one per game;
+        None when ``policies`` is keyed by agent."""
+        seatings = list(seating) if isinstance(seating, (list, tuple)) else [seating] * len(seeds)
+        if len(seatings) != len(seeds):
+            raise ValueError(f"{len(seeds)} seeds but {len(seatings)} seatings")
         games = []
-        for seed in seeds:
+        for seed, seats in zip(seeds, seatings):
             env = self.make_env()
-            env.reset(seed=seed)
-            missing = set(env.possible_agents) - set(self.policies)
+            seats = dict(seats) if seats is not None else {a: a for a in env.possible_agents}
+            missing = sorted(a for a in env.possible_agents if seats.get(a) not in self.policies)
             if missing:
-                raise ValueError(f"no policy for agent(s) {sorted(missing)}; policies cover {sorted(self.policies)}")
-            games.append(_Game(seed, env, TextBridge(env, self.text, self.rules, seed=seed)))
+                raise ValueError(f"no policy for agent(s) {missing}; seating {seats}, policies {sorted(self.policies)}")
+            games.append(_Game(seed, env, bridge_for(env, self.text, self.rules, seed), seats))
         while True:
-            live = []
-            for g in games:
-                g.skip_dead()
-                if not g.over:
-                    live.append(g)
-            if not live:
-                break
             by_policy: dict[str, list[tuple[_Game, str]]] = {}
-            for g in live:
-                g.phases += 1
-                agent = g.env.agent_selection
-                by_policy.setdefault(agent, []).append((g, agent))
-            groups: dict[int, list[tuple[_Game, str]]] = {}
-            for agent, decisions in by_policy.items():  # agents sharing one policy share its call
-                groups.setdefault(id(self.policies[agent]), []).extend(decisions)
-            for decisions in groups.values():
-                self._decide(self.policies[decisions[0][1]], decisions)
+            for g in games:
+                waiting = g.waiting()
+                g.phases += bool(waiting)
+                for agent in waiting:  # agents sharing one policy share its call
+                    by_policy.setdefault(g.seating[agent], []).append((g, agent))
+            if not by_policy:
+                break
+            for name, decisions in by_policy.items():
+                self._decide(self.policies[name], decisions)
         return [self._result(g) for g in games]
+
+    def play(self, seeds: Sequence[int], seating: dict[str, str] | Sequence[dict[str, str]] | None = None) -> Played:
+        """:meth:`run`, timed: wall time and the part of it spent inside generate calls."""
+        gen0, calls0, t0 = self.generate_s, self.generate_calls, time.perf_counter()
+        results = self.run(seeds, seating)
+        return Played(results, time.perf_counter() - t0, self.generate_s - gen0, self.generate_calls - calls0)
 
     def _decide(self, policy: Policy, decisions: list[tuple[_Game, str]]) -> None:
         if policy.kind != "model":
             for g, agent in decisions:
                 try:
-                    obs = g.env.observe(agent)
-                    action = (random.Random(g.seed * 7919 + len(g.moves)).choice(legal_actions(obs))
-                              if policy.kind == "random" else int(policy.fn(obs, agent)))
+                    action = (random.Random(g.seed * 7919 + len(g.moves)).choice(g.bridge.legal(agent))
+                              if policy.kind == "random" else int(policy.fn(g.bridge.observation(agent), agent)))
                     self._apply(g, agent, g.bridge.play(agent, action))
                 except Exception as e:  # noqa: BLE001 - a scripted policy's bug ends that game only
                     self._fail(g, "policy_exception", e)
@@ -222,6 +242,7 @@ class ProtocolCoordinator:
             seat.traj.reward = rewards[agent]
             seat.traj.finished = g.error is None
             seat.traj.error = g.error
-            seat.traj.info.update({"role": agent, "game_seed": g.seed, **g.bridge.counts[agent]})
+            seat.traj.info.update({"role": agent, "game_seed": g.seed, "policy": g.seating[agent],
+                                   **g.bridge.counts[agent]})
         return GameResult(g.seed, rewards, g.moves, {a: s.traj for a, s in g.seats.items()}, g.bridge.counts,
-                          g.phases, g.error)
+                          g.phases, g.error, g.seating)

@@ -1,10 +1,14 @@
 """PettingZoo game <-> what an LLM agent sees and says.
 
-A :class:`TextBridge` wraps a PettingZoo ``AECEnv`` whose observations are dicts
-with an ``action_mask`` (the classic-games convention) and turns each decision into
-text: ``prompt(agent)`` renders the observation (a per-game ``render`` function, or
+A bridge wraps one PettingZoo game and turns each decision into text:
+``prompt(agent)`` renders the agent's observation (a per-game ``render`` function, or
 the generic fallback that lists legal action indices) and ``act(agent, reply)``
-parses the reply (a per-game ``parse`` function, or ``<move>N</move>``).
+parses the reply (a per-game ``parse`` function, or ``<move>N</move>``). Legal moves
+come from the observation's ``action_mask`` (the classic-games convention) or, without
+one, from a ``Discrete`` action space. ``waiting()`` names the agents that must decide
+now: in an ``AECEnv`` (:class:`TextBridge`) the one whose turn it is, in a
+``ParallelEnv`` (:class:`ParallelTextBridge`) every live agent that has not chosen
+this round; the parallel env steps once all of them have chosen.
 
 The rule for illegal or unparseable moves (:class:`MoveRules`): the agent gets an
 error observation and may retry up to ``max_retries`` times; after that the bridge
@@ -77,9 +81,22 @@ class Decision:
     observation: str = ""
 
 
+def bridge_for(env: Any, text: GameText, rules: MoveRules, seed: int) -> "Bridge":
+    """Reset ``env`` with ``seed`` and wrap it in the bridge for its API (AEC or Parallel)."""
+    from pettingzoo import ParallelEnv
+
+    if isinstance(env, ParallelEnv):
+        observations, _ = env.reset(seed=seed)
+        return ParallelTextBridge(env, text, rules, seed, observations)
+    env.reset(seed=seed)
+    return TextBridge(env, text, rules, seed)
+
+
 @dataclass
-class TextBridge:
-    env: Any  # a PettingZoo AECEnv (reset already called)
+class Bridge:
+    """What both bridges share: the text, the illegal-move rule, counts and summed rewards."""
+
+    env: Any
     text: GameText = field(default_factory=GameText)
     rules: MoveRules = field(default_factory=MoveRules)
     seed: int = 0
@@ -92,36 +109,52 @@ class TextBridge:
         self.forfeited: str | None = None
         self.totals: dict[str, float] = {a: 0.0 for a in self.env.possible_agents}
 
-    def _step(self, action: int) -> None:
-        self.env.step(action)
-        for a, r in self.env.rewards.items():  # rewards of this step, for every agent
-            self.totals[a] += float(r)
+    # per API: the observation, the turn check, applying a legal action, who must decide now
+    def observation(self, agent: str) -> Any:
+        raise NotImplementedError
+
+    def _check_turn(self, agent: str) -> None:
+        raise NotImplementedError
+
+    def _apply(self, agent: str, action: int) -> None:
+        raise NotImplementedError
+
+    def waiting(self) -> list[str]:
+        raise NotImplementedError
+
+    @property
+    def done(self) -> bool:
+        return self.forfeited is not None or not self.env.agents
+
+    def legal(self, agent: str) -> list[int]:
+        """The legal actions: the action mask, else every action of a Discrete space."""
+        legal = legal_actions(self.observation(agent))
+        if not legal and hasattr(self.env.action_space(agent), "n"):
+            legal = list(range(int(self.env.action_space(agent).n)))
+        return legal
 
     def prompt(self, agent: str) -> str:
-        return self.text.render(self.env.observe(agent), agent)
+        return self.text.render(self.observation(agent), agent)
 
     def play(self, agent: str, action: int) -> Decision:
         """Apply an action chosen without text (scripted and random policies); it must be legal."""
-        if self.env.agent_selection != agent:
-            raise ValueError(f"it is {self.env.agent_selection}'s turn, not {agent}'s")
-        legal = legal_actions(self.env.observe(agent))
-        if legal and action not in legal:
-            raise ValueError(f"{agent} chose action {action}, which the action mask forbids")
-        self._step(action)
+        self._check_turn(agent)
+        if action not in self.legal(agent):
+            raise ValueError(f"{agent} chose action {action}, which is not legal here")
+        self._apply(agent, action)
         return Decision("played", action)
 
     def act(self, agent: str, reply: str) -> Decision:
-        """Apply ``agent``'s reply to the game (it must be ``agent``'s turn)."""
-        if self.env.agent_selection != agent:
-            raise ValueError(f"it is {self.env.agent_selection}'s turn, not {agent}'s")
-        legal = legal_actions(self.env.observe(agent))
+        """Apply ``agent``'s reply to the game (``agent`` must be one of ``waiting()``)."""
+        self._check_turn(agent)
+        legal = self.legal(agent)
         try:
             action = self.text.parse(reply)
         except Exception:  # noqa: BLE001 - a parser bug must not end the game
             action = None
-        if action is not None and (not legal or action in legal):
+        if action is not None and action in legal:
             self.retries.pop(agent, None)
-            self._step(action)
+            self._apply(agent, action)
             return Decision("played", action)
         self.counts[agent]["illegal"] += 1
         used = self.retries.get(agent, 0)
@@ -133,7 +166,7 @@ class TextBridge:
         if self.rules.on_exhausted == "random" and legal:
             self.counts[agent]["random_moves"] += 1
             action = self.rng.choice(legal)
-            self._step(action)
+            self._apply(agent, action)
             return Decision("random", action)
         self.counts[agent]["forfeits"] += 1
         self.forfeited = agent
@@ -145,3 +178,56 @@ class TextBridge:
             return {a: (self.rules.forfeit_reward if a == self.forfeited else -self.rules.forfeit_reward)
                     for a in self.env.possible_agents}
         return dict(self.totals)
+
+
+@dataclass
+class TextBridge(Bridge):
+    """An ``AECEnv`` (reset already called): one agent decides at a time."""
+
+    def observation(self, agent: str) -> Any:
+        return self.env.observe(agent)
+
+    def _check_turn(self, agent: str) -> None:
+        if self.env.agent_selection != agent:
+            raise ValueError(f"it is {self.env.agent_selection}'s turn, not {agent}'s")
+
+    def _apply(self, agent: str, action: int) -> None:
+        self.env.step(action)
+        for a, r in self.env.rewards.items():  # rewards of this step, for every agent
+            self.totals[a] += float(r)
+
+    def waiting(self) -> list[str]:
+        env = self.env
+        while env.agents and (env.terminations[env.agent_selection] or env.truncations[env.agent_selection]):
+            env.step(None)  # PettingZoo's way to step a finished agent out
+        return [] if self.done else [env.agent_selection]
+
+
+@dataclass
+class ParallelTextBridge(Bridge):
+    """A ``ParallelEnv``: every live agent chooses each round; the env steps when all have."""
+
+    observations: dict[str, Any] = field(default_factory=dict)  # from reset, then from each step
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.chosen: dict[str, int] = {}
+
+    def observation(self, agent: str) -> Any:
+        return self.observations[agent]
+
+    def _check_turn(self, agent: str) -> None:
+        if agent not in self.env.agents or agent in self.chosen:
+            raise ValueError(f"{agent} is not waiting to move (live: {self.env.agents}, chosen: {sorted(self.chosen)})")
+
+    def _apply(self, agent: str, action: int) -> None:
+        self.chosen[agent] = action
+        if set(self.chosen) >= set(self.env.agents):
+            observations, rewards, _, _, _ = self.env.step(dict(self.chosen))
+            self.chosen = {}
+            self.observations.update(observations)
+            for a, r in rewards.items():
+                self.totals[a] += float(r)
+
+    def waiting(self) -> list[str]:
+        return [] if self.done else [a for a in self.env.agents if a not in self.chosen]
