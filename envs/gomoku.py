@@ -156,3 +156,39 @@ def parse_move(text: str, size: int) -> int | None:
     if not (0 <= col < size and 0 <= row < size):
         return None
     return row * size + col
+
+
+def text(size: int = 9, **_: Any) -> "GameText":
+    """The game's ``GameText`` for a board of ``size`` (``game.text: envs.gomoku:text`` passes the kwargs)."""
+    from otray.coordinator.text_bridge import GameText
+
+    return GameText(render=render_text, parse=lambda reply: parse_move(reply, size))
+
+
+def _line_through(stones: np.ndarray, row: int, col: int) -> int:
+    """The longest line of ``stones`` through (row, col) if a stone were put there."""
+    size, best = stones.shape[0], 1
+    for dr, dc in ((0, 1), (1, 0), (1, 1), (1, -1)):
+        count = 1
+        for sign in (1, -1):
+            r, c = row + sign * dr, col + sign * dc
+            while 0 <= r < size and 0 <= c < size and stones[r, c]:
+                count += 1
+                r, c = r + sign * dr, c + sign * dc
+        best = max(best, count)
+    return best
+
+
+def heuristic(observation: dict[str, np.ndarray], agent: str) -> int:
+    """A scripted player: the empty cell that makes its longest line, or blocks the opponent's longer one
+    (a win beats a block, a block of a win beats anything else), nearer the centre on ties."""
+    planes = observation["observation"]
+    size, mask = planes.shape[0], observation["action_mask"]
+    centre = (size - 1) / 2
+
+    def score(action: int) -> float:
+        row, col = divmod(action, size)
+        own, theirs = _line_through(planes[..., 0], row, col), _line_through(planes[..., 1], row, col)
+        return max(2 * own + 1, 2 * theirs) - 0.01 * (abs(row - centre) + abs(col - centre))
+
+    return max((int(a) for a in np.flatnonzero(mask)), key=score)

@@ -19,6 +19,8 @@ from gymnasium import spaces
 from pettingzoo import ParallelEnv
 from pettingzoo.utils import parallel_to_aec
 
+from otray.coordinator.text_bridge import GameText
+
 MOVES = ("rock", "paper", "scissors")
 NONE = 3
 
@@ -88,3 +90,11 @@ _MOVE = re.compile(r"<move>\s*(rock|paper|scissors)\s*</move>", re.IGNORECASE)
 def parse_move(text: str) -> int | None:
     found = _MOVE.findall(text)
     return MOVES.index(found[-1].lower()) if found else None
+
+
+def always_rock(observation: int, agent: str) -> int:
+    """A scripted opponent a policy can learn to beat (paper)."""
+    return 0
+
+
+TEXT = GameText(render=render_text, parse=parse_move)

@@ -196,6 +196,9 @@ class GameSection:
     text: str = "???"  # "module:GameText" (or a function of kwargs), e.g. envs.tictactoe_text:TEXT
     policies: dict[str, str] = field(default_factory=dict)
     rotate_seats: bool = False
+    # game: each agent's whole game is one conversation; turn: each decision sees only the current
+    # observation (long games in a small context), every decision is a datum carrying the game's reward
+    context: str = "game"
     num_rollouts: int = 8
     max_retries: int = 1
     on_exhausted: str = "random"  # random | forfeit
@@ -324,6 +327,7 @@ def _check_values(cfg: Config) -> None:
             if getattr(cfg.game, key) == "???":
                 raise ConfigError(f"game.{key} is missing: give an import path 'module:attr'")
         one_of(cfg.game.on_exhausted, ("random", "forfeit"), "game.on_exhausted")
+        one_of(cfg.game.context, ("game", "turn"), "game.context")
         def known(p: str) -> bool:
             kind, _, arg = p.partition(":")
             return p in ("trained", "random") or (kind in ("trained", "frozen", "scripted") and bool(arg))

@@ -22,6 +22,9 @@ SMOKE = {
     "multienv.yaml": ["algo.steps=2", "algo.batch_size=6", "eval.num_samples=3"],
     "tictactoe_vs_random.yaml": ["algo.steps=2", "algo.batch_size=2", "game.num_rollouts=2", "game.eval_games=3",
                                  "sft.steps=2", "sft.batch_size=4"],
+    "gomoku_selfplay.yaml": ["algo.steps=2", "algo.batch_size=2", "game.num_rollouts=2", "game.eval_games=2"],
+    "gomoku_two_policies.yaml": ["algo.steps=2", "algo.batch_size=2", "game.num_rollouts=2", "game.eval_games=2"],
+    "rps_vs_scripted.yaml": ["algo.steps=2", "algo.batch_size=2", "game.num_rollouts=2", "game.eval_games=2"],
 }
 
 
@@ -38,10 +41,19 @@ def test_config_runs_two_steps(ray_local, tmp_path, name):
     summary = run(cfg, job_dir)
     rows = [json.loads(line) for line in (job_dir / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["step"] == 2 and summary["heldout_end"] is not None
-    if cfg.game is not None:  # win/draw/loss per role against the eval opponent
-        for role in ("player_1", "player_2"):
-            assert f"eval/{role}_vs_random/win_rate" in rows[-1]
-        assert rows[-1]["games"] == 4 and "learner/loss" in rows[-1]
+    if cfg.game is not None:  # win/draw/loss per trained policy, role and eval opponent
+        g, last = cfg.game, rows[-1]
+        trained = config.trained_policies(cfg)
+        for name in trained:
+            prefix = "eval/" if len(trained) == 1 else f"eval/{name}/"
+            for role in g.policies:
+                for opponent in ("random", "heuristic", "always_rock"):
+                    assert (f"{prefix}{role}_vs_{opponent}/win_rate" in last) == any(
+                        o.endswith(opponent) for o in g.eval_opponents), (name, role, opponent)
+            loss = "learner/loss" if len(trained) == 1 else f"policy/{name}/learner/loss"
+            assert loss in last, sorted(last)
+        seatings = len(g.policies) if g.rotate_seats else 1
+        assert last["games"] == 2 * 2 * seatings and last["games_errored"] == 0
     if len(cfg.envs) > 1:  # every metric per env and overall
         for env in cfg.envs:
             assert f"eval/{env}/reward_mean" in rows[-1] and f"eval/{env}/turns_mean" in rows[-1]

@@ -89,3 +89,86 @@ def test_model_policy_trajectories_masks_and_private_observations(worker, tokeni
             assert grid.count("X") == sum(a == "player_1" for a, _ in history)
             assert grid.count("O") == sum(a == "player_2" for a, _ in history)
     assert all(r.counts["player_2"]["illegal"] == 0 for r in results)  # random never errs
+
+
+def test_parallel_game_all_live_agents_act_in_the_same_phase(worker, tokenizer):
+    from envs import rps
+
+    calls = []
+
+    def generate(prompts, params, n):
+        calls.append(len(prompts))
+        return worker.generate(prompts, params, n)
+
+    model = Policy("model", generate=generate, params=SamplingParams(max_tokens=8, temperature=1.0))
+    seen = []
+
+    def rock(obs, agent):
+        seen.append(obs)
+        return 0
+
+    # self-play seats share one policy: both agents of all 4 games answer in one call per phase
+    coord = ProtocolCoordinator(rps.parallel_env, rps.TEXT, {"me": model, "rock": Policy("scripted", fn=rock)},
+                                tokenizer, rules=MoveRules(max_retries=0),
+                                limits=Limits(max_turns=100, max_tokens_per_turn=8, max_tokens_per_episode=100,
+                                              max_model_len=512))
+    results = coord.run(range(4), {"player_0": "me", "player_1": "me"})
+    assert calls == [8] * 5  # 5 rounds = 5 phases, each with every agent of every game
+    for game in results:
+        assert game.error is None and game.phases == 5 and sum(game.rewards.values()) == 0
+        assert [a for a, _ in game.moves] == ["player_0", "player_1"] * 5
+        for agent in ("player_0", "player_1"):
+            traj = game.trajectories[agent]
+            assert traj.num_turns == 5 and traj.reward == game.rewards[agent]
+    # vs a scripted player, per-game seatings: it sees only the model's last move (or none), never its own
+    calls.clear()
+    mixed = coord.run(range(2), [{"player_0": "me", "player_1": "rock"}, {"player_0": "rock", "player_1": "me"}])
+    assert calls == [2] * 5 and [r.seating["player_1"] for r in mixed] == ["rock", "me"]
+    for game in mixed:
+        model_agent = next(a for a, p in game.seating.items() if p == "me")
+        model_moves = [m for a, m in game.moves if a == model_agent]
+        assert game.rewards[model_agent] == sum(0 if m == 0 else (1 if m == 1 else -1) for m in model_moves)
+    assert set(seen) <= {0, 1, 2, 3} and seen.count(3) == 2  # 3 = "none yet", once per game
+
+
+def test_turn_context_gives_one_trajectory_per_decision(worker, tokenizer):
+    model = Policy("model", generate=worker.generate, params=SamplingParams(max_tokens=6, temperature=1.0))
+    coord = ProtocolCoordinator(_gomoku, GOMOKU_TEXT, {"black": model, "white": Policy("random")}, tokenizer,
+                                rules=MoveRules(max_retries=0), context="turn",
+                                limits=Limits(max_turns=100, max_tokens_per_turn=6, max_tokens_per_episode=200,
+                                              max_model_len=512))
+    for game in coord.run(range(3)):
+        turns = game.agent_trajectories("black")
+        assert game.error is None and len(turns) == sum(a == "black" for a, _ in game.moves)
+        for t in turns:  # each decision alone: one user message (the board), one reply, the game's reward
+            assert [m["role"] for m in t.messages] == ["user", "assistant"] and t.reward == game.rewards["black"]
+            assert sum(t.loss_mask) == t.num_sampled > 0
+    with pytest.raises(ValueError, match="context"):
+        ProtocolCoordinator(_gomoku, GOMOKU_TEXT, {}, context="chat")
+
+
+def _play_many(make_env, policies, n):
+    return ProtocolCoordinator(make_env, GameText(), policies).run(range(n))
+
+
+def test_scripted_heuristics_beat_random():
+    from pettingzoo.classic import tictactoe_v3
+
+    from envs import tictactoe_text
+
+    h = Policy("scripted", fn=tictactoe_text.heuristic)
+    for seats in ({"player_1": h, "player_2": Policy("random")}, {"player_1": Policy("random"), "player_2": h}):
+        me = next(a for a, p in seats.items() if p is h)
+        results = _play_many(tictactoe_v3.env, seats, 100)
+        wins = sum(r.rewards[me] > 0 for r in results)
+        losses = sum(r.rewards[me] < 0 for r in results)
+        assert wins >= 60 and losses <= 10, (me, wins, losses)
+    g = Policy("scripted", fn=gomoku.heuristic)
+    results = _play_many(_gomoku, {"black": g, "white": Policy("random")}, 30)
+    assert sum(r.rewards["black"] > 0 for r in results) >= 27
+    # it takes a win when one is there: X on A1 B1 C1 (row 1), the cell D1 wins
+    env = _gomoku()
+    env.reset()
+    for move in ("A1", "A3", "B1", "B3", "C1", "C3"):
+        env.step(gomoku.parse_move(f"<move>{move}</move>", 5))
+    assert gomoku.move_name(gomoku.heuristic(env.observe("black"), "black"), 5) == "D1"

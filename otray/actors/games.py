@@ -29,7 +29,7 @@ from otray.config import frozen_policies, import_object, num_rollout_workers, po
 from otray.coordinator.agent_loop import Limits
 from otray.coordinator.protocol import GameResult, Played, Policy, ProtocolCoordinator
 from otray.coordinator.text_bridge import GameText, MoveRules
-from otray.types import ConfigError, SamplingParams, Trajectory
+from otray.types import ConfigError, SamplingParams
 
 
 @dataclass
@@ -98,7 +98,7 @@ class GameTrainer:
             limits=Limits(max_turns=10_000, max_tokens_per_turn=g.max_tokens_per_turn,
                           max_tokens_per_episode=g.max_tokens_per_episode,
                           max_model_len=job.worker_info["max_model_len"]),
-            env_name=g.entry)
+            env_name=g.entry, context=g.context)
         ray.get(self.coordinator.ping.remote())
         self.next_seed = job.cfg.job.seed * 1_000_003  # the data position: seeds are used once
 
@@ -126,31 +126,36 @@ class GameTrainer:
         t_gen = time.perf_counter() - t0
         metrics: dict[str, Any] = {}
         for name, policy in self.trained.items():                                     # per trained policy:
-            mine = [((t.info["game_seed"], k, t.info["role"]), t) for (_, k, _), r in zip(games, played.results)
-                    if r.error is None for t in r.trajectories.values() if t.info["policy"] == f"trained:{name}"]
-            keys, trajs = [key for key, _ in mine], [t for _, t in mine]
+            mine = [((r.seed, k, agent), r) for (_, k, _), r in zip(games, played.results) if r.error is None
+                    for agent, spec in r.seating.items() if spec == f"trained:{name}"]
+            keys, trajs = [], []
+            for key, r in mine:  # one trajectory per agent and game, or one per decision (context: turn)
+                for t in r.agent_trajectories(key[2]):
+                    keys.append(key)
+                    trajs.append(t)
             advantages = adv.grouped(algo.advantage, [t.reward for t in trajs], keys)    # 4-5. (seed, seating, role)
             learned = job.learn(build_datums(trajs, advantages), policy.learner, policy.fleet)  # 6-7. learn, push
             prefix = "" if len(self.trained) == 1 else f"policy/{name}/"
-            metrics.update({prefix + k: v for k, v in {**self.outcomes(trajs), **learned}.items()})
+            metrics.update({prefix + k: v for k, v in {**self.outcomes(mine), **learned}.items()})
         job.step += 1
         results = played.results
         return {"step": job.step, "batch": f"seeds {seeds[0]}-{seeds[-1]}", **metrics,
                 "games": len(results), "games_errored": sum(r.error is not None for r in results),
                 "phase_share_outside_generate": played.share_outside_generate,
-                "tokens_per_s": sum(t.num_sampled for r in results for t in r.trajectories.values()) / max(t_gen, 1e-9),
+                "tokens_per_s": sum(t.num_sampled for r in results for a in r.seating
+                                    for t in r.agent_trajectories(a)) / max(t_gen, 1e-9),
                 "rollout_s": t_gen, "generate_s": played.generate_s, "step_s": time.perf_counter() - t0}
 
-    def outcomes(self, trajs: list[Trajectory]) -> dict[str, float]:
-        """Reward, win rate and illegal moves per game of one policy's trajectories, overall and per role."""
+    def outcomes(self, seats: list[tuple[tuple[int, int, str], GameResult]]) -> dict[str, float]:
+        """Reward, win rate and illegal moves per game of one policy's seats, overall and per role."""
         out: dict[str, float] = {}
         for role in [None, *self.roles]:
-            mine = [t for t in trajs if role is None or t.info["role"] == role]
+            mine = [(agent, r) for (_, _, agent), r in seats if role is None or agent == role]
             if mine:
                 prefix = "" if role is None else f"{role}/"
-                out[prefix + "reward_mean"] = statistics.fmean(t.reward for t in mine)
-                out[prefix + "win_rate"] = statistics.fmean(t.reward > 0 for t in mine)
-                out[prefix + "illegal_per_game"] = statistics.fmean(t.info["illegal"] for t in mine)
+                out[prefix + "reward_mean"] = statistics.fmean(r.rewards[a] for a, r in mine)
+                out[prefix + "win_rate"] = statistics.fmean(r.rewards[a] > 0 for a, r in mine)
+                out[prefix + "illegal_per_game"] = statistics.fmean(r.counts[a]["illegal"] for a, r in mine)
         return out
 
     def evaluate(self, greedy: bool) -> dict[str, float]:

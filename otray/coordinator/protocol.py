@@ -69,6 +69,12 @@ class GameResult:
     phases: int
     error: ErrorRecord | None = None
     seating: dict[str, str] = field(default_factory=dict)  # agent -> policy name
+    earlier_turns: dict[str, list[Trajectory]] = field(default_factory=dict)  # context="turn": all but the last
+
+    def agent_trajectories(self, agent: str) -> list[Trajectory]:
+        """Everything ``agent`` sampled in this game: one conversation, or one per decision (context="turn")."""
+        last = [self.trajectories[agent]] if agent in self.trajectories else []
+        return self.earlier_turns.get(agent, []) + last
 
 
 @dataclass
@@ -98,6 +104,7 @@ class _Game:
     def __init__(self, seed: int, env: Any, bridge: Bridge, seating: dict[str, str]):
         self.seed, self.env, self.bridge, self.seating = seed, env, bridge, seating
         self.seats: dict[str, _Seat] = {}
+        self.earlier_turns: dict[str, list[Trajectory]] = {}
         self.moves: list[tuple[str, int]] = []
         self.error: ErrorRecord | None = None
         self.phases = 0
@@ -109,8 +116,11 @@ class _Game:
 class ProtocolCoordinator:
     def __init__(self, make_env: Callable[[], Any], text: GameText, policies: dict[str, Policy], tokenizer: Any = None,
                  *, rules: MoveRules | None = None, limits: Limits | None = None, system_prompt: str | None = None,
-                 env_name: str = "game"):
-        self.make_env, self.text, self.policies = make_env, text, policies
+                 env_name: str = "game", context: str = "game"):
+        if context not in ("game", "turn"):
+            raise ValueError(f"context must be 'game' (one conversation per agent and game) or 'turn' (each "
+                             f"decision sees only the current observation), got {context!r}")
+        self.make_env, self.text, self.policies, self.context = make_env, text, policies, context
         self.rules = rules or MoveRules()
         self.limits = limits or Limits(max_turns=10_000, max_tokens_per_turn=16, max_tokens_per_episode=10_000,
                                        max_model_len=2048)
@@ -201,6 +211,8 @@ class ProtocolCoordinator:
         """Add the agent's current observation to its conversation; False if it no longer fits."""
         observation = g.seats[agent].next_observation if agent in g.seats else None
         observation = observation or g.bridge.prompt(agent)
+        if self.context == "turn" and agent in g.seats:  # each decision starts a fresh conversation
+            g.earlier_turns.setdefault(agent, []).append(g.seats.pop(agent).traj)
         if agent not in g.seats:
             traj = Trajectory(task=Task(id=f"{self.env_name}-{g.seed}", env=self.env_name, data={"seed": g.seed}),
                               agent_id=agent)
@@ -238,11 +250,12 @@ class ProtocolCoordinator:
 
     def _result(self, g: _Game) -> GameResult:
         rewards = {a: 0.0 for a in g.env.possible_agents} if g.error is not None else g.bridge.rewards()
-        for agent, seat in g.seats.items():
-            seat.traj.reward = rewards[agent]
-            seat.traj.finished = g.error is None
-            seat.traj.error = g.error
-            seat.traj.info.update({"role": agent, "game_seed": g.seed, "policy": g.seating[agent],
-                                   **g.bridge.counts[agent]})
+        for agent, traj in [(a, t) for a, ts in g.earlier_turns.items() for t in ts] + \
+                [(a, s.traj) for a, s in g.seats.items()]:
+            traj.reward = rewards[agent]
+            traj.finished = g.error is None
+            traj.error = g.error
+            traj.info.update({"role": agent, "game_seed": g.seed, "policy": g.seating[agent],
+                              **g.bridge.counts[agent]})
         return GameResult(g.seed, rewards, g.moves, {a: s.traj for a, s in g.seats.items()}, g.bridge.counts,
-                          g.phases, g.error, g.seating)
+                          g.phases, g.error, g.seating, g.earlier_turns)
