@@ -339,6 +339,9 @@ def _check_values(cfg: Config) -> None:
         bad = [p for p in cfg.game.eval_opponents if not known(p) or p.startswith("trained")]
         if bad:
             raise ConfigError(f"game.eval_opponents takes random | scripted:module:fn | frozen:REF; got {bad}")
+        if cfg.sft.steps > 0 and "train" not in cfg.sft.splits:
+            raise ConfigError("a game job's SFT warm-up needs chat demonstrations: give sft.splits.train (e.g. "
+                              "sft.dataset.builder: envs.tictactoe_text:make_chat_dataset) or set sft.steps=0")
         if "train" in cfg.sft.splits and len(trained_policies(cfg)) > 1:
             raise ConfigError("an SFT warm-up trains the job's first policy only; with several trained policies "
                               f"({', '.join(trained_policies(cfg))}) drop sft.splits.train or train one policy")

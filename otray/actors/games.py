@@ -51,8 +51,12 @@ def game_text(path: str, kwargs: dict[str, Any]) -> GameText:
 
 
 def short(spec: str) -> str:
-    """A policy spec as a metric-name part: ``scripted:envs.x:heuristic`` -> ``heuristic``."""
-    return spec.rstrip("/").split(":")[-1].split("/")[-1] or spec
+    """A policy spec as a metric-name part: ``scripted:envs.x:heuristic`` -> ``heuristic``,
+    ``frozen:JOB_ID:7`` -> ``frozen-JOB_ID-7``, ``frozen:/runs/a/checkpoints/step-000010`` -> ``frozen-step-000010``."""
+    kind, _, ref = spec.partition(":")
+    if kind == "frozen":
+        return "frozen-" + (Path(ref.rstrip("/")).name if "/" in ref else ref.replace(":", "-"))
+    return spec.split(":")[-1]
 
 
 class GameTrainer:
