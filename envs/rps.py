@@ -97,4 +97,4 @@ def always_rock(observation: int, agent: str) -> int:
     return 0
 
 
-TEXT = GameText(render=render_text, parse=parse_move)
+TEXT = GameText(render=render_text, parse=parse_move, example="<move>scissors</move>")

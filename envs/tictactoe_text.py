@@ -37,7 +37,7 @@ def render_text(observation: dict[str, Any], agent: str) -> str:
     return "\n".join(rows) + "\nYou are X. Reply with the number of an empty square as <move>4</move>."
 
 
-TEXT = GameText(render=render_text, parse=generic_parse)
+TEXT = GameText(render=render_text, parse=generic_parse, example="<move>4</move>")
 
 
 def heuristic(observation: dict[str, Any], agent: str) -> int:

@@ -86,6 +86,11 @@ class GameTrainer:
         for t in list(self.trained.values())[1:]:  # every trained policy starts from the same weights
             job.sync_weights(t.learner, t.fleet)
         g = self.game
+        text = game_text(g.text, g.kwargs)
+        need = len(job.tokenizer.encode(text.example, add_special_tokens=False)) + 1  # + the end-of-turn token
+        if g.max_tokens_per_turn < need:
+            raise ConfigError(f"game.max_tokens_per_turn={g.max_tokens_per_turn} cannot fit a well-formed reply: "
+                              f"{text.example!r} plus the end of turn is {need} tokens; set it to at least {need}")
         sampled = SamplingParams(max_tokens=g.max_tokens_per_turn, temperature=g.temperature)
         greedy = SamplingParams(max_tokens=g.max_tokens_per_turn, temperature=0.0)
         library: dict[str, Policy] = {"random": Policy("random")}
@@ -97,7 +102,7 @@ class GameTrainer:
                 library[spec] = Policy("scripted", name=spec, fn=import_object(spec.split(":", 1)[1]))
         # the coordinator actor: the games' envs live in its process (bundle 0, no CPU of its own)
         self.coordinator = ray.remote(num_cpus=0)(ProtocolCoordinator).options(**in_bundle(job.placement_group, 0)).remote(
-            self.make_env, game_text(g.text, g.kwargs), library, job.tokenizer,
+            self.make_env, text, library, job.tokenizer,
             rules=MoveRules(g.max_retries, g.on_exhausted),
             limits=Limits(max_turns=10_000, max_tokens_per_turn=g.max_tokens_per_turn,
                           max_tokens_per_episode=g.max_tokens_per_episode,

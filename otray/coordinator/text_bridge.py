@@ -57,6 +57,7 @@ class GameText:
 
     render: Callable[[Any, str], str] = generic_render
     parse: Callable[[str], int | None] = generic_parse
+    example: str = "<move>0</move>"  # a well-formed reply: jobs check that max_tokens_per_turn fits it
 
 
 @dataclass
