@@ -47,3 +47,32 @@ def test_bad_override_and_missing_file():
         config.load(MINIMAL, ["algo.batch_size"])
     with pytest.raises(ConfigError, match="does not exist"):
         config.load(ROOT / "conf" / "nope.yaml")
+
+
+GAME = {"entry": "envs.gomoku:env", "text": "envs.gomoku:text", "policies": {"black": "trained", "white": "random"}}
+
+
+@pytest.mark.parametrize("game, extra, match", [
+    ({"policies": {"black": "random", "white": "random"}}, {}, "at least one trained agent"),
+    ({"policies": {"black": "trained", "white": "frozen"}}, {}, r"trained\[:NAME\] \| frozen:REF"),
+    ({"eval_opponents": ["trained:x"]}, {}, "eval_opponents takes"),
+    ({"context": "chat"}, {}, "game.context"),
+    ({}, {"sft": {"steps": 10}}, "needs chat demonstrations"),
+    ({"policies": {"black": "trained:a", "white": "trained:b"}},
+     {"sft": {"steps": 10, "splits": {"train": {"path": "x.jsonl"}}}}, "first policy only"),
+    ({}, {"sft": {"stop_at_accuracy": 0.5}}, "stop_at_accuracy needs an env"),
+])
+def test_game_config_errors_name_the_problem(game, extra, match):
+    with pytest.raises(ConfigError, match=match):
+        config.load({"game": {**GAME, **game}, **extra})
+
+
+def test_policy_sets_and_bundles():
+    from otray.actors.resource_manager import bundles_for
+
+    cfg = config.load({"game": {**GAME, "policies": {"black": "trained:b", "white": "trained:w"},
+                                "eval_opponents": ["random", "frozen:/ckpt"]}, "rollout": {"num_workers": 2}})
+    assert config.trained_policies(cfg) == ["b", "w"] and config.frozen_policies(cfg) == ["frozen:/ckpt"]
+    assert len(bundles_for(cfg)) == 2 * (1 + 2) + 1  # per trained policy: learner + 2 workers; the frozen worker
+    selfplay = config.load({"game": {**GAME, "policies": {"black": "trained", "white": "trained:main"}}})
+    assert config.trained_policies(selfplay) == ["main"] and len(bundles_for(selfplay)) == 2

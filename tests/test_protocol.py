@@ -172,3 +172,18 @@ def test_scripted_heuristics_beat_random():
     for move in ("A1", "A3", "B1", "B3", "C1", "C3"):
         env.step(gomoku.parse_move(f"<move>{move}</move>", 5))
     assert gomoku.move_name(gomoku.heuristic(env.observe("black"), "black"), 5) == "D1"
+
+
+def test_turn_budget_must_fit_a_well_formed_reply(tokenizer):
+    from envs import rps, tictactoe_text
+    from otray.actors.games import check_turn_budget
+    from otray.types import ConfigError
+
+    with pytest.raises(ConfigError, match=r"max_tokens_per_turn=6 .*'<move>4</move>' plus the end of turn is 8"):
+        check_turn_budget(tictactoe_text.TEXT, tokenizer, 6)
+    check_turn_budget(tictactoe_text.TEXT, tokenizer, 8)
+    check_turn_budget(gomoku.text(size=7), tokenizer, 9)
+    need = len(tokenizer.encode("<move>scissors</move>", add_special_tokens=False)) + 1
+    with pytest.raises(ConfigError, match=f"at least {need}$"):
+        check_turn_budget(rps.TEXT, tokenizer, need - 1)
+    check_turn_budget(rps.TEXT, tokenizer, need)

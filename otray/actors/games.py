@@ -50,6 +50,14 @@ def game_text(path: str, kwargs: dict[str, Any]) -> GameText:
     return text
 
 
+def check_turn_budget(text: GameText, tokenizer: Any, max_tokens_per_turn: int) -> None:
+    """A ConfigError when a well-formed reply (``text.example``) plus the end of turn does not fit."""
+    need = len(tokenizer.encode(text.example, add_special_tokens=False)) + 1
+    if max_tokens_per_turn < need:
+        raise ConfigError(f"game.max_tokens_per_turn={max_tokens_per_turn} cannot fit a well-formed reply: "
+                          f"{text.example!r} plus the end of turn is {need} tokens; set it to at least {need}")
+
+
 def short(spec: str) -> str:
     """A policy spec as a metric-name part: ``scripted:envs.x:heuristic`` -> ``heuristic``,
     ``frozen:JOB_ID:7`` -> ``frozen-JOB_ID-7``, ``frozen:/runs/a/checkpoints/step-000010`` -> ``frozen-step-000010``."""
@@ -87,10 +95,7 @@ class GameTrainer:
             job.sync_weights(t.learner, t.fleet)
         g = self.game
         text = game_text(g.text, g.kwargs)
-        need = len(job.tokenizer.encode(text.example, add_special_tokens=False)) + 1  # + the end-of-turn token
-        if g.max_tokens_per_turn < need:
-            raise ConfigError(f"game.max_tokens_per_turn={g.max_tokens_per_turn} cannot fit a well-formed reply: "
-                              f"{text.example!r} plus the end of turn is {need} tokens; set it to at least {need}")
+        check_turn_budget(text, job.tokenizer, g.max_tokens_per_turn)
         sampled = SamplingParams(max_tokens=g.max_tokens_per_turn, temperature=g.temperature)
         greedy = SamplingParams(max_tokens=g.max_tokens_per_turn, temperature=0.0)
         library: dict[str, Policy] = {"random": Policy("random")}
