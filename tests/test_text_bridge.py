@@ -67,3 +67,22 @@ def test_pettingzoo_tictactoe_unmodified_through_the_bridge():
     assert bridge.act("player_1", "<move>4</move>").kind == "retry"  # taken
     assert bridge.act("player_1", "<move>6</move>").kind == "played"  # top row: X X X
     assert all(env.terminations.values()) and bridge.rewards() == {"player_1": 1.0, "player_2": -1.0}
+
+
+def test_pettingzoo_connect_four_unmodified_through_the_bridge():
+    from pettingzoo.classic import connect_four_v3
+
+    from envs.connect_four_text import TEXT
+
+    env = connect_four_v3.env()
+    env.reset(seed=0)
+    bridge = TextBridge(env, TEXT, MoveRules(max_retries=1))
+    assert bridge.prompt("player_0").splitlines()[0] == "0 1 2 3 4 5 6"
+    for agent, column in [("player_0", 3), ("player_1", 3), ("player_0", 4), ("player_1", 4),
+                          ("player_0", 5), ("player_1", 5)]:
+        assert bridge.act(agent, f"<move>{column}</move>").kind == "played"
+    board = bridge.prompt("player_0").splitlines()
+    assert board[6] == ". . . X X X ." and board[5] == ". . . O O O ."  # the bottom row is its own, as X
+    assert bridge.act("player_0", "<move>9</move>").kind == "retry"  # no column 9
+    assert bridge.act("player_0", "<move>6</move>").kind == "played"  # four in the bottom row
+    assert all(env.terminations.values()) and bridge.rewards() == {"player_0": 1.0, "player_1": -1.0}
