@@ -4,6 +4,7 @@
     otray jobs | status JOB | metrics JOB | cancel JOB
     otray users add NAME [--admin]       prints the new API key once
     otray tiny-model DIR [--seed N]
+    otray serve [CONFIG] [key=value ...]  the OpenAI-compatible app (+ dashboard), until Ctrl-C
 
 ``--address`` (or ``RAY_ADDRESS``) joins a running cluster; without it a local Ray
 starts for the command. ``OTRAY_API_KEY`` carries the key when auth is on.
@@ -100,6 +101,25 @@ def cmd_tiny(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from otray import config as config_mod
+    from otray.serve.app import run
+
+    cfg = config_mod.load_serve(args.config, args.overrides)  # fail before touching a cluster
+    _connect(args)  # joins (or starts) the cluster and its ResourceManager, which holds the checkpoints
+    run(cfg)
+    print(f"serving on http://{cfg.host}:{cfg.port}/v1 (models: {', '.join(m.name for m in cfg.models)}); "
+          f"dashboard at http://{cfg.host}:{cfg.port}/dashboard; Ctrl-C stops", flush=True)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        from ray import serve
+
+        serve.shutdown()
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="otray", description="RL for LLM agents on Ray")
     p.add_argument("--address", default=None, help="Ray cluster address (default: RAY_ADDRESS, else a local Ray)")
@@ -118,6 +138,10 @@ def parser() -> argparse.ArgumentParser:
     u.add_argument("name")
     u.add_argument("--admin", action="store_true")
     u.set_defaults(fn=cmd_users)
+    v = sub.add_parser("serve", help="serve base models and trained checkpoints over an OpenAI-compatible API")
+    v.add_argument("config", nargs="?", default=None, help="serve config YAML (default: the tiny model)")
+    v.add_argument("overrides", nargs="*", help="dotted key=value overrides")
+    v.set_defaults(fn=cmd_serve)
     m = sub.add_parser("tiny-model", help="build the tiny Qwen2 model + tokenizer into DIR")
     m.add_argument("dir")
     m.add_argument("--seed", type=int, default=0)

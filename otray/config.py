@@ -286,6 +286,14 @@ def _check_keys(data: Any, schema: type, prefix: str) -> None:
         elif get_origin(sub) is dict and is_dataclass(_unwrap(get_args(sub)[1])) and isinstance(value, dict):
             for name, item in value.items():
                 _check_keys(item, _unwrap(get_args(sub)[1]), f"{where}.{name}.")
+        elif get_origin(sub) is list and is_dataclass(_unwrap(get_args(sub)[0])) and isinstance(value, list):
+            for i, item in enumerate(value):
+                _check_keys(item, _unwrap(get_args(sub)[0]), f"{where}[{i}].")
+
+
+def one_of(value: str, options: tuple[str, ...] | list[str], key: str) -> None:
+    if value not in options:
+        raise ConfigError(f"{key}={value!r} is not valid; choose one of {', '.join(options)}")
 
 
 def _unwrap(tp: Any) -> Any:
@@ -298,10 +306,6 @@ def _unwrap(tp: Any) -> Any:
 def _check_values(cfg: Config) -> None:
     from otray.algos.advantages import ADVANTAGES
     from otray.algos.losses import AGGREGATIONS, loss_config
-
-    def one_of(value: str, options: tuple[str, ...] | list[str], key: str) -> None:
-        if value not in options:
-            raise ConfigError(f"{key}={value!r} is not valid; choose one of {', '.join(options)}")
 
     one_of(cfg.job.kind, ("rl", "sft"), "job.kind")
     one_of(cfg.rollout.backend, ("auto", "vllm", "hf"), "rollout.backend")
@@ -365,9 +369,17 @@ def _check_values(cfg: Config) -> None:
 
 def load(source: str | Path | dict[str, Any] | Config, overrides: list[str] | None = None) -> Config:
     """Load and validate a config from a YAML path, a dict or a Config, plus dotted overrides."""
+    cfg = _load_structured(source, overrides, Config)
+    _check_values(cfg)
+    return cfg
+
+
+def _load_structured(source: Any, overrides: list[str] | None, schema: type) -> Any:
+    """``source`` (YAML path, dict or a ``schema`` instance) + overrides -> a ``schema`` instance, keys checked."""
     from omegaconf import OmegaConf
     from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
+    Config = schema  # noqa: N806 - the schema being loaded
     if isinstance(source, Config):
         base = OmegaConf.structured(source)
         data: Any = {}
@@ -400,7 +412,65 @@ def load(source: str | Path | dict[str, Any] | Config, overrides: list[str] | No
         key = getattr(e, "full_key", None) or "?"
         raise ConfigError(f"invalid value for config key '{key}': {e.msg if hasattr(e, 'msg') else e}") from e
     assert isinstance(cfg, Config)
-    _check_values(cfg)
+    return cfg
+
+
+# --------------------------------------------------------------------------- the Serve app's config
+
+
+@dataclass
+class ServeModel:
+    """A base model the app serves; checkpoints of jobs trained from it are served on its replicas."""
+
+    name: str = "tiny"  # the ``model`` field that selects it
+    path: str = "tiny"  # local dir, hub id, or ``tiny`` (built on first use)
+    backend: str = "hf"  # hf | vllm | auto
+    dtype: str = "float32"
+    max_model_len: Optional[int] = None
+    kv_cache_gb: int = 1
+    num_threads: Optional[int] = None  # torch threads per replica (default: its CPUs)
+    replica_cpus: float = 1.0
+    replica_gpus: float = 0.0
+    num_replicas: int = 1
+    # Ray Serve autoscaling, e.g. {min_replicas: 1, max_replicas: 4, target_ongoing_requests: 4};
+    # when given it replaces num_replicas
+    autoscaling: Optional[dict[str, Any]] = None
+    max_loaded_checkpoints: int = 2  # per replica; least recently used evicted past this
+    max_ongoing_requests: int = 32
+
+
+@dataclass
+class ServeConfig:
+    """``otray serve [CONFIG]``: the OpenAI-compatible app and the dashboard."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    models: list[ServeModel] = field(default_factory=lambda: [ServeModel()])
+    auth: str = "auto"  # auto (as the ResourceManager) | on | off
+    request_timeout_s: float = 120.0
+    max_tokens: int = 512  # per completion
+    max_n: int = 8
+    max_prompt_tokens: int = 4096
+    max_body_bytes: int = 1_000_000
+    stream_chunk_tokens: int = 4  # tokens generated per streamed step
+    cache_dir: str = ".cache/models"
+
+
+def load_serve(source: str | Path | dict[str, Any] | ServeConfig | None = None,
+               overrides: list[str] | None = None) -> ServeConfig:
+    cfg = _load_structured(source if source is not None else {}, overrides, ServeConfig)
+    one_of(cfg.auth, ("auto", "on", "off"), "auth")
+    if not cfg.models:
+        raise ConfigError("models is empty: list at least one base model to serve")
+    names = [m.name for m in cfg.models]
+    if len(set(names)) != len(names) or any(n.startswith("job-") for n in names):
+        raise ConfigError(f"model names must be unique and not start with 'job-' (checkpoint names); got {names}")
+    for i, m in enumerate(cfg.models):
+        one_of(m.backend, ("auto", "vllm", "hf"), f"models[{i}].backend")
+        if m.max_loaded_checkpoints < 1 or m.num_replicas < 1:
+            raise ConfigError(f"models[{i}]: max_loaded_checkpoints and num_replicas must be >= 1")
+    if cfg.max_n < 1 or cfg.max_tokens < 1 or cfg.request_timeout_s <= 0:
+        raise ConfigError("max_n, max_tokens and request_timeout_s must be positive")
     return cfg
 
 

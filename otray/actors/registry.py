@@ -188,6 +188,11 @@ class Registry:
         self.job(job_id)
         self.db.execute("INSERT OR REPLACE INTO checkpoints VALUES (?, ?, ?, ?)", (job_id, step, path, time.time()))
 
+    def checkpoints(self, job_id: str) -> list[int]:
+        """The steps of a job's registered checkpoints, ascending."""
+        return [r[0] for r in self.db.execute("SELECT step FROM checkpoints WHERE job_id = ? ORDER BY step",
+                                              (job_id,)).fetchall()]
+
     def checkpoint(self, job_id: str, step: int | None = None) -> tuple[int, str]:
         """(step, path) of ``step``, or of the latest checkpoint when ``step`` is None."""
         if step is None:

@@ -205,6 +205,32 @@ class ResourceManager:
         step, path = self.registry.checkpoint(src, step)
         return step, self.store.get(path)
 
+    # ------------------------------------------------------------------ for the Serve app
+
+    async def auth_required(self) -> bool:
+        return self.auth_enabled
+
+    async def whoami(self, api_key: str | None = None) -> dict[str, Any]:
+        """The caller's user name and admin flag (AuthError on a missing or wrong key when auth is on)."""
+        name, admin = self._caller(api_key)
+        return {"name": name, "admin": admin, "auth_enabled": self.auth_enabled}
+
+    async def servable(self, api_key: str | None = None) -> list[dict[str, Any]]:
+        """The caller's jobs that have checkpoints: id, model path it was trained from, checkpoint steps."""
+        name, admin = self._caller(api_key)
+        out = []
+        for job in self.registry.jobs(None if admin else name):
+            steps = self.registry.checkpoints(job.id)
+            if steps:
+                out.append({"id": job.id, "created": job.created, "model_path": job.config["model"]["path"],
+                            "steps": steps})
+        return out
+
+    async def serve_checkpoint_blob(self, job_id: str, step: int) -> bytes:
+        """A checkpoint for a Serve replica; the app checked the HTTP caller's right to it (``checkpoint``)."""
+        _, path = self.registry.checkpoint(job_id, step)
+        return self.store.get(path)
+
     async def checkpoint(self, job_id: str, step: int | None = None, api_key: str | None = None) -> tuple[int, str]:
         """(step, path) of a job's checkpoint at ``step``, or its latest."""
         self._own(job_id, api_key)

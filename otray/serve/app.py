@@ -1,0 +1,272 @@
+"""The Serve app "otray": OpenAI-compatible ``/v1`` over base models and trained checkpoints.
+
+Routes: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``
+(``stream: true`` gives server-sent events ending in ``data: [DONE]``), ``GET /health``.
+The ``Gateway`` deployment (FastAPI ingress) checks the Bearer key against the
+ResourceManager's registry when auth is on, validates the request
+(:mod:`otray.serve.openai_api`), tokenizes it, resolves the model name and calls the
+base model's ``ModelServer`` deployment with the checkpoint as Serve's multiplexed
+model id. Every client mistake is a 4xx with OpenAI's error body; a request that takes
+longer than ``request_timeout_s`` gets a 504 instead of hanging.
+
+Model names: a base model's ``name`` from the serve config, ``job-<id>`` (the job's
+latest checkpoint) or ``job-<id>:<step>``; a caller sees only their own jobs (admins all).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import re
+import time
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from ray import serve
+
+from otray.config import ServeConfig, to_dict
+from otray.serve.openai_api import APIError, GenerationRequest, Limits, chunk_body, new_id, parse_request, response_body, sse, usage
+from otray.types import SamplingParams
+
+APP_NAME = "otray"
+_JOB_MODEL = re.compile(r"job-(?P<job>\d{8}-\d{6}-[0-9a-f]{6})(?::(?P<step>\d+))?")
+api = FastAPI(title="otray", docs_url=None, redoc_url=None)
+
+
+@api.exception_handler(APIError)
+async def _api_error(_: Request, e: APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status)
+
+
+@api.exception_handler(404)
+async def _not_found(request: Request, _: Exception) -> JSONResponse:
+    return JSONResponse(APIError(404, f"no route {request.method} {request.url.path}").body(), status_code=404)
+
+
+@api.exception_handler(405)
+async def _bad_method(request: Request, _: Exception) -> JSONResponse:
+    return JSONResponse(APIError(405, f"{request.method} is not allowed on {request.url.path}").body(), status_code=405)
+
+
+def _rm() -> Any:
+    import ray
+
+    from otray.actors.resource_manager import NAME, NAMESPACE
+
+    try:
+        return ray.get_actor(NAME, namespace=NAMESPACE)
+    except ValueError:
+        return None
+
+
+@serve.deployment(name="Gateway", num_replicas=1, ray_actor_options={"num_cpus": 0})
+@serve.ingress(api)
+class Gateway:
+    def __init__(self, cfg: dict[str, Any], servers: dict[str, Any]):
+        from otray import config as config_mod
+        from otray.models import load_tokenizer, resolve_model_path
+
+        self.cfg: ServeConfig = config_mod.load_serve(cfg)
+        self.servers = servers  # base model name -> DeploymentHandle
+        self.limits = Limits(self.cfg.max_tokens, self.cfg.max_n, self.cfg.max_prompt_tokens)
+        self.models = {m.name: m for m in self.cfg.models}
+        self.paths = {m.name: resolve_model_path(m.path, self.cfg.cache_dir) for m in self.cfg.models}
+        self.tokenizers = {name: load_tokenizer(path) for name, path in self.paths.items()}
+        self.context = {}  # base model name -> max_model_len, asked of a replica on first use
+        self.keys: dict[str, tuple[float, dict[str, Any]]] = {}  # sha256(key) -> (expiry, whoami)
+        self.started = int(time.time())
+
+    # ------------------------------------------------------------------ auth and model names
+
+    async def _auth_on(self) -> bool:
+        """``auth: on|off`` as configured; ``auto``: as the cluster's ResourceManager (off without one)."""
+        if self.cfg.auth != "auto":
+            return self.cfg.auth == "on"
+        rm = _rm()
+        return rm is not None and await rm.auth_required.remote()
+
+    async def _caller(self, request: Request) -> str | None:
+        """The request's API key (checked when auth is on); None when auth is off."""
+        header = request.headers.get("authorization", "")
+        key = header[7:].strip() if header.lower().startswith("bearer ") else None
+        if not await self._auth_on():
+            return key
+        if not key:
+            raise APIError(401, "missing API key: send 'Authorization: Bearer <key>' (keys come from `otray users add`)",
+                           type="invalid_request_error", code="invalid_api_key")
+        digest = hashlib.sha256(key.encode()).hexdigest()
+        hit = self.keys.get(digest)
+        if hit is None or hit[0] < time.time():
+            try:
+                who = await _rm().whoami.remote(key)
+            except Exception as e:  # noqa: BLE001 - AuthError from the registry
+                raise APIError(401, str(e).splitlines()[-1].split(": ", 1)[-1] or "wrong API key",
+                               type="invalid_request_error", code="invalid_api_key") from None
+            self.keys[digest] = (time.time() + 30.0, who)
+        return key
+
+    async def _resolve(self, name: str, key: str | None) -> tuple[str, str]:
+        """A request's model name -> (base model name, multiplexed id or '')."""
+        if name in self.servers:
+            return name, ""
+        m = _JOB_MODEL.fullmatch(name)
+        rm = _rm()
+        if m is None or rm is None:
+            raise APIError(404, f"the model {name!r} does not exist; GET /v1/models lists what is served",
+                           param="model", code="model_not_found")
+        try:
+            step, _ = await rm.checkpoint.remote(m["job"], int(m["step"]) if m["step"] else None, key)
+            job = next(j for j in await rm.servable.remote(key) if j["id"] == m["job"])
+        except Exception:  # noqa: BLE001 - unknown job, no such step, or not the caller's job: all look the same
+            raise APIError(404, f"the model {name!r} does not exist or you do not have access to it",
+                           param="model", code="model_not_found") from None
+        return self._base_for(job["model_path"]), f"job-{m['job']}:{step}"
+
+    def _base_for(self, model_path: str) -> str:
+        from otray.models import resolve_model_path
+
+        try:
+            wanted = resolve_model_path(model_path, self.cfg.cache_dir)
+        except Exception:  # noqa: BLE001 - the job's path may not exist here: full checkpoints still load
+            wanted = None
+        return next((n for n, p in self.paths.items() if p == wanted), next(iter(self.servers)))
+
+    # ------------------------------------------------------------------ routes
+
+    @api.get("/health")
+    async def health(self) -> dict[str, str]:
+        return {"status": "ok"}
+
+    @api.get("/v1/models")
+    async def list_models(self, request: Request) -> dict[str, Any]:
+        key = await self._caller(request)
+        data = [{"id": n, "object": "model", "created": self.started, "owned_by": "otray"} for n in self.servers]
+        rm = _rm()
+        for job in (await rm.servable.remote(key)) if rm is not None else []:
+            created = int(job["created"] or 0)
+            data.append({"id": f"job-{job['id']}", "object": "model", "created": created, "owned_by": "otray",
+                         "root": self._base_for(job["model_path"])})
+            data += [{"id": f"job-{job['id']}:{s}", "object": "model", "created": created, "owned_by": "otray",
+                      "root": self._base_for(job["model_path"])} for s in job["steps"]]
+        return {"object": "list", "data": data}
+
+    @api.post("/v1/completions")
+    async def completions(self, request: Request) -> Any:
+        return await self._generate(request, chat=False)
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request) -> Any:
+        return await self._generate(request, chat=True)
+
+    async def _body(self, request: Request) -> Any:
+        raw = await request.body()
+        if len(raw) > self.cfg.max_body_bytes:
+            raise APIError(413, f"request body is {len(raw)} bytes; the limit is {self.cfg.max_body_bytes}")
+        try:
+            return json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise APIError(400, f"the request body is not valid JSON: {e}") from None
+
+    async def _prompt_ids(self, req: GenerationRequest, base: str) -> list[int]:
+        from otray.models import chat_prompt_ids
+
+        tok = self.tokenizers[base]
+        ids = chat_prompt_ids(tok, req.messages) if req.chat else tok.encode(req.prompt, add_special_tokens=False)
+        if not ids:
+            raise APIError(400, "the prompt is empty", param="prompt")
+        if base not in self.context:
+            self.context[base] = (await self.servers[base].info.remote())["max_model_len"]
+        room = self.context[base]
+        if len(ids) > self.cfg.max_prompt_tokens or len(ids) + req.max_tokens > room:
+            raise APIError(400, f"the prompt has {len(ids)} tokens and asks for max_tokens={req.max_tokens}, but "
+                                f"{'the limit is ' + str(self.cfg.max_prompt_tokens) + ' prompt tokens' if len(ids) > self.cfg.max_prompt_tokens else 'the model context is ' + str(room) + ' tokens'}: "
+                                "shorten the prompt or lower max_tokens", param="messages" if req.chat else "prompt",
+                           code="context_length_exceeded")
+        return ids
+
+    async def _generate(self, request: Request, chat: bool) -> Any:
+        from otray.serve.model_server import Job
+
+        key = await self._caller(request)
+        req = parse_request(await self._body(request), chat=chat, limits=self.limits)
+        base, mux = await self._resolve(req.model, key)
+        ids = await self._prompt_ids(req, base)
+        params = SamplingParams(max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p, seed=req.seed)
+        job = Job(ids, params, req.n, req.stop)
+        handle = self.servers[base].options(multiplexed_model_id=mux) if mux else self.servers[base]
+        if req.stream:
+            return StreamingResponse(self._stream(handle, req, job), media_type="text/event-stream")
+        try:
+            choices = await asyncio.wait_for(handle.generate.remote(job), self.cfg.request_timeout_s)
+        except asyncio.TimeoutError:
+            raise APIError(504, f"no answer within request_timeout_s={self.cfg.request_timeout_s}", type="timeout") from None
+        except APIError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a replica's APIError arrives wrapped
+            raise _unwrap(e) from None
+        return response_body(req, choices, len(ids))
+
+    async def _stream(self, handle: Any, req: GenerationRequest, job: Any):
+        rid, created, first = new_id(req.chat), int(time.time()), set()
+        tokens: dict[int, int] = {}
+        gen = handle.options(stream=True).generate_stream.remote(job)
+        try:
+            while True:
+                try:
+                    index, text, finish, count = await asyncio.wait_for(gen.__anext__(), self.cfg.request_timeout_s)
+                except StopAsyncIteration:
+                    break
+                tokens[index] = count
+                yield sse(chunk_body(req, rid, created, index, text, finish, first=index not in first))
+                first.add(index)
+        except asyncio.TimeoutError:
+            yield sse(APIError(504, f"no tokens within request_timeout_s={self.cfg.request_timeout_s}",
+                               type="timeout").body())
+        except Exception as e:  # noqa: BLE001 - the status line is sent already: report in the stream
+            yield sse(_unwrap(e).body())
+        if req.include_usage:
+            yield sse({"id": rid, "object": "chat.completion.chunk" if req.chat else "text_completion",
+                       "created": created, "model": req.model, "choices": [],
+                       "usage": usage(len(job.prompt_ids), sum(tokens.values()))})
+        yield sse("[DONE]")
+
+
+def _unwrap(e: BaseException) -> APIError:
+    """An APIError raised in a replica (Ray wraps it), else a 500 that says what failed."""
+    cause = e
+    while cause is not None and not isinstance(cause, APIError):
+        cause = getattr(cause, "cause", None) or cause.__cause__
+    if isinstance(cause, APIError):
+        return cause
+    first = (str(e).strip().splitlines() or [type(e).__name__])[-1]
+    return APIError(500, f"the model server failed: {first[:500]}", type="server_error")
+
+
+def build(cfg: ServeConfig) -> Any:
+    """The bound application: one ModelServer deployment per base model behind the Gateway."""
+    from otray.serve.model_server import serve_class
+
+    servers = {}
+    for m in cfg.models:
+        scaling = ({"autoscaling_config": dict(m.autoscaling)} if m.autoscaling else {"num_replicas": m.num_replicas})
+        dep = serve.deployment(serve_class(m.max_loaded_checkpoints), name=f"model-{m.name}")
+        servers[m.name] = dep.options(
+            ray_actor_options={"num_cpus": m.replica_cpus, "num_gpus": m.replica_gpus,
+                               "runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(m.num_threads or max(1, int(m.replica_cpus)))}}},
+            max_ongoing_requests=m.max_ongoing_requests, **scaling).bind(
+            to_dict_model(m), cfg.cache_dir, cfg.stream_chunk_tokens)
+    return Gateway.bind(to_dict(cfg), servers)
+
+
+def to_dict_model(m: Any) -> dict[str, Any]:
+    from dataclasses import asdict
+
+    return asdict(m)
+
+
+def run(cfg: ServeConfig, *, blocking: bool = False) -> Any:
+    """Start Serve on the connected Ray cluster at ``cfg.host:cfg.port`` and deploy the app."""
+    serve.start(http_options={"host": cfg.host, "port": cfg.port})
+    return serve.run(build(cfg), name=APP_NAME, route_prefix="/", blocking=blocking)

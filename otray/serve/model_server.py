@@ -1,0 +1,196 @@
+"""ModelServer: one base model on one Serve replica, plus trained checkpoints loaded on demand.
+
+The replica holds the base model's rollout backend (the same ``hf`` / ``vllm`` backends
+that jobs sample from) and, multiplexed by Ray Serve, the checkpoints that requests name
+(``job-<id>:<step>``; the app resolves ``job-<id>`` to its latest step first). A
+checkpoint is fetched as a blob from the ResourceManager, unpacked on this node and
+loaded: a full-weight checkpoint as its own backend, a LoRA adapter merged into a copy of
+the base model (HF backend). Past ``max_loaded_checkpoints`` the least recently used one
+is dropped (Ray Serve's multiplexing evicts it and routes later requests for a model to
+the replica that has it).
+
+Generation works on token ids the app already validated; text, stop strings and finish
+reasons are settled here, so streamed and complete answers agree.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import tempfile
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from otray.serve.openai_api import APIError, Choice, apply_stop
+from otray.types import FinishReason, SamplingParams
+
+
+@dataclass
+class Job:
+    """What the app sends a replica: validated token ids and sampling settings."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    n: int
+    stop: list[str]
+
+
+class Loaded:
+    """A model ready to generate; a lock keeps one generate call at a time on it."""
+
+    def __init__(self, backend: Any, name: str, cleanup: str | None = None):
+        self.backend, self.name, self.cleanup = backend, name, cleanup
+        self.lock = threading.Lock()
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, n: int) -> list[list[Any]]:
+        with self.lock:
+            return self.backend.generate(prompts, params, n)
+
+    def __del__(self) -> None:  # evicted by Serve's multiplexing (LRU): free the files too
+        if self.cleanup:
+            shutil.rmtree(self.cleanup, ignore_errors=True)
+        stop = getattr(self.backend, "shutdown", None)
+        if stop is not None:
+            try:
+                stop()
+            except Exception:  # noqa: BLE001 - best effort on the way out
+                pass
+
+
+class ModelServer:
+    """Plain class; ``otray.serve.app`` wraps it in a Serve deployment with ``serve.multiplexed``."""
+
+    def __init__(self, model: dict[str, Any], cache_dir: str = ".cache/models", stream_chunk_tokens: int = 4):
+        import torch
+
+        from otray.actors.rollout import make_backend
+        from otray.models import load_tokenizer, resolve_model_path
+
+        self.spec = model
+        if model.get("num_threads"):
+            torch.set_num_threads(int(model["num_threads"]))
+        self.path = resolve_model_path(model["path"], cache_dir)
+        self.kwargs = {"dtype": model["dtype"], "max_model_len": model["max_model_len"],
+                       "kv_cache_gb": model["kv_cache_gb"], "seed": 0}
+        self.base = Loaded(make_backend(model["backend"], self.path, **self.kwargs), model["name"])
+        self.tokenizer = load_tokenizer(self.path)
+        self.chunk = max(1, stream_chunk_tokens)
+        self.loaded_ids: list[str] = []  # for tests and the dashboard: what this replica has loaded
+
+    def ping(self) -> bool:
+        return True
+
+    def info(self) -> dict[str, Any]:
+        return {"name": self.spec["name"], "path": self.path, "max_model_len": self.base.backend.max_model_len,
+                "backend": self.base.backend.name, "loaded": list(self.loaded_ids)}
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def load_checkpoint(self, model_id: str) -> Loaded:
+        """``job-<id>:<step>`` -> a Loaded model (blocking; the deployment runs it off the event loop)."""
+        import ray
+
+        from otray.actors.checkpoint_store import unpack_dir
+        from otray.actors.resource_manager import NAME, NAMESPACE
+        from otray.actors.rollout import make_backend
+
+        job_id, _, step = model_id.removeprefix("job-").rpartition(":")
+        try:
+            rm = ray.get_actor(NAME, namespace=NAMESPACE)
+            blob = ray.get(rm.serve_checkpoint_blob.remote(job_id, int(step)))
+        except Exception as e:  # noqa: BLE001 - no RM, unknown job or step: the model does not exist
+            raise APIError(404, f"model {model_id!r} could not be loaded: {e}", code="model_not_found") from None
+        where = tempfile.mkdtemp(prefix=f"otray-serve-{job_id}-{step}-")
+        model_dir = Path(unpack_dir(blob, Path(where) / "ckpt")) / "model"
+        if (model_dir / "adapter_config.json").exists():
+            backend = make_backend("hf", self._merge_adapter(model_dir, Path(where) / "merged"), **self.kwargs)
+        else:
+            backend = make_backend(self.spec["backend"], str(model_dir), **self.kwargs)
+        self.loaded_ids.append(model_id)
+        return Loaded(backend, model_id, cleanup=where)
+
+    def _merge_adapter(self, adapter_dir: Path, out: Path) -> str:
+        """A LoRA checkpoint as a full model: the base with the adapter merged in, saved under ``out``."""
+        from peft import PeftModel
+
+        from otray.models import load_model
+
+        merged = PeftModel.from_pretrained(load_model(self.path, self.spec["dtype"]), str(adapter_dir)).merge_and_unload()
+        merged.save_pretrained(out, safe_serialization=True)
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
+            if (Path(self.path) / name).exists():
+                shutil.copy(Path(self.path) / name, out / name)
+        return str(out)
+
+    # ------------------------------------------------------------------ generation
+
+    def _decode(self, ids: list[int], finish: FinishReason, stop: list[str]) -> tuple[str, str]:
+        body = ids[:-1] if finish is FinishReason.STOP else ids
+        text, hit = apply_stop(self.tokenizer.decode(body, skip_special_tokens=True), stop)
+        return text, "stop" if hit or finish is FinishReason.STOP else "length"
+
+    def complete(self, model: Loaded, job: Job) -> list[Choice]:
+        samples = model.generate([job.prompt_ids], job.params, job.n)[0]
+        out = []
+        for s in samples:
+            text, reason = self._decode(s.token_ids, s.finish_reason, job.stop)
+            out.append(Choice(text, reason, len(s.token_ids)))
+        return out
+
+    async def stream(self, model: Loaded, job: Job) -> AsyncIterator[tuple[int, str, str | None, int]]:
+        """Yield ``(choice index, new text, finish_reason or None, tokens so far)`` as tokens arrive:
+        all choices advance together, ``stream_chunk_tokens`` tokens per backend call."""
+        ids: list[list[int]] = [[] for _ in range(job.n)]
+        sent, done = [0] * job.n, [None] * job.n
+        hold = max((len(s) for s in job.stop), default=1) - 1  # a stop string may still be forming
+        calls = 0
+        while any(d is None for d in done):
+            live = [i for i in range(job.n) if done[i] is None]
+            budget = min(self.chunk, *(job.params.max_tokens - len(ids[i]) for i in live))
+            seed = None if job.params.seed is None else job.params.seed + calls
+            params = replace(job.params, max_tokens=budget, seed=seed)
+            results = await asyncio.to_thread(model.generate, [job.prompt_ids + ids[i] for i in live], params, 1)
+            calls += 1
+            for i, res in zip(live, results):
+                sample = res[0]
+                ids[i].extend(sample.token_ids)
+                stopped = sample.finish_reason is FinishReason.STOP
+                text, reason = self._decode(ids[i], FinishReason.STOP if stopped else FinishReason.LENGTH, job.stop)
+                if stopped or reason == "stop":
+                    done[i] = "stop"
+                elif len(ids[i]) >= job.params.max_tokens or not sample.token_ids:
+                    done[i] = "length"
+                safe = text if done[i] else text[:max(sent[i], len(text) - hold)]
+                if not done[i] and safe.endswith("\ufffd"):  # half a multi-byte character
+                    safe = safe[:-1]
+                if len(safe) > sent[i] or done[i]:
+                    yield i, safe[sent[i]:], done[i], len(ids[i])
+                    sent[i] = len(safe)
+
+
+def serve_class(max_loaded: int) -> type:
+    """``ModelServer`` with Serve's multiplexed checkpoint loader (at most ``max_loaded`` per replica)."""
+    from ray import serve
+
+    class MultiplexedModelServer(ModelServer):
+        @serve.multiplexed(max_num_models_per_replica=max_loaded)
+        async def checkpoint(self, model_id: str) -> Loaded:
+            return await asyncio.to_thread(self.load_checkpoint, model_id)
+
+        async def model(self) -> Loaded:
+            model_id = serve.get_multiplexed_model_id()
+            return await self.checkpoint(model_id) if model_id else self.base
+
+        async def generate(self, job: Job) -> list[Choice]:
+            model = await self.model()
+            return await asyncio.to_thread(self.complete, model, job)
+
+        async def generate_stream(self, job: Job) -> AsyncIterator[tuple[int, str, str | None, int]]:
+            model = await self.model()
+            async for item in self.stream(model, job):
+                yield item
+
+    return MultiplexedModelServer

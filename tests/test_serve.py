@@ -1,0 +1,140 @@
+"""The Serve app on a local Ray: the official openai client (chat, completions, streaming),
+raw HTTP for the error cases, a trained checkpoint served by name, API keys."""
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PORT = 8461
+
+
+def _post(path, body, key=None, raw=None):
+    import httpx
+
+    headers = {"content-type": "application/json"}
+    if key:
+        headers["authorization"] = f"Bearer {key}"
+    content = raw if raw is not None else json.dumps(body)
+    return httpx.post(f"http://127.0.0.1:{PORT}{path}", content=content, headers=headers, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def served(ray_local, tmp_path_factory, tiny_path):
+    """A ResourceManager with auth on, one user, one finished SFT job with a checkpoint, and the app."""
+    from ray import serve
+
+    from otray import config
+    from otray.actors.resource_manager import get_or_create
+    from otray.serve.app import run
+
+    tmp = tmp_path_factory.mktemp("serve")
+    rm = get_or_create(str(tmp / "registry.db"), auth_enabled=True)
+    alice = ray_local.get(rm.add_user.remote("alice"))
+    bob = ray_local.get(rm.add_user.remote("bob", False, alice))
+    job_cfg = config.to_dict(config.load(ROOT / "conf" / "arithmetic_sft.yaml", [
+        "sft.steps=30", "sft.eval_samples=4", "eval.num_samples=2", f"job.output_dir={tmp}/runs",
+        f"model.path={tiny_path}", f"sft.dataset.dir={tmp}/data"]))
+    job_id = ray_local.get(rm.submit.remote(job_cfg, alice))
+    deadline = time.time() + 300
+    while ray_local.get(rm.status.remote(job_id, alice))["state"] not in ("SUCCEEDED", "FAILED", "CANCELLED"):
+        assert time.time() < deadline, "the training job did not finish"
+        time.sleep(0.5)
+    assert ray_local.get(rm.status.remote(job_id, alice))["state"] == "SUCCEEDED"
+    cfg = config.load_serve({"port": PORT, "request_timeout_s": 60, "max_n": 4, "max_tokens": 64,
+                             "models": [{"name": "tiny", "path": tiny_path, "max_loaded_checkpoints": 1}]})
+    run(cfg)
+    yield {"alice": alice, "bob": bob, "job": job_id}
+    serve.shutdown()
+    ray_local.kill(rm)
+
+
+def _client(key):
+    from openai import OpenAI
+
+    return OpenAI(base_url=f"http://127.0.0.1:{PORT}/v1", api_key=key, max_retries=0, timeout=60)
+
+
+def test_openai_client_chat_completions_and_streaming(served):
+    client = _client(served["alice"])
+    ids = [m.id for m in client.models.list().data]
+    assert ids[0] == "tiny" and f"job-{served['job']}" in ids
+    messages = [{"role": "user", "content": "What is 12+30?"}]
+    chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0)
+    choice = chat.choices[0]
+    assert chat.object == "chat.completion" and choice.message.role == "assistant"
+    assert choice.finish_reason in ("stop", "length") and isinstance(choice.message.content, str)
+    assert chat.usage.prompt_tokens > 5 and 1 <= chat.usage.completion_tokens <= 12
+    assert chat.usage.total_tokens == chat.usage.prompt_tokens + chat.usage.completion_tokens
+    # streamed greedy text is the same text, delivered in several chunks, then [DONE]
+    stream = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0,
+                                            stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    pieces = [c.choices[0].delta.content or "" for c in chunks if c.choices]
+    assert "".join(pieces) == choice.message.content and len([p for p in pieces if p]) >= 2
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == choice.finish_reason
+    assert chunks[-1].usage.completion_tokens == chat.usage.completion_tokens
+    # completions, n > 1 sampled with a seed, length limit reported
+    comp = client.completions.create(model="tiny", prompt="1+1=", max_tokens=5, temperature=1.0, n=3, seed=7,
+                                     extra_body={"stop": ["\n\n\n"]})
+    assert comp.object == "text_completion" and len(comp.choices) == 3 and [c.index for c in comp.choices] == [0, 1, 2]
+    assert all(c.finish_reason in ("stop", "length") for c in comp.choices)
+    text_stream = list(client.completions.create(model="tiny", prompt="1+1=", max_tokens=6, temperature=0, stream=True))
+    greedy = client.completions.create(model="tiny", prompt="1+1=", max_tokens=6, temperature=0)
+    assert "".join(c.choices[0].text for c in text_stream) == greedy.choices[0].text
+
+
+def test_a_trained_checkpoint_answers_differently_from_the_base(served):
+    client = _client(served["alice"])
+    messages = [{"role": "user", "content": "What is 23+45?"}]
+    base = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0)
+    tuned = client.chat.completions.create(model=f"job-{served['job']}", messages=messages, max_tokens=8,
+                                           temperature=0)
+    pinned = [m.id for m in client.models.list().data if m.id.startswith(f"job-{served['job']}:")][-1]
+    again = client.chat.completions.create(model=pinned, messages=messages, max_tokens=8, temperature=0)
+    assert tuned.choices[0].message.content != base.choices[0].message.content
+    assert again.choices[0].message.content == tuned.choices[0].message.content  # job-<id> = its latest step
+    assert tuned.model == f"job-{served['job']}"
+
+
+@pytest.mark.parametrize("path, body, raw, status, param", [
+    ("/v1/chat/completions", None, b"{not json", 400, None),
+    ("/v1/chat/completions", {"model": "nope", "messages": [{"role": "user", "content": "hi"}]}, None, 404, "model"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": -1},
+     None, 400, "max_tokens"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "n": 50},
+     None, 400, "n"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "7 " * 600}]},
+     None, 400, "messages"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": "hi"}, None, 400, "messages"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "tempurature": 1},
+     None, 400, "tempurature"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "temperature": "hot"}, None, 400, "temperature"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x" * 2_000_000}, None, 413, None),
+    ("/v1/completions", {"model": "job-20990101-000000-abcdef", "prompt": "x"}, None, 404, "model"),
+    ("/v1/nothing", {}, None, 404, None),
+])
+def test_bad_requests_get_a_4xx_with_an_openai_error_body(served, path, body, raw, status, param):
+    r = _post(path, body, served["alice"], raw)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["message"] and err["type"] and err["param"] == param
+
+
+def test_api_keys(served):
+    import httpx
+
+    body = {"model": "tiny", "prompt": "1+1=", "max_tokens": 2}
+    for key in (None, "otr_1_wrong", "garbage"):
+        r = _post("/v1/completions", body, key)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", (key, r.text)
+    assert _post("/v1/completions", body, served["bob"]).status_code == 200
+    # bob sees and may use only his own jobs: alice's checkpoint does not exist for him
+    bob_models = httpx.get(f"http://127.0.0.1:{PORT}/v1/models", headers={"authorization": f"Bearer {served['bob']}"})
+    assert [m["id"] for m in bob_models.json()["data"]] == ["tiny"]
+    r = _post("/v1/completions", {**body, "model": f"job-{served['job']}"}, served["bob"])
+    assert r.status_code == 404 and "do not have access" in r.json()["error"]["message"]
+    assert httpx.get(f"http://127.0.0.1:{PORT}/health").json() == {"status": "ok"}
