@@ -8,7 +8,7 @@ export VLLM_CPU_KVCACHE_SPACE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 export RAY_USAGE_STATS_ENABLED ?= 0
 
-.PHONY: demo test test-fast bench clean venv
+.PHONY: demo test test-fast bench clean venv browser
 
 venv: $(STAMP)
 
@@ -28,11 +28,16 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/otray train conf/arithmetic_grpo.yaml
 
-test: $(STAMP)
+# the dashboard test drives Debian's chromium headless (through playwright)
+browser:
+	@command -v chromium >/dev/null 2>&1 || (apt-get update -q && apt-get install -y -q --no-install-recommends chromium) \
+	  || echo "could not install Debian's chromium (needs root or sudo): tests/test_serve.py's dashboard test will fail"
+
+test: $(STAMP) browser
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
 # the suite without the vLLM engine tests (about a minute faster)
-test-fast: $(STAMP)
+test-fast: $(STAMP) browser
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not vllm"
 
 bench: $(STAMP)

@@ -35,8 +35,10 @@ def table_row(row: dict[str, Any]) -> str:
 
 def run(cfg: config_mod.Config, job_dir: Path, *, placement_group: Any = None,
         report: Callable[[dict[str, Any]], Any] | None = None,
-        on_checkpoint: Callable[[int, str], Any] | None = None) -> dict[str, Any]:
-    """Run one job; ``report`` receives every metrics row, ``on_checkpoint`` every (step, path)."""
+        on_checkpoint: Callable[[int, str], Any] | None = None,
+        on_episodes: Callable[[list[dict[str, Any]]], Any] | None = None) -> dict[str, Any]:
+    """Run one job; ``report`` receives every metrics row, ``on_checkpoint`` every (step, path),
+    ``on_episodes`` the sampled episodes the job logged since the last row."""
     from otray.actors.job import TrainJob
 
     from otray.metrics_sinks import MetricSinks
@@ -51,6 +53,9 @@ def run(cfg: config_mod.Config, job_dir: Path, *, placement_group: Any = None,
         print(table_row(row), flush=True)
         if report is not None:
             report(row)
+        episodes = job.take_episodes()
+        if on_episodes is not None and episodes:
+            on_episodes(episodes)
 
     t_start = time.perf_counter()
     print(HEADER, flush=True)

@@ -34,9 +34,9 @@ def served(ray_local, tmp_path_factory, tiny_path):
     rm = get_or_create(str(tmp / "registry.db"), auth_enabled=True)
     alice = ray_local.get(rm.add_user.remote("alice"))
     bob = ray_local.get(rm.add_user.remote("bob", False, alice))
-    job_cfg = config.to_dict(config.load(ROOT / "conf" / "arithmetic_sft.yaml", [
-        "sft.steps=30", "sft.eval_samples=4", "eval.num_samples=2", f"job.output_dir={tmp}/runs",
-        f"model.path={tiny_path}", f"sft.dataset.dir={tmp}/data"]))
+    job_cfg = config.to_dict(config.load(ROOT / "conf" / "arithmetic_grpo.yaml", [
+        "sft.steps=30", "sft.stop_at_accuracy=null", "algo.steps=2", "algo.batch_size=4", "eval.num_samples=2",
+        f"job.output_dir={tmp}/runs", f"model.path={tiny_path}", f"envs.arithmetic.dataset.dir={tmp}/data"]))
     job_id = ray_local.get(rm.submit.remote(job_cfg, alice))
     deadline = time.time() + 300
     while ray_local.get(rm.status.remote(job_id, alice))["state"] not in ("SUCCEEDED", "FAILED", "CANCELLED"):
@@ -138,3 +138,58 @@ def test_api_keys(served):
     r = _post("/v1/completions", {**body, "model": f"job-{served['job']}"}, served["bob"])
     assert r.status_code == 404 and "do not have access" in r.json()["error"]["message"]
     assert httpx.get(f"http://127.0.0.1:{PORT}/health").json() == {"status": "ok"}
+
+
+def test_dashboard_in_headless_chromium(served, ray_local, tmp_path, tiny_path):
+    import shutil
+
+    from playwright.sync_api import sync_playwright
+
+    from otray import config
+    from otray.actors.resource_manager import get_or_create
+
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    assert chromium, "Debian's chromium is missing: `make test` installs it (apt-get install chromium)"
+    rm = get_or_create()
+    long_job = config.to_dict(config.load(ROOT / "conf" / "arithmetic_sft.yaml", [
+        "sft.steps=100000", "eval.num_samples=2", "sft.eval_samples=4", f"job.output_dir={tmp_path}/runs",
+        f"model.path={tiny_path}", f"sft.dataset.dir={tmp_path}/data", "envs.arithmetic.dataset.dir=" + str(tmp_path / "d")]))
+    running = ray_local.get(rm.submit.remote(long_job, served["alice"]))
+    deadline = time.time() + 120
+    while ray_local.get(rm.status.remote(running, served["alice"]))["state"] != "RUNNING":
+        assert time.time() < deadline
+        time.sleep(0.3)
+    problems = []
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=chromium, headless=True, args=["--no-sandbox"])
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page.on("console", lambda m: problems.append(m.text) if m.type == "error" else None)
+        page.on("pageerror", lambda e: problems.append(str(e)))
+        page.on("dialog", lambda d: d.accept())  # the cancel button asks for confirmation
+        page.add_init_script(f"localStorage.setItem('otray-key', '{served['alice']}')")
+        page.goto(f"http://127.0.0.1:{PORT}/dashboard")
+        page.wait_for_selector(f"tr[data-id='{running}']", timeout=30_000)
+        listed = page.eval_on_selector_all("#jobs tbody tr", "rows => rows.map(r => r.dataset.id)")
+        assert running in listed and served["job"] in listed
+        # the finished job: curves, checkpoints and its logged episodes
+        page.click(f"tr[data-id='{served['job']}']")
+        page.wait_for_selector("#checkpoints li", timeout=15_000)
+        assert f"job-{served['job']}:" in page.inner_text("#checkpoints")
+        try:
+            page.wait_for_selector("#chart-reward polyline", state="attached", timeout=15_000)
+        except Exception as e:
+            raise AssertionError(f"{page.inner_text('#status')} / {problems}") from e
+        page.wait_for_selector("#episodes .episode .turn.assistant", timeout=15_000)  # the trajectory viewer
+        assert "advantage" in page.inner_text("#episodes .episode .meta")
+        page.click(f"button.cancel[data-id='{running}']")
+        deadline = time.time() + 30
+        while ray_local.get(rm.status.remote(running, served["alice"]))["state"] != "CANCELLED":
+            assert time.time() < deadline, "the cancel button did not cancel the job"
+            time.sleep(0.3)
+        page.wait_for_selector(f"tr[data-id='{running}'] .state-CANCELLED", timeout=15_000)
+        shots = ROOT / ".cache" / "screenshots"
+        shots.mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=str(shots / "dashboard.png"), full_page=True)
+        browser.close()
+    assert problems == [], problems
+    assert (ROOT / ".cache" / "screenshots" / "dashboard.png").stat().st_size > 10_000

@@ -139,6 +139,7 @@ class GameTrainer:
         played = self.play([s for s, _, _ in games], [seating for _, _, seating in games])  # 2-3. games, rewards
         t_gen = time.perf_counter() - t0
         metrics: dict[str, Any] = {}
+        to_log: list[tuple[list, dict]] = []
         for name, policy in self.trained.items():                                     # per trained policy:
             mine = [((r.seed, k, agent), r) for (_, k, _), r in zip(games, played.results) if r.error is None
                     for agent, spec in r.seating.items() if spec == f"trained:{name}"]
@@ -149,9 +150,14 @@ class GameTrainer:
                     trajs.append(t)
             advantages = adv.grouped(algo.advantage, [t.reward for t in trajs], keys)    # 4-5. (seed, seating, role)
             learned = job.learn(build_datums(trajs, advantages), policy.learner, policy.fleet)  # 6-7. learn, push
+            first = {key[:2] for key, _ in mine[:1]}  # log the seats of one seed and seating
+            to_log.append(([t for k, t in zip(keys, trajs) if k[:2] in first][:8],
+                           {id(t): a for t, a in zip(trajs, advantages)}))
             prefix = "" if len(self.trained) == 1 else f"policy/{name}/"
             metrics.update({prefix + k: v for k, v in {**self.outcomes(mine), **learned}.items()})
         job.step += 1
+        for trajs, advantage_of in to_log:
+            job.log_episodes(trajs, advantage_of)
         results = played.results
         return {"step": job.step, "batch": f"seeds {seeds[0]}-{seeds[-1]}", **metrics,
                 "games": len(results), "games_errored": sum(r.error is not None for r in results),

@@ -139,6 +139,7 @@ class TrainJob(SFTMixin):
         self.weights_synced = True  # False after optimizer steps that the workers have not seen
         self.first_rollout_at: float | None = None  # wall clock (time.time) of the first rollout
         self.generate_s = 0.0  # time in generate calls, summed; rl_step reports its share
+        self.pending_episodes: list[dict[str, Any]] = []  # logged, not yet handed to the ResourceManager
         from otray.actors.games import GameTrainer
 
         self.games = GameTrainer(self) if cfg.game is not None else None  # multi-agent game jobs
@@ -303,15 +304,24 @@ class TrainJob(SFTMixin):
     # ------------------------------------------------------------------ logging
 
     def _log_trajectories(self, groups: list[TrajectoryGroup], advantage_of: dict[int, float]) -> None:
-        """Append decoded episodes; ``advantage`` is null for groups that were dropped."""
+        """Log a few episodes per step; ``advantage`` is null for groups that were dropped."""
+        self.log_episodes([t for g in groups for t in g.trajectories], advantage_of)
+
+    def log_episodes(self, trajs: list[Trajectory], advantage_of: dict[int, float]) -> None:
+        """Append decoded episodes to ``trajectories.jsonl`` and keep them for ``take_episodes``
+        (the ResourceManager stores them for the dashboard's trajectory viewer)."""
+        rows = [{"step": self.step, "task": t.task.id, "env": t.task.env, "agent": t.agent_id,
+                 "messages": t.messages, "turn_rewards": t.turn_rewards, "reward": t.reward,
+                 "advantage": advantage_of.get(id(t)), "finished": t.finished, "truncated": t.truncated,
+                 "error": None if t.error is None else t.error.message,
+                 "info": {k: v for k, v in t.info.items() if isinstance(v, (int, float, str, bool))}} for t in trajs]
         with (self.dir / "trajectories.jsonl").open("a") as f:
-            for g in groups:
-                for t in g.trajectories:
-                    f.write(json.dumps({"step": self.step, "task": t.task.id, "env": t.task.env,
-                                        "messages": t.messages, "turn_rewards": t.turn_rewards,
-                                        "reward": t.reward, "advantage": advantage_of.get(id(t)),
-                                        "finished": t.finished, "truncated": t.truncated,
-                                        "error": None if t.error is None else t.error.message}) + "\n")
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+        self.pending_episodes.extend(rows)
+
+    def take_episodes(self) -> list[dict[str, Any]]:
+        out, self.pending_episodes = self.pending_episodes, []
+        return out
 
     # ------------------------------------------------------------------ checkpoints
 

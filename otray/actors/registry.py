@@ -63,6 +63,9 @@ CREATE TABLE IF NOT EXISTS jobs (
     created REAL NOT NULL, started REAL, finished REAL, transitions TEXT NOT NULL DEFAULT '[]');
 CREATE TABLE IF NOT EXISTS metrics (
     job_id TEXT NOT NULL, seq INTEGER NOT NULL, row TEXT NOT NULL, PRIMARY KEY (job_id, seq));
+CREATE TABLE IF NOT EXISTS episodes (
+    job_id TEXT NOT NULL, seq INTEGER NOT NULL, step INTEGER NOT NULL, row TEXT NOT NULL,
+    PRIMARY KEY (job_id, seq));
 CREATE TABLE IF NOT EXISTS checkpoints (
     job_id TEXT NOT NULL, step INTEGER NOT NULL, path TEXT NOT NULL, created REAL NOT NULL,
     PRIMARY KEY (job_id, step));
@@ -187,6 +190,26 @@ class Registry:
     def add_checkpoint(self, job_id: str, step: int, path: str) -> None:
         self.job(job_id)
         self.db.execute("INSERT OR REPLACE INTO checkpoints VALUES (?, ?, ?, ?)", (job_id, step, path, time.time()))
+
+    def add_episodes(self, job_id: str, episodes: list[dict[str, Any]]) -> None:
+        """Append sampled episodes a job logged (for the dashboard's trajectory viewer)."""
+        start = self.db.execute("SELECT COALESCE(MAX(seq) + 1, 0) FROM episodes WHERE job_id = ?", (job_id,)).fetchone()[0]
+        self.db.executemany("INSERT INTO episodes VALUES (?, ?, ?, ?)",
+                            [(job_id, start + i, int(e.get("step", 0)), json.dumps(e)) for i, e in enumerate(episodes)])
+        self.db.commit()
+
+    def episodes(self, job_id: str, step: int | None = None, limit: int = 50) -> list[dict[str, Any]]:
+        """The episodes logged at ``step`` (default: the latest step that logged any)."""
+        if step is None:
+            row = self.db.execute("SELECT MAX(step) FROM episodes WHERE job_id = ?", (job_id,)).fetchone()
+            step = row[0] if row and row[0] is not None else -1
+        rows = self.db.execute("SELECT row FROM episodes WHERE job_id = ? AND step = ? ORDER BY seq LIMIT ?",
+                               (job_id, step, limit))
+        return [json.loads(r[0]) for r in rows]
+
+    def episode_steps(self, job_id: str) -> list[int]:
+        return [r[0] for r in self.db.execute("SELECT DISTINCT step FROM episodes WHERE job_id = ? ORDER BY step",
+                                              (job_id,))]
 
     def checkpoints(self, job_id: str) -> list[int]:
         """The steps of a job's registered checkpoints, ascending."""

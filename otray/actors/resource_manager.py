@@ -94,6 +94,7 @@ class JobDriver:
                 self.cfg.checkpoint.resume_from = str(local)
         return run(self.cfg, self.job_dir, placement_group=get_current_placement_group(),
                    report=lambda row: rm.report.remote(self.job_id, row),
+                   on_episodes=lambda episodes: rm.report_episodes.remote(self.job_id, episodes),
                    on_checkpoint=lambda step, path: ray.get(rm.put_checkpoint.remote(self.job_id, step, pack_dir(path))))
 
 
@@ -182,6 +183,18 @@ class ResourceManager:
 
     async def report(self, job_id: str, row: dict[str, Any]) -> None:
         self.registry.set_progress(job_id, row)
+
+    async def report_episodes(self, job_id: str, episodes: list[dict[str, Any]]) -> None:
+        self.registry.add_episodes(job_id, episodes)
+
+    async def episodes(self, job_id: str, step: int | None = None, api_key: str | None = None) -> dict[str, Any]:
+        """The episodes a job logged at ``step`` (default: its latest), and the steps that have some."""
+        self._own(job_id, api_key)
+        return {"steps": self.registry.episode_steps(job_id), "episodes": self.registry.episodes(job_id, step)}
+
+    async def checkpoints(self, job_id: str, api_key: str | None = None) -> list[int]:
+        self._own(job_id, api_key)
+        return self.registry.checkpoints(job_id)
 
     async def put_checkpoint(self, job_id: str, step: int, blob: bytes) -> str:
         """Store a job's packed checkpoint on this node and register it; returns the stored path."""
@@ -318,8 +331,11 @@ class ResourceManager:
 
 
 def _public(job: JobRecord) -> dict[str, Any]:
+    kind = job.config.get("job", {}).get("kind", "rl")
+    total = job.config.get("sft" if kind == "sft" else "algo", {}).get("steps")
     return {"id": job.id, "owner": job.owner, "name": job.name, "state": job.state.value, "error": job.error,
-            "progress": job.progress, "created": job.created, "started": job.started, "finished": job.finished}
+            "progress": job.progress, "created": job.created, "started": job.started, "finished": job.finished,
+            "kind": kind, "total_steps": total}
 
 
 def get_or_create(db_path: str = ".otray/registry.db", **kwargs: Any) -> Any:

@@ -22,49 +22,22 @@ import re
 import time
 from typing import Any
 
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi import Request
+from fastapi.responses import StreamingResponse
 from ray import serve
 
 from otray.config import ServeConfig, to_dict
+from otray.serve.dashboard import DashboardRoutes
+from otray.serve.http import api, rm_handle
 from otray.serve.openai_api import APIError, GenerationRequest, Limits, chunk_body, new_id, parse_request, response_body, sse, usage
 from otray.types import SamplingParams
 
 APP_NAME = "otray"
 _JOB_MODEL = re.compile(r"job-(?P<job>\d{8}-\d{6}-[0-9a-f]{6})(?::(?P<step>\d+))?")
-api = FastAPI(title="otray", docs_url=None, redoc_url=None)
-
-
-@api.exception_handler(APIError)
-async def _api_error(_: Request, e: APIError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status)
-
-
-@api.exception_handler(404)
-async def _not_found(request: Request, _: Exception) -> JSONResponse:
-    return JSONResponse(APIError(404, f"no route {request.method} {request.url.path}").body(), status_code=404)
-
-
-@api.exception_handler(405)
-async def _bad_method(request: Request, _: Exception) -> JSONResponse:
-    return JSONResponse(APIError(405, f"{request.method} is not allowed on {request.url.path}").body(), status_code=405)
-
-
-def _rm() -> Any:
-    import ray
-
-    from otray.actors.resource_manager import NAME, NAMESPACE
-
-    try:
-        return ray.get_actor(NAME, namespace=NAMESPACE)
-    except ValueError:
-        return None
-
-
 @serve.deployment(name="Gateway", num_replicas=1, ray_actor_options={"num_cpus": 0})
 @serve.ingress(api)
-class Gateway:
-    def __init__(self, cfg: dict[str, Any], servers: dict[str, Any]):
+class Gateway(DashboardRoutes):
+    def __init__(self, cfg: dict[str, Any], servers: dict[str, Any], ray_dashboard: str | None = None):
         from otray import config as config_mod
         from otray.models import load_tokenizer, resolve_model_path
 
@@ -77,6 +50,7 @@ class Gateway:
         self.context = {}  # base model name -> max_model_len, asked of a replica on first use
         self.keys: dict[str, tuple[float, dict[str, Any]]] = {}  # sha256(key) -> (expiry, whoami)
         self.started = int(time.time())
+        self.ray_dashboard = ray_dashboard  # linked from /dashboard
 
     # ------------------------------------------------------------------ auth and model names
 
@@ -84,7 +58,7 @@ class Gateway:
         """``auth: on|off`` as configured; ``auto``: as the cluster's ResourceManager (off without one)."""
         if self.cfg.auth != "auto":
             return self.cfg.auth == "on"
-        rm = _rm()
+        rm = rm_handle()
         return rm is not None and await rm.auth_required.remote()
 
     async def _caller(self, request: Request) -> str | None:
@@ -100,7 +74,7 @@ class Gateway:
         hit = self.keys.get(digest)
         if hit is None or hit[0] < time.time():
             try:
-                who = await _rm().whoami.remote(key)
+                who = await rm_handle().whoami.remote(key)
             except Exception as e:  # noqa: BLE001 - AuthError from the registry
                 raise APIError(401, str(e).splitlines()[-1].split(": ", 1)[-1] or "wrong API key",
                                type="invalid_request_error", code="invalid_api_key") from None
@@ -112,7 +86,7 @@ class Gateway:
         if name in self.servers:
             return name, ""
         m = _JOB_MODEL.fullmatch(name)
-        rm = _rm()
+        rm = rm_handle()
         if m is None or rm is None:
             raise APIError(404, f"the model {name!r} does not exist; GET /v1/models lists what is served",
                            param="model", code="model_not_found")
@@ -143,7 +117,7 @@ class Gateway:
     async def list_models(self, request: Request) -> dict[str, Any]:
         key = await self._caller(request)
         data = [{"id": n, "object": "model", "created": self.started, "owned_by": "otray"} for n in self.servers]
-        rm = _rm()
+        rm = rm_handle()
         for job in (await rm.servable.remote(key)) if rm is not None else []:
             created = int(job["created"] or 0)
             data.append({"id": f"job-{job['id']}", "object": "model", "created": created, "owned_by": "otray",
@@ -244,7 +218,7 @@ def _unwrap(e: BaseException) -> APIError:
     return APIError(500, f"the model server failed: {first[:500]}", type="server_error")
 
 
-def build(cfg: ServeConfig) -> Any:
+def build(cfg: ServeConfig, ray_dashboard: str | None = None) -> Any:
     """The bound application: one ModelServer deployment per base model behind the Gateway."""
     from otray.serve.model_server import serve_class
 
@@ -257,7 +231,7 @@ def build(cfg: ServeConfig) -> Any:
                                "runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(m.num_threads or max(1, int(m.replica_cpus)))}}},
             max_ongoing_requests=m.max_ongoing_requests, **scaling).bind(
             to_dict_model(m), cfg.cache_dir, cfg.stream_chunk_tokens)
-    return Gateway.bind(to_dict(cfg), servers)
+    return Gateway.bind(to_dict(cfg), servers, ray_dashboard)
 
 
 def to_dict_model(m: Any) -> dict[str, Any]:
@@ -268,5 +242,12 @@ def to_dict_model(m: Any) -> dict[str, Any]:
 
 def run(cfg: ServeConfig, *, blocking: bool = False) -> Any:
     """Start Serve on the connected Ray cluster at ``cfg.host:cfg.port`` and deploy the app."""
+    try:
+        from ray._private.worker import get_dashboard_url  # not public API: only for the link
+
+        url = get_dashboard_url() or None
+    except Exception:  # noqa: BLE001 - no dashboard, or the private API moved
+        url = None
     serve.start(http_options={"host": cfg.host, "port": cfg.port})
-    return serve.run(build(cfg), name=APP_NAME, route_prefix="/", blocking=blocking)
+    return serve.run(build(cfg, url and (url if url.startswith("http") else f"http://{url}")), name=APP_NAME,
+                     route_prefix="/", blocking=blocking)

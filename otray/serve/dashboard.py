@@ -1,0 +1,101 @@
+"""The jobs dashboard at ``/dashboard`` and the JSON API behind it, on the Gateway.
+
+``/api/jobs`` (state, owner, progress, latest reward and eval accuracy),
+``/api/jobs/{id}`` (+ ``/metrics``, ``/episodes?step=``, ``/checkpoints``) and
+``POST /api/jobs/{id}/cancel`` answer with the caller's rights (the same Bearer key as
+``/v1``; admins see every job). The page (``otray/serve/static``) is plain HTML, CSS and
+JavaScript served from here: no CDN, no build step.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import FileResponse, HTMLResponse
+
+from otray.serve.http import api, rm_handle
+from otray.serve.openai_api import APIError
+
+STATIC = Path(__file__).resolve().parent / "static"
+ASSETS = {"app.js": "text/javascript", "style.css": "text/css"}
+
+
+def _cause(e: BaseException) -> BaseException:
+    return getattr(e, "cause", None) or e
+
+
+async def rm_call(method: Any, *args: Any) -> Any:
+    """Call a ResourceManager method; its AuthError / KeyError become 403 / 404 with its message."""
+    from otray.actors.registry import AuthError
+
+    try:
+        return await method.remote(*args)
+    except Exception as e:  # noqa: BLE001 - Ray wraps the actor's exception
+        cause = _cause(e)
+        if isinstance(cause, AuthError) or "AuthError" in type(e).__name__:
+            raise APIError(403, str(cause).splitlines()[-1], type="permission_error") from None
+        if isinstance(cause, KeyError) or "KeyError" in type(e).__name__:
+            raise APIError(404, str(cause.args[0] if getattr(cause, "args", None) else cause), type="not_found") from None
+        raise
+
+
+class DashboardRoutes:
+    """Mixed into the Gateway deployment (which provides ``_caller`` and ``cfg``)."""
+
+    def _rm(self) -> Any:
+        rm = rm_handle()
+        if rm is None:
+            raise APIError(503, "no ResourceManager on this cluster: start one with `otray train` or otray.connect()",
+                           type="server_error")
+        return rm
+
+    @api.get("/dashboard", response_class=HTMLResponse)
+    async def dashboard(self) -> HTMLResponse:
+        return HTMLResponse((STATIC / "index.html").read_text())
+
+    @api.get("/dashboard/{name}")
+    async def dashboard_asset(self, name: str) -> FileResponse:
+        if name not in ASSETS:
+            raise APIError(404, f"no dashboard asset {name!r}")
+        return FileResponse(STATIC / name, media_type=ASSETS[name])
+
+    @api.get("/api/info")
+    async def info(self) -> dict[str, Any]:
+        return {"auth": await self._auth_on(), "ray_dashboard": self.ray_dashboard,
+                "models": [m.name for m in self.cfg.models], "resource_manager": rm_handle() is not None}
+
+    @api.get("/api/jobs")
+    async def jobs(self, request: Request) -> list[dict[str, Any]]:
+        key = await self._caller(request)
+        jobs = await rm_call(self._rm().jobs, key)
+        out = []
+        for j in sorted(jobs, key=lambda j: j["created"], reverse=True):
+            p = j.get("progress") or {}
+            out.append({"id": j["id"], "name": j["name"], "owner": j["owner"], "state": j["state"],
+                        "kind": j.get("kind"), "step": p.get("step"), "total_steps": j.get("total_steps"),
+                        "phase": p.get("phase"), "reward": p.get("reward_mean", p.get("loss")),
+                        "accuracy": p.get("eval/accuracy"), "created": j["created"], "error": j["error"]})
+        return out
+
+    @api.get("/api/jobs/{job_id}")
+    async def job(self, job_id: str, request: Request) -> dict[str, Any]:
+        return await rm_call(self._rm().status, job_id, await self._caller(request))
+
+    @api.get("/api/jobs/{job_id}/metrics")
+    async def job_metrics(self, job_id: str, request: Request, since: int = 0) -> list[dict[str, Any]]:
+        return await rm_call(self._rm().metrics, job_id, since, await self._caller(request))
+
+    @api.get("/api/jobs/{job_id}/episodes")
+    async def job_episodes(self, job_id: str, request: Request, step: int | None = None) -> dict[str, Any]:
+        return await rm_call(self._rm().episodes, job_id, step, await self._caller(request))
+
+    @api.get("/api/jobs/{job_id}/checkpoints")
+    async def job_checkpoints(self, job_id: str, request: Request) -> list[dict[str, Any]]:
+        steps = await rm_call(self._rm().checkpoints, job_id, await self._caller(request))
+        return [{"step": s, "model": f"job-{job_id}:{s}"} for s in steps]
+
+    @api.post("/api/jobs/{job_id}/cancel")
+    async def job_cancel(self, job_id: str, request: Request) -> dict[str, Any]:
+        return await rm_call(self._rm().cancel, job_id, await self._caller(request))
