@@ -5,6 +5,7 @@
     otray users add NAME [--admin]       prints the new API key once
     otray tiny-model DIR [--seed N]
     otray serve [CONFIG] [key=value ...]  the OpenAI-compatible app (+ dashboard), until Ctrl-C
+    otray infer CONFIG [--checkpoint REF] [--split eval] [--limit N] [--out FILE] [key=value ...]
 
 ``--address`` (or ``RAY_ADDRESS``) joins a running cluster; without it a local Ray
 starts for the command. ``OTRAY_API_KEY`` carries the key when auth is on.
@@ -120,6 +121,33 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_infer(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from otray import config as config_mod
+    from otray.actors.checkpoint_store import frozen_model_dir, parse_ref
+    from otray.actors.inference import InferenceJob
+    from otray.models import resolve_model_path
+
+    cfg = config_mod.load(args.config, args.overrides)
+    out = Path(args.out or f"runs/infer/{cfg.job.name}-{time.strftime('%Y%m%d-%H%M%S')}.jsonl")
+    if args.checkpoint and parse_ref(args.checkpoint) is not None:  # JOB_ID[:STEP]: fetched through Ray
+        src, step = parse_ref(args.checkpoint)
+        client = _connect(args)
+        model_path = frozen_model_dir(str(client.job(src).download_checkpoint(out.parent / f"{src}-ckpt", step)), ".")
+    else:
+        import ray
+
+        if not ray.is_initialized():
+            ray.init(address=args.address, include_dashboard=False, log_to_driver=False)
+        model_path = (frozen_model_dir(args.checkpoint, ".") if args.checkpoint
+                      else resolve_model_path(cfg.model.path, cfg.model.cache_dir))
+    summary = InferenceJob(cfg, model_path).run(args.split, out, limit=args.limit,
+                                                greedy=None if args.sample is None else not args.sample)
+    print(json.dumps({"model": model_path, **summary}, indent=1))
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="otray", description="RL for LLM agents on Ray")
     p.add_argument("--address", default=None, help="Ray cluster address (default: RAY_ADDRESS, else a local Ray)")
@@ -142,6 +170,17 @@ def parser() -> argparse.ArgumentParser:
     v.add_argument("config", nargs="?", default=None, help="serve config YAML (default: the tiny model)")
     v.add_argument("overrides", nargs="*", help="dotted key=value overrides")
     v.set_defaults(fn=cmd_serve)
+    i = sub.add_parser("infer", help="run a config's envs (or game) over a split with a model or checkpoint")
+    i.add_argument("config")
+    i.add_argument("overrides", nargs="*", help="dotted key=value overrides")
+    i.add_argument("--checkpoint", default=None, help="JOB_ID[:STEP], a checkpoint dir or a model dir "
+                                                       "(default: the config's model.path)")
+    i.add_argument("--split", default="eval")
+    i.add_argument("--limit", type=int, default=None, help="at most N tasks per env (games: per role and opponent)")
+    i.add_argument("--out", default=None, help="JSONL file (default: runs/infer/<job name>-<time>.jsonl)")
+    i.add_argument("--sample", action=argparse.BooleanOptionalAction, default=None,
+                   help="sample instead of greedy decoding (default: the config's eval.greedy)")
+    i.set_defaults(fn=cmd_infer)
     m = sub.add_parser("tiny-model", help="build the tiny Qwen2 model + tokenizer into DIR")
     m.add_argument("dir")
     m.add_argument("--seed", type=int, default=0)
@@ -150,7 +189,13 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    p = parser()
+    args, extra = p.parse_known_args(argv)
+    # key=value overrides may also come after the options (argparse stops a positional list at an option)
+    if hasattr(args, "overrides") and all("=" in x and not x.startswith("-") for x in extra):
+        args.overrides = [*args.overrides, *extra]
+    elif extra:
+        p.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return args.fn(args)
     except OtrayError as e:

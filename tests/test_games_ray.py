@@ -132,3 +132,24 @@ def test_frozen_opponent_by_job_id_through_the_resource_manager(ray_local, tmp_p
             ray.get(rm.ref_blob.remote(job_id, f"{first}:0"))
     finally:
         ray.kill(rm)
+
+
+def test_otray_infer_runs_the_training_env_code(ray_local, tmp_path, ttt_checkpoint):
+    from otray.cli import main
+
+    out = tmp_path / "games.jsonl"
+    assert main(["infer", str(ROOT / "conf" / "tictactoe_vs_random.yaml"), "--checkpoint", ttt_checkpoint,
+                 "--limit", "3", "--out", str(out), "game.eval_opponents=[random]"]) == 0
+    games = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(games) == 3 * 2  # 3 seeds x 2 roles against random
+    for g in games:
+        assert sum(g["rewards"].values()) == 0 and g["seating"][g["role"]] == "trained:main"
+        mine = [e for e in g["episodes"] if e["agent"] == g["role"]]
+        assert len(mine) == 1 and mine[0]["messages"][0]["role"] == "user" and mine[0]["reward"] == g["rewards"][g["role"]]
+    out = tmp_path / "arith.jsonl"
+    assert main(["infer", str(ROOT / "conf" / "arithmetic_grpo.yaml"), "--limit", "4", "--out", str(out),
+                 f"envs.arithmetic.dataset.dir={tmp_path}/data"]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 4 and all(r["prompt"].endswith("=") and "expected" in r["info"] for r in rows)
+    assert main(["infer", str(ROOT / "conf" / "arithmetic_grpo.yaml"), "--split", "nope", "--out", str(out),
+                 f"envs.arithmetic.dataset.dir={tmp_path}/data"]) == 2  # a clear error naming the splits

@@ -178,11 +178,12 @@ class GameTrainer:
                 out[prefix + "illegal_per_game"] = statistics.fmean(r.counts[a]["illegal"] for a, r in mine)
         return out
 
-    def evaluate(self, greedy: bool) -> dict[str, float]:
-        """Each trained policy in every role against each eval opponent: win/draw/loss rates.
-        Other seats hold the opponent. ``eval/accuracy`` is the mean win rate (the summary's figure)."""
-        seeds = list(range(10**9, 10**9 + self.game.eval_games))  # fixed, never used in training
-        runs = []  # (policy, opponent, role) per block of seeds, all in one coordinator run
+    def eval_games(self, greedy: bool, count: int | None = None) -> list[tuple[str, str, str, list[GameResult]]]:
+        """Each trained policy in every role against each eval opponent (other seats hold the opponent),
+        ``count`` (default ``game.eval_games``) fixed seeds each, in one coordinator run:
+        (policy, opponent, role, games)."""
+        seeds = list(range(10**9, 10**9 + (count or self.game.eval_games)))  # fixed, never used in training
+        runs = []
         for name in self.trained:
             me = f"trained:{name}" + ("/greedy" if greedy else "")
             for opponent in self.game.eval_opponents:
@@ -190,9 +191,14 @@ class GameTrainer:
                 for role in self.roles:
                     runs.append((name, opponent, role, {a: me if a == role else opp for a in self.roles}))
         played = self.play([s for _ in runs for s in seeds], [seating for *_, seating in runs for _ in seeds])
+        return [(name, opponent, role, played.results[i * len(seeds):(i + 1) * len(seeds)])
+                for i, (name, opponent, role, _) in enumerate(runs)]
+
+    def evaluate(self, greedy: bool) -> dict[str, float]:
+        """Win/draw/loss rates of :meth:`eval_games`; ``eval/accuracy`` is the mean win rate (the summary's figure)."""
         out, wins = {}, []
-        for i, (name, opponent, role, _) in enumerate(runs):
-            done = [r for r in played.results[i * len(seeds):(i + 1) * len(seeds)] if r.error is None]
+        for name, opponent, role, results in self.eval_games(greedy):
+            done = [r for r in results if r.error is None]
             if not done:
                 continue
             prefix = "eval/" + ("" if len(self.trained) == 1 else f"{name}/") + f"{role}_vs_{short(opponent)}/"

@@ -100,52 +100,10 @@ def threads_env(num_threads: int | None) -> dict[str, Any]:
     return {"runtime_env": {"env_vars": {"OMP_NUM_THREADS": n, "MKL_NUM_THREADS": n}}}
 
 
-class TrainJob(SFTMixin):
-    """Bundle layout in a job's placement group: 0 = learner (and the job driver), 1+i = rollout worker i;
-    a game with more trained policies repeats that block per policy, then one bundle per frozen policy
-    (``otray.actors.resource_manager.bundles_for``)."""
-
-    def __init__(self, cfg: Config, job_dir: str | Path, *, log: Callable[[str], None] = print,
-                 placement_group: Any = None):
-        import ray
-
-        from otray.actors.rollout import RolloutFleet, wait_ready
-
-        self.cfg, self.log = cfg, log
-        self.dir = Path(job_dir)
-        self.dir.mkdir(parents=True, exist_ok=True)
-        (self.dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=1))
-        t0 = time.perf_counter()
-        self.model_path = resolve_model_path(cfg.model.path, cfg.model.cache_dir)
-        self.tokenizer = load_tokenizer(self.model_path)
-        self.splits = {name: load_splits(name, e.dataset, e.splits, cfg.job.seed, f"envs.{name}")
-                       for name, e in cfg.envs.items()}
-        self.mixture = (Mixture({n: s["train"] for n, s in self.splits.items()},
-                                {n: e.weight for n, e in cfg.envs.items()}, seed=cfg.job.seed)
-                        if cfg.job.kind == "rl" and cfg.envs else None)
-        # chat data: the whole of an SFT job, or an RL job's warm-up data when sft.splits.train is given
-        self.chat = (load_splits("sft", cfg.sft.dataset, cfg.sft.splits, cfg.job.seed, "sft")
-                     if "train" in cfg.sft.splits else {})
-        self.placement_group = placement_group
-        self.learner = self.make_learner(0)
-        workers = self.make_workers(1, num_rollout_workers(cfg), self.model_path)
-        self.fleet = RolloutFleet(workers) if workers else None
-        wait_ready([self.learner, *workers])
-        infos = ray.get([w.info.remote() for w in workers])
-        self.worker_info = infos[0] if infos else {"backend": None, "max_model_len": cfg.rollout.max_model_len}
-        self.nodes = {"learner": ray.get(self.learner.info.remote())["node_id"],
-                      "rollout": [i["node_id"] for i in infos]}  # Ray node ids, for the record
-        self.step = 0
-        self.weights_synced = True  # False after optimizer steps that the workers have not seen
-        self.first_rollout_at: float | None = None  # wall clock (time.time) of the first rollout
-        self.generate_s = 0.0  # time in generate calls, summed; rl_step reports its share
-        self.pending_episodes: list[dict[str, Any]] = []  # logged, not yet handed to the ResourceManager
-        from otray.actors.games import GameTrainer
-
-        self.games = GameTrainer(self) if cfg.game is not None else None  # multi-agent game jobs
-        self.startup_s = time.perf_counter() - t0
-        log(f"job ready in {self.startup_s:.1f}s: model {self.model_path}, backend {self.worker_info['backend']}, "
-            f"{len(workers)} rollout worker(s)")
+class JobActors:
+    """What training and inference jobs share: creating their actors in the job's placement group and
+    rolling out episodes of the configured envs. Needs ``cfg``, ``model_path``, ``tokenizer``,
+    ``placement_group``, ``fleet``, ``worker_info``, ``step``, ``generate_s``, ``first_rollout_at``."""
 
     def make_learner(self, bundle: int) -> Any:
         """A PolicyLearner for this job's model in placement-group bundle ``bundle``."""
@@ -207,6 +165,54 @@ class TrainJob(SFTMixin):
                     traj.reward = episode_reward(traj, env_cfg)
                 groups.append(TrajectoryGroup(t, members))
         return groups
+
+
+class TrainJob(SFTMixin, JobActors):
+    """Bundle layout in a job's placement group: 0 = learner (and the job driver), 1+i = rollout worker i;
+    a game with more trained policies repeats that block per policy, then one bundle per frozen policy
+    (``otray.actors.resource_manager.bundles_for``)."""
+
+    def __init__(self, cfg: Config, job_dir: str | Path, *, log: Callable[[str], None] = print,
+                 placement_group: Any = None):
+        import ray
+
+        from otray.actors.rollout import RolloutFleet, wait_ready
+
+        self.cfg, self.log = cfg, log
+        self.dir = Path(job_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        (self.dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=1))
+        t0 = time.perf_counter()
+        self.model_path = resolve_model_path(cfg.model.path, cfg.model.cache_dir)
+        self.tokenizer = load_tokenizer(self.model_path)
+        self.splits = {name: load_splits(name, e.dataset, e.splits, cfg.job.seed, f"envs.{name}")
+                       for name, e in cfg.envs.items()}
+        self.mixture = (Mixture({n: s["train"] for n, s in self.splits.items()},
+                                {n: e.weight for n, e in cfg.envs.items()}, seed=cfg.job.seed)
+                        if cfg.job.kind == "rl" and cfg.envs else None)
+        # chat data: the whole of an SFT job, or an RL job's warm-up data when sft.splits.train is given
+        self.chat = (load_splits("sft", cfg.sft.dataset, cfg.sft.splits, cfg.job.seed, "sft")
+                     if "train" in cfg.sft.splits else {})
+        self.placement_group = placement_group
+        self.learner = self.make_learner(0)
+        workers = self.make_workers(1, num_rollout_workers(cfg), self.model_path)
+        self.fleet = RolloutFleet(workers) if workers else None
+        wait_ready([self.learner, *workers])
+        infos = ray.get([w.info.remote() for w in workers])
+        self.worker_info = infos[0] if infos else {"backend": None, "max_model_len": cfg.rollout.max_model_len}
+        self.nodes = {"learner": ray.get(self.learner.info.remote())["node_id"],
+                      "rollout": [i["node_id"] for i in infos]}  # Ray node ids, for the record
+        self.step = 0
+        self.weights_synced = True  # False after optimizer steps that the workers have not seen
+        self.first_rollout_at: float | None = None  # wall clock (time.time) of the first rollout
+        self.generate_s = 0.0  # time in generate calls, summed; rl_step reports its share
+        self.pending_episodes: list[dict[str, Any]] = []  # logged, not yet handed to the ResourceManager
+        from otray.actors.games import GameTrainer
+
+        self.games = GameTrainer(self) if cfg.game is not None else None  # multi-agent game jobs
+        self.startup_s = time.perf_counter() - t0
+        log(f"job ready in {self.startup_s:.1f}s: model {self.model_path}, backend {self.worker_info['backend']}, "
+            f"{len(workers)} rollout worker(s)")
 
     def sync_weights(self, learner: Any = None, fleet: Any = None) -> float:
         """Push a learner's weights (default: the job's) to its rollout workers through the object store."""
