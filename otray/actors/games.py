@@ -148,7 +148,8 @@ class GameTrainer:
                 for t in r.agent_trajectories(key[2]):
                     keys.append(key)
                     trajs.append(t)
-            advantages = adv.grouped(algo.advantage, [t.reward for t in trajs], keys)    # 4-5. (seed, seating, role)
+            rewards = [t.reward - self.game.illegal_penalty * t.info["illegal"] for t in trajs]
+            advantages = adv.grouped(algo.advantage, rewards, keys)                        # 4-5. (seed, seating, role)
             learned = job.learn(build_datums(trajs, advantages), policy.learner, policy.fleet)  # 6-7. learn, push
             first = {key[:2] for key, _ in mine[:1]}  # log the seats of one seed and seating
             to_log.append(([t for k, t in zip(keys, trajs) if k[:2] in first][:8],
