@@ -187,3 +187,20 @@ def test_turn_budget_must_fit_a_well_formed_reply(tokenizer):
     with pytest.raises(ConfigError, match=f"at least {need}$"):
         check_turn_budget(rps.TEXT, tokenizer, need - 1)
     check_turn_budget(rps.TEXT, tokenizer, need)
+
+
+def test_rotated_seatings_train_every_role_once():
+    import types
+
+    from otray.actors.games import GameTrainer
+
+    t = GameTrainer.__new__(GameTrainer)  # only the seating logic, no job
+    t.game, t.roles = types.SimpleNamespace(rotate_seats=True), ["a", "b", "c"]
+    t.seating = {"a": "trained:main", "b": "random", "c": "random"}
+    assert [[s[r] for r in t.roles] for s in t.seatings()] == [
+        ["trained:main", "random", "random"], ["random", "trained:main", "random"], ["random", "random", "trained:main"]]
+    t.seating = {"a": "trained:main", "b": "trained:main", "c": "trained:main"}  # self-play: one seating
+    assert len(t.seatings()) == 1
+    t.game.rotate_seats = False
+    t.seating = {"a": "trained:main", "b": "random", "c": "random"}
+    assert t.seatings() == [t.seating]

@@ -121,7 +121,8 @@ class GameTrainer:
         if not self.game.rotate_seats:
             return [self.seating]
         specs = [self.seating[a] for a in self.roles]
-        return [{a: specs[(i - k) % len(specs)] for i, a in enumerate(self.roles)} for k in range(len(specs))]
+        rotations = [{a: specs[(i - k) % len(specs)] for i, a in enumerate(self.roles)} for k in range(len(specs))]
+        return list({tuple(r.items()): r for r in rotations}.values())  # self-play: one seating, not n copies
 
     def play(self, seeds: list[int], seatings: list[dict[str, str]]) -> Played:
         import ray
