@@ -1,15 +1,18 @@
 """Serve overhead: the OpenAI-compatible app over HTTP vs. the backend called in-process.
 
 The same chat requests (tiny model, greedy, ``max_tokens`` 16) at 1, 8 and 32 concurrent
-clients, two ways, alternating per concurrency level:
+clients, three ways, alternating per concurrency level:
 
-- in-process: threads that tokenize with the chat template, call the HF backend's
-  ``generate`` (one call at a time, as a replica runs them) and decode;
+- in-process, one at a time: threads that tokenize with the chat template, call the HF
+  backend's ``generate`` under a lock (the backend runs one call at a time) and decode;
+- in-process, batched: the same threads through ``Loaded``, the replica's dynamic
+  batcher (concurrent requests with equal settings share one ``generate`` call);
 - over HTTP: threads with their own ``httpx`` client posting ``/v1/chat/completions`` to
-  the Serve app (one ModelServer replica with the same torch threads).
+  the Serve app (one ModelServer replica with the same torch threads, the same batcher).
 
-Reports requests/s and p50/p99 latency for each and the p50 overhead (HTTP / in-process
-- 1; target <= 30% at concurrency 8); saves ``benchmarks/results/serve.json``.
+Reports requests/s and p50/p99 latency for each and the p50 overhead of HTTP against each
+in-process way (HTTP / in-process - 1; target <= 30% at concurrency 8, judged against the
+batched way, which runs the same generate calls); saves ``benchmarks/results/serve.json``.
 
     python benchmarks/serve.py [--requests 64] [--port 8471]
 """
@@ -59,6 +62,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--port", type=int, default=8471)
+    ap.add_argument("--batch-wait-ms", type=float, default=0.0, help="the replica's batch_wait_ms")
     args = ap.parse_args()
 
     import httpx
@@ -70,6 +74,7 @@ def main() -> None:
     from otray.actors.backends.hf import HFBackend
     from otray.models import chat_prompt_ids, load_tokenizer, resolve_model_path
     from otray.serve.app import run
+    from otray.serve.model_server import Loaded
     from otray.types import SamplingParams
 
     tiny = resolve_model_path("tiny")
@@ -77,15 +82,22 @@ def main() -> None:
     tok, backend, lock = load_tokenizer(tiny), HFBackend(tiny, max_model_len=512), threading.Lock()
     params = SamplingParams(max_tokens=16, temperature=0.0)
 
+    batcher = Loaded(backend, "tiny")
+
     def in_process(i: int) -> None:
         ids = chat_prompt_ids(tok, messages(i))
         with lock:
             sample = backend.generate([ids], params, 1)[0][0]
         tok.decode(sample.token_ids, skip_special_tokens=True)
 
+    def in_process_batched(i: int) -> None:
+        sample = batcher.generate([chat_prompt_ids(tok, messages(i))], params, 1)[0][0]
+        tok.decode(sample.token_ids, skip_special_tokens=True)
+
     ray.init(num_cpus=THREADS + 1, include_dashboard=False, log_to_driver=False)
     cfg = config.load_serve({"port": args.port, "models": [{"name": "tiny", "path": tiny, "num_threads": THREADS,
-                                                            "replica_cpus": 1, "max_ongoing_requests": 64}]})
+                                                            "replica_cpus": 1, "max_ongoing_requests": 64,
+                                                            "batch_wait_ms": args.batch_wait_ms}]})
     run(cfg)
     local = threading.local()
 
@@ -96,25 +108,28 @@ def main() -> None:
                                                              "max_tokens": 16, "temperature": 0})
         r.raise_for_status()
 
-    for call in (in_process, over_http):  # warm-up
+    for call in (in_process, in_process_batched, over_http):  # warm-up
         measure(call, 4, 8)
     rows = []
     try:
         for concurrency in (1, 8, 32):
             direct = measure(in_process, concurrency, args.requests)
+            batched = measure(in_process_batched, concurrency, args.requests)
             http = measure(over_http, concurrency, args.requests)
-            rows.append({"concurrency": concurrency, "in_process": direct, "http": http,
-                         "p50_overhead": http["p50_s"] / direct["p50_s"] - 1,
-                         "throughput_ratio": http["requests_per_s"] / direct["requests_per_s"]})
+            rows.append({"concurrency": concurrency, "in_process": direct, "in_process_batched": batched,
+                         "http": http, "p50_overhead": http["p50_s"] / batched["p50_s"] - 1,
+                         "p50_overhead_vs_one_at_a_time": http["p50_s"] / direct["p50_s"] - 1,
+                         "throughput_ratio": http["requests_per_s"] / batched["requests_per_s"]})
     finally:
         serve.shutdown()
         ray.shutdown()
-    print(f"{'clients':>7} {'in-proc req/s':>13} {'http req/s':>10} {'in-proc p50':>11} {'http p50':>9} "
-          f"{'http p99':>9} {'p50 overhead':>12}")
+    print(f"{'clients':>7} {'req/s: one-at-a-time':>20} {'batched':>8} {'http':>6}   "
+          f"{'p50: one-at-a-time':>18} {'batched':>8} {'http':>8} {'http p99':>9}   {'p50 overhead vs batched':>23}")
     for r in rows:
-        print(f"{r['concurrency']:7d} {r['in_process']['requests_per_s']:13.1f} {r['http']['requests_per_s']:10.1f} "
-              f"{r['in_process']['p50_s'] * 1000:9.1f}ms {r['http']['p50_s'] * 1000:7.1f}ms "
-              f"{r['http']['p99_s'] * 1000:7.1f}ms {r['p50_overhead']:12.1%}")
+        a, b, h = r["in_process"], r["in_process_batched"], r["http"]
+        print(f"{r['concurrency']:7d} {a['requests_per_s']:20.1f} {b['requests_per_s']:8.1f} {h['requests_per_s']:6.1f}   "
+              f"{a['p50_s'] * 1000:16.1f}ms {b['p50_s'] * 1000:6.1f}ms {h['p50_s'] * 1000:6.1f}ms "
+              f"{h['p99_s'] * 1000:7.1f}ms   {r['p50_overhead']:23.1%}")
     RESULTS.mkdir(exist_ok=True)
     out = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform()}, "args": vars(args),
            "model": "tiny (HF backend, greedy, max_tokens 16)", "rows": rows, "target_p50_overhead_at_8": 0.30}

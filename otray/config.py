@@ -440,6 +440,8 @@ class ServeModel:
     autoscaling: Optional[dict[str, Any]] = None
     max_loaded_checkpoints: int = 2  # per replica; least recently used evicted past this
     max_ongoing_requests: int = 32
+    max_batch: int = 32  # prompts per generate call: concurrent requests with equal settings share one
+    batch_wait_ms: float = 0.0  # wait this long before a batch for more requests to join it
 
 
 @dataclass
@@ -456,6 +458,7 @@ class ServeConfig:
     max_prompt_tokens: int = 4096
     max_body_bytes: int = 1_000_000
     stream_chunk_tokens: int = 4  # tokens generated per streamed step
+    max_ongoing_requests: int = 256  # requests the Gateway holds at once (Serve's default, 5, would cap batching)
     cache_dir: str = ".cache/models"
 
 

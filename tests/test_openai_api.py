@@ -64,3 +64,55 @@ def test_streamed_text_equals_the_complete_answer(tiny_path):
             mine = [it for it in items if it[0] == index]
             assert "".join(text for _, text, _, _ in mine) == expected[index].text  # stop strings never leak
             assert mine[-1][2] == expected[index].finish_reason and all(f is None for _, _, f, _ in mine[:-1])
+
+
+def test_dynamic_batching_shares_calls_and_keeps_answers(tiny_path, tokenizer):
+    """Concurrent requests with equal settings share generate calls and get the answers they
+    would get alone; a seeded request runs alone; one too-long prompt fails only itself."""
+    import threading
+
+    from otray.actors.backends.hf import HFBackend
+    from otray.models import chat_prompt_ids
+    from otray.serve.model_server import Loaded
+    from otray.types import SamplingParams
+
+    backend = HFBackend(tiny_path, max_model_len=128)
+    greedy = SamplingParams(max_tokens=8, temperature=0.0)
+    prompts = [chat_prompt_ids(tokenizer, [{"role": "user", "content": f"What is {i}+{2 * i}?"}]) for i in range(8)]
+    alone = [backend.generate([p], greedy, 1)[0][0].token_ids for p in prompts]
+    model = Loaded(backend, "tiny", max_batch=32)
+    out: dict[int, list[int]] = {}
+    errors: dict[int, BaseException] = {}
+    jobs = [(i, p, greedy) for i, p in enumerate(prompts)] + [(8, [5] * 200, greedy)]  # 8: longer than the context
+
+    def call(i, p, params):
+        try:
+            out[i] = model.generate([p], params, 1)[0][0].token_ids
+        except Exception as e:  # noqa: BLE001
+            errors[i] = e
+
+    model.lock.acquire()  # hold the backend so every request queues, then let them go together
+    threads = [threading.Thread(target=call, args=job) for job in jobs]
+    for t in threads:
+        t.start()
+    while len(model.queue) < len(jobs):
+        threading.Event().wait(0.01)
+    model.lock.release()
+    for t in threads:
+        t.join(60)
+    assert set(errors) == {8} and "128" in str(errors[8])
+    assert [out[i] for i in range(8)] == alone
+    assert max(model.batches) == 9  # all nine went into one call (which failed, then each ran alone)
+
+    model.batches.clear()
+    seeded = SamplingParams(max_tokens=8, temperature=1.0, seed=3)
+    model.lock.acquire()
+    threads = [threading.Thread(target=call, args=(i, prompts[i], seeded)) for i in range(3)]
+    for t in threads:
+        t.start()
+    while len(model.queue) < 3:
+        threading.Event().wait(0.01)
+    model.lock.release()
+    for t in threads:
+        t.join(60)
+    assert model.batches == [1, 1, 1]

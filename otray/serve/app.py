@@ -50,6 +50,7 @@ class Gateway(DashboardRoutes):
         self.context = {}  # base model name -> max_model_len, asked of a replica on first use
         self.keys: dict[str, tuple[float, dict[str, Any]]] = {}  # sha256(key) -> (expiry, whoami)
         self.started = int(time.time())
+        self.auth_cache = (False, 0.0)  # (auth on?, expiry): the RM's setting, asked every 10 s
         self.ray_dashboard = ray_dashboard  # linked from /dashboard
 
     # ------------------------------------------------------------------ auth and model names
@@ -58,8 +59,12 @@ class Gateway(DashboardRoutes):
         """``auth: on|off`` as configured; ``auto``: as the cluster's ResourceManager (off without one)."""
         if self.cfg.auth != "auto":
             return self.cfg.auth == "on"
+        if self.auth_cache[1] > time.monotonic():
+            return self.auth_cache[0]
         rm = rm_handle()
-        return rm is not None and await rm.auth_required.remote()
+        on = rm is not None and await rm.auth_required.remote()
+        self.auth_cache = (on, time.monotonic() + 10.0)
+        return on
 
     async def _caller(self, request: Request) -> str | None:
         """The request's API key (checked when auth is on); None when auth is off."""
@@ -231,7 +236,7 @@ def build(cfg: ServeConfig, ray_dashboard: str | None = None) -> Any:
                                "runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(m.num_threads or max(1, int(m.replica_cpus)))}}},
             max_ongoing_requests=m.max_ongoing_requests, **scaling).bind(
             to_dict_model(m), cfg.cache_dir, cfg.stream_chunk_tokens)
-    return Gateway.bind(to_dict(cfg), servers, ray_dashboard)
+    return Gateway.options(max_ongoing_requests=cfg.max_ongoing_requests).bind(to_dict(cfg), servers, ray_dashboard)
 
 
 def to_dict_model(m: Any) -> dict[str, Any]:

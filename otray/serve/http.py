@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -27,14 +28,24 @@ async def _bad_method(request: Request, _: Exception) -> JSONResponse:
     return JSONResponse(APIError(405, f"{request.method} is not allowed on {request.url.path}").body(), status_code=405)
 
 
+_RM: list[Any] = [None, 0.0]  # (handle or None, time it expires)
+
+
 def rm_handle() -> Any:
+    """The cluster's ResourceManager, or None without one. Looked up at most every few
+    seconds (a lookup is a GCS round trip; requests would pay it each time)."""
     import ray
 
     from otray.actors.resource_manager import NAME, NAMESPACE
 
+    now = time.monotonic()
+    if now < _RM[1]:
+        return _RM[0]
     try:
-        return ray.get_actor(NAME, namespace=NAMESPACE)
+        handle = ray.get_actor(NAME, namespace=NAMESPACE)
     except ValueError:
-        return None
+        handle = None
+    _RM[:] = [handle, now + (10.0 if handle is not None else 2.0)]
+    return handle
 
 

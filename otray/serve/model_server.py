@@ -19,8 +19,10 @@ import asyncio
 import shutil
 import tempfile
 import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -39,15 +41,64 @@ class Job:
 
 
 class Loaded:
-    """A model ready to generate; a lock keeps one generate call at a time on it."""
+    """A model ready to generate, with dynamic batching.
 
-    def __init__(self, backend: Any, name: str, cleanup: str | None = None):
-        self.backend, self.name, self.cleanup = backend, name, cleanup
-        self.lock = threading.Lock()
+    Concurrent requests are queued; one thread at a time runs the backend, taking every
+    queued request whose sampling settings and ``n`` equal the first one's (up to
+    ``max_batch`` prompts) into one ``generate`` call, so 8 concurrent chats cost about
+    one batched generate instead of 8 in a row. Requests with a ``seed`` run alone: their
+    samples must not depend on which other requests shared the batch.
+    """
+
+    def __init__(self, backend: Any, name: str, cleanup: str | None = None, max_batch: int = 32,
+                 batch_wait_ms: float = 0.0):
+        self.backend, self.name, self.cleanup, self.max_batch = backend, name, cleanup, max(1, max_batch)
+        self.batch_wait_s = batch_wait_ms / 1000
+        self.lock = threading.Lock()  # held by the thread running the backend
+        self.queue: list[_Pending] = []
+        self.queue_lock = threading.Lock()
+        self.batches: list[int] = []  # prompts per backend call, for tests and benchmarks
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, n: int) -> list[list[Any]]:
-        with self.lock:
-            return self.backend.generate(prompts, params, n)
+        mine = _Pending(prompts, params, n)
+        with self.queue_lock:
+            self.queue.append(mine)
+        while not mine.done.is_set():
+            with self.lock:  # whoever holds the lock serves a batch: maybe ours, maybe others'
+                if mine.done.is_set():
+                    break
+                self._run_batch()
+        if mine.error is not None:
+            raise mine.error
+        return mine.results
+
+    def _run_batch(self) -> None:
+        if self.batch_wait_s and len(self.queue) < self.max_batch:
+            time.sleep(self.batch_wait_s)  # let requests that are on their way join this batch
+        with self.queue_lock:
+            if not self.queue:
+                return
+            first, size, batch = self.queue[0], 0, []
+            for p in list(self.queue):
+                same = p.params == first.params and p.n == first.n and first.params.seed is None
+                if p is first or (same and size + len(p.prompts) <= self.max_batch):
+                    batch.append(p)
+                    size += len(p.prompts)
+                    self.queue.remove(p)
+                    if first.params.seed is not None:
+                        break
+        self.batches.append(size)
+        try:
+            out = self.backend.generate([x for p in batch for x in p.prompts], first.params, first.n)
+            at = 0
+            for p in batch:
+                p.results, at = out[at:at + len(p.prompts)], at + len(p.prompts)
+        except BaseException as e:  # noqa: BLE001 - a failed batch fails each of its requests
+            for p in batch:
+                p.error = e if len(batch) == 1 else _alone(self.backend, p, e)
+        finally:
+            for p in batch:
+                p.done.set()
 
     def __del__(self) -> None:  # evicted by Serve's multiplexing (LRU): free the files too
         if self.cleanup:
@@ -58,6 +109,26 @@ class Loaded:
                 stop()
             except Exception:  # noqa: BLE001 - best effort on the way out
                 pass
+
+
+@dataclass
+class _Pending:
+    prompts: list[list[int]]
+    params: SamplingParams
+    n: int
+    results: list[list[Any]] | None = None
+    error: BaseException | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+def _alone(backend: Any, p: _Pending, batch_error: BaseException) -> BaseException | None:
+    """A batch failed (say one prompt was too long): rerun this request by itself, so one
+    bad request cannot fail the others; returns its own error, or None with results set."""
+    try:
+        p.results = backend.generate(p.prompts, p.params, p.n)
+        return None
+    except BaseException as e:  # noqa: BLE001
+        return e
 
 
 class ModelServer:
@@ -75,9 +146,14 @@ class ModelServer:
         self.path = resolve_model_path(model["path"], cache_dir)
         self.kwargs = {"dtype": model["dtype"], "max_model_len": model["max_model_len"],
                        "kv_cache_gb": model["kv_cache_gb"], "seed": 0}
-        self.base = Loaded(make_backend(model["backend"], self.path, **self.kwargs), model["name"])
+        self.base = Loaded(make_backend(model["backend"], self.path, **self.kwargs), model["name"],
+                           max_batch=model.get("max_batch", 32),
+                           batch_wait_ms=model.get("batch_wait_ms", 0.0))
         self.tokenizer = load_tokenizer(self.path)
         self.chunk = max(1, stream_chunk_tokens)
+        # one thread per request the replica may hold (asyncio's default pool has only
+        # cpus + 4, which would cap how many requests can wait to share a batch)
+        self.pool = ThreadPoolExecutor(int(model.get("max_ongoing_requests", 32)) + 2, thread_name_prefix="generate")
         self.loaded_ids: list[str] = []  # for tests and the dashboard: what this replica has loaded
 
     def ping(self) -> bool:
@@ -110,7 +186,8 @@ class ModelServer:
         else:
             backend = make_backend(self.spec["backend"], str(model_dir), **self.kwargs)
         self.loaded_ids.append(model_id)
-        return Loaded(backend, model_id, cleanup=where)
+        return Loaded(backend, model_id, cleanup=where, max_batch=self.spec.get("max_batch", 32),
+                      batch_wait_ms=self.spec.get("batch_wait_ms", 0.0))
 
     def _merge_adapter(self, adapter_dir: Path, out: Path) -> str:
         """A LoRA checkpoint as a full model: the base with the adapter merged in, saved under ``out``."""
@@ -126,6 +203,9 @@ class ModelServer:
         return str(out)
 
     # ------------------------------------------------------------------ generation
+
+    async def in_thread(self, fn: Any, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
 
     def _decode(self, ids: list[int], finish: FinishReason, stop: list[str]) -> tuple[str, str]:
         body = ids[:-1] if finish is FinishReason.STOP else ids
@@ -152,7 +232,7 @@ class ModelServer:
             budget = min(self.chunk, *(job.params.max_tokens - len(ids[i]) for i in live))
             seed = None if job.params.seed is None else job.params.seed + calls
             params = replace(job.params, max_tokens=budget, seed=seed)
-            results = await asyncio.to_thread(model.generate, [job.prompt_ids + ids[i] for i in live], params, 1)
+            results = await self.in_thread(model.generate, [job.prompt_ids + ids[i] for i in live], params, 1)
             calls += 1
             for i, res in zip(live, results):
                 sample = res[0]
@@ -186,7 +266,7 @@ def serve_class(max_loaded: int) -> type:
 
         async def generate(self, job: Job) -> list[Choice]:
             model = await self.model()
-            return await asyncio.to_thread(self.complete, model, job)
+            return await self.in_thread(self.complete, model, job)
 
         async def generate_stream(self, job: Job) -> AsyncIterator[tuple[int, str, str | None, int]]:
             model = await self.model()
