@@ -79,7 +79,13 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_metrics(args: argparse.Namespace) -> int:
-    for row in _connect(args).job(args.job).metrics():
+    rows = _connect(args).job(args.job).metrics()
+    if args.breakdown:
+        from otray.timing import breakdown_table
+
+        print(breakdown_table(rows))
+        return 0
+    for row in rows:
         print(json.dumps(row))
     return 0
 
@@ -161,6 +167,9 @@ def parser() -> argparse.ArgumentParser:
     for name, fn in (("status", cmd_status), ("metrics", cmd_metrics), ("cancel", cmd_cancel)):
         s = sub.add_parser(name)
         s.add_argument("job")
+        if name == "metrics":
+            s.add_argument("--breakdown", action="store_true",
+                           help="a table of each RL step's time parts and the actors' idle fractions")
         s.set_defaults(fn=fn)
     u = sub.add_parser("users").add_subparsers(dest="users_cmd", required=True).add_parser("add")
     u.add_argument("name")

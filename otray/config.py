@@ -93,6 +93,10 @@ class AlgoSection:
     batch_size: int = 16  # tasks per step (each rolled out num_rollouts times)
     micro_batch_tokens: int = 8192
     drop_uniform_groups: bool = True
+    # 0 = on-policy. 1 = one-step-off-policy: the next batch is generated (with the current
+    # weights) while the learner trains on this one, so each batch is trained one update
+    # after the weights that sampled it; the loss's ratio to the sampler logprobs corrects it
+    max_steps_off_policy: int = 0
 
 
 @dataclass
@@ -321,6 +325,14 @@ def _check_values(cfg: Config) -> None:
         if value < (0 if key == "algo.steps" else 1):
             raise ConfigError(f"{key} must be positive, got {value}")
     one_of(cfg.resources.strategy, ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"), "resources.strategy")
+    if cfg.algo.max_steps_off_policy not in (0, 1):
+        raise ConfigError(f"algo.max_steps_off_policy must be 0 (on-policy) or 1 (one-step-off-policy), "
+                          f"got {cfg.algo.max_steps_off_policy}")
+    if cfg.algo.max_steps_off_policy and cfg.algo.loss_fn == "cross_entropy":
+        raise ConfigError("algo.max_steps_off_policy=1 needs a loss that corrects for the sampler "
+                          "(ppo, cispo, importance_sampling or dro), not 'cross_entropy'")
+    if cfg.algo.max_steps_off_policy and cfg.game is not None:
+        raise ConfigError("algo.max_steps_off_policy=1 is not supported for game jobs yet: set it to 0")
     if cfg.job.kind == "sft":
         if cfg.sft.steps < 1:
             raise ConfigError("job.kind=sft needs sft.steps >= 1")

@@ -74,7 +74,9 @@ def run(cfg: config_mod.Config, job_dir: Path, *, placement_group: Any = None,
     steps, step_fn, phase = ((cfg.sft.steps, job.sft_step, "sft") if sft_job else
                              (cfg.algo.steps, job.games.step if job.games else job.rl_step, "grpo"))
     while job.step < steps:
+        t_step = time.perf_counter()
         metrics = step_fn()
+        metrics["step_wall_s"] = time.perf_counter() - t_step  # as the caller saw it (the parts should sum to it)
         last = job.step == steps
         if last or (cfg.eval.every and job.step % cfg.eval.every == 0):
             metrics.update(job.evaluate())

@@ -34,6 +34,8 @@ def test_overrides_apply_with_types():
     ({"envs": {"a": {"reward_reduction": "sum"}}}, r"envs\.a\.entry is missing"),
     ({"envs": {"a": {"entry": "x:y", "splits": {"eval": {}}}}}, r"envs\.a\.splits has no 'train' split.*has: eval"),
     ({**MINIMAL, "resources": {"strategy": "SPREAD_OUT"}}, r"resources\.strategy='SPREAD_OUT'.*STRICT_SPREAD"),
+    ({**MINIMAL, "algo": {"max_steps_off_policy": 2}}, r"algo\.max_steps_off_policy must be 0 .* or 1 .*got 2"),
+    ({**MINIMAL, "algo": {"max_steps_off_policy": 1, "loss_fn": "cross_entropy"}}, r"corrects for the sampler"),
 ])
 def test_bad_configs_name_the_key(data, match):
     with pytest.raises(ConfigError, match=match):

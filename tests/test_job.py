@@ -49,6 +49,57 @@ def test_short_job_writes_metrics_and_trajectories(run_job, tmp_path):
     assert summary["heldout_end"] is not None
 
 
+def test_step_breakdown_adds_up_to_the_step(run_job, tmp_path):
+    """Every RL row splits its wall time into parts (generate, env, forward_backward, ...) that sum to
+    the step's wall time as train.run measured it, within 5%; idle fractions are fractions."""
+    from otray.timing import PARTS, breakdown_table
+
+    data = _cfg(tmp_path)
+    data["sft"]["steps"] = 0
+    data["algo"]["steps"] = 3
+    _, job_dir = run_job(tmp_path, data)
+    rows = [json.loads(line) for line in (job_dir / "metrics.jsonl").read_text().splitlines()]
+    grpo = [r for r in rows if r["phase"] == "grpo"]
+    assert len(grpo) == 3
+    for r in grpo:
+        parts = {k: v for k, v in r.items() if k.startswith("time/") and k.endswith("_s")}
+        assert set(parts) <= {f"time/{p}_s" for p in PARTS} and all(v >= 0 for v in parts.values())
+        for must in ("generate", "env", "prepare", "forward_backward", "optim_step", "weight_sync"):
+            assert parts[f"time/{must}_s"] > 0, must
+        assert abs(sum(parts.values()) - r["step_wall_s"]) <= 0.05 * r["step_wall_s"], (parts, r["step_wall_s"])
+        assert 0 < r["time/generate_share"] < 1
+        assert 0 <= r["time/learner_idle_frac"] < 1 and 0 <= r["time/rollout_idle_frac"] < 1
+        assert r["policy_lag"] == 0
+    table = breakdown_table(rows).splitlines()
+    assert len(table) == 1 + 3 and "forward_backward" in table[0]
+
+
+def test_one_step_off_policy_trains_on_the_previous_weights_samples_and_resumes(run_job, tmp_path):
+    def rows_of(job_dir):
+        return [json.loads(line) for line in (job_dir / "metrics.jsonl").read_text().splitlines()]
+
+    (tmp_path / "a").mkdir()
+    a = _cfg(tmp_path / "a")
+    a["sft"]["steps"] = 0
+    a["algo"].update(steps=4, max_steps_off_policy=1)
+    a["checkpoint"] = {"save_every": 2}
+    _, a_dir = run_job(tmp_path / "a", a)
+    grpo = [r for r in rows_of(a_dir) if r["phase"] == "grpo"]
+    assert [r["policy_lag"] for r in grpo] == [0, 1, 1, 1]  # the first batch is sampled before any update
+    assert "time/generate_s" in grpo[0]  # later batches were generated while the learner trained:
+    assert all("time/generate_s" not in r and "time/rollout_wait_s" in r for r in grpo[1:])  # only the wait shows
+    assert len({r["batch"] for r in grpo}) == 4
+
+    (tmp_path / "b").mkdir()
+    b = _cfg(tmp_path / "b")
+    b["sft"]["steps"] = 0
+    b["algo"].update(steps=4, max_steps_off_policy=1)
+    b["checkpoint"] = {"resume_from": str(a_dir / "checkpoints" / "step-000002")}
+    _, b_dir = run_job(tmp_path / "b", b)
+    resumed = [r for r in rows_of(b_dir) if r["phase"] == "grpo"]
+    assert [r["batch"] for r in resumed] == [r["batch"] for r in grpo[2:]]  # the prefetched batch is not skipped
+
+
 def test_env_exceptions_become_error_records_and_the_job_finishes(run_job, tmp_path):
     data = _cfg(tmp_path, entry="tests.flaky_envs:SometimesRaises", max_failing_rollouts=4)
     summary, job_dir = run_job(tmp_path, data)

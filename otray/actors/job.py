@@ -15,6 +15,8 @@ import json
 import statistics
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +27,7 @@ from otray.config import Config, DatasetSection, EnvSection, SplitSection, impor
 from otray.coordinator.agent_loop import AgentLoop, Limits
 from otray.env import Mixture, TaskSource, resolve, split_seed
 from otray.models import load_tokenizer, resolve_model_path
+from otray.timing import StepClock
 from otray.types import DatasetError, SamplingParams, Task, Trajectory, TrajectoryGroup
 
 REDUCE: dict[str, Callable[[list[float]], float]] = {
@@ -100,6 +103,17 @@ def threads_env(num_threads: int | None) -> dict[str, Any]:
     return {"runtime_env": {"env_vars": {"OMP_NUM_THREADS": n, "MKL_NUM_THREADS": n}}}
 
 
+@dataclass
+class Batch:
+    """One step's rollouts: the tasks, their groups, and what producing them took."""
+
+    tasks: list[Task]
+    groups: list[TrajectoryGroup]
+    rollout_s: float
+    generate_s: float
+    sampled: int  # tokens sampled
+
+
 class JobActors:
     """What training and inference jobs share: creating their actors in the job's placement group and
     rolling out episodes of the configured envs. Needs ``cfg``, ``model_path``, ``tokenizer``,
@@ -137,9 +151,11 @@ class JobActors:
                       max_tokens_per_episode=env.max_tokens_per_episode,
                       max_model_len=self.worker_info["max_model_len"])
 
-    def rollout(self, tasks: list[Task], *, n: int | None = None, greedy: bool = False) -> list[TrajectoryGroup]:
+    def rollout(self, tasks: list[Task], *, n: int | None = None, greedy: bool = False,
+                seed_step: int | None = None) -> list[TrajectoryGroup]:
         """Roll out ``n`` (default: the env's ``num_rollouts``) episodes per task, every env in one agent loop
-        (their generate calls batch together); groups come back env by env in config order."""
+        (their generate calls batch together); groups come back env by env in config order. Episode
+        seeds derive from the job seed and ``seed_step`` (default: the current step)."""
         if self.first_rollout_at is None:
             self.first_rollout_at = time.time()
         batches, layout = [], []
@@ -148,7 +164,8 @@ class JobActors:
             if not mine:
                 continue
             factory, k = resolve(env_cfg.entry), n or env_cfg.num_rollouts
-            base = self.cfg.job.seed * 1_000_003 + self.step * 100_003 + len(layout) * 10_007
+            step = self.step if seed_step is None else seed_step
+            base = self.cfg.job.seed * 1_000_003 + step * 100_003 + len(layout) * 10_007
             episodes = [(t, factory(**env_cfg.kwargs), base + j * k + i) for j, t in enumerate(mine) for i in range(k)]
             params = SamplingParams(max_tokens=env_cfg.max_tokens_per_turn,
                                     temperature=0.0 if greedy else env_cfg.temperature, top_p=env_cfg.top_p)
@@ -157,6 +174,7 @@ class JobActors:
         loop = AgentLoop(self.tokenizer, self.fleet.generate, Limits())
         trajs = iter(loop.run_many(batches))
         self.generate_s += loop.generate_s
+        self.last_rollout_generate_s = loop.generate_s
         groups: list[TrajectoryGroup] = []
         for env_cfg, mine, k in layout:
             for t in mine:
@@ -206,6 +224,12 @@ class TrainJob(SFTMixin, JobActors):
         self.weights_synced = True  # False after optimizer steps that the workers have not seen
         self.first_rollout_at: float | None = None  # wall clock (time.time) of the first rollout
         self.generate_s = 0.0  # time in generate calls, summed; rl_step reports its share
+        self.last_rollout_generate_s = 0.0
+        self.busy_prev: list[float] = []  # the actors' busy clocks at the end of the last step
+        self.learner_version = ray.get(self.learner.info.remote())["policy_version"]
+        self.prefetched: Any = None  # off-policy: the next batch, being generated (a Future)
+        self.data_before_prefetch: Any = None  # the mixture's state before the prefetched tasks
+        self.background = ThreadPoolExecutor(1, thread_name_prefix="prefetch")
         self.pending_episodes: list[dict[str, Any]] = []  # logged, not yet handed to the ResourceManager
         from otray.actors.games import GameTrainer
 
@@ -227,50 +251,119 @@ class TrainJob(SFTMixin, JobActors):
     # ------------------------------------------------------------------ one RL step
 
     def rl_step(self) -> dict[str, Any]:
-        cfg, algo, t0 = self.cfg, self.cfg.algo, time.perf_counter()
-        gen0 = self.generate_s
-        tasks = self.mixture.sample(algo.batch_size)                                   # 1. tasks
-        groups = self.rollout(tasks)                                                   # 2-3. episodes, rewards
-        t_gen = time.perf_counter() - t0
-        kept = [g for g in groups                                                      # 4. drop groups
+        cfg, algo, clock = self.cfg, self.cfg.algo, StepClock()
+        batch = self.prefetched.result() if self.prefetched else None                  # 1-3. tasks, episodes,
+        if batch is not None:                                                          #      rewards: sampled while
+            self.prefetched = None                                                     #      the last step trained
+            clock.mark("rollout_wait")
+        else:
+            batch = self.sample_batch(clock)                                           #      or sampled now
+        kept = [g for g in batch.groups                                                # 4. drop groups
                 if g.num_failed <= cfg.envs[g.task.env].max_failing_rollouts
                 and not (algo.drop_uniform_groups and len(set(g.rewards)) == 1)]
         trajs, advantages = [], []
         for g in kept:                                                                 # 5. advantages
             trajs.extend(g.trajectories)
             advantages.extend(adv.compute(algo.advantage, g.rewards))
-        learned = self.learn(build_datums(trajs, advantages))                         # 6-7. learn, push weights
+        datums = build_datums(trajs, advantages)
+        clock.mark("prepare")
+        if algo.max_steps_off_policy:                                                  # (off-policy: the next batch
+            self.prefetch()                                                            #  generates meanwhile)
+        learned = self.learn(datums, clock=clock, sync=not algo.max_steps_off_policy)  # 6. learn
+        if algo.max_steps_off_policy:                                                  # 7. push weights (off-policy:
+            self.prefetched.result()                                                   #    once the next batch is
+            clock.mark("rollout_wait")                                                 #    done, so one batch is
+            learned["sync_s"] = self.sync_weights()                                    #    one policy version)
+            clock.mark("weight_sync")
         self.step += 1
-        all_trajs = [t for g in groups for t in g.trajectories]                        # 8. metrics
-        sampled = sum(t.num_sampled for t in all_trajs)
-        self._log_trajectories(groups[:2], {id(t): a for t, a in zip(trajs, advantages)})
-        per_env: dict[str, Any] = {}
+        all_trajs = [t for g in batch.groups for t in g.trajectories]                 # 8. metrics
+        self._log_trajectories(batch.groups[:2], {id(t): a for t, a in zip(trajs, advantages)})
+        row = {"step": self.step, "batch": batch_digest(batch.tasks), **episode_metrics(all_trajs, ""),
+               **self.env_metrics(batch.groups), **self.group_counts(batch.groups, kept),
+               "tokens_per_s": batch.sampled / max(batch.rollout_s, 1e-9), "rollout_s": batch.rollout_s,
+               "generate_s": batch.generate_s, "policy_lag": self.policy_lag(trajs), **learned}
+        return {**row, **self.step_times(clock, batch)}
+
+    def policy_lag(self, trajs: list[Trajectory]) -> int:
+        """Updates between the weights that sampled the oldest trained episode and the weights its
+        gradient was taken at: 0 on-policy, 1 one-step-off-policy."""
+        if not trajs:
+            return 0
+        return self.learner_version - 1 - min(t.policy_version for t in trajs)
+
+    def prefetch(self) -> None:
+        """Start rolling out the next step's batch in the background with the workers' current weights.
+        A checkpoint taken meanwhile saves the data position before these tasks, so a resumed job
+        samples them again."""
+        self.data_before_prefetch = self.mixture.state()
+        tasks = self.mixture.sample(self.cfg.algo.batch_size)
+        self.prefetched = self.background.submit(self.sample_batch, None, self.step + 1, tasks)
+
+    def sample_batch(self, clock: StepClock | None = None, seed_step: int | None = None,
+                     tasks: list[Task] | None = None) -> Batch:
+        """Sample the step's tasks (unless given) and roll them out."""
+        t0 = time.perf_counter()
+        tasks = tasks if tasks is not None else self.mixture.sample(self.cfg.algo.batch_size)
+        if clock is not None:
+            clock.mark("sample")
+        groups = self.rollout(tasks, seed_step=seed_step)
+        rollout_s = time.perf_counter() - t0
+        if clock is not None:
+            clock.mark("env")
+            clock.add("generate", self.last_rollout_generate_s, out_of="env")
+        sampled = sum(t.num_sampled for g in groups for t in g.trajectories)
+        return Batch(tasks, groups, rollout_s, self.last_rollout_generate_s, sampled)
+
+    def env_metrics(self, groups: list[TrajectoryGroup]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
         for name in self.cfg.envs if len(self.cfg.envs) > 1 else ():
             mine = [t for g in groups if g.task.env == name for t in g.trajectories]
             if mine:
-                per_env.update(episode_metrics(mine, f"env/{name}/"))
-        return {"step": self.step, "batch": batch_digest(tasks), **episode_metrics(all_trajs, ""), **per_env,
-                "groups_kept": len(kept), "groups_dropped_uniform": sum(len(set(g.rewards)) == 1 for g in groups),
-                "groups_dropped_failing": sum(g.num_failed > cfg.envs[g.task.env].max_failing_rollouts for g in groups),
-                "tokens_per_s": sampled / max(t_gen, 1e-9), "rollout_s": t_gen, "generate_s": self.generate_s - gen0,
-                "step_s": time.perf_counter() - t0, **learned}
+                out.update(episode_metrics(mine, f"env/{name}/"))
+        return out
 
-    def learn(self, datums: list, learner: Any = None, fleet: Any = None) -> dict[str, Any]:
-        """forward_backward + optim_step with the RL loss on ``datums``, then push the weights
-        (of the job's learner, or of ``learner`` to ``fleet`` for a game's other trained policies).
-        Returns ``learn_s``, ``sync_s`` and the learner's metrics (``learner/...``)."""
+    def group_counts(self, groups: list[TrajectoryGroup], kept: list[TrajectoryGroup]) -> dict[str, int]:
+        envs = self.cfg.envs
+        return {"groups_kept": len(kept), "groups_dropped_uniform": sum(len(set(g.rewards)) == 1 for g in groups),
+                "groups_dropped_failing": sum(g.num_failed > envs[g.task.env].max_failing_rollouts for g in groups)}
+
+    def step_times(self, clock: StepClock, batch: Batch) -> dict[str, float]:
+        """The step's time parts (``otray.timing``), the generation share and the actors' idle
+        fractions from their busy clocks (read once per step, in parallel)."""
         import ray
 
-        learner = learner or self.learner
+        busy = ray.get([self.learner.busy_s.remote(), *[self.fleet.workers[i].busy_s.remote()
+                                                         for i in self.fleet.live]])
+        prev = self.busy_prev or [0.0] * len(busy)
+        delta = [b - p for b, p in zip(busy, prev)] if len(prev) == len(busy) else busy
+        self.busy_prev = busy
+        clock.mark("other")
+        # off-policy: generation ran beside the learner; its share is the batch's generate time
+        generate = batch.generate_s if self.cfg.algo.max_steps_off_policy else None
+        return clock.metrics(learner_busy_s=delta[0], rollout_busy_s=delta[1:], generate_s=generate)
+
+    def learn(self, datums: list, learner: Any = None, fleet: Any = None, *, clock: StepClock | None = None,
+              sync: bool = True) -> dict[str, Any]:
+        """forward_backward + optim_step with the RL loss on ``datums``, then (``sync``) push the weights
+        (of the job's learner, or of ``learner`` to ``fleet`` for a game's other trained policies).
+        Returns ``learn_s``, ``sync_s`` and the learner's metrics (``learner/...``); marks ``clock``."""
+        import ray
+
+        learner, clock = learner or self.learner, clock or StepClock()
         algo, fb, opt, sync_s, t0 = self.cfg.algo, {}, {}, 0.0, time.perf_counter()
         if datums:
             fb = ray.get(learner.forward_backward.remote(
                 datums, algo.loss_fn, algo.loss_fn_config, algo.aggregation))
+            clock.mark("forward_backward")
             opt = ray.get(learner.optim_step.remote(
                 algo.learning_rate, tuple(algo.betas), 1e-8, algo.weight_decay, algo.grad_clip))
+            clock.mark("optim_step")
+            if learner is self.learner:
+                self.learner_version += 1
         learn_s = time.perf_counter() - t0
-        if datums:
+        if datums and sync:
             sync_s = self.sync_weights(learner, fleet)
+            clock.mark("weight_sync")
         return {"learn_s": learn_s, "sync_s": sync_s, **{f"learner/{k}": v for k, v in {**fb, **opt}.items()}}
 
     # ------------------------------------------------------------------ evaluation
@@ -355,6 +448,7 @@ class TrainJob(SFTMixin, JobActors):
             raise ModelLoadError(f"checkpoint.resume_from={path!r} holds no learner state ({state}/meta.json); "
                                  "give a directory like <job dir>/checkpoints/step-000010")
         meta = ray.get(self.learner.load_state.remote(str(state)))
+        self.learner_version = ray.get(self.learner.info.remote())["policy_version"]
         self.step = meta["extra_state"]["job_step"]
         self.load_data_state(meta["extra_state"]["data"])
         self.sync_weights()
@@ -367,7 +461,7 @@ class TrainJob(SFTMixin, JobActors):
         """Where the job is in its data: the env mixture, the next game seed, the chat train split."""
         state: dict[str, Any] = {}
         if self.mixture is not None:
-            state["mixture"] = self.mixture.state()
+            state["mixture"] = self.data_before_prefetch if self.prefetched else self.mixture.state()
         if self.games is not None:
             state["game_seed"] = self.games.next_seed
         if self.cfg.job.kind == "sft":

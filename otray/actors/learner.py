@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from otray.actors import current_node_id
+from otray.timing import BusyClock, busy
 from otray.algos.losses import aggregate, per_token_loss
 from otray.models import LoraSpec, apply_lora, load_model
 from otray.types import Datum, ModelLoadError, WeightUpdate
@@ -79,6 +80,10 @@ class PolicyLearner:
         self.step = 0  # optimizer steps taken
         self.version = 0  # policy version; bumped by every optim_step
         self.extra_state: dict[str, Any] = {}  # job-level state saved with checkpoints
+        self.busy = BusyClock()  # seconds spent in forward passes, optimizer steps and weight export
+
+    def busy_s(self) -> float:
+        return self.busy.total
 
     def ping(self) -> bool:
         return True
@@ -102,6 +107,7 @@ class PolicyLearner:
         logprobs = -F.cross_entropy(logits.transpose(1, 2), targets, reduction="none")
         return logprobs, attn.float()
 
+    @busy
     @torch.no_grad()
     def forward(self, datums: Sequence[Datum]) -> list[list[float]]:
         """Learner logprob of each target token (one list per datum, unpadded)."""
@@ -112,6 +118,7 @@ class PolicyLearner:
             out.extend(lp[i, : len(d)].tolist() for i, d in enumerate(batch))
         return out
 
+    @busy
     def forward_backward(self, datums: Sequence[Datum], loss_fn: str, loss_fn_config: dict[str, float] | None = None,
                          aggregation: str = "token_mean") -> dict[str, float]:
         """Accumulate gradients of the aggregated loss; returns loss metrics for this call."""
@@ -155,6 +162,7 @@ class PolicyLearner:
     def _trainable(self) -> list[torch.nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
 
+    @busy
     def optim_step(self, learning_rate: float = 1e-4, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                    weight_decay: float = 0.0, grad_clip: float | None = 1.0) -> dict[str, float]:
         """One AdamW step on the accumulated gradients; zeroes them; bumps the version."""
@@ -173,6 +181,7 @@ class PolicyLearner:
 
     # ------------------------------------------------------------------ weights out
 
+    @busy
     def weights(self) -> WeightUpdate:
         """Current weights for rollout workers: the adapter (LoRA) or every parameter."""
         if self.is_lora:

@@ -17,6 +17,7 @@ import time
 from typing import Any
 
 from otray.actors import current_node_id
+from otray.timing import BusyClock
 from otray.types import ConfigError, GenerateResult, RolloutError, SamplingParams, WeightUpdate
 
 log = logging.getLogger(__name__)
@@ -48,6 +49,7 @@ class RolloutWorker:
             os.environ.setdefault("OMP_NUM_THREADS", str(num_threads))
         self.backend = make_backend(backend, model_path, **backend_kwargs)
         self.version = 0
+        self.busy = BusyClock()  # seconds spent generating or loading weights
 
     def ping(self) -> bool:
         return True
@@ -57,12 +59,20 @@ class RolloutWorker:
                 "stop_token_ids": list(self.backend.stop_token_ids), "policy_version": self.version,
                 "node_id": current_node_id()}
 
+    def busy_s(self) -> float:
+        return self.busy.total
+
     def generate(self, prompts: list[list[int]], params: SamplingParams, n: int = 1) -> list[GenerateResult]:
-        samples = self.backend.generate(prompts, params, n)
+        with self.busy():
+            samples = self.backend.generate(prompts, params, n)
         return [GenerateResult(s, self.version) for s in samples]
 
     def update_weights(self, update: WeightUpdate) -> int:
         """Load new weights (full or LoRA); returns the worker's new policy version."""
+        with self.busy():
+            return self._update_weights(update)
+
+    def _update_weights(self, update: WeightUpdate) -> int:
         if update.kind == "full":
             self.backend.load_full_weights(update.tensors)
         elif update.kind == "lora":
@@ -135,6 +145,12 @@ class RolloutFleet:
                     self._drop(w, e)
                     pending.extend(shares[w])
         return results  # type: ignore[return-value]
+
+    def busy_s(self) -> list[float]:
+        """Each live worker's busy seconds so far (see ``otray.timing.BusyClock``)."""
+        import ray
+
+        return ray.get([self.workers[i].busy_s.remote() for i in self.live])
 
     def update_weights(self, update_ref: Any) -> list[int]:
         """Push one weight update (an ObjectRef, so it travels via the object store) to every live worker."""
