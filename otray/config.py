@@ -171,6 +171,7 @@ class EnvSection:
     max_turns: Optional[int] = None  # null = the env's own max_turns
     max_tokens_per_turn: int = 32
     max_tokens_per_episode: int = 256
+    ignore_eos: bool = False  # sample exactly max_tokens_per_turn tokens (throughput benchmarks)
 
 
 @dataclass

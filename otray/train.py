@@ -87,6 +87,10 @@ def run(cfg: config_mod.Config, job_dir: Path, *, placement_group: Any = None,
                 on_checkpoint(job.step, summary["last_checkpoint"])
         if last:
             summary["heldout_end"] = metrics.get("eval/accuracy", metrics.get("eval/sft_loss"))
+    if steps == 0 and ck.save_at_end and not ck.resume_from:  # an SFT warm-up only: keep its result
+        summary["last_checkpoint"] = job.save_checkpoint()
+        if on_checkpoint is not None:
+            on_checkpoint(job.step, summary["last_checkpoint"])
     summary["total_s"] = time.perf_counter() - t_start
     summary["first_rollout_at"] = job.first_rollout_at
     if summary.get("heldout_end") is not None and summary.get("heldout_start") is not None:

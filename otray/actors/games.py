@@ -26,6 +26,7 @@ from otray.actors.checkpoint_store import frozen_model_dir
 from otray.algos import advantages as adv
 from otray.algos.datums import build_datums
 from otray.config import frozen_policies, import_object, num_rollout_workers, policy_name, trained_policies
+from otray.timing import StepClock
 from otray.coordinator.agent_loop import Limits
 from otray.coordinator.protocol import GameResult, Played, Policy, ProtocolCoordinator
 from otray.coordinator.text_bridge import GameText, MoveRules
@@ -132,13 +133,15 @@ class GameTrainer:
         return played
 
     def step(self) -> dict[str, Any]:
-        job, algo, t0 = self.job, self.job.cfg.algo, time.perf_counter()
+        job, algo, t0, clock = self.job, self.job.cfg.algo, time.perf_counter(), StepClock()
         seeds = [self.next_seed + i for i in range(algo.batch_size)]                    # 1. game seeds
         self.next_seed += algo.batch_size
         games = [(s, k, seating) for s in seeds for k, seating in enumerate(self.seatings())
                  for _ in range(self.game.num_rollouts)]
         played = self.play([s for s, _, _ in games], [seating for _, _, seating in games])  # 2-3. games, rewards
         t_gen = time.perf_counter() - t0
+        clock.mark("env")
+        clock.add("generate", played.generate_s, out_of="env")
         metrics: dict[str, Any] = {}
         to_log: list[tuple[list, dict]] = []
         for name, policy in self.trained.items():                                     # per trained policy:
@@ -151,7 +154,9 @@ class GameTrainer:
                     trajs.append(t)
             rewards = [t.reward - self.game.illegal_penalty * t.info["illegal"] for t in trajs]
             advantages = adv.grouped(algo.advantage, rewards, keys)                        # 4-5. (seed, seating, role)
-            learned = job.learn(build_datums(trajs, advantages), policy.learner, policy.fleet)  # 6-7. learn, push
+            datums = build_datums(trajs, advantages)
+            clock.mark("prepare")
+            learned = job.learn(datums, policy.learner, policy.fleet, clock=clock)        # 6-7. learn, push
             first = {key[:2] for key, _ in mine[:1]}  # log the seats of one seed and seating
             to_log.append(([t for k, t in zip(keys, trajs) if k[:2] in first][:8],
                            {id(t): a for t, a in zip(trajs, advantages)}))
@@ -166,7 +171,7 @@ class GameTrainer:
                 "phase_share_outside_generate": played.share_outside_generate,
                 "tokens_per_s": sum(t.num_sampled for r in results for a in r.seating
                                     for t in r.agent_trajectories(a)) / max(t_gen, 1e-9),
-                "rollout_s": t_gen, "generate_s": played.generate_s, "step_s": time.perf_counter() - t0}
+                "rollout_s": t_gen, "generate_s": played.generate_s, **job.step_times(clock)}
 
     def outcomes(self, seats: list[tuple[tuple[int, int, str], GameResult]]) -> dict[str, float]:
         """Reward, win rate and illegal moves per game of one policy's seats, overall and per role."""

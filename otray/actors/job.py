@@ -167,7 +167,7 @@ class JobActors:
             step = self.step if seed_step is None else seed_step
             base = self.cfg.job.seed * 1_000_003 + step * 100_003 + len(layout) * 10_007
             episodes = [(t, factory(**env_cfg.kwargs), base + j * k + i) for j, t in enumerate(mine) for i in range(k)]
-            params = SamplingParams(max_tokens=env_cfg.max_tokens_per_turn,
+            params = SamplingParams(max_tokens=env_cfg.max_tokens_per_turn, ignore_eos=env_cfg.ignore_eos,
                                     temperature=0.0 if greedy else env_cfg.temperature, top_p=env_cfg.top_p)
             batches.append((episodes, params, self.limits(env_cfg, episodes[0][1].max_turns)))
             layout.append((env_cfg, mine, k))
@@ -327,9 +327,9 @@ class TrainJob(SFTMixin, JobActors):
         return {"groups_kept": len(kept), "groups_dropped_uniform": sum(len(set(g.rewards)) == 1 for g in groups),
                 "groups_dropped_failing": sum(g.num_failed > envs[g.task.env].max_failing_rollouts for g in groups)}
 
-    def step_times(self, clock: StepClock, batch: Batch) -> dict[str, float]:
-        """The step's time parts (``otray.timing``), the generation share and the actors' idle
-        fractions from their busy clocks (read once per step, in parallel)."""
+    def step_times(self, clock: StepClock, batch: Batch | None = None) -> dict[str, float]:
+        """The step's time parts (``otray.timing``), the generation share and the idle fractions of the
+        job's learner and rollout workers (a game's first trained policy) from their busy clocks."""
         import ray
 
         busy = ray.get([self.learner.busy_s.remote(), *[self.fleet.workers[i].busy_s.remote()
@@ -339,7 +339,7 @@ class TrainJob(SFTMixin, JobActors):
         self.busy_prev = busy
         clock.mark("other")
         # off-policy: generation ran beside the learner; its share is the batch's generate time
-        generate = batch.generate_s if self.cfg.algo.max_steps_off_policy else None
+        generate = batch.generate_s if batch is not None and self.cfg.algo.max_steps_off_policy else None
         return clock.metrics(learner_busy_s=delta[0], rollout_busy_s=delta[1:], generate_s=generate)
 
     def learn(self, datums: list, learner: Any = None, fleet: Any = None, *, clock: StepClock | None = None,
