@@ -36,6 +36,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -99,13 +100,15 @@ def model_100m() -> Path:
 # --------------------------------------------------------------------------- otray side
 
 
-def otray_run(name: str, model: Path, env: str, s: dict, steps: int, data: Path, extra: list[str]) -> dict:
+def otray_run(name: str, model: Path, env: str, s: dict, steps: int, data: Path, extra: list[str],
+              colocate: bool) -> dict:
     run_dir = CACHE / "runs" / name
+    shutil.rmtree(run_dir, ignore_errors=True)
     entry = {"arithmetic": "envs.arithmetic:Arithmetic", "coin": "envs.coin:CoinFlip"}[env]
     cfg = {
         "job": {"name": name, "seed": 0, "output_dir": str(CACHE / "runs")},
         "model": {"path": str(model)},
-        "rollout": {"backend": "hf", "num_workers": 1, "max_model_len": 128, "max_batch": 512},
+        "rollout": {"backend": "hf", "num_workers": 1, "max_model_len": 128, "max_batch": 512, "colocate": colocate},
         "resources": {"learner_cpus": 1, "rollout_cpus": 1, "learner_threads": THREADS, "rollout_threads": THREADS},
         "algo": {"loss_fn": "ppo", "advantage": "zscore", "aggregation": "token_mean",
                  "learning_rate": s["learning_rate"], "steps": steps, "batch_size": s["batch_size"]},
@@ -132,7 +135,8 @@ def otray_run(name: str, model: Path, env: str, s: dict, steps: int, data: Path,
     return {"framework": "otray", "process_s": wall, "step_s": [r["step_wall_s"] for r in grpo],
             "reward": [r["reward_mean"] for r in grpo], "elapsed_s": elapsed,
             "tokens": [r["tokens_per_s"] * r["rollout_s"] for r in grpo],
-            "generate_s": [r["time/generate_s"] for r in grpo], "model": str(ck)}
+            "generate_s": [r["time/generate_s"] for r in grpo], "model": str(ck),
+            "breakdown_s": {k[5:-2]: [r[k] for r in grpo] for k in grpo[0] if k.startswith("time/") and k.endswith("_s")}}
 
 
 # --------------------------------------------------------------------------- TRL side (own process)
@@ -186,6 +190,17 @@ def trl_main(spec: dict) -> None:
         num_iterations=1, generation_kwargs=gen_kwargs, dataloader_num_workers=0, seed=0, disable_dropout=True)
     tok = AutoTokenizer.from_pretrained(spec["model"])
     model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
+    generate_s: list[float] = []
+    hf_generate = model.generate
+
+    def timed_generate(*a, **k):  # TRL samples through the model's own generate: time it
+        t = time.perf_counter()
+        try:
+            return hf_generate(*a, **k)
+        finally:
+            generate_s.append(time.perf_counter() - t)
+
+    model.generate = timed_generate
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=cfg, train_dataset=ds, processing_class=tok,
                           callbacks=[Clock()])
     t0 = time.perf_counter()
@@ -200,12 +215,13 @@ def trl_main(spec: dict) -> None:
     elapsed = [t - times[0] for t in times[1:]]
     Path(spec["out"], "result.json").write_text(json.dumps({
         "framework": "trl", "process_s": wall, "step_s": steps, "reward": [h["reward"] for h in logs],
-        "elapsed_s": elapsed, "tokens": tokens, "model": spec["out"] + "/model"}))
+        "elapsed_s": elapsed, "tokens": tokens, "model": spec["out"] + "/model", "generate_s": generate_s}))
 
 
 def trl_run(name: str, model: Path, env: str, s: dict, steps: int, data: Path) -> dict:
     out = CACHE / "runs" / name
-    out.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
     spec = {"model": str(model), "env": env, "settings": s, "steps": steps, "data": str(data), "out": str(out),
             "ignore_eos": env == "coin"}
     sh([sys.executable, __file__, "--trl-run", json.dumps(spec)], CACHE / f"{name}.log")
@@ -276,6 +292,8 @@ def main() -> None:
     ap.add_argument("--tput-steps", type=int, default=4)
     ap.add_argument("--eval-problems", type=int, default=300)
     ap.add_argument("--only", choices=("learn", "throughput"), default=None)
+    ap.add_argument("--rollout", choices=("colocated", "workers"), default="colocated",
+                    help="otray generates in the learner actor (rollout.colocate) or in a rollout worker actor")
     ap.add_argument("--trl-run", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.trl_run:
@@ -300,7 +318,8 @@ def main() -> None:
         runs: dict[str, list[dict]] = {"otray": [], "trl": []}
         for k in range(args.rounds):
             print(f"learning, round {k + 1}/{args.rounds}: otray ...", flush=True)
-            runs["otray"].append(otray_run(f"learn_otray_{k}", sft, "arithmetic", LEARN, args.learn_steps, data, []))
+            runs["otray"].append(otray_run(f"learn_otray_{k}", sft, "arithmetic", LEARN, args.learn_steps, data, [],
+                                           args.rollout == "colocated"))
             print(f"learning, round {k + 1}/{args.rounds}: TRL ...", flush=True)
             runs["trl"].append(trl_run(f"learn_trl_{k}", sft, "arithmetic", LEARN, args.learn_steps, data))
         for fw in runs:
@@ -320,7 +339,7 @@ def main() -> None:
         for k in range(args.rounds):
             print(f"throughput (~100M), round {k + 1}/{args.rounds}: otray ...", flush=True)
             runs["otray"].append(otray_run(f"tput_otray_{k}", big, "coin", TPUT, args.tput_steps, data,
-                                           ["algo.drop_uniform_groups=false"]))
+                                           ["algo.drop_uniform_groups=false"], args.rollout == "colocated"))
             print(f"throughput (~100M), round {k + 1}/{args.rounds}: TRL ...", flush=True)
             runs["trl"].append(trl_run(f"tput_trl_{k}", big, "coin", TPUT, args.tput_steps, data))
         tput = {"settings": TPUT, "steps": args.tput_steps, "runs": runs}
@@ -328,6 +347,10 @@ def main() -> None:
             steps = [(s, t) for r in runs[fw] for s, t in list(zip(r["step_s"], r["tokens"]))[1:]]
             tput[fw] = {**summary(runs[fw]), "tokens_per_step": statistics.median(t for _, t in steps),
                         "generated_tokens_per_s_of_step": statistics.median(t / s for s, t in steps)}
+        tput["trl"]["generate_median_s"] = statistics.median(x for r in runs["trl"] for x in r["generate_s"][1:])
+        tput["otray"]["breakdown_median_s"] = {
+            part: statistics.median(x for r in runs["otray"] for x in r["breakdown_s"][part][1:])
+            for part in runs["otray"][0]["breakdown_s"]}
         tput["step_time_ratio"] = tput["otray"]["median_step_s"] / tput["trl"]["median_step_s"]
         out["throughput"] = tput
 
@@ -356,6 +379,9 @@ def main() -> None:
             print(f"{fw:8} {r['median_step_s']:11.2f}s {r['min_step_s']:6.2f}s {r['max_step_s']:6.2f}s "
                   f"{r['generated_tokens_per_s_of_step']:18.1f}")
         print(f"otray / TRL median step time: {T['step_time_ratio']:.2f} (target <= 0.8)")
+        print("otray step breakdown (median s): " + ", ".join(
+            f"{k} {v:.2f}" for k, v in T["otray"]["breakdown_median_s"].items() if v >= 0.005))
+        print(f"TRL's time in model.generate (median s): {T['trl']['generate_median_s']:.2f}")
     print(f"\nsaved {RESULTS / 'vs_trl.json'} in {out['total_s'] / 60:.1f} min")
 
 

@@ -62,6 +62,11 @@ class RolloutSection:
     max_model_len: int = 512
     kv_cache_gb: int = 1
     max_batch: int = 256
+    # Generate inside the learner actor with the model being trained (HF backend): no
+    # rollout workers, no weight transfer after each optimizer step, one copy of the
+    # weights. Pays off where generation and training cannot run at the same time anyway
+    # (a small CPU machine, one GPU); rollout.num_workers is then ignored.
+    colocate: bool = False
 
 
 @dataclass
@@ -334,6 +339,15 @@ def _check_values(cfg: Config) -> None:
                           "(ppo, cispo, importance_sampling or dro), not 'cross_entropy'")
     if cfg.algo.max_steps_off_policy and cfg.game is not None:
         raise ConfigError("algo.max_steps_off_policy=1 is not supported for game jobs yet: set it to 0")
+    if cfg.rollout.colocate:
+        if cfg.rollout.backend not in ("auto", "hf"):
+            raise ConfigError(f"rollout.colocate=true generates with the learner's own model (the HF backend); "
+                              f"set rollout.backend to hf (got {cfg.rollout.backend!r}) or colocate to false")
+        if cfg.algo.max_steps_off_policy:
+            raise ConfigError("rollout.colocate=true runs generation and training in one actor, one after the "
+                              "other: algo.max_steps_off_policy must be 0")
+        if cfg.game is not None:
+            raise ConfigError("rollout.colocate=true is not supported for game jobs yet: set it to false")
     if cfg.job.kind == "sft":
         if cfg.sft.steps < 1:
             raise ConfigError("job.kind=sft needs sft.steps >= 1")
@@ -511,5 +525,6 @@ def import_object(path: str) -> Any:
 
 
 def num_rollout_workers(cfg: Config) -> int:
-    """Rollout workers the job needs: none for an SFT job without envs to evaluate."""
-    return 0 if cfg.job.kind == "sft" and not cfg.envs else cfg.rollout.num_workers
+    """Rollout worker actors the job needs: none for an SFT job without envs to evaluate, and none when
+    the learner generates (``rollout.colocate``)."""
+    return 0 if (cfg.job.kind == "sft" and not cfg.envs) or cfg.rollout.colocate else cfg.rollout.num_workers

@@ -36,6 +36,9 @@ def test_overrides_apply_with_types():
     ({**MINIMAL, "resources": {"strategy": "SPREAD_OUT"}}, r"resources\.strategy='SPREAD_OUT'.*STRICT_SPREAD"),
     ({**MINIMAL, "algo": {"max_steps_off_policy": 2}}, r"algo\.max_steps_off_policy must be 0 .* or 1 .*got 2"),
     ({**MINIMAL, "algo": {"max_steps_off_policy": 1, "loss_fn": "cross_entropy"}}, r"corrects for the sampler"),
+    ({**MINIMAL, "rollout": {"colocate": True, "backend": "vllm"}}, r"rollout\.colocate=true .* set rollout\.backend to hf"),
+    ({**MINIMAL, "rollout": {"colocate": True}, "algo": {"max_steps_off_policy": 1}},
+     r"colocate=true .* algo\.max_steps_off_policy must be 0"),
 ])
 def test_bad_configs_name_the_key(data, match):
     with pytest.raises(ConfigError, match=match):

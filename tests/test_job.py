@@ -100,6 +100,26 @@ def test_one_step_off_policy_trains_on_the_previous_weights_samples_and_resumes(
     assert [r["batch"] for r in resumed] == [r["batch"] for r in grpo[2:]]  # the prefetched batch is not skipped
 
 
+def test_colocated_job_generates_in_the_learner(run_job, tmp_path):
+    """rollout.colocate: no rollout worker actors, every batch sampled by the current policy (lag 0,
+    no weight transfer), and the learner's busy clock covers generation too."""
+    from otray.actors.resource_manager import bundles_for
+
+    data = _cfg(tmp_path)
+    data["sft"]["steps"] = 2
+    data["algo"]["steps"] = 3
+    data["rollout"]["colocate"] = True
+    assert len(bundles_for(config.load(data | {"model": {"path": "tiny"}}))) == 1  # the learner's bundle only
+    summary, job_dir = run_job(tmp_path, data)
+    rows = [json.loads(line) for line in (job_dir / "metrics.jsonl").read_text().splitlines()]
+    grpo = [r for r in rows if r["phase"] == "grpo"]
+    assert len(grpo) == 3 and [r["policy_lag"] for r in grpo] == [0, 0, 0]
+    assert all(r["time/generate_s"] > 0 and r["time/weight_sync_s"] < 0.05 for r in grpo)
+    assert all(r["time/learner_idle_frac"] < 0.5 for r in grpo)  # it generates as well as trains
+    assert grpo[-1]["learner/step"] == 2 + 3 and "eval/accuracy" in grpo[-1]
+    assert summary["heldout_end"] is not None
+
+
 def test_env_exceptions_become_error_records_and_the_job_finishes(run_job, tmp_path):
     data = _cfg(tmp_path, entry="tests.flaky_envs:SometimesRaises", max_failing_rollouts=4)
     summary, job_dir = run_job(tmp_path, data)

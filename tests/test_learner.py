@@ -110,3 +110,36 @@ def test_export_loads_in_transformers_and_peft(tiny_path, tmp_path):
     with torch.no_grad():
         lp = peft_model(input_ids=torch.tensor([data[0].input_ids])).logits[0].log_softmax(-1)
     assert [lp[i, t].item() for i, t in enumerate(data[0].target_ids)] == pytest.approx(lora.forward(data[:1])[0], abs=1e-5)
+
+
+@pytest.mark.parametrize("rank", [0, 4])
+def test_colocated_sampler_samples_from_the_weights_being_trained(tiny_path, rank):
+    """rollout.colocate: the learner's generate uses the model it trains, so after an optimizer step
+    the sampler's logprobs are the learner's new logprobs (no stale copy), tagged with the new version."""
+    from otray.types import SamplingParams
+
+    learner = PolicyLearner(tiny_path, lora={"rank": rank, "alpha": 32})
+    info = learner.start_sampler(max_model_len=64)
+    assert info["backend"] == "hf-colocated" and info["max_model_len"] == 64
+    prompt, greedy = [5, 6, 7, 8], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+    def learner_logprobs(toks):
+        seq = prompt + toks
+        zeros = [0.0] * (len(seq) - 1)
+        return learner.forward([Datum(seq[:-1], seq[1:], zeros, zeros, zeros)])[0][-len(toks):]
+
+    def sample_and_check():
+        got = learner.generate([prompt], greedy)[0]
+        toks = got.samples[0].token_ids
+        assert got.samples[0].logprobs == pytest.approx(learner_logprobs(toks), abs=1e-4)
+        return got, toks
+
+    before, toks = sample_and_check()
+    assert before.policy_version == 0
+    batch = [sft_datum(prompt, [9, 10, 11, 12, 2])] * 4
+    for _ in range(3):
+        learner.forward_backward(batch, "cross_entropy")
+        learner.optim_step(learning_rate=1e-2)
+    after, _ = sample_and_check()
+    assert after.policy_version == learner.update_weights() == 3
+    assert learner_logprobs(toks) != pytest.approx(before.samples[0].logprobs, abs=1e-3)  # the weights did move

@@ -214,9 +214,11 @@ class TrainJob(SFTMixin, JobActors):
         self.placement_group = placement_group
         self.learner = self.make_learner(0)
         workers = self.make_workers(1, num_rollout_workers(cfg), self.model_path)
-        self.fleet = RolloutFleet(workers) if workers else None
         wait_ready([self.learner, *workers])
-        infos = ray.get([w.info.remote() for w in workers])
+        self.colocated = cfg.rollout.colocate and (cfg.job.kind == "rl" or bool(cfg.envs))
+        infos = ([ray.get(self.learner.start_sampler.remote(cfg.rollout.max_model_len, cfg.rollout.max_batch))]
+                 if self.colocated else ray.get([w.info.remote() for w in workers]))
+        self.fleet = RolloutFleet([self.learner] if self.colocated else workers) if infos else None
         self.worker_info = infos[0] if infos else {"backend": None, "max_model_len": cfg.rollout.max_model_len}
         self.nodes = {"learner": ray.get(self.learner.info.remote())["node_id"],
                       "rollout": [i["node_id"] for i in infos]}  # Ray node ids, for the record
@@ -236,14 +238,14 @@ class TrainJob(SFTMixin, JobActors):
         self.games = GameTrainer(self) if cfg.game is not None else None  # multi-agent game jobs
         self.startup_s = time.perf_counter() - t0
         log(f"job ready in {self.startup_s:.1f}s: model {self.model_path}, backend {self.worker_info['backend']}, "
-            f"{len(workers)} rollout worker(s)")
+            f"{len(workers)} rollout worker(s)" + (" (generating in the learner: rollout.colocate)" if self.colocated else ""))
 
     def sync_weights(self, learner: Any = None, fleet: Any = None) -> float:
         """Push a learner's weights (default: the job's) to its rollout workers through the object store."""
         t0 = time.perf_counter()
         learner, fleet = learner or self.learner, fleet or self.fleet
-        if fleet is not None:
-            fleet.update_weights(learner.weights.remote())
+        if fleet is not None:  # colocated, the learner samples from the weights it trains: nothing to send
+            fleet.update_weights(None if self.colocated else learner.weights.remote())
         if learner is self.learner:
             self.weights_synced = True
         return time.perf_counter() - t0

@@ -34,8 +34,8 @@ import torch.nn.functional as F
 from otray.actors import current_node_id
 from otray.timing import BusyClock, busy
 from otray.algos.losses import aggregate, per_token_loss
-from otray.models import LoraSpec, apply_lora, load_model
-from otray.types import Datum, ModelLoadError, WeightUpdate
+from otray.models import LoraSpec, apply_lora, load_model, load_tokenizer
+from otray.types import Datum, GenerateResult, ModelLoadError, SamplingParams, WeightUpdate
 
 
 def micro_batches(datums: Sequence[Datum], token_budget: int) -> list[list[Datum]]:
@@ -62,6 +62,16 @@ def _pad(rows: list[list[float]] | list[list[int]], width: int, value: float, dt
     return out
 
 
+def new_adamw(params: list[torch.nn.Parameter], **kwargs: Any) -> torch.optim.AdamW:
+    """AdamW with torch's fused kernel where the parameters allow it (float tensors on CPU or CUDA),
+    else the default implementation. Measured here (2 cores, ~100M float32 parameters): fused
+    0.07-0.08 s a step, the default (per-parameter loop on CPU) 0.2-0.8 s."""
+    try:
+        return torch.optim.AdamW(params, fused=True, **kwargs)
+    except (RuntimeError, ValueError):
+        return torch.optim.AdamW(params, **kwargs)
+
+
 class PolicyLearner:
     def __init__(self, model_path: str, *, lora: LoraSpec | dict[str, Any] | None = None, dtype: str = "float32",
                  micro_batch_tokens: int = 8192, seed: int = 0, num_threads: int | None = None):
@@ -81,6 +91,7 @@ class PolicyLearner:
         self.version = 0  # policy version; bumped by every optim_step
         self.extra_state: dict[str, Any] = {}  # job-level state saved with checkpoints
         self.busy = BusyClock()  # seconds spent in forward passes, optimizer steps and weight export
+        self.sampler: Any = None  # colocated generation (``start_sampler``)
 
     def busy_s(self) -> float:
         return self.busy.total
@@ -168,16 +179,45 @@ class PolicyLearner:
         """One AdamW step on the accumulated gradients; zeroes them; bumps the version."""
         params = self._trainable()
         if self.optimizer is None:
-            self.optimizer = torch.optim.AdamW(params, lr=learning_rate, betas=tuple(betas), eps=eps,
-                                               weight_decay=weight_decay)
+            self.optimizer = new_adamw(params, lr=learning_rate, betas=tuple(betas), eps=eps,
+                                       weight_decay=weight_decay)
         for group in self.optimizer.param_groups:
             group.update(lr=learning_rate, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip else float("inf"))
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip else float("inf"), foreach=True)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         self.version += 1
         return {"grad_norm": float(grad_norm), "learning_rate": learning_rate, "step": self.step}
+
+    # ------------------------------------------------------------------ colocated generation
+
+    def start_sampler(self, max_model_len: int | None = None, max_batch: int = 256) -> dict[str, Any]:
+        """Let this learner stand in for a rollout worker (``rollout.colocate``): ``generate`` samples
+        from the model being trained, so its weights are always the current policy and no weights
+        move. Returns what ``RolloutWorker.info`` returns."""
+        from otray.actors.backends.hf import HFBackend
+
+        self.sampler = HFBackend.on_model(self.model, load_tokenizer(self.model_path),
+                                          max_model_len=max_model_len, max_batch=max_batch)
+        return {"backend": "hf-colocated", "max_model_len": self.sampler.max_model_len,
+                "stop_token_ids": list(self.sampler.stop_token_ids), "policy_version": self.version,
+                "node_id": current_node_id()}
+
+    @busy
+    def generate(self, prompts: list[list[int]], params: SamplingParams, n: int = 1) -> list[GenerateResult]:
+        if self.sampler is None:
+            raise RuntimeError("this learner does not generate: call start_sampler first (rollout.colocate)")
+        self.model.eval()
+        samples = self.sampler.generate(prompts, params, n)
+        return [GenerateResult(s, self.version) for s in samples]
+
+    def update_weights(self, update: Any = None) -> int:
+        """The rollout-worker call, colocated: the sampler already holds the current weights."""
+        return self.version
+
+    def policy_version(self) -> int:
+        return self.version
 
     # ------------------------------------------------------------------ weights out
 
@@ -240,7 +280,7 @@ class PolicyLearner:
                 params[name].copy_(value)
         opt_state = torch.load(src / "optimizer.pt", weights_only=False)
         if opt_state is not None:
-            self.optimizer = torch.optim.AdamW(self._trainable())
+            self.optimizer = new_adamw(self._trainable())
             self.optimizer.load_state_dict(opt_state)
         rng = torch.load(src / "rng.pt", weights_only=False)
         torch.set_rng_state(rng["torch"])

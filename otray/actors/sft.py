@@ -64,6 +64,7 @@ class SFTMixin:
         opt = ray.get(self.learner.optim_step.remote(lr, tuple(self.cfg.algo.betas), 1e-8,
                                                       self.cfg.algo.weight_decay, self.cfg.algo.grad_clip))
         self.weights_synced = False
+        self.learner_version += 1  # what rl_step's policy_lag counts from
         return {**fb, **opt}
 
     def sft_lr(self, step: int) -> float:

@@ -22,8 +22,20 @@ class HFBackend:
     def __init__(self, model_path: str, *, dtype: str = "float32", max_model_len: int | None = None,
                  max_batch: int = 256, seed: int = 0, **_: Any):
         torch.manual_seed(seed)  # sampling without a per-call seed draws from this process's RNG
-        self.tokenizer = load_tokenizer(model_path)
-        self.model = load_model(model_path, dtype).eval()
+        self._attach(load_model(model_path, dtype).eval(), load_tokenizer(model_path), max_model_len, max_batch)
+
+    @classmethod
+    def on_model(cls, model: Any, tokenizer: Any, *, max_model_len: int | None = None,
+                 max_batch: int = 256) -> "HFBackend":
+        """A backend that samples from ``model`` as it is (a learner's model, trained in place):
+        nothing is loaded or copied, and the process's RNG is left alone."""
+        backend = cls.__new__(cls)
+        backend._attach(model, tokenizer, max_model_len, max_batch)
+        return backend
+
+    def _attach(self, model: Any, tokenizer: Any, max_model_len: int | None, max_batch: int) -> None:
+        self.tokenizer = tokenizer
+        self.model = model
         self.base_model = self.model
         self.max_model_len = max_model_len or self.model.config.max_position_embeddings
         self.max_batch = max_batch
