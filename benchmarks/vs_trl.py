@@ -1,15 +1,17 @@
 """otray vs TRL's GRPOTrainer, side by side on this machine.
 
 Two comparisons, each alternating otray and TRL runs (otray, TRL, otray, TRL, ...) so
-machine noise hits both; every run is its own process.
+machine noise hits both; every run is its own process; round k uses seed k on both sides.
 
 1. Learning, tiny model: the same SFT-warmed tiny checkpoint (otray's SFT job, built
    once and cached), the same arithmetic prompts (chat template, user turn = the
    question), the same reward (``envs.arithmetic.Arithmetic``'s own ``step``), batch
    size, group size, max new tokens, temperature, learning rate (constant), clip range
    (0.8 / 1.2), per-group z-scored advantages, token-mean loss over the batch, no KL
-   term, and number of steps. (a) ``python -m otray.train`` on a local Ray (a learner
-   actor and a rollout worker, HF backend); (b) ``trl.GRPOTrainer`` in one process.
+   term, and number of steps. (a) ``python -m otray.train`` on a local Ray (HF
+   backend; by default ``rollout.colocate``: the learner actor generates, as TRL's
+   trainer does, ``--rollout workers`` for a separate rollout worker actor);
+   (b) ``trl.GRPOTrainer`` in one process.
    Per-step wall time (median, min, max over all runs' steps but each run's first) and
    held-out accuracy after the last step, measured the same way for both (greedy, the
    first ``--eval-problems`` problems of the held-out split, otray's HF backend).
@@ -19,13 +21,13 @@ machine noise hits both; every run is its own process.
 
 Differences that stay: otray drops groups whose rewards are all equal (no gradient
 would come from them; ``algo.drop_uniform_groups``, its default) and TRL runs them
-through the learner with zero advantages; otray's learner and rollout worker are two
-processes with 2 torch threads each, TRL is one process with 2 threads.
+through the learner with zero advantages; otray runs its learner in a Ray actor (2 torch
+threads) next to the Ray processes and the driver, TRL is one process with 2 threads.
 
 Prints both tables; saves ``benchmarks/results/vs_trl.json`` and
 ``benchmarks/results/vs_trl_learning.png`` (reward vs wall time).
 
-    python benchmarks/vs_trl.py [--rounds 2] [--learn-steps 40] [--tput-steps 4]
+    python benchmarks/vs_trl.py [--rounds 3] [--learn-steps 30] [--tput-steps 5] [--only learn|throughput]
 
 Needs TRL and matplotlib: ``pip install -e '.[bench]'``.
 """
@@ -80,6 +82,7 @@ def sft_checkpoint() -> Path:
     model = out / "model"
     if not (model / "config.json").exists():
         print("building the SFT-warmed tiny checkpoint (otray SFT job, ~2 minutes) ...", flush=True)
+        shutil.rmtree(CACHE / "runs" / "vs_trl_sft", ignore_errors=True)
         sh([sys.executable, "-m", "otray.train", "conf/arithmetic_grpo.yaml", "job.name=vs_trl_sft", "algo.steps=0",
             f"job.output_dir={CACHE}/runs", "eval.every=0", "checkpoint.save_every=0"], CACHE / "sft.log")
         ck = sorted((CACHE / "runs" / "vs_trl_sft" / "checkpoints").iterdir())[-1] / "model"
@@ -101,12 +104,12 @@ def model_100m() -> Path:
 
 
 def otray_run(name: str, model: Path, env: str, s: dict, steps: int, data: Path, extra: list[str],
-              colocate: bool) -> dict:
+              colocate: bool, seed: int) -> dict:
     run_dir = CACHE / "runs" / name
     shutil.rmtree(run_dir, ignore_errors=True)
     entry = {"arithmetic": "envs.arithmetic:Arithmetic", "coin": "envs.coin:CoinFlip"}[env]
     cfg = {
-        "job": {"name": name, "seed": 0, "output_dir": str(CACHE / "runs")},
+        "job": {"name": name, "seed": seed, "output_dir": str(CACHE / "runs")},
         "model": {"path": str(model)},
         "rollout": {"backend": "hf", "num_workers": 1, "max_model_len": 128, "max_batch": 512, "colocate": colocate},
         "resources": {"learner_cpus": 1, "rollout_cpus": 1, "learner_threads": THREADS, "rollout_threads": THREADS},
@@ -187,7 +190,8 @@ def trl_main(spec: dict) -> None:
         num_generations=s["group_size"], max_completion_length=s["max_new_tokens"], temperature=s["temperature"],
         learning_rate=s["learning_rate"], lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=1.0,
         weight_decay=0.0, optim="adamw_torch", beta=0.0, epsilon=0.2, loss_type="dapo", scale_rewards="group",
-        num_iterations=1, generation_kwargs=gen_kwargs, dataloader_num_workers=0, seed=0, disable_dropout=True)
+        num_iterations=1, generation_kwargs=gen_kwargs, dataloader_num_workers=0, seed=spec["seed"],
+        disable_dropout=True)
     tok = AutoTokenizer.from_pretrained(spec["model"])
     model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
     generate_s: list[float] = []
@@ -218,12 +222,12 @@ def trl_main(spec: dict) -> None:
         "elapsed_s": elapsed, "tokens": tokens, "model": spec["out"] + "/model", "generate_s": generate_s}))
 
 
-def trl_run(name: str, model: Path, env: str, s: dict, steps: int, data: Path) -> dict:
+def trl_run(name: str, model: Path, env: str, s: dict, steps: int, data: Path, seed: int) -> dict:
     out = CACHE / "runs" / name
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     spec = {"model": str(model), "env": env, "settings": s, "steps": steps, "data": str(data), "out": str(out),
-            "ignore_eos": env == "coin"}
+            "ignore_eos": env == "coin", "seed": seed}
     sh([sys.executable, __file__, "--trl-run", json.dumps(spec)], CACHE / f"{name}.log")
     return json.loads((out / "result.json").read_text())
 
@@ -287,9 +291,9 @@ def plot(learn: dict, path: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=2, help="otray/TRL pairs per comparison")
-    ap.add_argument("--learn-steps", type=int, default=40)
-    ap.add_argument("--tput-steps", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=3, help="otray/TRL pairs per comparison")
+    ap.add_argument("--learn-steps", type=int, default=30)
+    ap.add_argument("--tput-steps", type=int, default=5)
     ap.add_argument("--eval-problems", type=int, default=300)
     ap.add_argument("--only", choices=("learn", "throughput"), default=None)
     ap.add_argument("--rollout", choices=("colocated", "workers"), default="colocated",
@@ -319,9 +323,9 @@ def main() -> None:
         for k in range(args.rounds):
             print(f"learning, round {k + 1}/{args.rounds}: otray ...", flush=True)
             runs["otray"].append(otray_run(f"learn_otray_{k}", sft, "arithmetic", LEARN, args.learn_steps, data, [],
-                                           args.rollout == "colocated"))
+                                           args.rollout == "colocated", seed=k))
             print(f"learning, round {k + 1}/{args.rounds}: TRL ...", flush=True)
-            runs["trl"].append(trl_run(f"learn_trl_{k}", sft, "arithmetic", LEARN, args.learn_steps, data))
+            runs["trl"].append(trl_run(f"learn_trl_{k}", sft, "arithmetic", LEARN, args.learn_steps, data, seed=k))
         for fw in runs:
             for r in runs[fw]:
                 r["heldout_accuracy"] = accuracy(r["model"], data, args.eval_problems)
@@ -339,9 +343,9 @@ def main() -> None:
         for k in range(args.rounds):
             print(f"throughput (~100M), round {k + 1}/{args.rounds}: otray ...", flush=True)
             runs["otray"].append(otray_run(f"tput_otray_{k}", big, "coin", TPUT, args.tput_steps, data,
-                                           ["algo.drop_uniform_groups=false"], args.rollout == "colocated"))
+                                           ["algo.drop_uniform_groups=false"], args.rollout == "colocated", seed=k))
             print(f"throughput (~100M), round {k + 1}/{args.rounds}: TRL ...", flush=True)
-            runs["trl"].append(trl_run(f"tput_trl_{k}", big, "coin", TPUT, args.tput_steps, data))
+            runs["trl"].append(trl_run(f"tput_trl_{k}", big, "coin", TPUT, args.tput_steps, data, seed=k))
         tput = {"settings": TPUT, "steps": args.tput_steps, "runs": runs}
         for fw in runs:
             steps = [(s, t) for r in runs[fw] for s, t in list(zip(r["step_s"], r["tokens"]))[1:]]
@@ -356,11 +360,18 @@ def main() -> None:
 
     out["total_s"] = time.perf_counter() - t_all
     RESULTS.mkdir(exist_ok=True)
+    if args.only and (RESULTS / "vs_trl.json").exists():  # keep the other comparison's latest figures
+        kept = json.loads((RESULTS / "vs_trl.json").read_text())
+        other = "throughput" if args.only == "learn" else "learning"
+        if other in kept:
+            out[other] = kept[other]
+            out[f"{other}_command"] = kept.get(f"{other}_command", kept.get("command"))
+    out[f"{'throughput' if args.only == 'throughput' else 'learning'}_command"] = out["command"]
     (RESULTS / "vs_trl.json").write_text(json.dumps(out, indent=1))
     print()
     if "learning" in out:
         L = out["learning"]
-        print(f"Learning, tiny model, {L['steps']} steps x {args.rounds} runs each "
+        print(f"Learning, tiny model, {L['steps']} steps x {len(L['runs']['otray'])} runs each "
               f"(batch {LEARN['batch_size']} x {LEARN['group_size']}, {LEARN['max_new_tokens']} new tokens); "
               f"held-out accuracy before: {L['heldout_before']:.3f}")
         print(f"{'':8} {'median step':>12} {'min':>7} {'max':>7} {'held-out after':>15}")
@@ -368,11 +379,13 @@ def main() -> None:
             r = L[fw]
             print(f"{fw:8} {r['median_step_s']:11.3f}s {r['min_step_s']:6.3f}s {r['max_step_s']:6.3f}s "
                   f"{r['heldout_after']:15.3f}")
+        print("held-out after, per run (round k = seed k): " + "; ".join(
+            f"{fw} " + ", ".join(f"{r['heldout_accuracy']:.3f}" for r in L["runs"][fw]) for fw in ("otray", "trl")))
         print(f"otray / TRL median step time: {L['step_time_ratio']:.2f} (target <= 1.0)\n")
     if "throughput" in out:
         T = out["throughput"]
         print(f"Throughput, ~100M Qwen2 shape, {TPUT['max_new_tokens']} new tokens, batch {TPUT['batch_size']} x "
-              f"{TPUT['group_size']}, {T['steps']} steps x {args.rounds} runs each (first step of each run excluded)")
+              f"{TPUT['group_size']}, {T['steps']} steps x {len(T['runs']['otray'])} runs each (first step of each run excluded)")
         print(f"{'':8} {'median step':>12} {'min':>7} {'max':>7} {'gen tok/s of step':>18}")
         for fw in ("otray", "trl"):
             r = T[fw]

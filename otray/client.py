@@ -93,8 +93,8 @@ class TrainingClient:
         return self._get(self.learner.forward.remote(datums))
 
     def forward_backward(self, datums: list, loss_fn: str, loss_fn_config: dict[str, float] | None = None,
-                         aggregation: str = "token_mean") -> dict[str, float]:
-        return self._get(self.learner.forward_backward.remote(datums, loss_fn, loss_fn_config, aggregation))
+                         aggregation: str = "token_mean", normalizer: dict[str, float] | None = None) -> dict[str, float]:
+        return self._get(self.learner.forward_backward.remote(datums, loss_fn, loss_fn_config, aggregation, normalizer))
 
     def optim_step(self, learning_rate: float = 1e-4, **adam: Any) -> dict[str, float]:
         return self._get(self.learner.optim_step.remote(learning_rate, **adam))

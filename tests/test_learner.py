@@ -143,3 +143,24 @@ def test_colocated_sampler_samples_from_the_weights_being_trained(tiny_path, ran
     after, _ = sample_and_check()
     assert after.policy_version == learner.update_weights() == 3
     assert learner_logprobs(toks) != pytest.approx(before.samples[0].logprobs, abs=1e-3)  # the weights did move
+
+
+@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean"])
+def test_leaving_out_zero_advantage_datums_with_the_batch_normalizer_keeps_the_gradient(tiny_path, aggregation):
+    """What drop_uniform_groups relies on: training on the datums with an advantage, normalized by the
+    whole batch's tokens and sequences, gives the gradient of training on the whole batch."""
+    informative = _datums(4, seed=1)
+    zero = [Datum(d.input_ids, d.target_ids, d.mask, [0.0] * len(d), d.sampler_logprobs) for d in _datums(3, seed=2)]
+    whole = PolicyLearner(tiny_path)
+    whole.forward_backward(informative + zero, "ppo", aggregation=aggregation)
+    part = PolicyLearner(tiny_path)
+    both = informative + zero
+    part.forward_backward(informative, "ppo", aggregation=aggregation,
+                          normalizer={"tokens": sum(sum(d.mask) for d in both), "sequences": len(both)})
+    unnormalized = PolicyLearner(tiny_path)
+    unnormalized.forward_backward(informative, "ppo", aggregation=aggregation)
+    g_whole, g_part, g_un = _grads(whole), _grads(part), _grads(unnormalized)
+    assert g_whole.keys() == g_part.keys()
+    for name in g_whole:
+        assert torch.allclose(g_whole[name], g_part[name], atol=1e-6, rtol=1e-4), name
+    assert not all(torch.allclose(g_whole[n], g_un[n], atol=1e-6, rtol=1e-4) for n in g_whole)  # the normalizer matters

@@ -260,18 +260,22 @@ class TrainJob(SFTMixin, JobActors):
             clock.mark("rollout_wait")
         else:
             batch = self.sample_batch(clock)                                           #      or sampled now
-        kept = [g for g in batch.groups                                                # 4. drop groups
-                if g.num_failed <= cfg.envs[g.task.env].max_failing_rollouts
-                and not (algo.drop_uniform_groups and len(set(g.rewards)) == 1)]
+        kept, uniform = [], []                                                         # 4. drop groups: too many
+        for g in batch.groups:                                                         #    failed rollouts, or all
+            if g.num_failed <= cfg.envs[g.task.env].max_failing_rollouts:              #    rewards equal (no gradient:
+                dropped = algo.drop_uniform_groups and len(set(g.rewards)) == 1        #    skip the work)
+                (uniform if dropped else kept).append(g)
         trajs, advantages = [], []
         for g in kept:                                                                 # 5. advantages
             trajs.extend(g.trajectories)
             advantages.extend(adv.compute(algo.advantage, g.rewards))
         datums = build_datums(trajs, advantages)
+        normalizer = self.loss_normalizer(datums, uniform)
         clock.mark("prepare")
         if algo.max_steps_off_policy:                                                  # (off-policy: the next batch
             self.prefetch()                                                            #  generates meanwhile)
-        learned = self.learn(datums, clock=clock, sync=not algo.max_steps_off_policy)  # 6. learn
+        learned = self.learn(datums, clock=clock, sync=not algo.max_steps_off_policy,  # 6. learn
+                             normalizer=normalizer)
         if algo.max_steps_off_policy:                                                  # 7. push weights (off-policy:
             self.prefetched.result()                                                   #    once the next batch is
             clock.mark("rollout_wait")                                                 #    done, so one batch is
@@ -285,6 +289,17 @@ class TrainJob(SFTMixin, JobActors):
                "tokens_per_s": batch.sampled / max(batch.rollout_s, 1e-9), "rollout_s": batch.rollout_s,
                "generate_s": batch.generate_s, "policy_lag": self.policy_lag(trajs), **learned}
         return {**row, **self.step_times(clock, batch)}
+
+    @staticmethod
+    def loss_normalizer(datums: list, dropped: list[TrajectoryGroup]) -> dict[str, float]:
+        """What the loss divides by: the tokens and sequences of the whole batch, the groups dropped
+        for having equal rewards included. Their advantages are all zero, so training on them adds
+        nothing to the loss's sum; counting them here makes dropping them save compute without
+        changing the gradient (as if every group had been trained on)."""
+        skipped = build_datums([t for g in dropped for t in g.trajectories],
+                               [0.0 for g in dropped for _ in g.trajectories])
+        both = [*datums, *skipped]
+        return {"tokens": float(sum(sum(d.mask) for d in both)), "sequences": float(len(both))}
 
     def policy_lag(self, trajs: list[Trajectory]) -> int:
         """Updates between the weights that sampled the oldest trained episode and the weights its
@@ -345,7 +360,7 @@ class TrainJob(SFTMixin, JobActors):
         return clock.metrics(learner_busy_s=delta[0], rollout_busy_s=delta[1:], generate_s=generate)
 
     def learn(self, datums: list, learner: Any = None, fleet: Any = None, *, clock: StepClock | None = None,
-              sync: bool = True) -> dict[str, Any]:
+              sync: bool = True, normalizer: dict[str, float] | None = None) -> dict[str, Any]:
         """forward_backward + optim_step with the RL loss on ``datums``, then (``sync``) push the weights
         (of the job's learner, or of ``learner`` to ``fleet`` for a game's other trained policies).
         Returns ``learn_s``, ``sync_s`` and the learner's metrics (``learner/...``); marks ``clock``."""
@@ -355,7 +370,7 @@ class TrainJob(SFTMixin, JobActors):
         algo, fb, opt, sync_s, t0 = self.cfg.algo, {}, {}, 0.0, time.perf_counter()
         if datums:
             fb = ray.get(learner.forward_backward.remote(
-                datums, algo.loss_fn, algo.loss_fn_config, algo.aggregation))
+                datums, algo.loss_fn, algo.loss_fn_config, algo.aggregation, normalizer))
             clock.mark("forward_backward")
             opt = ray.get(learner.optim_step.remote(
                 algo.learning_rate, tuple(algo.betas), 1e-8, algo.weight_decay, algo.grad_clip))

@@ -131,8 +131,14 @@ class PolicyLearner:
 
     @busy
     def forward_backward(self, datums: Sequence[Datum], loss_fn: str, loss_fn_config: dict[str, float] | None = None,
-                         aggregation: str = "token_mean") -> dict[str, float]:
-        """Accumulate gradients of the aggregated loss; returns loss metrics for this call."""
+                         aggregation: str = "token_mean",
+                         normalizer: dict[str, float] | None = None) -> dict[str, float]:
+        """Accumulate gradients of the aggregated loss; returns loss metrics for this call.
+
+        ``normalizer`` (``{"tokens": T, "sequences": S}``) sets what ``token_mean`` and
+        ``seq_mean_token_mean`` divide by, when ``datums`` is part of a larger batch whose
+        other members were left out because they carry no gradient (zero advantage); by
+        default the datums' own totals."""
         if not datums:
             return {"loss": 0.0, "num_tokens": 0.0, "num_sequences": 0.0}
         t0 = time.perf_counter()
@@ -140,6 +146,8 @@ class PolicyLearner:
         cfg = dict(loss_fn_config or {})
         total_tokens = float(sum(sum(d.mask) for d in datums))
         total_seqs = float(len(datums))
+        norm_tokens = max(total_tokens, float((normalizer or {}).get("tokens", 0.0)))
+        norm_seqs = max(total_seqs, float((normalizer or {}).get("sequences", 0.0)))
         loss_sum, ratio_sum, clipped, kl_sum, absdiff = 0.0, 0.0, 0.0, 0.0, 0.0
         for batch in micro_batches(datums, self.micro_batch_tokens):
             lp, valid = self._logprobs(batch)
@@ -149,7 +157,7 @@ class PolicyLearner:
             adv = _pad([d.advantages for d in batch], width, 0.0, torch.float32)
             w = None if batch[0].weights is None else _pad([d.weights or [] for d in batch], width, 0.0, torch.float32)
             tok_loss = per_token_loss(loss_fn, lp, q, adv, w, **cfg)
-            loss = aggregate(tok_loss, mask, aggregation, total_tokens=total_tokens, total_sequences=total_seqs)
+            loss = aggregate(tok_loss, mask, aggregation, total_tokens=norm_tokens, total_sequences=norm_seqs)
             loss.backward()
             loss_sum += loss.item()
             with torch.no_grad():
