@@ -128,29 +128,34 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_infer(args: argparse.Namespace) -> int:
+    """Submit an inference job (``job.kind: infer``) to the ResourceManager, follow it, write its rows."""
     from pathlib import Path
 
     from otray import config as config_mod
-    from otray.actors.checkpoint_store import frozen_model_dir, parse_ref
-    from otray.actors.inference import InferenceJob
-    from otray.models import resolve_model_path
 
-    cfg = config_mod.load(args.config, args.overrides)
+    overrides = [*args.overrides, "job.kind=infer", f"infer.split={args.split}"]
+    if args.checkpoint:
+        local = Path(args.checkpoint)  # a directory here: the job driver reads it by its absolute path
+        overrides.append(f"infer.checkpoint={local.absolute() if local.exists() else args.checkpoint}")
+    if args.limit is not None:
+        overrides.append(f"infer.limit={args.limit}")
+    if args.sample is not None:
+        overrides.append(f"infer.greedy={str(not args.sample).lower()}")
+    cfg = config_mod.load(args.config, overrides)  # fail before touching a cluster
     out = Path(args.out or f"runs/infer/{cfg.job.name}-{time.strftime('%Y%m%d-%H%M%S')}.jsonl")
-    if args.checkpoint and parse_ref(args.checkpoint) is not None:  # JOB_ID[:STEP]: fetched through Ray
-        src, step = parse_ref(args.checkpoint)
-        client = _connect(args)
-        model_path = frozen_model_dir(str(client.job(src).download_checkpoint(out.parent / f"{src}-ckpt", step)), ".")
-    else:
-        import ray
-
-        if not ray.is_initialized():
-            ray.init(address=args.address, include_dashboard=False, log_to_driver=False)
-        model_path = (frozen_model_dir(args.checkpoint, ".") if args.checkpoint
-                      else resolve_model_path(cfg.model.path, cfg.model.cache_dir))
-    summary = InferenceJob(cfg, model_path).run(args.split, out, limit=args.limit,
-                                                greedy=None if args.sample is None else not args.sample)
-    print(json.dumps({"model": model_path, **summary}, indent=1))
+    client = _connect(args)
+    job = client.submit(cfg)
+    print(f"submitted inference job {job.id}", flush=True)
+    st = job.wait()
+    if st["state"] != "SUCCEEDED":
+        print(f"job {job.id} {st['state']}: {st['error']}", file=sys.stderr)
+        return 1
+    out.parent.mkdir(parents=True, exist_ok=True)
+    rows = job.outputs()
+    with out.open("w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    summary = {k: v for k, v in job.metrics()[-1].items() if k not in ("step", "phase")}
+    print(json.dumps({"job": job.id, **summary, "output": str(out)}, indent=1))
     return 0
 
 

@@ -44,6 +44,15 @@ class JobHandle:
     def cancel(self) -> dict[str, Any]:
         return self._call("cancel", self.id)
 
+    def outputs(self, page: int = 1000) -> list[dict[str, Any]]:
+        """An inference job's output rows (one per episode or game), fetched through Ray from any node."""
+        rows: list[dict[str, Any]] = []
+        while True:
+            got = self._call("outputs", self.id, len(rows), page)
+            rows.extend(got)
+            if len(got) < page:
+                return rows
+
     def download_checkpoint(self, dest: str | Path, step: int | None = None) -> Path:
         """Fetch the job's checkpoint at ``step`` (default: latest) through Ray into ``dest``:
         ``dest/state`` (learner state) and ``dest/model`` (HF/PEFT model)."""

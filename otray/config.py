@@ -33,7 +33,7 @@ REWARD_REDUCTIONS = ("sum", "mean", "max", "min")
 @dataclass
 class JobSection:
     name: str = "job"
-    kind: str = "rl"  # rl | sft
+    kind: str = "rl"  # rl | sft | infer (batch inference: see InferSection)
     seed: int = 0
     output_dir: str = "runs"
 
@@ -264,6 +264,19 @@ class CheckpointSection:
 
 
 @dataclass
+class InferSection:
+    """``job.kind: infer`` (what ``otray infer`` submits): run the envs (or the game's evaluation
+    games) over a split with a model, leased through the ResourceManager like a training job.
+    Bundle 0 (``resources.learner_cpus``) holds the job driver and the agent loop, no learner."""
+
+    checkpoint: Optional[str] = None  # JOB_ID[:STEP] (fetched through Ray), a checkpoint or model dir; null = model.path
+    split: str = "eval"
+    limit: Optional[int] = None  # at most N tasks per env (games: per role and opponent)
+    greedy: Optional[bool] = None  # null = eval.greedy
+    out: Optional[str] = None  # JSONL on the driver's node (default: <job dir>/inference.jsonl)
+
+
+@dataclass
 class Config:
     job: JobSection = field(default_factory=JobSection)
     model: ModelSection = field(default_factory=ModelSection)
@@ -276,6 +289,7 @@ class Config:
     logging: LoggingSection = field(default_factory=LoggingSection)
     envs: dict[str, EnvSection] = field(default_factory=dict)
     game: Optional[GameSection] = None
+    infer: InferSection = field(default_factory=InferSection)
 
 
 # --------------------------------------------------------------------------- validation
@@ -320,7 +334,7 @@ def _check_values(cfg: Config) -> None:
     from otray.algos.advantages import ADVANTAGES
     from otray.algos.losses import AGGREGATIONS, loss_config
 
-    one_of(cfg.job.kind, ("rl", "sft"), "job.kind")
+    one_of(cfg.job.kind, ("rl", "sft", "infer"), "job.kind")
     one_of(cfg.rollout.backend, ("auto", "vllm", "hf"), "rollout.backend")
     one_of(cfg.logging.wandb_mode, ("offline", "online"), "logging.wandb_mode")
     one_of(cfg.algo.advantage, tuple(ADVANTAGES), "algo.advantage")
@@ -348,6 +362,15 @@ def _check_values(cfg: Config) -> None:
                               "other: algo.max_steps_off_policy must be 0")
         if cfg.game is not None:
             raise ConfigError("rollout.colocate=true is not supported for game jobs yet: set it to false")
+    if cfg.job.kind == "infer":
+        if cfg.infer.limit is not None and cfg.infer.limit < 1:
+            raise ConfigError(f"infer.limit must be >= 1 (or null for the whole split), got {cfg.infer.limit}")
+        if cfg.game is not None and len(trained_policies(cfg)) > 1:
+            raise ConfigError("an inference job plays one model: give a game config with one trained policy")
+        for name, env in cfg.envs.items():
+            if cfg.infer.split not in env.splits:
+                raise ConfigError(f"envs.{name} has no {cfg.infer.split!r} split (it has: "
+                                  f"{', '.join(env.splits) or 'none'}); pick one with --split / infer.split")
     if cfg.job.kind == "sft":
         if cfg.sft.steps < 1:
             raise ConfigError("job.kind=sft needs sft.steps >= 1")
@@ -466,6 +489,10 @@ class ServeModel:
     # when given it replaces num_replicas
     autoscaling: Optional[dict[str, Any]] = None
     max_loaded_checkpoints: int = 2  # per replica; least recently used evicted past this
+    # vLLM base: LoRA checkpoints up to this rank run as adapters of the base engine (one
+    # slot per loaded checkpoint; one engine call may serve several adapters); 0, a higher rank,
+    # or the HF backend: the adapter is merged into a copy of the base
+    max_lora_rank: int = 0
     max_ongoing_requests: int = 32
     max_batch: int = 32  # prompts per generate call: concurrent requests with equal settings share one
     batch_wait_ms: float = 0.0  # wait this long before a batch for more requests to join it
@@ -502,6 +529,11 @@ def load_serve(source: str | Path | dict[str, Any] | ServeConfig | None = None,
         one_of(m.backend, ("auto", "vllm", "hf"), f"models[{i}].backend")
         if m.max_loaded_checkpoints < 1 or m.num_replicas < 1:
             raise ConfigError(f"models[{i}]: max_loaded_checkpoints and num_replicas must be >= 1")
+        if m.max_lora_rank < 0:
+            raise ConfigError(f"models[{i}].max_lora_rank must be >= 0 (0 = merge LoRA checkpoints into the base)")
+        if m.max_lora_rank and m.backend == "hf":
+            raise ConfigError(f"models[{i}]: max_lora_rank serves adapters on a vLLM engine; with backend hf "
+                              "LoRA checkpoints are merged into the base: set backend: vllm or drop max_lora_rank")
     if cfg.max_n < 1 or cfg.max_tokens < 1 or cfg.request_timeout_s <= 0:
         raise ConfigError("max_n, max_tokens and request_timeout_s must be positive")
     return cfg
@@ -527,4 +559,6 @@ def import_object(path: str) -> Any:
 def num_rollout_workers(cfg: Config) -> int:
     """Rollout worker actors the job needs: none for an SFT job without envs to evaluate, and none when
     the learner generates (``rollout.colocate``)."""
+    if cfg.job.kind == "infer":  # no learner to generate with
+        return cfg.rollout.num_workers
     return 0 if (cfg.job.kind == "sft" and not cfg.envs) or cfg.rollout.colocate else cfg.rollout.num_workers

@@ -36,10 +36,18 @@ def table_row(row: dict[str, Any]) -> str:
 def run(cfg: config_mod.Config, job_dir: Path, *, placement_group: Any = None,
         report: Callable[[dict[str, Any]], Any] | None = None,
         on_checkpoint: Callable[[int, str], Any] | None = None,
-        on_episodes: Callable[[list[dict[str, Any]]], Any] | None = None) -> dict[str, Any]:
+        on_episodes: Callable[[list[dict[str, Any]]], Any] | None = None,
+        on_outputs: Callable[[list[dict[str, Any]]], Any] | None = None) -> dict[str, Any]:
     """Run one job; ``report`` receives every metrics row, ``on_checkpoint`` every (step, path),
-    ``on_episodes`` the sampled episodes the job logged since the last row."""
+    ``on_episodes`` the sampled episodes the job logged since the last row, ``on_outputs`` an
+    inference job's output rows."""
     from otray.actors.job import TrainJob
+
+    if cfg.job.kind == "infer":
+        from otray.actors.inference import run_job
+
+        return run_job(cfg, job_dir, placement_group=placement_group, report=report, on_episodes=on_episodes,
+                       on_outputs=on_outputs)
 
     from otray.metrics_sinks import MetricSinks
 

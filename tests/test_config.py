@@ -39,6 +39,9 @@ def test_overrides_apply_with_types():
     ({**MINIMAL, "rollout": {"colocate": True, "backend": "vllm"}}, r"rollout\.colocate=true .* set rollout\.backend to hf"),
     ({**MINIMAL, "rollout": {"colocate": True}, "algo": {"max_steps_off_policy": 1}},
      r"colocate=true .* algo\.max_steps_off_policy must be 0"),
+    ({**MINIMAL, "job": {"kind": "infer"}}, r"envs\.arithmetic has no 'eval' split .*has: train.*--split"),
+    ({**MINIMAL, "job": {"kind": "infer"}, "infer": {"split": "train", "limit": 0}}, r"infer\.limit must be >= 1"),
+    ({**MINIMAL, "infer": {"splt": "train"}}, r"infer\.splt.*did you mean 'infer\.split'"),
 ])
 def test_bad_configs_name_the_key(data, match):
     with pytest.raises(ConfigError, match=match):
@@ -81,3 +84,25 @@ def test_policy_sets_and_bundles():
     assert len(bundles_for(cfg)) == 2 * (1 + 2) + 1  # per trained policy: learner + 2 workers; the frozen worker
     selfplay = config.load({"game": {**GAME, "policies": {"black": "trained", "white": "trained:main"}}})
     assert config.trained_policies(selfplay) == ["main"] and len(bundles_for(selfplay)) == 2
+
+
+def test_inference_jobs_lease_workers_and_pin_their_checkpoint():
+    from otray.actors.checkpoint_store import pin_refs, registered_refs
+    from otray.actors.resource_manager import bundles_for
+
+    cfg = config.load({**MINIMAL, "job": {"kind": "infer"}, "rollout": {"num_workers": 2, "colocate": True},
+                       "infer": {"split": "train", "checkpoint": "20260101-000000-abcdef"}})
+    assert config.num_rollout_workers(cfg) == 2  # no learner to generate with, colocate or not
+    assert len(bundles_for(cfg)) == 1 + 2  # the driver's bundle + the workers
+    assert registered_refs(cfg) == ["20260101-000000-abcdef"]
+    pin_refs(cfg, {"20260101-000000-abcdef": "20260101-000000-abcdef:7"})
+    assert cfg.infer.checkpoint == "20260101-000000-abcdef:7"
+    assert registered_refs(config.load({**MINIMAL, "infer": {"checkpoint": "20260101-000000-abcdef"}})) == []
+
+
+def test_serve_lora_settings():
+    with pytest.raises(ConfigError, match=r"max_lora_rank serves adapters on a vLLM engine.*backend: vllm"):
+        config.load_serve({"models": [{"name": "m", "backend": "hf", "max_lora_rank": 8}]})
+    with pytest.raises(ConfigError, match=r"max_lora_rank must be >= 0"):
+        config.load_serve({"models": [{"name": "m", "backend": "vllm", "max_lora_rank": -1}]})
+    assert config.load_serve({"models": [{"name": "m", "backend": "vllm", "max_lora_rank": 16}]}).models[0].max_lora_rank == 16

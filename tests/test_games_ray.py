@@ -135,11 +135,15 @@ def test_frozen_opponent_by_job_id_through_the_resource_manager(ray_local, tmp_p
 
 
 def test_otray_infer_runs_the_training_env_code(ray_local, tmp_path, ttt_checkpoint):
+    """``otray infer`` submits an inference job to the ResourceManager (leased like a training job),
+    which runs the training env code and keeps its rows for the submitter."""
     from otray.cli import main
+    from otray.client import connect
 
+    runs = f"job.output_dir={tmp_path}/runs"
     out = tmp_path / "games.jsonl"
     assert main(["infer", str(ROOT / "conf" / "tictactoe_vs_random.yaml"), "--checkpoint", ttt_checkpoint,
-                 "--limit", "3", "--out", str(out), "game.eval_opponents=[random]"]) == 0
+                 "--limit", "3", "--out", str(out), "game.eval_opponents=[random]", runs]) == 0
     games = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(games) == 3 * 2  # 3 seeds x 2 roles against random
     for g in games:
@@ -148,8 +152,17 @@ def test_otray_infer_runs_the_training_env_code(ray_local, tmp_path, ttt_checkpo
         assert len(mine) == 1 and mine[0]["messages"][0]["role"] == "user" and mine[0]["reward"] == g["rewards"][g["role"]]
     out = tmp_path / "arith.jsonl"
     assert main(["infer", str(ROOT / "conf" / "arithmetic_grpo.yaml"), "--limit", "4", "--out", str(out),
-                 f"envs.arithmetic.dataset.dir={tmp_path}/data"]) == 0
+                 f"envs.arithmetic.dataset.dir={tmp_path}/data", runs]) == 0
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(rows) == 4 and all(r["prompt"].endswith("=") and "expected" in r["info"] for r in rows)
+    # it was a job of the ResourceManager's: listed, finished, its episodes in the viewer, its placement group gone
+    client = connect()
+    job = max((j for j in client.jobs() if j["kind"] == "infer" and j["name"] == "arithmetic_grpo"),
+              key=lambda j: j["created"])
+    assert job["state"] == "SUCCEEDED" and job["progress"]["rows"] == 4 and job["progress"]["phase"] == "infer"
+    viewer = ray_local.get(client.rm.episodes.remote(job["id"]))
+    assert [e["task"] for e in viewer["episodes"]] == [r["task"] for r in rows]
+    assert ray_local.get(client.rm.placement_group_id.remote(job["id"])) is None
+    assert (tmp_path / "runs" / job["id"] / "inference.jsonl").read_text().count("\n") == 4
     assert main(["infer", str(ROOT / "conf" / "arithmetic_grpo.yaml"), "--split", "nope", "--out", str(out),
-                 f"envs.arithmetic.dataset.dir={tmp_path}/data"]) == 2  # a clear error naming the splits
+                 f"envs.arithmetic.dataset.dir={tmp_path}/data", runs]) == 2  # a clear error naming the splits

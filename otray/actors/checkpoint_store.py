@@ -35,10 +35,13 @@ def parse_ref(ref: str) -> tuple[str, int | None] | None:
 
 
 def registered_refs(cfg: Any) -> list[str]:
-    """The ``JOB_ID[:STEP]`` checkpoints a config names: ``checkpoint.resume_from`` and ``frozen:`` policies."""
+    """The ``JOB_ID[:STEP]`` checkpoints a config names: ``checkpoint.resume_from``, ``frozen:`` policies
+    and an inference job's ``infer.checkpoint``."""
     from otray.config import frozen_policies
 
     refs = [cfg.checkpoint.resume_from or ""] + [spec.split(":", 1)[1] for spec in frozen_policies(cfg)]
+    if cfg.job.kind == "infer":
+        refs.append(cfg.infer.checkpoint or "")
     return list(dict.fromkeys(r for r in refs if r and parse_ref(r) is not None))
 
 
@@ -46,6 +49,8 @@ def pin_refs(cfg: Any, pinned: dict[str, str]) -> None:
     """Rewrite the config's checkpoint refs (``JOB_ID`` -> ``JOB_ID:STEP``) in place."""
     if cfg.checkpoint.resume_from in pinned:
         cfg.checkpoint.resume_from = pinned[cfg.checkpoint.resume_from]
+    if cfg.infer.checkpoint in pinned:
+        cfg.infer.checkpoint = pinned[cfg.infer.checkpoint]
     if cfg.game is not None:
         def pin(spec: str) -> str:
             kind, _, ref = spec.partition(":")

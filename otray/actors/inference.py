@@ -1,5 +1,10 @@
 """InferenceJob: batch inference with a model or checkpoint through the same env code as training.
 
+Submitted like a training job (``job.kind: infer``, what ``otray infer`` does), it is leased
+a placement group by the ResourceManager, queues behind other jobs, shows in ``otray jobs``
+and the dashboard, can be cancelled, and its rows are kept in the registry
+(:func:`run_job`).
+
 ``otray infer CONFIG [--checkpoint REF] [--split eval] [--limit N] [--out FILE]`` runs every
 env of the config over a dataset split with the agent loop (one episode per task), or,
 for a game config, the coordinator's evaluation games (each role against each of
@@ -14,6 +19,7 @@ from __future__ import annotations
 import json
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -87,3 +93,54 @@ class InferenceJob(JobActors):
                     summary[f"{name}/episodes"] = len(trajs)
         summary.update({"output": str(out), "seconds": time.perf_counter() - t0, "generate_s": self.generate_s})
         return summary
+
+
+def model_for(cfg: Config, job_dir: str | Path) -> str:
+    """The model an inference job runs: ``infer.checkpoint`` (a registered checkpoint the job driver
+    fetched, a checkpoint directory or a model directory), else ``model.path``."""
+    from otray.actors.checkpoint_store import frozen_model_dir
+    from otray.models import resolve_model_path
+
+    if cfg.infer.checkpoint:
+        return frozen_model_dir(cfg.infer.checkpoint, job_dir)
+    return resolve_model_path(cfg.model.path, cfg.model.cache_dir)
+
+
+def viewer_row(row: dict[str, Any]) -> dict[str, Any]:
+    """An output episode in the shape of the episodes training jobs log (the dashboard's trajectory viewer)."""
+    error = row.get("error")
+    return {"step": 1, "task": row["task"], "env": row["env"], "agent": row.get("agent"), "messages": row["messages"],
+            "turn_rewards": row["turn_rewards"], "reward": row["reward"], "advantage": None,
+            "finished": row["finished"], "truncated": row["truncated"], "info": row["info"],
+            "error": None if error is None else f"{error['kind']}: {error['message']}"}
+
+
+def run_job(cfg: Config, job_dir: str | Path, *, placement_group: Any = None,
+            report: Callable[[dict[str, Any]], Any] | None = None,
+            on_episodes: Callable[[list[dict[str, Any]]], Any] | None = None,
+            on_outputs: Callable[[list[dict[str, Any]]], Any] | None = None, chunk: int = 500) -> dict[str, Any]:
+    """An inference job (``job.kind: infer``) in its placement group: run, write
+    ``<job dir>/inference.jsonl`` (or ``infer.out``), hand the rows to ``on_outputs`` (the
+    ResourceManager keeps them for ``otray infer`` to download from any node), log the first
+    episodes for the dashboard's viewer and report one metrics row with the summary."""
+    job_dir = Path(job_dir)
+    job_dir.mkdir(parents=True, exist_ok=True)
+    model_path = model_for(cfg, job_dir)
+    job = InferenceJob(cfg, model_path, placement_group=placement_group, job_dir=job_dir)
+    out = Path(cfg.infer.out) if cfg.infer.out else job_dir / "inference.jsonl"
+    summary = job.run(cfg.infer.split, out, limit=cfg.infer.limit, greedy=cfg.infer.greedy)
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    if on_outputs is not None:
+        for start in range(0, len(rows), chunk):
+            on_outputs(rows[start:start + chunk])
+    if on_episodes is not None and cfg.game is None and rows:
+        on_episodes([viewer_row(r) for r in rows[:50]])
+    row = {"step": 1, "phase": "infer", "model": model_path, "rows": len(rows),
+           **{k: v for k, v in summary.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}}
+    with (job_dir / "metrics.jsonl").open("a") as f:
+        f.write(json.dumps(row) + "\n")
+    if report is not None:
+        report(row)
+    summary = {"model": model_path, **summary}
+    (job_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    return summary

@@ -66,6 +66,8 @@ CREATE TABLE IF NOT EXISTS metrics (
 CREATE TABLE IF NOT EXISTS episodes (
     job_id TEXT NOT NULL, seq INTEGER NOT NULL, step INTEGER NOT NULL, row TEXT NOT NULL,
     PRIMARY KEY (job_id, seq));
+CREATE TABLE IF NOT EXISTS outputs (
+    job_id TEXT NOT NULL, seq INTEGER NOT NULL, row TEXT NOT NULL, PRIMARY KEY (job_id, seq));
 CREATE TABLE IF NOT EXISTS checkpoints (
     job_id TEXT NOT NULL, step INTEGER NOT NULL, path TEXT NOT NULL, created REAL NOT NULL,
     PRIMARY KEY (job_id, step));
@@ -205,6 +207,18 @@ class Registry:
             step = row[0] if row and row[0] is not None else -1
         rows = self.db.execute("SELECT row FROM episodes WHERE job_id = ? AND step = ? ORDER BY seq LIMIT ?",
                                (job_id, step, limit))
+        return [json.loads(r[0]) for r in rows]
+
+    def add_outputs(self, job_id: str, rows: list[dict[str, Any]]) -> None:
+        """Append an inference job's output rows (one per episode or game), kept for its submitter."""
+        start = self.db.execute("SELECT COALESCE(MAX(seq) + 1, 0) FROM outputs WHERE job_id = ?", (job_id,)).fetchone()[0]
+        self.db.executemany("INSERT INTO outputs VALUES (?, ?, ?)",
+                            [(job_id, start + i, json.dumps(r)) for i, r in enumerate(rows)])
+        self.db.commit()
+
+    def outputs(self, job_id: str, since: int = 0, limit: int = 1000) -> list[dict[str, Any]]:
+        rows = self.db.execute("SELECT row FROM outputs WHERE job_id = ? AND seq >= ? ORDER BY seq LIMIT ?",
+                               (job_id, since, limit))
         return [json.loads(r[0]) for r in rows]
 
     def episode_steps(self, job_id: str) -> list[int]:

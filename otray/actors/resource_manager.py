@@ -95,6 +95,7 @@ class JobDriver:
         return run(self.cfg, self.job_dir, placement_group=get_current_placement_group(),
                    report=lambda row: rm.report.remote(self.job_id, row),
                    on_episodes=lambda episodes: rm.report_episodes.remote(self.job_id, episodes),
+                   on_outputs=lambda rows: ray.get(rm.report_outputs.remote(self.job_id, rows)),
                    on_checkpoint=lambda step, path: ray.get(rm.put_checkpoint.remote(self.job_id, step, pack_dir(path))))
 
 
@@ -191,6 +192,14 @@ class ResourceManager:
         """The episodes a job logged at ``step`` (default: its latest), and the steps that have some."""
         self._own(job_id, api_key)
         return {"steps": self.registry.episode_steps(job_id), "episodes": self.registry.episodes(job_id, step)}
+
+    async def report_outputs(self, job_id: str, rows: list[dict[str, Any]]) -> None:
+        self.registry.add_outputs(job_id, rows)
+
+    async def outputs(self, job_id: str, since: int = 0, limit: int = 1000, api_key: str | None = None) -> list[dict[str, Any]]:
+        """An inference job's output rows from index ``since`` on (at most ``limit``)."""
+        self._own(job_id, api_key)
+        return self.registry.outputs(job_id, since, limit)
 
     async def checkpoints(self, job_id: str, api_key: str | None = None) -> list[int]:
         self._own(job_id, api_key)
@@ -332,7 +341,7 @@ class ResourceManager:
 
 def _public(job: JobRecord) -> dict[str, Any]:
     kind = job.config.get("job", {}).get("kind", "rl")
-    total = job.config.get("sft" if kind == "sft" else "algo", {}).get("steps")
+    total = 1 if kind == "infer" else job.config.get("sft" if kind == "sft" else "algo", {}).get("steps")
     return {"id": job.id, "owner": job.owner, "name": job.name, "state": job.state.value, "error": job.error,
             "progress": job.progress, "created": job.created, "started": job.started, "finished": job.finished,
             "kind": kind, "total_steps": total}

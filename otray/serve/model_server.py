@@ -4,10 +4,12 @@ The replica holds the base model's rollout backend (the same ``hf`` / ``vllm`` b
 that jobs sample from) and, multiplexed by Ray Serve, the checkpoints that requests name
 (``job-<id>:<step>``; the app resolves ``job-<id>`` to its latest step first). A
 checkpoint is fetched as a blob from the ResourceManager, unpacked on this node and
-loaded: a full-weight checkpoint as its own backend, a LoRA adapter merged into a copy of
-the base model (HF backend). Past ``max_loaded_checkpoints`` the least recently used one
-is dropped (Ray Serve's multiplexing evicts it and routes later requests for a model to
-the replica that has it).
+loaded: a full-weight checkpoint as its own backend; a LoRA adapter, on a vLLM base with
+``max_lora_rank`` >= its rank, as an adapter of the base engine (vLLM multi-LoRA: no
+second copy of the weights, and one engine call may serve several adapters),
+otherwise merged into a copy of the base model (HF backend). Past
+``max_loaded_checkpoints`` the least recently used one is dropped (Ray Serve's
+multiplexing evicts it and routes later requests for a model to the replica that has it).
 
 Generation works on token ids the app already validated; text, stop strings and finish
 reasons are settled here, so streamed and complete answers agree.
@@ -45,7 +47,8 @@ class Loaded:
 
     Concurrent requests are queued; one thread at a time runs the backend, taking every
     queued request whose sampling settings and ``n`` equal the first one's (up to
-    ``max_batch`` prompts) into one ``generate`` call, so 8 concurrent chats cost about
+    ``max_batch`` prompts; requests for several adapters of a vLLM base share a call, the
+    base's own requests go in calls of their own) into one ``generate`` call, so 8 concurrent chats cost about
     one batched generate instead of 8 in a row. Requests with a ``seed`` run alone: their
     samples must not depend on which other requests shared the batch.
     """
@@ -58,9 +61,32 @@ class Loaded:
         self.queue: list[_Pending] = []
         self.queue_lock = threading.Lock()
         self.batches: list[int] = []  # prompts per backend call, for tests and benchmarks
+        self.retired: list[tuple[Any, str]] = []  # (adapter handle, its files): dropped before the next call
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams, n: int) -> list[list[Any]]:
-        mine = _Pending(prompts, params, n)
+    def add_adapter(self, name: str, path: str) -> Any:
+        with self.lock:  # the engine is not thread-safe: never while a batch runs
+            return self.backend.add_adapter(name, path)
+
+    def retire(self, adapter: Any, files: str) -> None:
+        """Drop an adapter from the engine before the next call (not now: the caller may be the GC,
+        running inside a batch that holds the lock)."""
+        with self.queue_lock:
+            self.retired.append((adapter, files))
+
+    def _drop_retired(self) -> None:
+        with self.queue_lock:
+            retired, self.retired = self.retired, []
+        for adapter, files in retired:
+            try:
+                self.backend.remove_adapter(adapter)
+            except Exception:  # noqa: BLE001 - the engine may be gone already
+                pass
+            shutil.rmtree(files, ignore_errors=True)
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, n: int,
+                 adapter: Any = None) -> list[list[Any]]:
+        """``adapter``: a handle from the backend's ``add_adapter`` (vLLM), or None for the base weights."""
+        mine = _Pending(prompts, params, n, adapter)
         with self.queue_lock:
             self.queue.append(mine)
         while not mine.done.is_set():
@@ -73,6 +99,8 @@ class Loaded:
         return mine.results
 
     def _run_batch(self) -> None:
+        if self.retired:
+            self._drop_retired()
         if self.batch_wait_s and len(self.queue) < self.max_batch:
             time.sleep(self.batch_wait_s)  # let requests that are on their way join this batch
         with self.queue_lock:
@@ -80,7 +108,10 @@ class Loaded:
                 return
             first, size, batch = self.queue[0], 0, []
             for p in list(self.queue):
-                same = p.params == first.params and p.n == first.n and first.params.seed is None
+                # base-only and adapter prompts never share a call: on vLLM's CPU build (0.32) a prompt
+                # without an adapter came out wrong when batched with adapter prompts (adapters mix fine)
+                same = (p.params == first.params and p.n == first.n and first.params.seed is None
+                        and (p.adapter is None) == (first.adapter is None))
                 if p is first or (same and size + len(p.prompts) <= self.max_batch):
                     batch.append(p)
                     size += len(p.prompts)
@@ -89,7 +120,12 @@ class Loaded:
                         break
         self.batches.append(size)
         try:
-            out = self.backend.generate([x for p in batch for x in p.prompts], first.params, first.n)
+            prompts = [x for p in batch for x in p.prompts]
+            if any(p.adapter is not None for p in batch):  # one engine call, an adapter per prompt
+                out = self.backend.generate(prompts, first.params, first.n,
+                                            adapters=[p.adapter for p in batch for _ in p.prompts])
+            else:
+                out = self.backend.generate(prompts, first.params, first.n)
             at = 0
             for p in batch:
                 p.results, at = out[at:at + len(p.prompts)], at + len(p.prompts)
@@ -116,6 +152,7 @@ class _Pending:
     prompts: list[list[int]]
     params: SamplingParams
     n: int
+    adapter: Any = None
     results: list[list[Any]] | None = None
     error: BaseException | None = None
     done: threading.Event = field(default_factory=threading.Event)
@@ -125,10 +162,33 @@ def _alone(backend: Any, p: _Pending, batch_error: BaseException) -> BaseExcepti
     """A batch failed (say one prompt was too long): rerun this request by itself, so one
     bad request cannot fail the others; returns its own error, or None with results set."""
     try:
-        p.results = backend.generate(p.prompts, p.params, p.n)
+        extra = {} if p.adapter is None else {"adapters": [p.adapter] * len(p.prompts)}
+        p.results = backend.generate(p.prompts, p.params, p.n, **extra)
         return None
     except BaseException as e:  # noqa: BLE001
         return e
+
+
+class Adapter:
+    """A LoRA checkpoint served on the base model's vLLM engine: generation goes through the
+    base's batcher (``Loaded``) with this adapter named per prompt, so requests for several
+    adapters share engine calls. Dropping it (Serve's LRU eviction) removes
+    the adapter from the engine and deletes its files."""
+
+    def __init__(self, base: Loaded, name: str, path: str, cleanup: str):
+        self.base, self.name, self.cleanup = base, name, cleanup
+        self.handle = base.add_adapter(name, path)
+        self.backend = base.backend  # for max_model_len / name, as a Loaded offers
+        self.removed = False
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, n: int) -> list[list[Any]]:
+        return self.base.generate(prompts, params, n, adapter=self.handle)
+
+    def __del__(self) -> None:  # Serve calls it on eviction, and the GC again later: once is enough
+        if getattr(self, "removed", True):
+            return
+        self.removed = True
+        self.base.retire(self.handle, self.cleanup)
 
 
 class ModelServer:
@@ -146,7 +206,10 @@ class ModelServer:
         self.path = resolve_model_path(model["path"], cache_dir)
         self.kwargs = {"dtype": model["dtype"], "max_model_len": model["max_model_len"],
                        "kv_cache_gb": model["kv_cache_gb"], "seed": 0}
-        self.base = Loaded(make_backend(model["backend"], self.path, **self.kwargs), model["name"],
+        # LoRA slots on a vLLM base engine: one per checkpoint the replica may hold
+        lora = {"max_lora_rank": int(model.get("max_lora_rank") or 0),
+                "max_loras": int(model.get("max_loaded_checkpoints") or 1)}
+        self.base = Loaded(make_backend(model["backend"], self.path, **self.kwargs, **lora), model["name"],
                            max_batch=model.get("max_batch", 32),
                            batch_wait_ms=model.get("batch_wait_ms", 0.0))
         self.tokenizer = load_tokenizer(self.path)
@@ -165,13 +228,12 @@ class ModelServer:
 
     # ------------------------------------------------------------------ checkpoints
 
-    def load_checkpoint(self, model_id: str) -> Loaded:
-        """``job-<id>:<step>`` -> a Loaded model (blocking; the deployment runs it off the event loop)."""
+    def load_checkpoint(self, model_id: str) -> Loaded | Adapter:
+        """``job-<id>:<step>`` -> a model to generate with (blocking; the deployment runs it off the event loop)."""
         import ray
 
         from otray.actors.checkpoint_store import unpack_dir
         from otray.actors.resource_manager import NAME, NAMESPACE
-        from otray.actors.rollout import make_backend
 
         job_id, _, step = model_id.removeprefix("job-").rpartition(":")
         try:
@@ -181,13 +243,31 @@ class ModelServer:
             raise APIError(404, f"model {model_id!r} could not be loaded: {e}", code="model_not_found") from None
         where = tempfile.mkdtemp(prefix=f"otray-serve-{job_id}-{step}-")
         model_dir = Path(unpack_dir(blob, Path(where) / "ckpt")) / "model"
+        model = self.open_checkpoint(model_dir, model_id, where)
+        self.loaded_ids.append(model_id)
+        return model
+
+    def open_checkpoint(self, model_dir: Path, model_id: str, cleanup: str) -> Loaded | Adapter:
+        """A checkpoint's ``model`` directory, unpacked under ``cleanup`` (deleted when it is dropped),
+        ready to generate: an adapter on the base engine where it can be, else a backend of its own."""
+        from otray.actors.rollout import make_backend
+
         if (model_dir / "adapter_config.json").exists():
-            backend = make_backend("hf", self._merge_adapter(model_dir, Path(where) / "merged"), **self.kwargs)
+            if self.serves_adapters(model_dir):
+                return Adapter(self.base, model_id, str(model_dir), cleanup)
+            backend = make_backend("hf", self._merge_adapter(model_dir, Path(cleanup) / "merged"), **self.kwargs)
         else:
             backend = make_backend(self.spec["backend"], str(model_dir), **self.kwargs)
-        self.loaded_ids.append(model_id)
-        return Loaded(backend, model_id, cleanup=where, max_batch=self.spec.get("max_batch", 32),
+        return Loaded(backend, model_id, cleanup=cleanup, max_batch=self.spec.get("max_batch", 32),
                       batch_wait_ms=self.spec.get("batch_wait_ms", 0.0))
+
+    def serves_adapters(self, adapter_dir: Path) -> bool:
+        """Whether the base engine can serve this adapter as is (vLLM with enough LoRA rank)."""
+        import json
+
+        slots = getattr(self.base.backend, "max_lora_rank", 0)
+        rank = int(json.loads((adapter_dir / "adapter_config.json").read_text()).get("r", 0))
+        return hasattr(self.base.backend, "add_adapter") and 0 < rank <= slots
 
     def _merge_adapter(self, adapter_dir: Path, out: Path) -> str:
         """A LoRA checkpoint as a full model: the base with the adapter merged in, saved under ``out``."""
@@ -212,7 +292,7 @@ class ModelServer:
         text, hit = apply_stop(self.tokenizer.decode(body, skip_special_tokens=True), stop)
         return text, "stop" if hit or finish is FinishReason.STOP else "length"
 
-    def complete(self, model: Loaded, job: Job) -> list[Choice]:
+    def complete(self, model: Loaded | Adapter, job: Job) -> list[Choice]:
         samples = model.generate([job.prompt_ids], job.params, job.n)[0]
         out = []
         for s in samples:
@@ -220,7 +300,7 @@ class ModelServer:
             out.append(Choice(text, reason, len(s.token_ids)))
         return out
 
-    async def stream(self, model: Loaded, job: Job) -> AsyncIterator[tuple[int, str, str | None, int]]:
+    async def stream(self, model: Loaded | Adapter, job: Job) -> AsyncIterator[tuple[int, str, str | None, int]]:
         """Yield ``(choice index, new text, finish_reason or None, tokens so far)`` as tokens arrive:
         all choices advance together, ``stream_chunk_tokens`` tokens per backend call."""
         ids: list[list[int]] = [[] for _ in range(job.n)]
@@ -257,10 +337,10 @@ def serve_class(max_loaded: int) -> type:
 
     class MultiplexedModelServer(ModelServer):
         @serve.multiplexed(max_num_models_per_replica=max_loaded)
-        async def checkpoint(self, model_id: str) -> Loaded:
+        async def checkpoint(self, model_id: str) -> Loaded | Adapter:
             return await asyncio.to_thread(self.load_checkpoint, model_id)
 
-        async def model(self) -> Loaded:
+        async def model(self) -> Loaded | Adapter:
             model_id = serve.get_multiplexed_model_id()
             return await self.checkpoint(model_id) if model_id else self.base
 

@@ -9,6 +9,11 @@ Weight sync, both without a shared filesystem:
 - LoRA: the adapter tensors are written to a worker-local temp directory and
   activated through a fresh ``LoRARequest`` (vLLM loads adapters from a path).
 
+Serving several adapters on one engine (``otray serve`` with ``max_lora_rank``):
+:meth:`VLLMBackend.add_adapter` registers a saved PEFT adapter directory, and
+``generate(..., adapters=[...])`` names one adapter (or None: the base) per prompt, so
+a single engine call can mix adapters (vLLM's multi-LoRA batching).
+
 The prefix cache is reset after every update so no stale KV is reused.
 Logprobs are vLLM's ``raw_logprobs`` (before temperature), matching the learner.
 """
@@ -52,14 +57,15 @@ class VLLMBackend:
 
     def __init__(self, model_path: str, *, dtype: str = "float32", max_model_len: int | None = None,
                  seed: int = 0, max_lora_rank: int = 0, kv_cache_gb: int = 1, max_num_seqs: int = 256,
-                 **_: Any):
+                 max_loras: int = 1, **_: Any):
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(kv_cache_gb))))
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         from vllm import LLM
 
         self.tokenizer = load_tokenizer(model_path)
         self.stop_token_ids = end_of_turn_ids(self.tokenizer)
-        lora = {"enable_lora": True, "max_lora_rank": _lora_rank_bucket(max_lora_rank), "max_loras": 1} \
+        self.max_lora_rank = _lora_rank_bucket(max_lora_rank) if max_lora_rank > 0 else 0
+        lora = {"enable_lora": True, "max_lora_rank": self.max_lora_rank, "max_loras": max(1, max_loras)} \
             if max_lora_rank > 0 else {}
         self.llm = LLM(model=model_path, dtype=dtype, max_model_len=max_model_len, seed=seed,
                        enforce_eager=True, max_num_seqs=max_num_seqs,
@@ -67,12 +73,37 @@ class VLLMBackend:
         self.max_model_len = self.llm.llm_engine.model_config.max_model_len
         self._lora_request = None
         self._lora_dir = Path(tempfile.mkdtemp(prefix="otray-lora-"))
+        self._next_adapter_id = 1 << 20  # served adapters' ids, apart from the policy's (version + 1)
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams, n: int) -> list[list[Sample]]:
+    def add_adapter(self, name: str, path: str) -> Any:
+        """Register the PEFT adapter saved in ``path``; returns the handle to pass in ``generate(adapters=...)``.
+        Raises ValueError when the engine has no LoRA slots or the adapter's rank is above them."""
+        from vllm.lora.request import LoRARequest
+
+        rank = int(json.loads((Path(path) / "adapter_config.json").read_text()).get("r", 0))
+        if not self.max_lora_rank or rank > self.max_lora_rank:
+            raise ValueError(f"adapter {name!r} has rank {rank}; this engine serves LoRA ranks up to "
+                             f"{self.max_lora_rank} (set max_lora_rank)")
+        self._next_adapter_id += 1
+        request = LoRARequest(name, self._next_adapter_id, str(path))
+        self.llm.llm_engine.add_lora(request)
+        return request
+
+    def remove_adapter(self, adapter: Any) -> None:
+        engine = getattr(self, "llm", None)
+        if engine is not None:
+            engine.llm_engine.remove_lora(adapter.lora_int_id)
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, n: int,
+                 adapters: list[Any] | None = None) -> list[list[Sample]]:
+        """``adapters``: one per prompt (an :meth:`add_adapter` handle, or None for the base weights);
+        by default every prompt uses the trained policy's adapter, if one was loaded."""
         from vllm import SamplingParams as VSP
         from vllm.inputs import TokensPrompt
 
         check_prompt_lengths(prompts, self.max_model_len)
+        if adapters is not None and len(adapters) != len(prompts):
+            raise ValueError(f"{len(adapters)} adapters for {len(prompts)} prompts")
         params = effective_params(params, self.stop_token_ids)
         outs = []
         # vLLM caps max_tokens by the context itself only with an error; cap per prompt here.
@@ -82,8 +113,9 @@ class VLLMBackend:
                      stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos,
                      skip_special_tokens=False,
                      detokenize=False)
+            lora = self._lora_request if adapters is None else [adapters[i] for i in idx]
             got = self.llm.generate([TokensPrompt(prompt_token_ids=prompts[i]) for i in idx], sp,
-                                    lora_request=self._lora_request, use_tqdm=False)
+                                    lora_request=lora, use_tqdm=False)
             outs.extend(zip(idx, got))
         result: list[list[Sample]] = [[] for _ in prompts]
         for i, out in outs:
