@@ -34,3 +34,56 @@ def ray_local():
              runtime_env={"env_vars": {"VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}})
     yield ray
     ray.shutdown()
+
+
+def kill_resource_manager() -> None:
+    """Kill the cluster's ResourceManager, if any, and wait until its name is free.
+
+    It is a detached actor: one a test leaves behind outlives the test, and the next
+    ``get_or_create`` would hand it (with its registry) to a test that asked for another.
+    """
+    import time
+
+    import ray
+
+    from otray.actors.resource_manager import NAME, NAMESPACE
+
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        try:
+            ray.kill(ray.get_actor(NAME, namespace=NAMESPACE))
+        except ValueError:
+            return
+        time.sleep(0.1)
+    raise AssertionError("the ResourceManager's name was not released 30 s after ray.kill")
+
+
+def fresh_resource_manager(db_path, **kwargs):
+    """A new ResourceManager on ``db_path`` (any earlier one killed first), ready for calls."""
+    import ray
+
+    from otray.actors.resource_manager import get_or_create
+
+    kill_resource_manager()
+    rm = get_or_create(str(db_path), **kwargs)
+    ray.get(rm.ping.remote())
+    return rm
+
+
+@pytest.fixture(autouse=True, scope="module")
+def no_resource_manager_left_behind(request):
+    """A test module that leaves a ResourceManager running fails here (and the manager is killed)."""
+    yield
+    import ray
+
+    from otray.actors.resource_manager import NAME, NAMESPACE
+
+    if not ray.is_initialized():
+        return
+    try:
+        ray.get_actor(NAME, namespace=NAMESPACE)
+    except ValueError:
+        return
+    kill_resource_manager()
+    pytest.fail(f"{request.module.__name__} left a ResourceManager running: kill it in the test's teardown "
+                "(tests.conftest.kill_resource_manager), or the next module's get_or_create hands it out")

@@ -10,6 +10,7 @@ import pytest
 
 from otray.actors.registry import AuthError
 from otray.types import ConfigError
+from tests.conftest import fresh_resource_manager, kill_resource_manager
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -31,11 +32,12 @@ def cluster(ray_local, tmp_path_factory):
     from otray.client import connect
 
     db = tmp_path_factory.mktemp("auth") / "registry.db"
+    fresh_resource_manager(db, auth_enabled=True)
     admin_client = connect(db_path=str(db), auth_enabled=True)
     admin_key = admin_client.add_user("root")  # the first user becomes an admin
     admin_client.api_key = admin_key
     yield admin_client, db
-    ray_local.kill(ray_local.get_actor("resource_manager", namespace="otray"))
+    kill_resource_manager()
 
 
 def test_submit_wait_metrics_and_ownership(cluster, tmp_path, tiny_path):

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from otray import config
+from tests.conftest import fresh_resource_manager, kill_resource_manager
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_GAME = ["algo.steps=1", "algo.batch_size=2", "game.num_rollouts=2", "game.eval_games=4", "sft.steps=1",
@@ -101,9 +102,7 @@ def test_frozen_opponent_by_job_id_through_the_resource_manager(ray_local, tmp_p
 
     import ray
 
-    from otray.actors.resource_manager import get_or_create
-
-    rm = get_or_create(str(tmp_path / "registry.db"))
+    rm = fresh_resource_manager(tmp_path / "registry.db")
     try:
         base = config.to_dict(config.load(ROOT / "conf" / "tictactoe_vs_random.yaml",
                                           TINY_GAME + [f"job.output_dir={tmp_path}/runs", f"model.path={tiny_path}"]))
@@ -131,12 +130,21 @@ def test_frozen_opponent_by_job_id_through_the_resource_manager(ray_local, tmp_p
         with pytest.raises(Exception, match="does not name"):
             ray.get(rm.ref_blob.remote(job_id, f"{first}:0"))
     finally:
-        ray.kill(rm)
+        kill_resource_manager()
 
 
-def test_otray_infer_runs_the_training_env_code(ray_local, tmp_path, ttt_checkpoint):
+def test_otray_infer_runs_the_training_env_code(ray_local, tmp_path, ttt_checkpoint, monkeypatch):
     """``otray infer`` submits an inference job to the ResourceManager (leased like a training job),
     which runs the training env code and keeps its rows for the submitter."""
+    monkeypatch.setenv("OTRAY_DB", str(tmp_path / "registry.db"))  # the CLI's ResourceManager: this test's own
+    fresh_resource_manager(tmp_path / "registry.db")
+    try:
+        _infer_through_the_cli(ray_local, tmp_path, ttt_checkpoint)
+    finally:
+        kill_resource_manager()
+
+
+def _infer_through_the_cli(ray_local, tmp_path, ttt_checkpoint):
     from otray.cli import main
     from otray.client import connect
 

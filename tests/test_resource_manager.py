@@ -5,6 +5,7 @@ import time
 import pytest
 
 from otray.types import ConfigError
+from tests.conftest import fresh_resource_manager, kill_resource_manager
 
 
 def _job(tmp_path, tiny_path, **resources):
@@ -47,13 +48,10 @@ def _pg_state(ray, pg_id):
 
 @pytest.fixture(scope="module")
 def rm(ray_local, tmp_path_factory):
-    from otray.actors.resource_manager import get_or_create
-
     db = tmp_path_factory.mktemp("rm") / "registry.db"
-    handle = get_or_create(str(db))
-    ray_local.get(handle.ping.remote())
+    handle = fresh_resource_manager(db)
     yield handle, db
-    ray_local.kill(ray_local.get_actor("resource_manager", namespace="otray"))
+    kill_resource_manager()
 
 
 def test_submit_runs_to_success_and_frees_the_lease(rm, ray_local, tmp_path, tiny_path):
@@ -110,8 +108,7 @@ def test_restarted_manager_recovers_the_registry(rm, ray_local):
     handle, db = rm
     before = {j["id"]: j["state"] for j in ray_local.get(handle.jobs.remote())}
     assert before
-    ray_local.kill(handle)
-    time.sleep(1)
+    kill_resource_manager()
     again = get_or_create(str(db))
     after = {j["id"]: j["state"] for j in ray_local.get(again.jobs.remote())}
     assert after == before

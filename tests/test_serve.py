@@ -6,6 +6,7 @@ import time
 from pathlib import Path
 
 import pytest
+from tests.conftest import fresh_resource_manager, kill_resource_manager
 
 ROOT = Path(__file__).resolve().parents[1]
 PORT = 8461
@@ -27,11 +28,10 @@ def served(ray_local, tmp_path_factory, tiny_path):
     from ray import serve
 
     from otray import config
-    from otray.actors.resource_manager import get_or_create
     from otray.serve.app import run
 
     tmp = tmp_path_factory.mktemp("serve")
-    rm = get_or_create(str(tmp / "registry.db"), auth_enabled=True)
+    rm = fresh_resource_manager(tmp / "registry.db", auth_enabled=True)
     alice = ray_local.get(rm.add_user.remote("alice"))
     bob = ray_local.get(rm.add_user.remote("bob", False, alice))
     job_cfg = config.to_dict(config.load(ROOT / "conf" / "arithmetic_grpo.yaml", [
@@ -48,7 +48,7 @@ def served(ray_local, tmp_path_factory, tiny_path):
     run(cfg)
     yield {"alice": alice, "bob": bob, "job": job_id}
     serve.shutdown()
-    ray_local.kill(rm)
+    kill_resource_manager()
 
 
 def _client(key):
