@@ -10,11 +10,13 @@ clients, three ways, alternating per concurrency level:
 - over HTTP: threads with their own ``httpx`` client posting ``/v1/chat/completions`` to
   the Serve app (one ModelServer replica with the same torch threads, the same batcher).
 
-Reports requests/s and p50/p99 latency for each and the p50 overhead of HTTP against each
-in-process way (HTTP / in-process - 1; target <= 30% at concurrency 8, judged against the
-batched way, which runs the same generate calls); saves ``benchmarks/results/serve.json``.
+Each concurrency level is measured ``--rounds`` times (the three ways in turn each round);
+reports the median over rounds of requests/s and p50/p99 latency for each way, and the
+p50 overhead of HTTP against the batched way per round and its median (HTTP / batched - 1;
+target <= 30% at concurrency 8: the batched way runs the same generate calls); saves
+``benchmarks/results/serve.json``.
 
-    python benchmarks/serve.py [--requests 64] [--port 8471]
+    python benchmarks/serve.py [--requests 64] [--rounds 3] [--port 8471]
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -58,11 +61,26 @@ def measure(call, concurrency: int, n: int) -> dict[str, float]:
     return {"requests_per_s": n / wall, "p50_s": statistics.median(latencies), "p99_s": percentile(latencies, 0.99)}
 
 
+def summarize(concurrency: int, rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """One concurrency level over all rounds: the median of each figure, and each round's overhead."""
+    def med(way: str) -> dict[str, float]:
+        return {k: statistics.median(r[way][k] for r in rounds) for k in rounds[0][way]}
+
+    a, b, h = med("in_process"), med("in_process_batched"), med("http")
+    overheads = [r["p50_overhead"] for r in rounds]
+    return {"concurrency": concurrency, "in_process": a, "in_process_batched": b, "http": h,
+            "p50_overhead": statistics.median(overheads), "p50_overhead_rounds": overheads,
+            "p50_overhead_vs_one_at_a_time": h["p50_s"] / a["p50_s"] - 1,
+            "throughput_ratio": h["requests_per_s"] / b["requests_per_s"]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--requests", type=int, default=64, help="requests per measurement")
+    ap.add_argument("--rounds", type=int, default=3, help="each concurrency level is measured this many times, "
+                                                           "the three ways in turn; figures are medians over rounds")
     ap.add_argument("--port", type=int, default=8471)
-    ap.add_argument("--batch-wait-ms", type=float, default=0.0, help="the replica's batch_wait_ms")
+    ap.add_argument("--batch-wait-ms", type=float, default=50.0, help="the replica's batch_wait_ms (serve config default 50)")
     args = ap.parse_args()
 
     import httpx
@@ -82,7 +100,7 @@ def main() -> None:
     tok, backend, lock = load_tokenizer(tiny), HFBackend(tiny, max_model_len=512), threading.Lock()
     params = SamplingParams(max_tokens=16, temperature=0.0)
 
-    batcher = Loaded(backend, "tiny")
+    batcher = Loaded(backend, "tiny", batch_wait_ms=args.batch_wait_ms)  # the replica's batcher, same settings
 
     def in_process(i: int) -> None:
         ids = chat_prompt_ids(tok, messages(i))
@@ -99,6 +117,7 @@ def main() -> None:
                                                             "replica_cpus": 1, "max_ongoing_requests": 64,
                                                             "batch_wait_ms": args.batch_wait_ms}]})
     run(cfg)
+    replica = serve.get_deployment_handle("model-tiny", app_name="otray")
     local = threading.local()
 
     def over_http(i: int) -> None:
@@ -110,26 +129,33 @@ def main() -> None:
 
     for call in (in_process, in_process_batched, over_http):  # warm-up
         measure(call, 4, 8)
-    rows = []
+    runs: dict[int, list[dict[str, Any]]] = {c: [] for c in (1, 8, 32)}
     try:
-        for concurrency in (1, 8, 32):
-            direct = measure(in_process, concurrency, args.requests)
-            batched = measure(in_process_batched, concurrency, args.requests)
-            http = measure(over_http, concurrency, args.requests)
-            rows.append({"concurrency": concurrency, "in_process": direct, "in_process_batched": batched,
-                         "http": http, "p50_overhead": http["p50_s"] / batched["p50_s"] - 1,
-                         "p50_overhead_vs_one_at_a_time": http["p50_s"] / direct["p50_s"] - 1,
-                         "throughput_ratio": http["requests_per_s"] / batched["requests_per_s"]})
+        for _ in range(args.rounds):  # rounds: this VM's noise moves one cell 2x between runs
+            for concurrency in runs:
+                direct = measure(in_process, concurrency, args.requests)
+                calls = batcher.calls
+                batched = measure(in_process_batched, concurrency, args.requests)
+                batched["prompts_per_call"] = args.requests / (batcher.calls - calls)
+                calls = replica.info.remote().result()["calls"]
+                http = measure(over_http, concurrency, args.requests)
+                http["prompts_per_call"] = args.requests / (replica.info.remote().result()["calls"] - calls)
+                runs[concurrency].append({"in_process": direct, "in_process_batched": batched, "http": http,
+                                          "p50_overhead": http["p50_s"] / batched["p50_s"] - 1})
     finally:
         serve.shutdown()
         ray.shutdown()
+    rows = [summarize(concurrency, r) for concurrency, r in runs.items()]
     print(f"{'clients':>7} {'req/s: one-at-a-time':>20} {'batched':>8} {'http':>6}   "
-          f"{'p50: one-at-a-time':>18} {'batched':>8} {'http':>8} {'http p99':>9}   {'p50 overhead vs batched':>23}")
+          f"{'p50: one-at-a-time':>18} {'batched':>8} {'http':>8} {'http p99':>9}   "
+          f"{'prompts/call: batched':>21} {'http':>5}   {'p50 overhead vs batched: median (each round)':>44}")
     for r in rows:
         a, b, h = r["in_process"], r["in_process_batched"], r["http"]
+        each = " ".join(f"{x:.0%}" for x in r["p50_overhead_rounds"])
         print(f"{r['concurrency']:7d} {a['requests_per_s']:20.1f} {b['requests_per_s']:8.1f} {h['requests_per_s']:6.1f}   "
               f"{a['p50_s'] * 1000:16.1f}ms {b['p50_s'] * 1000:6.1f}ms {h['p50_s'] * 1000:6.1f}ms "
-              f"{h['p99_s'] * 1000:7.1f}ms   {r['p50_overhead']:23.1%}")
+              f"{h['p99_s'] * 1000:7.1f}ms   {b['prompts_per_call']:21.1f} {h['prompts_per_call']:5.1f}   "
+              f"{r['p50_overhead']:10.1%} ({each})")
     RESULTS.mkdir(exist_ok=True)
     out = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform()}, "args": vars(args),
            "model": "tiny (HF backend, greedy, max_tokens 16)", "rows": rows, "target_p50_overhead_at_8": 0.30}

@@ -115,4 +115,43 @@ def test_dynamic_batching_shares_calls_and_keeps_answers(tiny_path, tokenizer):
     model.lock.release()
     for t in threads:
         t.join(60)
-    assert model.batches == [1, 1, 1]
+    assert list(model.batches) == [1, 1, 1]
+
+
+def test_batch_wait_gathers_the_recent_load_and_a_lone_client_does_not_wait(tiny_path, tokenizer):
+    import threading
+    import time
+
+    from otray.actors.backends.hf import HFBackend
+    from otray.models import chat_prompt_ids
+    from otray.serve.model_server import Loaded
+    from otray.types import SamplingParams
+
+    greedy = SamplingParams(max_tokens=4, temperature=0.0)
+    prompts = [chat_prompt_ids(tokenizer, [{"role": "user", "content": f"What is {i}+{i}?"}]) for i in range(4)]
+    backend = HFBackend(tiny_path, max_model_len=128)
+    lone = Loaded(backend, "tiny", batch_wait_ms=1000)
+    t0 = time.perf_counter()
+    for p in prompts:  # one client, one request at a time: its load is 1, it never waits the second
+        lone.generate([p], greedy, 1)
+    assert time.perf_counter() - t0 < 1.0 and list(lone.batches) == [1, 1, 1, 1]
+
+    model = Loaded(backend, "tiny", batch_wait_ms=1000)
+
+    def clients(delay):
+        threads = [threading.Thread(target=lambda i=i: (time.sleep(i * delay), model.generate([prompts[i]], greedy, 1)))
+                   for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+
+    model.lock.acquire()  # four clients at once: one call of 4, and a load of 4 remembered
+    threading.Timer(0.3, model.lock.release).start()
+    clients(0.0)
+    assert list(model.batches) == [4]
+    model.batches.clear()
+    t0 = time.perf_counter()
+    clients(0.1)  # they come back 100 ms apart: the call waits for the fourth, not the whole second
+    assert list(model.batches) == [4]
+    assert time.perf_counter() - t0 < 0.95
