@@ -135,10 +135,14 @@ def test_export_loads_in_transformers_and_peft(tiny_path, tmp_path):
 
 
 @pytest.mark.parametrize("rank", [0, 4])
-def test_colocated_sampler_samples_from_the_weights_being_trained(tiny_path, rank):
+def test_colocated_sampler_samples_from_the_weights_being_trained(tiny_path, rank, monkeypatch):
     """rollout.colocate: the learner's generate uses the model it trains, so after an optimizer step
-    the sampler's logprobs are the learner's new logprobs (no stale copy), tagged with the new version."""
+    the sampler's logprobs are the learner's new logprobs (no stale copy: the packed sampling
+    weights are rebuilt after the fused AdamW step), tagged with the new version."""
+    from otray.actors.backends import packed
     from otray.types import SamplingParams
+
+    monkeypatch.setattr(packed, "MIN_ELEMENTS", 0)  # pack the tiny model's layers too
 
     learner = PolicyLearner(tiny_path, lora={"rank": rank, "alpha": 32})
     info = learner.start_sampler(max_model_len=64)

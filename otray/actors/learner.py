@@ -207,7 +207,8 @@ class PolicyLearner:
         from otray.actors.backends.hf import HFBackend
 
         self.sampler = HFBackend.on_model(self.model, load_tokenizer(self.model_path),
-                                          max_model_len=max_model_len, max_batch=max_batch)
+                                          max_model_len=max_model_len, max_batch=max_batch,
+                                          weights_version=lambda: self.version)
         return {"backend": "hf-colocated", "max_model_len": self.sampler.max_model_len,
                 "stop_token_ids": list(self.sampler.stop_token_ids), "policy_version": self.version,
                 "node_id": current_node_id()}

@@ -2,16 +2,20 @@
 
 Prompts are left-padded into batches of at most ``max_batch`` rows. Logprobs come
 from the raw logits of each step (before temperature / top-p processing), i.e.
-the temperature-1 distribution the learner also computes.
+the temperature-1 distribution the learner also computes. On CPU the linear layers
+sample through oneDNN's prepacked kernels (``packed.py``; ``packed_linears=False`` turns
+that off).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from contextlib import nullcontext
+from typing import Any, Callable
 
 import torch
 
 from otray.actors.backends.base import check_prompt_lengths, effective_params
+from otray.actors.backends.packed import PackedLinears
 from otray.models import end_of_turn_ids, load_model, load_tokenizer
 from otray.types import FinishReason, Sample, SamplingParams
 
@@ -20,20 +24,24 @@ class HFBackend:
     name = "hf"
 
     def __init__(self, model_path: str, *, dtype: str = "float32", max_model_len: int | None = None,
-                 max_batch: int = 256, seed: int = 0, **_: Any):
+                 max_batch: int = 256, seed: int = 0, packed_linears: bool = True, **_: Any):
         torch.manual_seed(seed)  # sampling without a per-call seed draws from this process's RNG
-        self._attach(load_model(model_path, dtype).eval(), load_tokenizer(model_path), max_model_len, max_batch)
+        self._attach(load_model(model_path, dtype).eval(), load_tokenizer(model_path), max_model_len, max_batch,
+                     packed_linears)
 
     @classmethod
     def on_model(cls, model: Any, tokenizer: Any, *, max_model_len: int | None = None,
-                 max_batch: int = 256) -> "HFBackend":
+                 max_batch: int = 256, packed_linears: bool = True,
+                 weights_version: Callable[[], Any] | None = None) -> "HFBackend":
         """A backend that samples from ``model`` as it is (a learner's model, trained in place):
-        nothing is loaded or copied, and the process's RNG is left alone."""
+        nothing is loaded or copied (but the packed sampling weights, rebuilt whenever
+        ``weights_version()`` changes), and the process's RNG is left alone."""
         backend = cls.__new__(cls)
-        backend._attach(model, tokenizer, max_model_len, max_batch)
+        backend._attach(model, tokenizer, max_model_len, max_batch, packed_linears, weights_version)
         return backend
 
-    def _attach(self, model: Any, tokenizer: Any, max_model_len: int | None, max_batch: int) -> None:
+    def _attach(self, model: Any, tokenizer: Any, max_model_len: int | None, max_batch: int,
+                packed_linears: bool, weights_version: Callable[[], Any] | None = None) -> None:
         self.tokenizer = tokenizer
         self.model = model
         self.base_model = self.model
@@ -41,6 +49,7 @@ class HFBackend:
         self.max_batch = max_batch
         self.stop_token_ids = end_of_turn_ids(self.tokenizer)
         self.pad_id = self.tokenizer.pad_token_id
+        self.packed = PackedLinears(weights_version) if packed_linears else None
 
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], params: SamplingParams, n: int) -> list[list[Sample]]:
@@ -67,10 +76,11 @@ class HFBackend:
             "top_k": params.top_k if params.top_k > 0 else 0}
         if params.ignore_eos:
             sampling["min_new_tokens"] = budget
-        out = self.model.generate(
-            input_ids=ids, attention_mask=attn, max_new_tokens=budget,
-            eos_token_id=list(params.stop_token_ids or self.stop_token_ids), pad_token_id=self.pad_id,
-            return_dict_in_generate=True, output_logits=True, **sampling)
+        with self.packed.active(self.model) if self.packed else nullcontext():
+            out = self.model.generate(
+                input_ids=ids, attention_mask=attn, max_new_tokens=budget,
+                eos_token_id=list(params.stop_token_ids or self.stop_token_ids), pad_token_id=self.pad_id,
+                return_dict_in_generate=True, output_logits=True, **sampling)
         new = out.sequences[:, width:]
         logps = torch.stack(out.logits, dim=1).float().log_softmax(-1)
         chosen = logps.gather(-1, new.unsqueeze(-1)).squeeze(-1)
@@ -98,6 +108,11 @@ class HFBackend:
         missing, unexpected = self.model.load_state_dict(tensors, strict=False)
         if unexpected or [k for k in missing if not k.endswith("lm_head.weight")]:
             raise ValueError(f"weight update does not match the model: missing={missing[:5]} unexpected={unexpected[:5]}")
+        self._weights_changed()
+
+    def _weights_changed(self) -> None:
+        if self.packed:
+            self.packed.invalidate()
 
     def load_lora(self, tensors: dict[str, Any], lora_config: dict[str, Any], version: int) -> None:
         from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
@@ -106,3 +121,4 @@ class HFBackend:
             config = LoraConfig(**{k: v for k, v in lora_config.items() if k in LoraConfig.__dataclass_fields__})
             self.model = get_peft_model(self.base_model, config).eval()
         set_peft_model_state_dict(self.model, tensors)
+        self._weights_changed()
