@@ -8,7 +8,9 @@ clients, three ways, alternating per concurrency level:
 - in-process, batched: the same threads through ``Loaded``, the replica's dynamic
   batcher (concurrent requests with equal settings share one ``generate`` call);
 - over HTTP: threads with their own ``httpx`` client posting ``/v1/chat/completions`` to
-  the Serve app (one ModelServer replica with the same torch threads, the same batcher).
+  the Serve app (``--layout``: by default the one replica that routes and generates,
+  ``split`` a Gateway in front of a ModelServer replica; the same torch threads, the same
+  batcher).
 
 Each concurrency level is measured ``--rounds`` times (the three ways in turn each round);
 reports the median over rounds of requests/s and p50/p99 latency for each way, and the
@@ -16,7 +18,7 @@ p50 overhead of HTTP against the batched way per round and its median (HTTP / ba
 target <= 30% at concurrency 8: the batched way runs the same generate calls); saves
 ``benchmarks/results/serve.json``.
 
-    python benchmarks/serve.py [--requests 64] [--rounds 3] [--port 8471]
+    python benchmarks/serve.py [--requests 64] [--rounds 3] [--port 8471] [--layout auto|single|split]
 """
 
 from __future__ import annotations
@@ -81,6 +83,8 @@ def main() -> None:
                                                            "the three ways in turn; figures are medians over rounds")
     ap.add_argument("--port", type=int, default=8471)
     ap.add_argument("--batch-wait-ms", type=float, default=50.0, help="the replica's batch_wait_ms (serve config default 50)")
+    ap.add_argument("--layout", choices=("auto", "single", "split"), default="auto",
+                    help="the serve config's layout (auto = single here: one base model)")
     args = ap.parse_args()
 
     import httpx
@@ -115,9 +119,13 @@ def main() -> None:
     ray.init(num_cpus=THREADS + 1, include_dashboard=False, log_to_driver=False)
     cfg = config.load_serve({"port": args.port, "models": [{"name": "tiny", "path": tiny, "num_threads": THREADS,
                                                             "replica_cpus": 1, "max_ongoing_requests": 64,
-                                                            "batch_wait_ms": args.batch_wait_ms}]})
+                                                            "batch_wait_ms": args.batch_wait_ms}],
+                            "layout": args.layout})
     run(cfg)
-    replica = serve.get_deployment_handle("model-tiny", app_name="otray")
+    gateway = serve.get_deployment_handle("Gateway", app_name="otray")
+
+    def replica_calls() -> int:
+        return gateway.model_info.remote("tiny").result()["calls"]
     local = threading.local()
 
     def over_http(i: int) -> None:
@@ -137,9 +145,9 @@ def main() -> None:
                 calls = batcher.calls
                 batched = measure(in_process_batched, concurrency, args.requests)
                 batched["prompts_per_call"] = args.requests / (batcher.calls - calls)
-                calls = replica.info.remote().result()["calls"]
+                calls = replica_calls()
                 http = measure(over_http, concurrency, args.requests)
-                http["prompts_per_call"] = args.requests / (replica.info.remote().result()["calls"] - calls)
+                http["prompts_per_call"] = args.requests / (replica_calls() - calls)
                 runs[concurrency].append({"in_process": direct, "in_process_batched": batched, "http": http,
                                           "p50_overhead": http["p50_s"] / batched["p50_s"] - 1})
     finally:

@@ -517,17 +517,25 @@ class ServeConfig:
     stream_chunk_tokens: int = 4  # tokens generated per streamed step
     max_ongoing_requests: int = 256  # requests the Gateway holds at once (Serve's default, 5, would cap batching)
     cache_dir: str = ".cache/models"
+    # split: a Gateway deployment calling one ModelServer deployment per base model; single:
+    # the Gateway holds the one base model and generates in process (one hop less per
+    # request); auto: single when one base model is configured
+    layout: str = "auto"
 
 
 def load_serve(source: str | Path | dict[str, Any] | ServeConfig | None = None,
                overrides: list[str] | None = None) -> ServeConfig:
     cfg = _load_structured(source if source is not None else {}, overrides, ServeConfig)
     one_of(cfg.auth, ("auto", "on", "off"), "auth")
+    one_of(cfg.layout, ("auto", "single", "split"), "layout")
     if not cfg.models:
         raise ConfigError("models is empty: list at least one base model to serve")
     names = [m.name for m in cfg.models]
     if len(set(names)) != len(names) or any(n.startswith("job-") for n in names):
         raise ConfigError(f"model names must be unique and not start with 'job-' (checkpoint names); got {names}")
+    if cfg.layout == "single" and len(cfg.models) > 1:
+        raise ConfigError(f"layout: single serves one base model in the Gateway; {len(cfg.models)} are configured "
+                          f"({', '.join(names)}): use layout: split (or auto)")
     for i, m in enumerate(cfg.models):
         one_of(m.backend, ("auto", "vllm", "hf"), f"models[{i}].backend")
         if m.max_loaded_checkpoints < 1 or m.num_replicas < 1:

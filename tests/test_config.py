@@ -106,3 +106,16 @@ def test_serve_lora_settings():
     with pytest.raises(ConfigError, match=r"max_lora_rank must be >= 0"):
         config.load_serve({"models": [{"name": "m", "backend": "vllm", "max_lora_rank": -1}]})
     assert config.load_serve({"models": [{"name": "m", "backend": "vllm", "max_lora_rank": 16}]}).models[0].max_lora_rank == 16
+
+
+def test_serve_layout():
+    from otray.serve.app import single_layout
+
+    two = [{"name": "a"}, {"name": "b"}]
+    with pytest.raises(ConfigError, match=r"layout: single serves one base model.*a, b.*layout: split"):
+        config.load_serve({"models": two, "layout": "single"})
+    with pytest.raises(ConfigError, match=r"layout"):
+        config.load_serve({"layout": "merged"})
+    assert single_layout(config.load_serve({}))
+    assert not single_layout(config.load_serve({"models": two}))
+    assert not single_layout(config.load_serve({"layout": "split"}))

@@ -193,3 +193,38 @@ def test_dashboard_in_headless_chromium(served, ray_local, tmp_path, tiny_path):
         browser.close()
     assert problems == [], problems
     assert (ROOT / ".cache" / "screenshots" / "dashboard.png").stat().st_size > 10_000
+
+
+def _answers(key, job):
+    """Greedy answers of the base model and of the job's checkpoint, complete and streamed."""
+    client, prompt = _client(key), [{"role": "user", "content": "What is 31+27?"}]
+    out = {}
+    for model in ("tiny", f"job-{job}"):
+        done = client.chat.completions.create(model=model, messages=prompt, max_tokens=8, temperature=0)
+        stream = client.chat.completions.create(model=model, messages=prompt, max_tokens=8, temperature=0, stream=True)
+        out[model] = (done.choices[0].message.content, "".join(c.choices[0].delta.content or "" for c in stream))
+    return out
+
+
+def test_split_and_single_layouts_answer_alike(served, tiny_path):
+    """layout: single (the default with one base model: the Gateway generates in process) and
+    layout: split (Gateway -> ModelServer deployment, checkpoints multiplexed by Serve) give the
+    same greedy answers, complete and streamed, for the base model and a checkpoint."""
+    from ray import serve
+
+    from otray import config
+    from otray.serve.app import run
+
+    def deploy(layout):
+        run(config.load_serve({"port": PORT, "request_timeout_s": 60, "max_n": 4, "max_tokens": 64, "layout": layout,
+                               "models": [{"name": "tiny", "path": tiny_path, "max_loaded_checkpoints": 1}]}))
+        return {d for d in serve.status().applications["otray"].deployments}
+
+    assert deploy("auto") == {"Gateway"}  # what the module's other tests ran against
+    single = _answers(served["alice"], served["job"])
+    assert deploy("split") == {"Gateway", "model-tiny"}
+    split = _answers(served["alice"], served["job"])
+    assert split == single
+    assert single["tiny"][0] != single[f"job-{served['job']}"][0]
+    for complete, streamed in single.values():
+        assert complete == streamed

@@ -4,9 +4,15 @@ Routes: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completion
 (``stream: true`` gives server-sent events ending in ``data: [DONE]``), ``GET /health``.
 The ``Gateway`` deployment (FastAPI ingress) checks the Bearer key against the
 ResourceManager's registry when auth is on, validates the request
-(:mod:`otray.serve.openai_api`), tokenizes it, resolves the model name and calls the
-base model's ``ModelServer`` deployment with the checkpoint as Serve's multiplexed
-model id. Every client mistake is a 4xx with OpenAI's error body; a request that takes
+(:mod:`otray.serve.openai_api`), tokenizes it, resolves the model name and generates.
+
+Two layouts (``layout`` in the serve config). ``split``: the Gateway calls the base
+model's ``ModelServer`` deployment, with the checkpoint as Serve's multiplexed model id
+(checkpoint requests are routed to the replica that holds it). ``single``: the Gateway
+replica holds the one base model's ``ModelServer`` itself and generates in process, with
+its own least-recently-used checkpoint cache; one actor hop less per request, which on a
+small CPU machine is CPU that generation gets back (``benchmarks/serve.py``). ``auto``
+(the default): ``single`` when one base model is configured. Every client mistake is a 4xx with OpenAI's error body; a request that takes
 longer than ``request_timeout_s`` gets a 504 instead of hanging.
 
 Model names: a base model's ``name`` from the serve config, ``job-<id>`` (the job's
@@ -16,6 +22,7 @@ latest checkpoint) or ``job-<id>:<step>``; a caller sees only their own jobs (ad
 from __future__ import annotations
 
 import asyncio
+import collections
 import hashlib
 import json
 import re
@@ -42,7 +49,10 @@ class Gateway(DashboardRoutes):
         from otray.models import load_tokenizer, resolve_model_path
 
         self.cfg: ServeConfig = config_mod.load_serve(cfg)
-        self.servers = servers  # base model name -> DeploymentHandle
+        self.servers = servers  # base model name -> DeploymentHandle, or None: served in this replica
+        self.local = {m.name: local_server(m, self.cfg) for m in self.cfg.models if servers.get(m.name, 0) is None}
+        self.checkpoints: dict[str, collections.OrderedDict[str, asyncio.Task]] = {
+            name: collections.OrderedDict() for name in self.local}  # in-process layout: least recently used first
         self.limits = Limits(self.cfg.max_tokens, self.cfg.max_n, self.cfg.max_prompt_tokens)
         self.models = {m.name: m for m in self.cfg.models}
         self.paths = {m.name: resolve_model_path(m.path, self.cfg.cache_dir) for m in self.cfg.models}
@@ -156,7 +166,7 @@ class Gateway(DashboardRoutes):
         if not ids:
             raise APIError(400, "the prompt is empty", param="prompt")
         if base not in self.context:
-            self.context[base] = (await self.servers[base].info.remote())["max_model_len"]
+            self.context[base] = (await self.model_info(base))["max_model_len"]
         room = self.context[base]
         if len(ids) > self.cfg.max_prompt_tokens or len(ids) + req.max_tokens > room:
             raise APIError(400, f"the prompt has {len(ids)} tokens and asks for max_tokens={req.max_tokens}, but "
@@ -174,11 +184,11 @@ class Gateway(DashboardRoutes):
         ids = await self._prompt_ids(req, base)
         params = SamplingParams(max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p, seed=req.seed)
         job = Job(ids, params, req.n, req.stop)
-        handle = self.servers[base].options(multiplexed_model_id=mux) if mux else self.servers[base]
         if req.stream:
-            return StreamingResponse(self._stream(handle, req, job), media_type="text/event-stream")
+            return StreamingResponse(self._stream(self._token_stream(base, mux, job), req, job),
+                                     media_type="text/event-stream")
         try:
-            choices = await asyncio.wait_for(handle.generate.remote(job), self.cfg.request_timeout_s)
+            choices = await asyncio.wait_for(self._complete(base, mux, job), self.cfg.request_timeout_s)
         except asyncio.TimeoutError:
             raise APIError(504, f"no answer within request_timeout_s={self.cfg.request_timeout_s}", type="timeout") from None
         except APIError:
@@ -187,10 +197,52 @@ class Gateway(DashboardRoutes):
             raise _unwrap(e) from None
         return response_body(req, choices, len(ids))
 
-    async def _stream(self, handle: Any, req: GenerationRequest, job: Any):
+    # ------------------------------------------------------------------ generation, in either layout
+
+    async def model_info(self, base: str) -> dict[str, Any]:
+        """What the base model's replica reports (``ModelServer.info``), in either layout; for
+        benchmarks and operators through a deployment handle, not an HTTP route."""
+        return self.local[base].info() if base in self.local else await self.servers[base].info.remote()
+
+    def _handle(self, base: str, mux: str) -> Any:
+        return self.servers[base].options(multiplexed_model_id=mux) if mux else self.servers[base]
+
+    async def _checkpoint(self, base: str, mux: str) -> Any:
+        """In-process layout: the base model, or checkpoint ``mux`` (loaded once, least recently used dropped)."""
+        server, cache = self.local[base], self.checkpoints[base]
+        if not mux:
+            return server.base
+        task = cache.pop(mux, None)
+        if task is None:
+            task = asyncio.ensure_future(asyncio.to_thread(server.load_checkpoint, mux))
+        cache[mux] = task
+        while len(cache) > server.spec["max_loaded_checkpoints"]:
+            cache.popitem(last=False)  # requests still using it hold it; its files go when they finish
+        try:
+            return await asyncio.shield(task)
+        except BaseException:
+            if cache.get(mux) is task and task.done():
+                del cache[mux]  # a failed load is not cached
+            raise
+
+    async def _complete(self, base: str, mux: str, job: Any) -> Any:
+        if base in self.local:
+            server = self.local[base]
+            return await server.in_thread(server.complete, await self._checkpoint(base, mux), job)
+        return await self._handle(base, mux).generate.remote(job)
+
+    async def _token_stream(self, base: str, mux: str, job: Any):
+        if base in self.local:
+            server = self.local[base]
+            async for item in server.stream(await self._checkpoint(base, mux), job):
+                yield item
+        else:
+            async for item in self._handle(base, mux).options(stream=True).generate_stream.remote(job):
+                yield item
+
+    async def _stream(self, gen: Any, req: GenerationRequest, job: Any):
         rid, created, first = new_id(req.chat), int(time.time()), set()
         tokens: dict[int, int] = {}
-        gen = handle.options(stream=True).generate_stream.remote(job)
         try:
             while True:
                 try:
@@ -223,18 +275,38 @@ def _unwrap(e: BaseException) -> APIError:
     return APIError(500, f"the model server failed: {first[:500]}", type="server_error")
 
 
+def local_server(m: Any, cfg: ServeConfig) -> Any:
+    """The single layout: base model ``m``'s ModelServer inside the Gateway replica."""
+    from otray.serve.model_server import ModelServer
+
+    return ModelServer(to_dict_model(m), cfg.cache_dir, cfg.stream_chunk_tokens)
+
+
+def single_layout(cfg: ServeConfig) -> bool:
+    return cfg.layout == "single" or (cfg.layout == "auto" and len(cfg.models) == 1)
+
+
+def _replica_options(m: Any) -> dict[str, Any]:
+    """Resources, threads and replica count of a deployment that holds base model ``m``."""
+    scaling = ({"autoscaling_config": dict(m.autoscaling)} if m.autoscaling else {"num_replicas": m.num_replicas})
+    threads = str(m.num_threads or max(1, int(m.replica_cpus)))
+    return {"ray_actor_options": {"num_cpus": m.replica_cpus, "num_gpus": m.replica_gpus,
+                                  "runtime_env": {"env_vars": {"OMP_NUM_THREADS": threads}}}, **scaling}
+
+
 def build(cfg: ServeConfig, ray_dashboard: str | None = None) -> Any:
-    """The bound application: one ModelServer deployment per base model behind the Gateway."""
+    """The bound application: the Gateway, and in the split layout one ModelServer deployment
+    per base model behind it; in the single layout the Gateway holds the model itself."""
     from otray.serve.model_server import serve_class
 
+    if single_layout(cfg):
+        m = cfg.models[0]
+        return Gateway.options(max_ongoing_requests=cfg.max_ongoing_requests, **_replica_options(m)).bind(
+            to_dict(cfg), {m.name: None}, ray_dashboard)
     servers = {}
     for m in cfg.models:
-        scaling = ({"autoscaling_config": dict(m.autoscaling)} if m.autoscaling else {"num_replicas": m.num_replicas})
         dep = serve.deployment(serve_class(m.max_loaded_checkpoints), name=f"model-{m.name}")
-        servers[m.name] = dep.options(
-            ray_actor_options={"num_cpus": m.replica_cpus, "num_gpus": m.replica_gpus,
-                               "runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(m.num_threads or max(1, int(m.replica_cpus)))}}},
-            max_ongoing_requests=m.max_ongoing_requests, **scaling).bind(
+        servers[m.name] = dep.options(max_ongoing_requests=m.max_ongoing_requests, **_replica_options(m)).bind(
             to_dict_model(m), cfg.cache_dir, cfg.stream_chunk_tokens)
     return Gateway.options(max_ongoing_requests=cfg.max_ongoing_requests).bind(to_dict(cfg), servers, ray_dashboard)
 
