@@ -47,10 +47,14 @@ class Gateway(DashboardRoutes):
     def __init__(self, cfg: dict[str, Any], servers: dict[str, Any], ray_dashboard: str | None = None):
         from otray import config as config_mod
         from otray.models import load_tokenizer, resolve_model_path
+        from dataclasses import asdict
+
+        from otray.serve.model_server import ModelServer  # imports here: Serve ships this class by value
 
         self.cfg: ServeConfig = config_mod.load_serve(cfg)
         self.servers = servers  # base model name -> DeploymentHandle, or None: served in this replica
-        self.local = {m.name: local_server(m, self.cfg) for m in self.cfg.models if servers.get(m.name, 0) is None}
+        self.local = {m.name: ModelServer(asdict(m), self.cfg.cache_dir, self.cfg.stream_chunk_tokens)
+                      for m in self.cfg.models if servers.get(m.name, 0) is None}
         self.checkpoints: dict[str, collections.OrderedDict[str, asyncio.Task]] = {
             name: collections.OrderedDict() for name in self.local}  # in-process layout: least recently used first
         self.limits = Limits(self.cfg.max_tokens, self.cfg.max_n, self.cfg.max_prompt_tokens)
@@ -273,13 +277,6 @@ def _unwrap(e: BaseException) -> APIError:
         return cause
     first = (str(e).strip().splitlines() or [type(e).__name__])[-1]
     return APIError(500, f"the model server failed: {first[:500]}", type="server_error")
-
-
-def local_server(m: Any, cfg: ServeConfig) -> Any:
-    """The single layout: base model ``m``'s ModelServer inside the Gateway replica."""
-    from otray.serve.model_server import ModelServer
-
-    return ModelServer(to_dict_model(m), cfg.cache_dir, cfg.stream_chunk_tokens)
 
 
 def single_layout(cfg: ServeConfig) -> bool:
