@@ -12,8 +12,10 @@ model's ``ModelServer`` deployment, with the checkpoint as Serve's multiplexed m
 replica holds the one base model's ``ModelServer`` itself and generates in process, with
 its own least-recently-used checkpoint cache; one actor hop less per request, which on a
 small CPU machine is CPU that generation gets back (``benchmarks/serve.py``). ``auto``
-(the default): ``single`` when one base model is configured. Every client mistake is a 4xx with OpenAI's error body; a request that takes
-longer than ``request_timeout_s`` gets a 504 instead of hanging.
+(the default): ``single`` when one base model is configured.
+
+Every client mistake is a 4xx with OpenAI's error body; a request that takes longer
+than ``request_timeout_s`` gets a 504 instead of hanging.
 
 Model names: a base model's ``name`` from the serve config, ``job-<id>`` (the job's
 latest checkpoint) or ``job-<id>:<step>``; a caller sees only their own jobs (admins all).
@@ -45,11 +47,11 @@ _JOB_MODEL = re.compile(r"job-(?P<job>\d{8}-\d{6}-[0-9a-f]{6})(?::(?P<step>\d+))
 @serve.ingress(api)
 class Gateway(DashboardRoutes):
     def __init__(self, cfg: dict[str, Any], servers: dict[str, Any], ray_dashboard: str | None = None):
+        from dataclasses import asdict  # imports here: Serve ships this class by value
+
         from otray import config as config_mod
         from otray.models import load_tokenizer, resolve_model_path
-        from dataclasses import asdict
-
-        from otray.serve.model_server import ModelServer  # imports here: Serve ships this class by value
+        from otray.serve.model_server import ModelServer
 
         self.cfg: ServeConfig = config_mod.load_serve(cfg)
         self.servers = servers  # base model name -> DeploymentHandle, or None: served in this replica
