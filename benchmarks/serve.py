@@ -92,7 +92,7 @@ def main() -> None:
     import torch
     from ray import serve
 
-    from otray import config
+    from otray.serve import config as serve_config
     from otray.actors.backends.hf import HFBackend
     from otray.models import chat_prompt_ids, load_tokenizer, resolve_model_path
     from otray.serve.app import run
@@ -117,7 +117,7 @@ def main() -> None:
         tok.decode(sample.token_ids, skip_special_tokens=True)
 
     ray.init(num_cpus=THREADS + 1, include_dashboard=False, log_to_driver=False)
-    cfg = config.load_serve({"port": args.port, "models": [{"name": "tiny", "path": tiny, "num_threads": THREADS,
+    cfg = serve_config.load_serve({"port": args.port, "models": [{"name": "tiny", "path": tiny, "num_threads": THREADS,
                                                             "replica_cpus": 1, "max_ongoing_requests": 64,
                                                             "batch_wait_ms": args.batch_wait_ms}],
                             "layout": args.layout})

@@ -109,10 +109,10 @@ def cmd_tiny(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from otray import config as config_mod
     from otray.serve.app import run
+    from otray.serve.config import load_serve
 
-    cfg = config_mod.load_serve(args.config, args.overrides)  # fail before touching a cluster
+    cfg = load_serve(args.config, args.overrides)  # fail before touching a cluster
     _connect(args)  # joins (or starts) the cluster and its ResourceManager, which holds the checkpoints
     run(cfg)
     print(f"serving on http://{cfg.host}:{cfg.port}/v1 (models: {', '.join(m.name for m in cfg.models)}); "

@@ -19,12 +19,11 @@ Environment sections follow the OpenReward shape, one entry per env under ``envs
 
 from __future__ import annotations
 
-import difflib
-import importlib
-from dataclasses import dataclass, field, fields, is_dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Union, get_args, get_origin, get_type_hints
+from typing import Any, Optional
 
+from otray.structured import import_object, load_structured, one_of, to_dict  # noqa: F401 (re-exported)
 from otray.types import ConfigError
 
 REWARD_REDUCTIONS = ("sum", "mean", "max", "min")
@@ -295,41 +294,6 @@ class Config:
 # --------------------------------------------------------------------------- validation
 
 
-def _check_keys(data: Any, schema: type, prefix: str) -> None:
-    """Unknown keys anywhere in ``data`` -> ConfigError naming the closest valid key."""
-    if not isinstance(data, dict):
-        return
-    hints = get_type_hints(schema)
-    valid = [f.name for f in fields(schema)]
-    for key, value in data.items():
-        where = f"{prefix}{key}"
-        if key not in valid:
-            close = difflib.get_close_matches(str(key), valid, n=1)
-            hint = f"; did you mean '{prefix}{close[0]}'?" if close else f"; valid keys here: {', '.join(valid)}"
-            raise ConfigError(f"unknown config key '{where}'{hint}")
-        sub = _unwrap(hints[key])
-        if is_dataclass(sub):
-            _check_keys(value, sub, where + ".")
-        elif get_origin(sub) is dict and is_dataclass(_unwrap(get_args(sub)[1])) and isinstance(value, dict):
-            for name, item in value.items():
-                _check_keys(item, _unwrap(get_args(sub)[1]), f"{where}.{name}.")
-        elif get_origin(sub) is list and is_dataclass(_unwrap(get_args(sub)[0])) and isinstance(value, list):
-            for i, item in enumerate(value):
-                _check_keys(item, _unwrap(get_args(sub)[0]), f"{where}[{i}].")
-
-
-def one_of(value: str, options: tuple[str, ...] | list[str], key: str) -> None:
-    if value not in options:
-        raise ConfigError(f"{key}={value!r} is not valid; choose one of {', '.join(options)}")
-
-
-def _unwrap(tp: Any) -> Any:
-    if get_origin(tp) is Union:
-        args = [a for a in get_args(tp) if a is not type(None)]
-        return args[0] if len(args) == 1 else tp
-    return tp
-
-
 def _check_values(cfg: Config) -> None:
     from otray.algos.advantages import ADVANTAGES
     from otray.algos.losses import AGGREGATIONS, loss_config
@@ -422,149 +386,9 @@ def _check_values(cfg: Config) -> None:
 
 def load(source: str | Path | dict[str, Any] | Config, overrides: list[str] | None = None) -> Config:
     """Load and validate a config from a YAML path, a dict or a Config, plus dotted overrides."""
-    cfg = _load_structured(source, overrides, Config)
+    cfg = load_structured(source, overrides, Config)
     _check_values(cfg)
     return cfg
-
-
-def _load_structured(source: Any, overrides: list[str] | None, schema: type) -> Any:
-    """``source`` (YAML path, dict or a ``schema`` instance) + overrides -> a ``schema`` instance, keys checked."""
-    from omegaconf import OmegaConf
-    from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
-
-    Config = schema  # noqa: N806 - the schema being loaded
-    if isinstance(source, Config):
-        base = OmegaConf.structured(source)
-        data: Any = {}
-    elif isinstance(source, dict):
-        base, data = OmegaConf.structured(Config), source
-    else:
-        path = Path(source)
-        if not path.exists():
-            raise ConfigError(f"config file {str(path)!r} does not exist")
-        try:
-            data = OmegaConf.to_container(OmegaConf.load(path), resolve=False) or {}
-        except OmegaConfBaseException as e:
-            raise ConfigError(f"{path}: not valid YAML: {e}") from e
-        base = OmegaConf.structured(Config)
-    _check_keys(data, Config, "")
-    layers = [OmegaConf.create(data)]
-    for item in overrides or []:
-        if "=" not in item:
-            raise ConfigError(f"override {item!r} is not key=value (e.g. algo.learning_rate=2e-5)")
-        dot = OmegaConf.from_dotlist([item])
-        _check_keys(OmegaConf.to_container(dot), Config, "")
-        layers.append(dot)
-    try:
-        merged = OmegaConf.merge(base, *layers)
-        cfg = OmegaConf.to_object(merged)
-    except MissingMandatoryValue as e:
-        raise ConfigError(f"{e.full_key} is missing: give an import path 'module:Class' or a registered name"
-                          if e.full_key.endswith(".entry") else f"{e.full_key} is missing: set it") from e
-    except OmegaConfBaseException as e:
-        key = getattr(e, "full_key", None) or "?"
-        raise ConfigError(f"invalid value for config key '{key}': {e.msg if hasattr(e, 'msg') else e}") from e
-    assert isinstance(cfg, Config)
-    return cfg
-
-
-# --------------------------------------------------------------------------- the Serve app's config
-
-
-@dataclass
-class ServeModel:
-    """A base model the app serves; checkpoints of jobs trained from it are served on its replicas."""
-
-    name: str = "tiny"  # the ``model`` field that selects it
-    path: str = "tiny"  # local dir, hub id, or ``tiny`` (built on first use)
-    backend: str = "hf"  # hf | vllm | auto
-    dtype: str = "float32"
-    max_model_len: Optional[int] = None
-    kv_cache_gb: int = 1
-    num_threads: Optional[int] = None  # torch threads per replica (default: its CPUs)
-    replica_cpus: float = 1.0
-    replica_gpus: float = 0.0
-    num_replicas: int = 1
-    # Ray Serve autoscaling, e.g. {min_replicas: 1, max_replicas: 4, target_ongoing_requests: 4};
-    # when given it replaces num_replicas
-    autoscaling: Optional[dict[str, Any]] = None
-    max_loaded_checkpoints: int = 2  # per replica; least recently used evicted past this
-    # vLLM base: LoRA checkpoints up to this rank run as adapters of the base engine (one
-    # slot per loaded checkpoint; one engine call may serve several adapters); 0, a higher rank,
-    # or the HF backend: the adapter is merged into a copy of the base
-    max_lora_rank: int = 0
-    max_ongoing_requests: int = 32
-    max_batch: int = 32  # prompts per generate call: concurrent requests with equal settings share one
-    # before a call, wait up to this long until as many prompts are queued as were in the system
-    # when recent calls ended (clients whose answers just went out come back; a lone client never
-    # waits): without it 8 clients settled into calls of 7 and 1, or 4 and 4 (benchmarks/serve.py)
-    batch_wait_ms: float = 50.0
-
-
-@dataclass
-class ServeConfig:
-    """``otray serve [CONFIG]``: the OpenAI-compatible app and the dashboard."""
-
-    host: str = "127.0.0.1"
-    port: int = 8000
-    models: list[ServeModel] = field(default_factory=lambda: [ServeModel()])
-    auth: str = "auto"  # auto (as the ResourceManager) | on | off
-    request_timeout_s: float = 120.0
-    max_tokens: int = 512  # per completion
-    max_n: int = 8
-    max_prompt_tokens: int = 4096
-    max_body_bytes: int = 1_000_000
-    stream_chunk_tokens: int = 4  # tokens generated per streamed step
-    max_ongoing_requests: int = 256  # requests the Gateway holds at once (Serve's default, 5, would cap batching)
-    cache_dir: str = ".cache/models"
-    # split: a Gateway deployment calling one ModelServer deployment per base model; single:
-    # the Gateway holds the one base model and generates in process (one hop less per
-    # request); auto: single when one base model is configured
-    layout: str = "auto"
-
-
-def load_serve(source: str | Path | dict[str, Any] | ServeConfig | None = None,
-               overrides: list[str] | None = None) -> ServeConfig:
-    cfg = _load_structured(source if source is not None else {}, overrides, ServeConfig)
-    one_of(cfg.auth, ("auto", "on", "off"), "auth")
-    one_of(cfg.layout, ("auto", "single", "split"), "layout")
-    if not cfg.models:
-        raise ConfigError("models is empty: list at least one base model to serve")
-    names = [m.name for m in cfg.models]
-    if len(set(names)) != len(names) or any(n.startswith("job-") for n in names):
-        raise ConfigError(f"model names must be unique and not start with 'job-' (checkpoint names); got {names}")
-    if cfg.layout == "single" and len(cfg.models) > 1:
-        raise ConfigError(f"layout: single serves one base model in the Gateway; {len(cfg.models)} are configured "
-                          f"({', '.join(names)}): use layout: split (or auto)")
-    for i, m in enumerate(cfg.models):
-        one_of(m.backend, ("auto", "vllm", "hf"), f"models[{i}].backend")
-        if m.max_loaded_checkpoints < 1 or m.num_replicas < 1:
-            raise ConfigError(f"models[{i}]: max_loaded_checkpoints and num_replicas must be >= 1")
-        if m.max_lora_rank < 0:
-            raise ConfigError(f"models[{i}].max_lora_rank must be >= 0 (0 = merge LoRA checkpoints into the base)")
-        if m.max_lora_rank and m.backend == "hf":
-            raise ConfigError(f"models[{i}]: max_lora_rank serves adapters on a vLLM engine; with backend hf "
-                              "LoRA checkpoints are merged into the base: set backend: vllm or drop max_lora_rank")
-    if cfg.max_n < 1 or cfg.max_tokens < 1 or cfg.request_timeout_s <= 0:
-        raise ConfigError("max_n, max_tokens and request_timeout_s must be positive")
-    return cfg
-
-
-def to_dict(cfg: Config) -> dict[str, Any]:
-    from omegaconf import OmegaConf
-
-    return OmegaConf.to_container(OmegaConf.structured(cfg))  # type: ignore[return-value]
-
-
-def import_object(path: str) -> Any:
-    """``module:attr`` -> the object, with a ConfigError naming the path on failure."""
-    module, _, attr = path.partition(":")
-    if not attr:
-        raise ConfigError(f"{path!r} is not an import path of the form 'module:attr'")
-    try:
-        return getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as e:
-        raise ConfigError(f"cannot import {path!r}: {e}") from e
 
 
 def num_rollout_workers(cfg: Config) -> int:

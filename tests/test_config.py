@@ -98,24 +98,3 @@ def test_inference_jobs_lease_workers_and_pin_their_checkpoint():
     pin_refs(cfg, {"20260101-000000-abcdef": "20260101-000000-abcdef:7"})
     assert cfg.infer.checkpoint == "20260101-000000-abcdef:7"
     assert registered_refs(config.load({**MINIMAL, "infer": {"checkpoint": "20260101-000000-abcdef"}})) == []
-
-
-def test_serve_lora_settings():
-    with pytest.raises(ConfigError, match=r"max_lora_rank serves adapters on a vLLM engine.*backend: vllm"):
-        config.load_serve({"models": [{"name": "m", "backend": "hf", "max_lora_rank": 8}]})
-    with pytest.raises(ConfigError, match=r"max_lora_rank must be >= 0"):
-        config.load_serve({"models": [{"name": "m", "backend": "vllm", "max_lora_rank": -1}]})
-    assert config.load_serve({"models": [{"name": "m", "backend": "vllm", "max_lora_rank": 16}]}).models[0].max_lora_rank == 16
-
-
-def test_serve_layout():
-    from otray.serve.app import single_layout
-
-    two = [{"name": "a"}, {"name": "b"}]
-    with pytest.raises(ConfigError, match=r"layout: single serves one base model.*a, b.*layout: split"):
-        config.load_serve({"models": two, "layout": "single"})
-    with pytest.raises(ConfigError, match=r"layout"):
-        config.load_serve({"layout": "merged"})
-    assert single_layout(config.load_serve({}))
-    assert not single_layout(config.load_serve({"models": two}))
-    assert not single_layout(config.load_serve({"layout": "split"}))

@@ -28,6 +28,7 @@ def served(ray_local, tmp_path_factory, tiny_path):
     from ray import serve
 
     from otray import config
+    from otray.serve import config as serve_config
     from otray.serve.app import run
 
     tmp = tmp_path_factory.mktemp("serve")
@@ -43,7 +44,7 @@ def served(ray_local, tmp_path_factory, tiny_path):
         assert time.time() < deadline, "the training job did not finish"
         time.sleep(0.5)
     assert ray_local.get(rm.status.remote(job_id, alice))["state"] == "SUCCEEDED"
-    cfg = config.load_serve({"port": PORT, "request_timeout_s": 60, "max_n": 4, "max_tokens": 64,
+    cfg = serve_config.load_serve({"port": PORT, "request_timeout_s": 60, "max_n": 4, "max_tokens": 64,
                              "models": [{"name": "tiny", "path": tiny_path, "max_loaded_checkpoints": 1}]})
     run(cfg)
     yield {"alice": alice, "bob": bob, "job": job_id}
@@ -212,11 +213,11 @@ def test_split_and_single_layouts_answer_alike(served, tiny_path):
     same greedy answers, complete and streamed, for the base model and a checkpoint."""
     from ray import serve
 
-    from otray import config
+    from otray.serve import config as serve_config
     from otray.serve.app import run
 
     def deploy(layout):
-        run(config.load_serve({"port": PORT, "request_timeout_s": 60, "max_n": 4, "max_tokens": 64, "layout": layout,
+        run(serve_config.load_serve({"port": PORT, "request_timeout_s": 60, "max_n": 4, "max_tokens": 64, "layout": layout,
                                "models": [{"name": "tiny", "path": tiny_path, "max_loaded_checkpoints": 1}]}))
         return {d for d in serve.status().applications["otray"].deployments}
 

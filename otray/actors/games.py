@@ -72,7 +72,7 @@ class GameTrainer:
     def __init__(self, job: Any):
         import ray
 
-        from otray.actors.job import in_bundle
+        from otray.actors.job_actors import in_bundle
         from otray.actors.rollout import RolloutFleet, wait_ready
 
         self.job, self.game, cfg = job, job.cfg.game, job.cfg

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from otray.actors.job import JobActors, episode_metrics, load_splits
+from otray.actors.job_actors import JobActors, episode_metrics, load_splits
 from otray.config import Config, trained_policies
 from otray.models import load_tokenizer
 from otray.types import ConfigError, Trajectory

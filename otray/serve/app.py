@@ -35,7 +35,8 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 from ray import serve
 
-from otray.config import ServeConfig, to_dict
+from otray.config import to_dict
+from otray.serve.config import ServeConfig
 from otray.serve.dashboard import DashboardRoutes
 from otray.serve.http import api, rm_handle
 from otray.serve.openai_api import APIError, GenerationRequest, Limits, chunk_body, new_id, parse_request, response_body, sse, usage
@@ -49,11 +50,11 @@ class Gateway(DashboardRoutes):
     def __init__(self, cfg: dict[str, Any], servers: dict[str, Any], ray_dashboard: str | None = None):
         from dataclasses import asdict  # imports here: Serve ships this class by value
 
-        from otray import config as config_mod
         from otray.models import load_tokenizer, resolve_model_path
+        from otray.serve.config import load_serve
         from otray.serve.model_server import ModelServer
 
-        self.cfg: ServeConfig = config_mod.load_serve(cfg)
+        self.cfg: ServeConfig = load_serve(cfg)
         self.servers = servers  # base model name -> DeploymentHandle, or None: served in this replica
         self.local = {m.name: ModelServer(asdict(m), self.cfg.cache_dir, self.cfg.stream_chunk_tokens)
                       for m in self.cfg.models if servers.get(m.name, 0) is None}
