@@ -70,3 +70,36 @@ def test_weights_changed_without_a_version_bump_are_repacked_on_invalidate(tiny_
     fresh = backend.generate(PROMPTS, greedy, 1)
     for a, b in zip(fresh, want):
         assert a[0].token_ids == b[0].token_ids and a[0].logprobs == pytest.approx(b[0].logprobs, abs=1e-4)
+
+
+def test_sibling_projections_are_packed_as_one_product(tiny_path):
+    """q/k/v and gate/up read the same input: one packed product each; o/down stay alone."""
+    model = HFBackend(tiny_path).model
+    alone, groups = packed.PackedLinears._plan(model)
+    layers = model.model.layers
+    assert len(groups) == 2 * len(layers)
+    for layer in layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        assert (attn.q_proj, attn.k_proj, attn.v_proj) in groups and (mlp.gate_proj, mlp.up_proj) in groups
+        assert attn.o_proj in alone and mlp.down_proj in alone and attn.q_proj not in alone
+
+
+def test_lora_wrapped_siblings_fall_back_to_packing_one_by_one(tiny_path):
+    """With LoRA on q_proj and v_proj the attention siblings are no longer plain layers: their
+    base layers and k_proj are packed alone, the MLP stays fused, and samples still match."""
+    from peft import LoraConfig, get_peft_model
+
+    def with_lora(backend):
+        torch.manual_seed(3)
+        backend.model = get_peft_model(backend.model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
+                                                                 init_lora_weights=False)).eval()
+        return backend
+
+    plain, fast = with_lora(HFBackend(tiny_path, packed_linears=False)), with_lora(HFBackend(tiny_path))
+    alone, groups = packed.PackedLinears._plan(fast.model)
+    attn = fast.model.base_model.model.model.layers[0].self_attn
+    assert attn.q_proj.base_layer in alone and attn.k_proj in alone
+    assert not any(attn.k_proj in g for g in groups) and len(groups) == len(fast.model.base_model.model.model.layers)
+    want, got = plain.generate(PROMPTS, SAMPLED, 2), fast.generate(PROMPTS, SAMPLED, 2)
+    for a, b in zip(sum(want, []), sum(got, [])):
+        assert a.token_ids == b.token_ids and a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
