@@ -32,7 +32,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 def plain_loop(make_env, policies: dict, seeds: list[int]) -> list[list[tuple[str, int]]]:
     """The reference: PettingZoo's own AEC loop, one game after another, no text."""
-    from otray.coordinator.text_bridge import legal_actions
+    from otray.games import legal_actions
 
     games = []
     for seed in seeds:
@@ -54,7 +54,7 @@ def plain_loop(make_env, policies: dict, seeds: list[int]) -> list[list[tuple[st
 
 def scripted_comparison(name: str, make_env, seats: dict, games: int, repeats: int) -> dict:
     from otray.coordinator.protocol import Policy, ProtocolCoordinator
-    from otray.coordinator.text_bridge import GameText
+    from otray.games import GameText
 
     seeds = list(range(games))
     policies = {a: Policy("random") if fn == "random" else Policy("scripted", fn=fn) for a, fn in seats.items()}
@@ -94,7 +94,7 @@ def model_share(tiny: str, games: int, actors: bool) -> dict:
     if actors:
         import ray
 
-        from otray.actors.rollout import RolloutFleet
+        from otray.coordinator.fleet import RolloutFleet
 
         worker = ray.remote(num_cpus=1)(RolloutWorker).options(
             runtime_env={"env_vars": {"OMP_NUM_THREADS": "2"}}).remote(tiny, "hf", max_model_len=512, num_threads=2)

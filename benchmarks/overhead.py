@@ -49,7 +49,7 @@ def overrides(steps: int, out_dir: str) -> list[str]:
 
 def plain_run(cfg, steps: int) -> dict:
     """The GRPO loop without Ray, on the same classes the actors wrap."""
-    from otray.actors.job_actors import episode_reward, load_splits
+    from otray.actors.episodes import episode_reward, load_splits
     from otray.actors.learner import PolicyLearner
     from otray.actors.rollout import RolloutWorker
     from otray.algos import advantages as adv

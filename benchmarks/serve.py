@@ -125,7 +125,7 @@ def main() -> None:
     gateway = serve.get_deployment_handle("Gateway", app_name="otray")
 
     def replica_calls() -> int:
-        return gateway.model_info.remote("tiny").result()["calls"]
+        return gateway.model_info.remote("tiny").result().calls
     local = threading.local()
 
     def over_http(i: int) -> None:

@@ -65,7 +65,7 @@ def main() -> None:
     from otray.actors.learner import PolicyLearner
     from otray.algos.advantages import group_zscore
     from otray.models import chat_prompt_ids
-    from otray.types import Datum, SamplingParams, Task
+    from otray.types import Datum, LossNormalizer, SamplingParams, Task
 
     torch.set_num_threads(2)
     data, model_dir = vs_trl.data_dir(), str(vs_trl.sft_checkpoint())
@@ -96,7 +96,7 @@ def main() -> None:
             datums.append(Datum(seq[:-1], seq[1:], mask, [a] * n, [0.0] * n))
         own = learner.forward(datums)  # sampler logprobs = the learner's: ratio 1
         datums = [Datum(d.input_ids, d.target_ids, d.mask, d.advantages, lp) for d, lp in zip(datums, own)]
-        learner.forward_backward(datums, "ppo", {}, "token_mean", normalizer={"tokens": tokens, "sequences": len(batch)})
+        learner.forward_backward(datums, "ppo", {}, "token_mean", normalizer=LossNormalizer(tokens, len(batch)))
         return grads(learner.model)
 
     def trl_grads(adv: list[float]) -> dict:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from otray.coordinator.text_bridge import GameText, generic_parse, legal_actions
+from otray.games import GameText, generic_parse, legal_actions
 
 
 def render_text(observation: dict[str, Any], agent: str) -> str:

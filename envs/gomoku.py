@@ -160,7 +160,7 @@ def parse_move(text: str, size: int) -> int | None:
 
 def text(size: int = 9, **_: Any) -> "GameText":
     """The game's ``GameText`` for a board of ``size`` (``game.text: envs.gomoku:text`` passes the kwargs)."""
-    from otray.coordinator.text_bridge import GameText
+    from otray.games import GameText
 
     return GameText(render=render_text, parse=lambda reply: parse_move(reply, size),
                     example=f"<move>{move_name(size * size - 1, size)}</move>")

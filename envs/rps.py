@@ -19,7 +19,7 @@ from gymnasium import spaces
 from pettingzoo import ParallelEnv
 from pettingzoo.utils import parallel_to_aec
 
-from otray.coordinator.text_bridge import GameText
+from otray.games import GameText
 
 MOVES = ("rock", "paper", "scissors")
 NONE = 3

@@ -18,7 +18,7 @@ import json
 import random
 from typing import Any
 
-from otray.coordinator.text_bridge import GameText, generic_parse, legal_actions
+from otray.games import GameText, generic_parse, legal_actions
 from otray.env import dataset_paths
 
 # the eight lines of three, as action numbers (action = column * 3 + row)

@@ -30,7 +30,7 @@ def _connect(args: argparse.Namespace):
 
 def cmd_train(args: argparse.Namespace) -> int:
     from otray import config as config_mod
-    from otray.train import HEADER, table_row
+    from otray.actors.run import HEADER, table_row
 
     config_mod.load(args.config, args.overrides)  # fail before touching a cluster
     client = _connect(args)

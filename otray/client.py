@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from otray import config as config_mod
-from otray.types import OtrayError
+from otray.types import LossNormalizer, OtrayError
 
 TERMINAL = {"SUCCEEDED", "FAILED", "CANCELLED"}
 
@@ -102,7 +102,7 @@ class TrainingClient:
         return self._get(self.learner.forward.remote(datums))
 
     def forward_backward(self, datums: list, loss_fn: str, loss_fn_config: dict[str, float] | None = None,
-                         aggregation: str = "token_mean", normalizer: dict[str, float] | None = None) -> dict[str, float]:
+                         aggregation: str = "token_mean", normalizer: LossNormalizer | None = None) -> dict[str, float]:
         return self._get(self.learner.forward_backward.remote(datums, loss_fn, loss_fn_config, aggregation, normalizer))
 
     def optim_step(self, learning_rate: float = 1e-4, **adam: Any) -> dict[str, float]:

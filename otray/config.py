@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from otray.names import ADVANTAGE_NAMES, AGGREGATIONS, loss_config
+from otray.policies import PolicySpec
 from otray.structured import import_object, load_structured, one_of, to_dict  # noqa: F401 (re-exported)
 from otray.types import ConfigError
 
@@ -209,6 +211,9 @@ class GameSection:
     # observation (long games in a small context), every decision is a datum carrying the game's reward
     context: str = "game"
     num_rollouts: int = 8
+    # errored games (a policy's exception, a failed generate call, a full context) a group of one
+    # (seed, seating, role) may hold and still be trained on; a group with more is dropped
+    max_failing_rollouts: int = 0
     max_retries: int = 1
     on_exhausted: str = "random"  # random | forfeit
     # subtracted from a trained agent's training reward per unreadable or illegal move (the game's
@@ -222,25 +227,27 @@ class GameSection:
     eval_games: int = 100  # per role and opponent
 
 
-def policy_name(spec: str) -> str:
-    """The key that identifies a policy spec: ``trained`` and ``trained:main`` are one policy."""
-    return "trained:main" if spec == "trained" else spec
+def seating(cfg: "Config") -> dict[str, PolicySpec]:
+    """``game.policies`` parsed: agent -> PolicySpec."""
+    return {} if cfg.game is None else {a: PolicySpec.parse(p, f"game.policies.{a}") for a, p in cfg.game.policies.items()}
+
+
+def eval_opponents(cfg: "Config") -> list[PolicySpec]:
+    """``game.eval_opponents`` parsed."""
+    return [] if cfg.game is None else [PolicySpec.parse(p, "game.eval_opponents") for p in cfg.game.eval_opponents]
 
 
 def trained_policies(cfg: "Config") -> list[str]:
-    """Names of the game's trained policies, in the order they first appear (the first is the job's own)."""
+    """Names of the policies the job trains, in the order they first appear (the first is the job's own);
+    an env job trains one, ``main``."""
     if cfg.game is None:
         return ["main"]
-    names = [policy_name(p).split(":", 1)[1] for p in cfg.game.policies.values() if policy_name(p).startswith("trained:")]
-    return list(dict.fromkeys(names))
+    return list(dict.fromkeys(p.arg for p in seating(cfg).values() if p.kind == "trained"))
 
 
-def frozen_policies(cfg: "Config") -> list[str]:
-    """The game's ``frozen:REF`` specs (seats and eval opponents), each once."""
-    if cfg.game is None:
-        return []
-    specs = [*cfg.game.policies.values(), *cfg.game.eval_opponents]
-    return list(dict.fromkeys(p for p in specs if p.startswith("frozen:")))
+def frozen_policies(cfg: "Config") -> list[PolicySpec]:
+    """The game's ``frozen:REF`` policies (seats and eval opponents), each once."""
+    return list(dict.fromkeys(p for p in [*seating(cfg).values(), *eval_opponents(cfg)] if p.kind == "frozen"))
 
 
 @dataclass
@@ -295,13 +302,10 @@ class Config:
 
 
 def _check_values(cfg: Config) -> None:
-    from otray.algos.advantages import ADVANTAGES
-    from otray.algos.losses import AGGREGATIONS, loss_config
-
     one_of(cfg.job.kind, ("rl", "sft", "infer"), "job.kind")
     one_of(cfg.rollout.backend, ("auto", "vllm", "hf"), "rollout.backend")
     one_of(cfg.logging.wandb_mode, ("offline", "online"), "logging.wandb_mode")
-    one_of(cfg.algo.advantage, tuple(ADVANTAGES), "algo.advantage")
+    one_of(cfg.algo.advantage, ADVANTAGE_NAMES, "algo.advantage")
     one_of(cfg.algo.aggregation, AGGREGATIONS, "algo.aggregation")
     loss_config(cfg.algo.loss_fn, **cfg.algo.loss_fn_config)
     for key, value in (("algo.steps", cfg.algo.steps), ("algo.batch_size", cfg.algo.batch_size),
@@ -315,8 +319,6 @@ def _check_values(cfg: Config) -> None:
     if cfg.algo.max_steps_off_policy and cfg.algo.loss_fn == "cross_entropy":
         raise ConfigError("algo.max_steps_off_policy=1 needs a loss that corrects for the sampler "
                           "(ppo, cispo, importance_sampling or dro), not 'cross_entropy'")
-    if cfg.algo.max_steps_off_policy and cfg.game is not None:
-        raise ConfigError("algo.max_steps_off_policy=1 is not supported for game jobs yet: set it to 0")
     if cfg.rollout.colocate:
         if cfg.rollout.backend not in ("auto", "hf"):
             raise ConfigError(f"rollout.colocate=true generates with the learner's own model (the HF backend); "
@@ -324,8 +326,6 @@ def _check_values(cfg: Config) -> None:
         if cfg.algo.max_steps_off_policy:
             raise ConfigError("rollout.colocate=true runs generation and training in one actor, one after the "
                               "other: algo.max_steps_off_policy must be 0")
-        if cfg.game is not None:
-            raise ConfigError("rollout.colocate=true is not supported for game jobs yet: set it to false")
     if cfg.job.kind == "infer":
         if cfg.infer.limit is not None and cfg.infer.limit < 1:
             raise ConfigError(f"infer.limit must be >= 1 (or null for the whole split), got {cfg.infer.limit}")
@@ -349,17 +349,14 @@ def _check_values(cfg: Config) -> None:
                 raise ConfigError(f"game.{key} is missing: give an import path 'module:attr'")
         one_of(cfg.game.on_exhausted, ("random", "forfeit"), "game.on_exhausted")
         one_of(cfg.game.context, ("game", "turn"), "game.context")
-        def known(p: str) -> bool:
-            kind, _, arg = p.partition(":")
-            return p in ("trained", "random") or (kind in ("trained", "frozen", "scripted") and bool(arg))
-
-        bad = {a: p for a, p in cfg.game.policies.items() if not known(p)}
-        if bad or not any(policy_name(p).startswith("trained:") for p in cfg.game.policies.values()):
+        if not any(p.kind == "trained" for p in seating(cfg).values()):
             raise ConfigError(f"game.policies must map agents to trained[:NAME] | frozen:REF | random | "
                               f"scripted:module:fn, with at least one trained agent; got {dict(cfg.game.policies)}")
-        bad = [p for p in cfg.game.eval_opponents if not known(p) or p.startswith("trained")]
+        bad = [str(p) for p in eval_opponents(cfg) if p.kind == "trained"]
         if bad:
             raise ConfigError(f"game.eval_opponents takes random | scripted:module:fn | frozen:REF; got {bad}")
+        if cfg.game.max_failing_rollouts < 0:
+            raise ConfigError(f"game.max_failing_rollouts must be >= 0, got {cfg.game.max_failing_rollouts}")
         if cfg.sft.steps > 0 and "train" not in cfg.sft.splits:
             raise ConfigError("a game job's SFT warm-up needs chat demonstrations: give sft.splits.train (e.g. "
                               "sft.dataset.builder: envs.tictactoe_text:make_chat_dataset) or set sft.steps=0")

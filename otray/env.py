@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from otray.config import import_object
+from otray.structured import import_object
 from otray.types import ConfigError, DatasetError, EnvCheckError, EnvStateError, Task
 
 

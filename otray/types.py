@@ -133,6 +133,39 @@ class WeightUpdate:
     lora_config: dict[str, Any] | None = None
 
 
+@dataclass(frozen=True)
+class WorkerInfo:
+    """What a rollout worker (or a learner that samples, ``rollout.colocate``) tells its job:
+    the backend it runs, the longest sequence it takes, its end-of-turn ids, the policy
+    version of its weights and the Ray node it runs on."""
+
+    backend: str | None
+    max_model_len: int
+    stop_token_ids: tuple[int, ...] = ()
+    policy_version: int = 0
+    node_id: str | None = None
+
+
+@dataclass(frozen=True)
+class LearnerInfo:
+    """What a PolicyLearner tells its job: optimizer steps taken, policy version, LoRA rank, node."""
+
+    step: int
+    policy_version: int
+    lora_rank: int
+    node_id: str | None = None
+
+
+@dataclass(frozen=True)
+class LossNormalizer:
+    """What an aggregated loss divides by, when the datums of one ``forward_backward`` call are part
+    of a larger batch (groups left out because they carry no gradient): the whole batch's masked
+    target tokens (``token_mean``) and sequences (``seq_mean_token_mean``)."""
+
+    tokens: float
+    sequences: float
+
+
 # --------------------------------------------------------------------------- tasks, episodes
 
 
@@ -195,10 +228,19 @@ class Trajectory:
 
 @dataclass
 class TrajectoryGroup:
-    """The ``num_rollouts`` trajectories of one task: one GRPO group."""
+    """The trajectories whose rewards are compared with each other: one GRPO group.
+
+    For an env, the ``num_rollouts`` episodes of one task (``key`` = ``(env, task id)``); for a
+    game, one role's trajectories in the games of one seed and seating (``key`` =
+    ``(seed, seating index, role)``), several per game with ``game.context: turn``.
+    ``max_failing`` is how many errored trajectories the group may hold and still be trained
+    on (the env's ``max_failing_rollouts``; a game's ``game.max_failing_rollouts``).
+    """
 
     task: Task
     trajectories: list[Trajectory]
+    key: tuple[Any, ...] = ()
+    max_failing: int = 0
 
     @property
     def rewards(self) -> list[float]:

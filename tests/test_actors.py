@@ -3,7 +3,8 @@
 import pytest
 
 from otray.actors.learner import PolicyLearner
-from otray.actors.rollout import RolloutFleet, RolloutWorker
+from otray.actors.rollout import RolloutWorker
+from otray.coordinator.fleet import RolloutFleet
 from otray.algos.datums import sft_datum
 from otray.models import chat_prompt_ids
 from otray.types import Datum, RolloutError, SamplingParams

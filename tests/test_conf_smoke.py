@@ -34,7 +34,7 @@ def test_every_config_has_a_smoke_entry():
 
 @pytest.mark.parametrize("name", sorted(SMOKE))
 def test_config_runs_two_steps(ray_local, tmp_path, name):
-    from otray.train import run
+    from otray.actors.run import run
 
     cfg = config.load(ROOT / "conf" / name, SMOKE[name] + [f"job.output_dir={tmp_path}"])
     job_dir = tmp_path / cfg.job.name

@@ -77,13 +77,35 @@ def test_game_config_errors_name_the_problem(game, extra, match):
 
 def test_policy_sets_and_bundles():
     from otray.actors.resource_manager import bundles_for
+    from otray.policies import PolicySpec
 
     cfg = config.load({"game": {**GAME, "policies": {"black": "trained:b", "white": "trained:w"},
                                 "eval_opponents": ["random", "frozen:/ckpt"]}, "rollout": {"num_workers": 2}})
-    assert config.trained_policies(cfg) == ["b", "w"] and config.frozen_policies(cfg) == ["frozen:/ckpt"]
+    assert config.trained_policies(cfg) == ["b", "w"] and config.frozen_policies(cfg) == [PolicySpec("frozen", "/ckpt")]
     assert len(bundles_for(cfg)) == 2 * (1 + 2) + 1  # per trained policy: learner + 2 workers; the frozen worker
     selfplay = config.load({"game": {**GAME, "policies": {"black": "trained", "white": "trained:main"}}})
     assert config.trained_policies(selfplay) == ["main"] and len(bundles_for(selfplay)) == 2
+
+
+@pytest.mark.parametrize("text, spec, label", [
+    ("trained", ("trained", "main"), "main"), ("trained:w", ("trained", "w"), "w"), ("random", ("random", ""), "random"),
+    ("scripted:envs.tictactoe_text:heuristic", ("scripted", "envs.tictactoe_text:heuristic"), "heuristic"),
+    ("frozen:20260101-000000-abcdef:7", ("frozen", "20260101-000000-abcdef:7"), "frozen-20260101-000000-abcdef-7"),
+    ("frozen:/runs/a/checkpoints/step-000010/", ("frozen", "/runs/a/checkpoints/step-000010/"), "frozen-step-000010")])
+def test_policy_specs_parse_once_and_print_back(text, spec, label):
+    from otray.policies import PolicySpec
+
+    parsed = PolicySpec.parse(text)
+    assert (parsed.kind, parsed.arg) == spec and parsed.label == label
+    assert PolicySpec.parse(str(parsed)) == parsed  # the canonical text parses to the same spec
+
+
+@pytest.mark.parametrize("text", ["", "frozen", "scripted", "random:x", "model:a", "trainedx"])
+def test_bad_policy_specs_are_config_errors(text):
+    from otray.policies import PolicySpec
+
+    with pytest.raises(ConfigError, match="is not a policy"):
+        PolicySpec.parse(text, "game.policies.black")
 
 
 def test_inference_jobs_lease_workers_and_pin_their_checkpoint():

@@ -30,7 +30,8 @@ def _coordinator(policies, tokenizer):
 def test_a_rollout_worker_killed_mid_phase_is_routed_around(ray_local, tiny_path, tokenizer):
     import ray
 
-    from otray.actors.rollout import RolloutFleet, RolloutWorker, wait_ready
+    from otray.actors.rollout import RolloutWorker, wait_ready
+    from otray.coordinator.fleet import RolloutFleet
     from otray.coordinator.protocol import Policy
     from otray.types import SamplingParams
 
@@ -67,7 +68,7 @@ def _metrics(job_dir):
 @pytest.fixture(scope="module")
 def ttt_checkpoint(ray_local, tmp_path_factory):
     """A one-step tic-tac-toe job's final checkpoint directory."""
-    from otray.train import run
+    from otray.actors.run import run
 
     out = tmp_path_factory.mktemp("ttt")
     cfg = config.load(ROOT / "conf" / "tictactoe_vs_random.yaml", TINY_GAME + [f"job.output_dir={out}"])
@@ -75,7 +76,7 @@ def ttt_checkpoint(ray_local, tmp_path_factory):
 
 
 def test_frozen_opponent_from_a_checkpoint_directory(ray_local, tmp_path, ttt_checkpoint):
-    from otray.train import run
+    from otray.actors.run import run
 
     spec = f"frozen:{ttt_checkpoint}"
     cfg = config.load(ROOT / "conf" / "tictactoe_vs_random.yaml",

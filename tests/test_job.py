@@ -23,7 +23,7 @@ def _cfg(tmp_path, **env_over):
 
 @pytest.fixture(scope="module")
 def run_job(ray_local, tiny_path):
-    from otray.train import run
+    from otray.actors.run import run
 
     def _run(tmp_path, data, overrides=()):
         data["model"]["path"] = tiny_path
@@ -145,7 +145,7 @@ def test_empty_dataset_and_missing_model_are_clear_errors(run_job, tmp_path):
     data = _cfg(tmp_path, splits={"train": {"path": str(empty)}})
     with pytest.raises(DatasetError, match="empty"):
         run_job(tmp_path, data)
-    from otray.train import run
+    from otray.actors.run import run
 
     bad = _cfg(tmp_path)
     bad["model"]["path"] = str(tmp_path / "no-such-model")

@@ -7,7 +7,7 @@ import torch
 
 from otray.actors.learner import PolicyLearner, micro_batches
 from otray.algos.datums import sft_datum
-from otray.types import Datum, ModelLoadError
+from otray.types import Datum, LossNormalizer, ModelLoadError
 
 
 def _datums(n=6, seed=0):
@@ -146,7 +146,7 @@ def test_colocated_sampler_samples_from_the_weights_being_trained(tiny_path, ran
 
     learner = PolicyLearner(tiny_path, lora={"rank": rank, "alpha": 32})
     info = learner.start_sampler(max_model_len=64)
-    assert info["backend"] == "hf-colocated" and info["max_model_len"] == 64
+    assert info.backend == "hf-colocated" and info.max_model_len == 64
     prompt, greedy = [5, 6, 7, 8], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 
     def learner_logprobs(toks):
@@ -182,7 +182,7 @@ def test_leaving_out_zero_advantage_datums_with_the_batch_normalizer_keeps_the_g
     part = PolicyLearner(tiny_path)
     both = informative + zero
     part.forward_backward(informative, "ppo", aggregation=aggregation,
-                          normalizer={"tokens": sum(sum(d.mask) for d in both), "sequences": len(both)})
+                          normalizer=LossNormalizer(sum(sum(d.mask) for d in both), len(both)))
     unnormalized = PolicyLearner(tiny_path)
     unnormalized.forward_backward(informative, "ppo", aggregation=aggregation)
     g_whole, g_part, g_un = _grads(whole), _grads(part), _grads(unnormalized)

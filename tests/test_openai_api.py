@@ -44,11 +44,11 @@ def test_good_requests_and_bodies():
 
 def test_streamed_text_equals_the_complete_answer(tiny_path):
     from otray.models import chat_prompt_ids
+    from otray.serve.config import ServeModel
     from otray.serve.model_server import Job, ModelServer
     from otray.types import SamplingParams
 
-    server = ModelServer({"name": "tiny", "path": tiny_path, "backend": "hf", "dtype": "float32",
-                          "max_model_len": 512, "kv_cache_gb": 1, "num_threads": None}, stream_chunk_tokens=3)
+    server = ModelServer(ServeModel(name="tiny", path=tiny_path, backend="hf", max_model_len=512), stream_chunk_tokens=3)
     for i in range(4):
         ids = chat_prompt_ids(server.tokenizer, [{"role": "user", "content": f"What is {i}+{i * 7}?"}])
         whole = server.complete(server.base, Job(ids, SamplingParams(max_tokens=20, temperature=0.0), 2, []))[0].text

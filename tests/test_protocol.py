@@ -6,7 +6,8 @@ from envs import gomoku
 from envs.tictactoe_text import TEXT as TTT_TEXT
 from otray.coordinator.agent_loop import Limits
 from otray.coordinator.protocol import Policy, ProtocolCoordinator
-from otray.coordinator.text_bridge import GameText, MoveRules, legal_actions
+from otray.coordinator.text_bridge import MoveRules
+from otray.games import GameText, legal_actions
 from otray.types import SamplingParams
 
 GOMOKU_TEXT = GameText(render=gomoku.render_text, parse=lambda r: gomoku.parse_move(r, 5))
@@ -176,7 +177,7 @@ def test_scripted_heuristics_beat_random():
 
 def test_turn_budget_must_fit_a_well_formed_reply(tokenizer):
     from envs import rps, tictactoe_text
-    from otray.actors.games import check_turn_budget
+    from otray.actors.game_source import check_turn_budget
     from otray.types import ConfigError
 
     with pytest.raises(ConfigError, match=r"max_tokens_per_turn=6 .*'<move>4</move>' plus the end of turn is 8"):
@@ -190,17 +191,11 @@ def test_turn_budget_must_fit_a_well_formed_reply(tokenizer):
 
 
 def test_rotated_seatings_train_every_role_once():
-    import types
+    from otray.actors.game_source import seatings
+    from otray.policies import PolicySpec
 
-    from otray.actors.games import GameTrainer
-
-    t = GameTrainer.__new__(GameTrainer)  # only the seating logic, no job
-    t.game, t.roles = types.SimpleNamespace(rotate_seats=True), ["a", "b", "c"]
-    t.seating = {"a": "trained:main", "b": "random", "c": "random"}
-    assert [[s[r] for r in t.roles] for s in t.seatings()] == [
-        ["trained:main", "random", "random"], ["random", "trained:main", "random"], ["random", "random", "trained:main"]]
-    t.seating = {"a": "trained:main", "b": "trained:main", "c": "trained:main"}  # self-play: one seating
-    assert len(t.seatings()) == 1
-    t.game.rotate_seats = False
-    t.seating = {"a": "trained:main", "b": "random", "c": "random"}
-    assert t.seatings() == [t.seating]
+    me, rnd, roles = PolicySpec("trained", "main"), PolicySpec("random"), ["a", "b", "c"]
+    rotated = seatings({"a": me, "b": rnd, "c": rnd}, roles, rotate=True)
+    assert [[s[r] for r in roles] for s in rotated] == [[me, rnd, rnd], [rnd, me, rnd], [rnd, rnd, me]]
+    assert len(seatings({"a": me, "b": me, "c": me}, roles, rotate=True)) == 1  # self-play: one seating
+    assert seatings({"a": me, "b": rnd, "c": rnd}, roles, rotate=False) == [{"a": me, "b": rnd, "c": rnd}]

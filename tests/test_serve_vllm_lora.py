@@ -51,10 +51,11 @@ def _merged_greedy(tiny_path, adapter_dir: Path, prompts, tmp: Path) -> list[lis
 
 @pytest.fixture(scope="module")
 def server(tiny_path):
+    from otray.serve.config import ServeModel
     from otray.serve.model_server import ModelServer
 
-    s = ModelServer({"name": "tiny", "path": tiny_path, "backend": "vllm", "dtype": "float32", "max_model_len": 256,
-                     "kv_cache_gb": 1, "max_lora_rank": 8, "max_loaded_checkpoints": 2, "batch_wait_ms": 300.0})
+    s = ModelServer(ServeModel(name="tiny", path=tiny_path, backend="vllm", max_model_len=256, max_lora_rank=8,
+                               max_loaded_checkpoints=2, batch_wait_ms=300.0))
     yield s
     s.base.backend.shutdown()
 

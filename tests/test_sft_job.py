@@ -71,7 +71,7 @@ def test_sft_config_checks(tmp_path):
 
 @pytest.fixture(scope="module")
 def run_job(ray_local, tiny_path):
-    from otray.train import run
+    from otray.actors.run import run
 
     def _run(tmp_path, data, name="sft"):
         data["model"]["path"] = tiny_path

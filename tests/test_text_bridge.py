@@ -3,7 +3,8 @@
 import pytest
 
 from envs import gomoku
-from otray.coordinator.text_bridge import GameText, MoveRules, TextBridge, generic_parse, generic_render
+from otray.coordinator.text_bridge import MoveRules, TextBridge
+from otray.games import GameText, generic_parse, generic_render
 
 
 def _bridge(rules=None, text=None):

@@ -21,6 +21,10 @@ def _examples():
         T.ErrorRecord("prompt_too_long", "too long", 0),
         traj,
         T.TrajectoryGroup(task, [traj, traj]),
+        T.TrajectoryGroup(task, [traj], key=(7, 0, "player_1"), max_failing=1),
+        T.WorkerInfo("hf", 512, (2,), 3, "node"),
+        T.LearnerInfo(4, 4, 0, "node"),
+        T.LossNormalizer(12.0, 3.0),
         T.Datum([1, 2], [2, 3], [0.0, 1.0], [0.0, 0.5], [0.0, -0.3], [0.0, 1.0]),
     ]
 

@@ -44,9 +44,9 @@ def sampler_learner_gap(job, prompt: list[int]) -> float:
     from otray.algos.datums import sft_datum
     from otray.types import SamplingParams
 
-    sample = job.fleet.generate([prompt], SamplingParams(max_tokens=8, temperature=1.0, seed=3, ignore_eos=True))[0]
+    sample = job.main.fleet.generate([prompt], SamplingParams(max_tokens=8, temperature=1.0, seed=3, ignore_eos=True))[0]
     tokens, q = sample.samples[0].token_ids, sample.samples[0].logprobs
-    lp = ray.get(job.learner.forward.remote([sft_datum(prompt, tokens)]))[0][-len(tokens):]
+    lp = ray.get(job.main.learner.forward.remote([sft_datum(prompt, tokens)]))[0][-len(tokens):]
     return max(abs(a - b) for a, b in zip(lp, q))
 
 
@@ -57,6 +57,7 @@ def main(tmp: Path, model: str) -> dict:
 
     from otray import config
     from otray.actors.job import TrainJob
+    from otray.actors.runtime import SUPERVISED
     from otray.client import connect
     from otray.models import chat_prompt_ids
 
@@ -72,15 +73,15 @@ def main(tmp: Path, model: str) -> dict:
         pg = placement_group([{"CPU": 1}, {"CPU": 1}], strategy="STRICT_SPREAD")
         ray.get(pg.ready(), timeout=60)
         job = TrainJob(cfg, tmp / "direct", placement_group=pg, log=lambda _: None)
-        out["direct_nodes"] = job.nodes
+        out["direct_nodes"] = job.main.nodes
         prompt = chat_prompt_ids(job.tokenizer, [{"role": "user", "content": "12+34="}])
         out["gap_at_start"] = sampler_learner_gap(job, prompt)
         for step in range(1, 4):  # big steps, so that the policy moves
-            job.sft_update(job.sft_batch(job.splits["arithmetic"]["train"].sample(16)), 5e-3)
+            job.main.update(job.sft.env_batch(job.env_splits["arithmetic"]["train"].sample(16)), SUPERVISED, cfg.algo, 5e-3)
         out["gap_before_sync"] = sampler_learner_gap(job, prompt)
-        out["sync_s"] = job.sync_weights()
+        out["sync_s"] = job.main.sync_weights()
         out["gap_after_sync"] = sampler_learner_gap(job, prompt)
-        for handle in (job.learner, *job.fleet.workers):
+        for handle in (job.main.learner, *job.main.fleet.workers):
             ray.kill(handle)
         remove_placement_group(pg)
 

@@ -39,7 +39,7 @@ def registered_refs(cfg: Any) -> list[str]:
     and an inference job's ``infer.checkpoint``."""
     from otray.config import frozen_policies
 
-    refs = [cfg.checkpoint.resume_from or ""] + [spec.split(":", 1)[1] for spec in frozen_policies(cfg)]
+    refs = [cfg.checkpoint.resume_from or ""] + [spec.arg for spec in frozen_policies(cfg)]
     if cfg.job.kind == "infer":
         refs.append(cfg.infer.checkpoint or "")
     return list(dict.fromkeys(r for r in refs if r and parse_ref(r) is not None))
@@ -52,9 +52,11 @@ def pin_refs(cfg: Any, pinned: dict[str, str]) -> None:
     if cfg.infer.checkpoint in pinned:
         cfg.infer.checkpoint = pinned[cfg.infer.checkpoint]
     if cfg.game is not None:
-        def pin(spec: str) -> str:
-            kind, _, ref = spec.partition(":")
-            return f"frozen:{pinned[ref]}" if kind == "frozen" and ref in pinned else spec
+        from otray.policies import PolicySpec
+
+        def pin(text: str) -> str:
+            spec = PolicySpec.parse(text)
+            return f"frozen:{pinned[spec.arg]}" if spec.kind == "frozen" and spec.arg in pinned else text
 
         cfg.game.policies = {a: pin(p) for a, p in cfg.game.policies.items()}
         cfg.game.eval_opponents = [pin(p) for p in cfg.game.eval_opponents]

@@ -23,10 +23,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from otray.actors.job_actors import JobActors, episode_metrics, load_splits
+from otray.actors.env_source import EnvRollouts
+from otray.actors.episodes import episode_metrics, load_splits
+from otray.actors.runtime import ActorFactory
 from otray.config import Config, trained_policies
+from otray.coordinator.fleet import RolloutFleet
 from otray.models import load_tokenizer
-from otray.types import ConfigError, Trajectory
+from otray.types import ConfigError, Trajectory, WorkerInfo
 
 
 def episode_row(t: Trajectory) -> dict[str, Any]:
@@ -39,28 +42,30 @@ def episode_row(t: Trajectory) -> dict[str, Any]:
             "error": None if t.error is None else {"kind": t.error.kind, "message": t.error.message}}
 
 
-class InferenceJob(JobActors):
+class InferenceJob:
+    """Rollout workers serving one model, and the env rollouts (or the game's evaluation games) over them;
+    no learner. Bundle 0 holds the job driver (and a game's coordinator), workers take bundles 1..N."""
+
     def __init__(self, cfg: Config, model_path: str, *, placement_group: Any = None, job_dir: str | Path = "."):
         import ray
 
-        from otray.actors.rollout import RolloutFleet, wait_ready
+        from otray.actors.rollout import wait_ready
 
         if cfg.game is not None and len(trained_policies(cfg)) > 1:
             raise ConfigError("otray infer plays one model: give a game config with one trained policy")
-        self.cfg, self.model_path, self.placement_group = cfg, model_path, placement_group
-        self.dir = Path(job_dir)
-        self.tokenizer = load_tokenizer(model_path)
-        workers = self.make_workers(1, cfg.rollout.num_workers, model_path)
+        self.cfg, self.dir = cfg, Path(job_dir)
+        tokenizer = load_tokenizer(model_path)
+        factory = ActorFactory(cfg, model_path, placement_group)
+        workers = factory.workers(1, cfg.rollout.num_workers)
         wait_ready(workers)
         self.fleet = RolloutFleet(workers)
-        self.worker_info = ray.get(workers[0].info.remote())
-        self.step, self.generate_s, self.first_rollout_at = 0, 0.0, None
-        self.learner = None
+        info: WorkerInfo = ray.get(workers[0].info.remote())
+        self.rollouts = EnvRollouts(cfg, tokenizer, self.fleet.generate, info.max_model_len)
         self.games = None
         if cfg.game is not None:
-            from otray.actors.games import GameTrainer
+            from otray.actors.game_source import GameGroupSource
 
-            self.games = GameTrainer(self)
+            self.games = GameGroupSource(cfg, factory, tokenizer, info.max_model_len, {"main": tuple(workers)}, self.dir)
 
     def run(self, split: str, out: Path, *, limit: int | None = None, greedy: bool | None = None) -> dict[str, Any]:
         greedy = self.cfg.eval.greedy if greedy is None else greedy
@@ -69,7 +74,8 @@ class InferenceJob(JobActors):
         summary: dict[str, Any] = {}
         with out.open("w") as f:
             if self.games is not None:
-                for _, opponent, role, results in self.games.eval_games(greedy, limit):
+                for _, spec, role, results in self.games.eval_games(greedy, limit):
+                    opponent = str(spec)
                     for r in results:
                         f.write(json.dumps({"seed": r.seed, "seating": r.seating, "role": role, "opponent": opponent,
                                             "rewards": r.rewards, "moves": r.moves, "counts": r.counts,
@@ -87,11 +93,12 @@ class InferenceJob(JobActors):
                         raise ConfigError(f"envs.{name} has no {split!r} split (it has: {', '.join(sources)}); "
                                           f"pick one with --split")
                     tasks = sources[split].tasks[:limit]
-                    trajs = [t for g in self.rollout(tasks, n=1, greedy=greedy) for t in g.trajectories]
+                    trajs = [t for g in self.rollouts.rollout(tasks, 0, n=1, greedy=greedy) for t in g.trajectories]
                     f.writelines(json.dumps(episode_row(t)) + "\n" for t in trajs)
                     summary.update(episode_metrics(trajs, f"{name}/"))
                     summary[f"{name}/episodes"] = len(trajs)
-        summary.update({"output": str(out), "seconds": time.perf_counter() - t0, "generate_s": self.generate_s})
+        generate_s = self.rollouts.generate_s + (self.games.generate_s if self.games is not None else 0.0)
+        summary.update({"output": str(out), "seconds": time.perf_counter() - t0, "generate_s": generate_s})
         return summary
 
 

@@ -32,10 +32,12 @@ import torch
 import torch.nn.functional as F
 
 from otray.actors import current_node_id
+from otray.actors.backends.base import Backend
 from otray.timing import BusyClock, busy
 from otray.algos.losses import aggregate, per_token_loss
 from otray.models import LoraSpec, apply_lora, load_model, load_tokenizer
-from otray.types import Datum, GenerateResult, ModelLoadError, SamplingParams, WeightUpdate
+from otray.types import (Datum, GenerateResult, LearnerInfo, LossNormalizer, ModelLoadError, SamplingParams,
+                         WeightUpdate, WorkerInfo)
 
 
 def micro_batches(datums: Sequence[Datum], token_budget: int) -> list[list[Datum]]:
@@ -91,7 +93,7 @@ class PolicyLearner:
         self.version = 0  # policy version; bumped by every optim_step
         self.extra_state: dict[str, Any] = {}  # job-level state saved with checkpoints
         self.busy = BusyClock()  # seconds spent in forward passes, optimizer steps and weight export
-        self.sampler: Any = None  # colocated generation (``start_sampler``)
+        self.sampler: Backend | None = None  # colocated generation (``start_sampler``)
 
     def busy_s(self) -> float:
         return self.busy.total
@@ -99,9 +101,8 @@ class PolicyLearner:
     def ping(self) -> bool:
         return True
 
-    def info(self) -> dict[str, Any]:
-        return {"step": self.step, "policy_version": self.version, "lora_rank": self.lora.rank,
-                "node_id": current_node_id()}
+    def info(self) -> LearnerInfo:
+        return LearnerInfo(self.step, self.version, self.lora.rank, current_node_id())
 
     @property
     def is_lora(self) -> bool:
@@ -132,13 +133,12 @@ class PolicyLearner:
     @busy
     def forward_backward(self, datums: Sequence[Datum], loss_fn: str, loss_fn_config: dict[str, float] | None = None,
                          aggregation: str = "token_mean",
-                         normalizer: dict[str, float] | None = None) -> dict[str, float]:
+                         normalizer: LossNormalizer | None = None) -> dict[str, float]:
         """Accumulate gradients of the aggregated loss; returns loss metrics for this call.
 
-        ``normalizer`` (``{"tokens": T, "sequences": S}``) sets what ``token_mean`` and
-        ``seq_mean_token_mean`` divide by, when ``datums`` is part of a larger batch whose
-        other members were left out because they carry no gradient (zero advantage); by
-        default the datums' own totals."""
+        ``normalizer`` sets what ``token_mean`` and ``seq_mean_token_mean`` divide by, when
+        ``datums`` is part of a larger batch whose other members were left out because they
+        carry no gradient (zero advantage); by default the datums' own totals."""
         if not datums:
             return {"loss": 0.0, "num_tokens": 0.0, "num_sequences": 0.0}
         t0 = time.perf_counter()
@@ -146,8 +146,8 @@ class PolicyLearner:
         cfg = dict(loss_fn_config or {})
         total_tokens = float(sum(sum(d.mask) for d in datums))
         total_seqs = float(len(datums))
-        norm_tokens = max(total_tokens, float((normalizer or {}).get("tokens", 0.0)))
-        norm_seqs = max(total_seqs, float((normalizer or {}).get("sequences", 0.0)))
+        norm_tokens = max(total_tokens, normalizer.tokens if normalizer else 0.0)
+        norm_seqs = max(total_seqs, normalizer.sequences if normalizer else 0.0)
         loss_sum, ratio_sum, clipped, kl_sum, absdiff = 0.0, 0.0, 0.0, 0.0, 0.0
         for batch in micro_batches(datums, self.micro_batch_tokens):
             lp, valid = self._logprobs(batch)
@@ -200,7 +200,7 @@ class PolicyLearner:
 
     # ------------------------------------------------------------------ colocated generation
 
-    def start_sampler(self, max_model_len: int | None = None, max_batch: int = 256) -> dict[str, Any]:
+    def start_sampler(self, max_model_len: int | None = None, max_batch: int = 256) -> WorkerInfo:
         """Let this learner stand in for a rollout worker (``rollout.colocate``): ``generate`` samples
         from the model being trained, so its weights are always the current policy and no weights
         move. Returns what ``RolloutWorker.info`` returns."""
@@ -209,9 +209,8 @@ class PolicyLearner:
         self.sampler = HFBackend.on_model(self.model, load_tokenizer(self.model_path),
                                           max_model_len=max_model_len, max_batch=max_batch,
                                           weights_version=lambda: self.version)
-        return {"backend": "hf-colocated", "max_model_len": self.sampler.max_model_len,
-                "stop_token_ids": list(self.sampler.stop_token_ids), "policy_version": self.version,
-                "node_id": current_node_id()}
+        return WorkerInfo("hf-colocated", self.sampler.max_model_len, tuple(self.sampler.stop_token_ids),
+                          self.version, current_node_id())
 
     @busy
     def generate(self, prompts: list[list[int]], params: SamplingParams, n: int = 1) -> list[GenerateResult]:

@@ -84,7 +84,7 @@ class JobDriver:
     def run(self) -> dict[str, Any]:
         from ray.util import get_current_placement_group
 
-        from otray.train import run
+        from otray.actors.run import run
 
         rm = ray.get_actor(NAME, namespace=NAMESPACE)
         for ref in registered_refs(self.cfg):  # registered checkpoints (pinned at submit): fetch them through Ray

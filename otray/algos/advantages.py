@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Hashable, Sequence
 
+from otray.names import ADVANTAGE_NAMES
 from otray.types import ConfigError
 
 EPS = 1e-6
@@ -42,6 +43,9 @@ ADVANTAGES: dict[str, Callable[[Sequence[float]], list[float]]] = {
     "zscore": group_zscore,
     "rloo": rloo,
 }
+
+
+assert tuple(ADVANTAGES) == ADVANTAGE_NAMES, "otray.names.ADVANTAGE_NAMES must list the estimators above"
 
 
 def compute(name: str, rewards: Sequence[float]) -> list[float]:

@@ -31,28 +31,8 @@ from __future__ import annotations
 
 import torch
 
+from otray.names import AGGREGATIONS, LOSS_NAMES, loss_config  # noqa: F401 (LOSS_NAMES re-exported)
 from otray.types import ConfigError
-
-LOSS_NAMES = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro")
-AGGREGATIONS = ("sum", "token_mean", "seq_mean_token_mean")
-_DEFAULTS: dict[str, dict[str, float]] = {
-    "cross_entropy": {},
-    "importance_sampling": {},
-    "ppo": {"clip_low": 0.8, "clip_high": 1.2},
-    "cispo": {"clip_low": 0.0, "clip_high": 4.0},
-    "dro": {"beta": 0.1},
-}
-
-
-def loss_config(name: str, **overrides: float) -> dict[str, float]:
-    """The full config of loss ``name``: its defaults updated with ``overrides``."""
-    if name not in _DEFAULTS:
-        raise ConfigError(f"unknown loss_fn {name!r}; choose one of {', '.join(LOSS_NAMES)}")
-    unknown = set(overrides) - set(_DEFAULTS[name])
-    if unknown:
-        valid = ", ".join(_DEFAULTS[name]) or "none"
-        raise ConfigError(f"loss_fn {name!r} takes no config key(s) {sorted(unknown)}; valid keys: {valid}")
-    return {**_DEFAULTS[name], **overrides}
 
 
 def per_token_loss(

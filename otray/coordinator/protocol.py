@@ -9,8 +9,10 @@ every reply is applied through the game's bridge
 (:mod:`otray.coordinator.text_bridge`: parsing, the illegal-move rule). Phases
 repeat until every game has ended.
 
-Policies (:class:`Policy`): ``model`` (a generate function: a trained policy's
-rollout fleet or a frozen checkpoint's), ``scripted`` (``fn(observation, agent) ->
+Policies (:class:`Policy`): ``model`` (rollout worker handles, a trained policy's or a
+frozen checkpoint's, which the coordinator routes over with a
+:class:`~otray.coordinator.fleet.RolloutFleet` of its own; or, in process, any
+generate function), ``scripted`` (``fn(observation, agent) ->
 action``) or ``random`` (a uniformly random legal move). Each agent played by a
 model gets its own multi-turn trajectory, exactly as the single-agent loop builds
 them: its prompt and every later observation are mask 0, only the tokens it
@@ -20,7 +22,7 @@ observation. Its reward is its PettingZoo reward for the game.
 ``policies`` is either keyed by agent (every game seats the same policies) or a
 library keyed by policy name, with a *seating* (agent -> policy name) per game given
 to :meth:`ProtocolCoordinator.run`. The class is plain Python; game jobs run it as a
-Ray actor (``ray.remote(ProtocolCoordinator)``, see ``otray/actors/games.py``), so the
+Ray actor (``ray.remote(ProtocolCoordinator)``, see ``otray/actors/game_source.py``), so the
 games' envs live in the coordinator's process and only dataclasses cross.
 """
 
@@ -34,7 +36,9 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from otray.coordinator.agent_loop import ChatContinuation, GenerateFn, Limits
-from otray.coordinator.text_bridge import Bridge, Decision, GameText, MoveRules, bridge_for
+from otray.coordinator.fleet import RolloutFleet
+from otray.coordinator.text_bridge import Bridge, Decision, MoveRules, bridge_for
+from otray.games import GameText
 from otray.models import chat_prompt_ids
 from otray.types import ErrorRecord, FinishReason, SamplingParams, Task, Trajectory
 
@@ -45,15 +49,16 @@ class Policy:
 
     kind: str
     name: str = ""
-    generate: GenerateFn | None = None  # model
+    generate: GenerateFn | None = None  # model, in process: a generate function
     params: SamplingParams = field(default_factory=lambda: SamplingParams(max_tokens=16))  # model
     fn: Callable[[Any, str], int] | None = None  # scripted
+    workers: tuple[Any, ...] = ()  # model, as an actor: rollout worker handles (the coordinator's fleet)
 
     def __post_init__(self) -> None:
         if self.kind not in ("model", "scripted", "random"):
             raise ValueError(f"policy kind must be model, scripted or random, got {self.kind!r}")
-        if self.kind == "model" and self.generate is None:
-            raise ValueError(f"model policy {self.name!r} needs a generate function")
+        if self.kind == "model" and self.generate is None and not self.workers:
+            raise ValueError(f"model policy {self.name!r} needs rollout worker handles or a generate function")
         if self.kind == "scripted" and self.fn is None:
             raise ValueError(f"scripted policy {self.name!r} needs fn(observation, agent) -> action")
         self.name = self.name or self.kind
@@ -128,6 +133,11 @@ class ProtocolCoordinator:
         if any(p.kind == "model" for p in policies.values()) and tokenizer is None:
             raise ValueError("model policies need the tokenizer")
         self.continuation = ChatContinuation(tokenizer) if tokenizer is not None else None
+        fleets: dict[tuple[Any, ...], RolloutFleet] = {}  # policies on the same workers share one fleet
+        self.generators: dict[str, GenerateFn] = {}
+        for key, p in policies.items():
+            if p.kind == "model":
+                self.generators[key] = p.generate or fleets.setdefault(p.workers, RolloutFleet(list(p.workers))).generate
         self.generate_s = 0.0  # time inside generate calls, for the share of phase time outside them
         self.generate_calls = 0
 
@@ -161,7 +171,7 @@ class ProtocolCoordinator:
             if not by_policy:
                 break
             for name, decisions in by_policy.items():
-                self._decide(self.policies[name], decisions)
+                self._decide(name, decisions)
         return [self._result(g) for g in games]
 
     def play(self, seeds: Sequence[int], seating: dict[str, str] | Sequence[dict[str, str]] | None = None) -> Played:
@@ -170,7 +180,8 @@ class ProtocolCoordinator:
         results = self.run(seeds, seating)
         return Played(results, time.perf_counter() - t0, self.generate_s - gen0, self.generate_calls - calls0)
 
-    def _decide(self, policy: Policy, decisions: list[tuple[_Game, str]]) -> None:
+    def _decide(self, name: str, decisions: list[tuple[_Game, str]]) -> None:
+        policy = self.policies[name]
         if policy.kind != "model":
             for g, agent in decisions:
                 try:
@@ -186,7 +197,7 @@ class ProtocolCoordinator:
         budgets = [self._budget(g.seats[a]) for g, a in ready]
         t0 = time.perf_counter()
         try:
-            results = policy.generate([g.seats[a].traj.token_ids for g, a in ready],
+            results = self.generators[name]([g.seats[a].traj.token_ids for g, a in ready],
                                       replace(policy.params, max_tokens=max(1, min(budgets))), 1)
         except Exception as e:  # noqa: BLE001 - a failed call ends these games, not the others
             for g, _ in ready:

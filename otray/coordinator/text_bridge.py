@@ -22,42 +22,10 @@ counted per agent in :attr:`TextBridge.counts` (``illegal``, ``random_moves``,
 from __future__ import annotations
 
 import random
-import re
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
-_MOVE_INDEX = re.compile(r"<move>\s*(\d+)\s*</move>")
-
-
-def legal_actions(observation: Any) -> list[int]:
-    """Indices the action mask allows (every action when there is no mask)."""
-    mask = observation.get("action_mask") if isinstance(observation, dict) else None
-    return [] if mask is None else [int(i) for i in np.flatnonzero(mask)]
-
-
-def generic_render(observation: Any, agent: str) -> str:
-    """Fallback renderer: the raw observation and the legal action indices."""
-    obs = observation.get("observation") if isinstance(observation, dict) else observation
-    legal = legal_actions(observation)
-    return (f"You are {agent}. Observation: {np.asarray(obs).tolist()}\n"
-            f"Legal moves: {', '.join(map(str, legal))}. Reply with one as <move>N</move>.")
-
-
-def generic_parse(text: str) -> int | None:
-    found = _MOVE_INDEX.findall(text)
-    return int(found[-1]) if found else None
-
-
-@dataclass
-class GameText:
-    """The per-game text functions: ``render(observation, agent) -> str``, ``parse(reply) -> action | None``."""
-
-    render: Callable[[Any, str], str] = generic_render
-    parse: Callable[[str], int | None] = generic_parse
-    example: str = "<move>0</move>"  # a well-formed reply: jobs check that max_tokens_per_turn fits it
+from otray.games import GameText, legal_actions
 
 
 @dataclass

@@ -29,7 +29,7 @@ import hashlib
 import json
 import re
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
@@ -42,21 +42,23 @@ from otray.serve.http import api, rm_handle
 from otray.serve.openai_api import APIError, GenerationRequest, Limits, chunk_body, new_id, parse_request, response_body, sse, usage
 from otray.types import SamplingParams
 
+if TYPE_CHECKING:
+    from otray.serve.model_server import ReplicaInfo
+
 APP_NAME = "otray"
 _JOB_MODEL = re.compile(r"job-(?P<job>\d{8}-\d{6}-[0-9a-f]{6})(?::(?P<step>\d+))?")
 @serve.deployment(name="Gateway", num_replicas=1, ray_actor_options={"num_cpus": 0})
 @serve.ingress(api)
 class Gateway(DashboardRoutes):
     def __init__(self, cfg: dict[str, Any], servers: dict[str, Any], ray_dashboard: str | None = None):
-        from dataclasses import asdict  # imports here: Serve ships this class by value
-
+        # imports here: Serve ships this class by value
         from otray.models import load_tokenizer, resolve_model_path
         from otray.serve.config import load_serve
         from otray.serve.model_server import ModelServer
 
         self.cfg: ServeConfig = load_serve(cfg)
         self.servers = servers  # base model name -> DeploymentHandle, or None: served in this replica
-        self.local = {m.name: ModelServer(asdict(m), self.cfg.cache_dir, self.cfg.stream_chunk_tokens)
+        self.local = {m.name: ModelServer(m, self.cfg.cache_dir, self.cfg.stream_chunk_tokens)
                       for m in self.cfg.models if servers.get(m.name, 0) is None}
         self.checkpoints: dict[str, collections.OrderedDict[str, asyncio.Task]] = {
             name: collections.OrderedDict() for name in self.local}  # in-process layout: least recently used first
@@ -173,7 +175,7 @@ class Gateway(DashboardRoutes):
         if not ids:
             raise APIError(400, "the prompt is empty", param="prompt")
         if base not in self.context:
-            self.context[base] = (await self.model_info(base))["max_model_len"]
+            self.context[base] = (await self.model_info(base)).max_model_len
         room = self.context[base]
         if len(ids) > self.cfg.max_prompt_tokens or len(ids) + req.max_tokens > room:
             raise APIError(400, f"the prompt has {len(ids)} tokens and asks for max_tokens={req.max_tokens}, but "
@@ -206,7 +208,7 @@ class Gateway(DashboardRoutes):
 
     # ------------------------------------------------------------------ generation, in either layout
 
-    async def model_info(self, base: str) -> dict[str, Any]:
+    async def model_info(self, base: str) -> "ReplicaInfo":
         """What the base model's replica reports (``ModelServer.info``), in either layout; for
         benchmarks and operators through a deployment handle, not an HTTP route."""
         return self.local[base].info() if base in self.local else await self.servers[base].info.remote()
@@ -223,7 +225,7 @@ class Gateway(DashboardRoutes):
         if task is None:
             task = asyncio.ensure_future(asyncio.to_thread(server.load_checkpoint, mux))
         cache[mux] = task
-        while len(cache) > server.spec["max_loaded_checkpoints"]:
+        while len(cache) > server.spec.max_loaded_checkpoints:
             cache.popitem(last=False)  # requests still using it hold it; its files go when they finish
         try:
             return await asyncio.shield(task)
@@ -307,14 +309,8 @@ def build(cfg: ServeConfig, ray_dashboard: str | None = None) -> Any:
     for m in cfg.models:
         dep = serve.deployment(serve_class(m.max_loaded_checkpoints), name=f"model-{m.name}")
         servers[m.name] = dep.options(max_ongoing_requests=m.max_ongoing_requests, **_replica_options(m)).bind(
-            to_dict_model(m), cfg.cache_dir, cfg.stream_chunk_tokens)
+            m, cfg.cache_dir, cfg.stream_chunk_tokens)
     return Gateway.options(max_ongoing_requests=cfg.max_ongoing_requests).bind(to_dict(cfg), servers, ray_dashboard)
-
-
-def to_dict_model(m: Any) -> dict[str, Any]:
-    from dataclasses import asdict
-
-    return asdict(m)
 
 
 def run(cfg: ServeConfig, *, blocking: bool = False) -> Any:

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from otray.serve.config import ServeModel
 from otray.serve.openai_api import APIError, Choice, apply_stop
 from otray.types import FinishReason, SamplingParams
 
@@ -207,41 +208,52 @@ class Adapter:
         self.base.retire(self.handle, self.cleanup)
 
 
+@dataclass
+class ReplicaInfo:
+    """What a serving replica reports: its base model, backend, loaded checkpoints, and the prompts per
+    base-model call of its last calls (``batches``) with the count of calls (benchmarks, dashboard)."""
+
+    name: str
+    path: str
+    max_model_len: int
+    backend: str
+    loaded: list[str]
+    batches: list[int]
+    calls: int
+
+
 class ModelServer:
     """Plain class; ``otray.serve.app`` wraps it in a Serve deployment with ``serve.multiplexed``."""
 
-    def __init__(self, model: dict[str, Any], cache_dir: str = ".cache/models", stream_chunk_tokens: int = 4):
+    def __init__(self, model: ServeModel, cache_dir: str = ".cache/models", stream_chunk_tokens: int = 4):
         import torch
 
         from otray.actors.rollout import make_backend
         from otray.models import load_tokenizer, resolve_model_path
 
         self.spec = model
-        if model.get("num_threads"):
-            torch.set_num_threads(int(model["num_threads"]))
-        self.path = resolve_model_path(model["path"], cache_dir)
-        self.kwargs = {"dtype": model["dtype"], "max_model_len": model["max_model_len"],
-                       "kv_cache_gb": model["kv_cache_gb"], "seed": 0}
+        if model.num_threads:
+            torch.set_num_threads(int(model.num_threads))
+        self.path = resolve_model_path(model.path, cache_dir)
+        self.kwargs = {"dtype": model.dtype, "max_model_len": model.max_model_len, "kv_cache_gb": model.kv_cache_gb,
+                       "seed": 0}
         # LoRA slots on a vLLM base engine: one per checkpoint the replica may hold
-        lora = {"max_lora_rank": int(model.get("max_lora_rank") or 0),
-                "max_loras": int(model.get("max_loaded_checkpoints") or 1)}
-        self.base = Loaded(make_backend(model["backend"], self.path, **self.kwargs, **lora), model["name"],
-                           max_batch=model.get("max_batch", 32),
-                           batch_wait_ms=model.get("batch_wait_ms", 50.0))
+        lora = {"max_lora_rank": model.max_lora_rank, "max_loras": max(1, model.max_loaded_checkpoints)}
+        self.base = Loaded(make_backend(model.backend, self.path, **self.kwargs, **lora), model.name,
+                           max_batch=model.max_batch, batch_wait_ms=model.batch_wait_ms)
         self.tokenizer = load_tokenizer(self.path)
         self.chunk = max(1, stream_chunk_tokens)
         # one thread per request the replica may hold (asyncio's default pool has only
         # cpus + 4, which would cap how many requests can wait to share a batch)
-        self.pool = ThreadPoolExecutor(int(model.get("max_ongoing_requests", 32)) + 2, thread_name_prefix="generate")
+        self.pool = ThreadPoolExecutor(model.max_ongoing_requests + 2, thread_name_prefix="generate")
         self.loaded_ids: list[str] = []  # for tests and the dashboard: what this replica has loaded
 
     def ping(self) -> bool:
         return True
 
-    def info(self) -> dict[str, Any]:
-        return {"name": self.spec["name"], "path": self.path, "max_model_len": self.base.backend.max_model_len,
-                "backend": self.base.backend.name, "loaded": list(self.loaded_ids),
-                "batches": list(self.base.batches), "calls": self.base.calls}  # prompts per base-model call
+    def info(self) -> ReplicaInfo:
+        return ReplicaInfo(self.spec.name, self.path, self.base.backend.max_model_len, self.base.backend.name,
+                           list(self.loaded_ids), list(self.base.batches), self.base.calls)
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -274,9 +286,9 @@ class ModelServer:
                 return Adapter(self.base, model_id, str(model_dir), cleanup)
             backend = make_backend("hf", self._merge_adapter(model_dir, Path(cleanup) / "merged"), **self.kwargs)
         else:
-            backend = make_backend(self.spec["backend"], str(model_dir), **self.kwargs)
-        return Loaded(backend, model_id, cleanup=cleanup, max_batch=self.spec.get("max_batch", 32),
-                      batch_wait_ms=self.spec.get("batch_wait_ms", 50.0))
+            backend = make_backend(self.spec.backend, str(model_dir), **self.kwargs)
+        return Loaded(backend, model_id, cleanup=cleanup, max_batch=self.spec.max_batch,
+                      batch_wait_ms=self.spec.batch_wait_ms)
 
     def serves_adapters(self, adapter_dir: Path) -> bool:
         """Whether the base engine can serve this adapter as is (vLLM with enough LoRA rank)."""
@@ -292,7 +304,7 @@ class ModelServer:
 
         from otray.models import load_model
 
-        merged = PeftModel.from_pretrained(load_model(self.path, self.spec["dtype"]), str(adapter_dir)).merge_and_unload()
+        merged = PeftModel.from_pretrained(load_model(self.path, self.spec.dtype), str(adapter_dir)).merge_and_unload()
         merged.save_pretrained(out, safe_serialization=True)
         for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
             if (Path(self.path) / name).exists():

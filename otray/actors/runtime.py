@@ -1,0 +1,218 @@
+"""PolicyRuntime: one trained policy's actors as the job driver holds them, and how they are made.
+
+A job trains one policy (env jobs, self-play) or several (a game with ``trained:a`` and
+``trained:b`` seats). For each, :func:`build_policies` creates a PolicyLearner actor and
+its rollout workers in the job's placement group (or lets the learner sample itself,
+``rollout.colocate``), waits for them, and returns a :class:`PolicyRuntime`: the handles,
+the :class:`~otray.coordinator.fleet.RolloutFleet` over the workers, their typed
+:class:`~otray.types.WorkerInfo`, and the policy version the driver has counted.
+
+Bundle layout of a job's placement group (``otray.actors.resource_manager.bundles_for``):
+policy k takes ``1 + W`` bundles from ``k * (1 + W)`` on (its learner, then its W rollout
+workers; the job driver and a game's coordinator sit in bundle 0 with no CPU of their
+own), then one bundle per frozen game policy.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from otray.config import AlgoSection, Config, num_rollout_workers, to_dict, trained_policies
+from otray.coordinator.fleet import RolloutFleet
+from otray.timing import StepClock
+from otray.types import Datum, LossNormalizer, RolloutError, WorkerInfo
+
+
+def in_bundle(placement_group: Any, index: int) -> dict[str, Any]:
+    """Actor options that pin an actor to one bundle of the job's placement group (or nothing)."""
+    if placement_group is None:
+        return {}
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    return {"scheduling_strategy": PlacementGroupSchedulingStrategy(placement_group, placement_group_bundle_index=index)}
+
+
+def threads_env(num_threads: int | None) -> dict[str, Any]:
+    """Actor options that give an actor's OpenMP ``num_threads`` threads from process start.
+
+    Ray sets ``OMP_NUM_THREADS`` to the actor's ``num_cpus``; ``torch.set_num_threads``
+    raises torch's own count later, but measured here (2 cores, learner with
+    ``num_cpus=1`` and 2 threads) forward_backward still ran ~8% slower than with the
+    variable set to 2 up front. Ray merges these ``env_vars`` into the job's runtime env.
+    """
+    if not num_threads:
+        return {}
+    n = str(num_threads)
+    return {"runtime_env": {"env_vars": {"OMP_NUM_THREADS": n, "MKL_NUM_THREADS": n}}}
+
+
+@dataclass
+class ActorFactory:
+    """Creates a job's actors in its placement group, sized by ``resources``."""
+
+    cfg: Config
+    model_path: str
+    placement_group: Any = None
+
+    def learner(self, bundle: int) -> Any:
+        """A PolicyLearner for the job's model in bundle ``bundle``."""
+        import ray
+
+        from otray.actors.learner import PolicyLearner
+
+        cfg, res = self.cfg, self.cfg.resources
+        return ray.remote(num_cpus=res.learner_cpus, num_gpus=res.learner_gpus)(PolicyLearner).options(
+            **in_bundle(self.placement_group, bundle), **threads_env(res.learner_threads)).remote(
+            self.model_path, lora=to_dict(cfg)["model"]["lora"], dtype=cfg.model.dtype,
+            micro_batch_tokens=cfg.algo.micro_batch_tokens, seed=cfg.job.seed, num_threads=res.learner_threads)
+
+    def workers(self, first_bundle: int, n: int, model_path: str | None = None) -> list[Any]:
+        """``n`` RolloutWorkers serving ``model_path`` (default: the job's model) in bundles
+        ``first_bundle``, ``first_bundle + 1``, ...; worker i is seeded ``job.seed + i``."""
+        import ray
+
+        from otray.actors.rollout import RolloutWorker
+
+        cfg, res = self.cfg, self.cfg.resources
+        return [ray.remote(num_cpus=res.rollout_cpus, num_gpus=res.rollout_gpus)(RolloutWorker).options(
+            **in_bundle(self.placement_group, first_bundle + i), **threads_env(res.rollout_threads)).remote(
+            model_path or self.model_path, cfg.rollout.backend, num_threads=res.rollout_threads, dtype=cfg.model.dtype,
+            max_model_len=cfg.rollout.max_model_len, seed=cfg.job.seed + i, max_lora_rank=cfg.model.lora.rank,
+            kv_cache_gb=cfg.rollout.kv_cache_gb, max_batch=cfg.rollout.max_batch) for i in range(n)]
+
+
+@dataclass(frozen=True)
+class Objective:
+    """What one update minimises: a loss from ``otray.names.LOSS_NAMES``, its config, its aggregation."""
+
+    loss_fn: str
+    loss_fn_config: dict[str, float]
+    aggregation: str
+
+    @classmethod
+    def of(cls, algo: AlgoSection) -> "Objective":
+        return cls(algo.loss_fn, dict(algo.loss_fn_config), algo.aggregation)
+
+
+SUPERVISED = Objective("cross_entropy", {}, "token_mean")
+
+
+@dataclass
+class PolicyRuntime:
+    """One trained policy: its learner actor, the fleet that samples from it, and the driver's view of
+    both. ``version`` counts the learner's optimizer steps (the policy version the sampled episodes
+    carry); ``synced`` is False after updates the fleet has not been sent yet."""
+
+    name: str
+    learner: Any  # PolicyLearner actor handle
+    fleet: RolloutFleet | None  # None: an SFT job with no envs to evaluate starts no workers
+    info: WorkerInfo
+    colocated: bool
+    version: int = 0
+    synced: bool = True
+    nodes: dict[str, Any] = field(default_factory=dict)  # Ray node ids of the learner and the workers
+
+    @property
+    def workers(self) -> tuple[Any, ...]:
+        """Handles that sample this policy: the rollout workers, or the learner itself when colocated."""
+        return tuple(self.fleet.workers) if self.fleet is not None else ()
+
+    def update(self, datums: list[Datum], objective: Objective, algo: AlgoSection, learning_rate: float,
+               normalizer: LossNormalizer | None = None, clock: StepClock | None = None) -> dict[str, float]:
+        """forward_backward + optim_step on ``datums`` (nothing when there are none); returns the
+        learner's metrics of both calls and marks them on ``clock``."""
+        import ray
+
+        if not datums:
+            return {}
+        fb = ray.get(self.learner.forward_backward.remote(
+            datums, objective.loss_fn, objective.loss_fn_config, objective.aggregation, normalizer))
+        if clock is not None:
+            clock.mark("forward_backward")
+        opt = ray.get(self.learner.optim_step.remote(
+            learning_rate, tuple(algo.betas), 1e-8, algo.weight_decay, algo.grad_clip))
+        if clock is not None:
+            clock.mark("optim_step")
+        self.version += 1
+        self.synced = False
+        return {**fb, **opt}
+
+    def sync_weights(self, clock: StepClock | None = None) -> float:
+        """Push the learner's weights to the fleet through the object store (colocated: nothing to
+        send, the learner samples from the weights it trains); returns the seconds it took."""
+        t0 = time.perf_counter()
+        if self.fleet is not None and not self.colocated:
+            self.fleet.update_weights(self.learner.weights.remote())
+        self.synced = True
+        if clock is not None:
+            clock.mark("weight_sync")
+        return time.perf_counter() - t0
+
+    def check_health(self, timeout: float = 30.0) -> list[str]:
+        """Ping the fleet's workers between steps; returns a line for each worker found dead now (the
+        fleet drops it), and raises RolloutError when none is left."""
+        if self.fleet is None:
+            return []
+        before = set(self.fleet.dead)
+        self.fleet.health_check(timeout)
+        if not self.fleet.live:
+            raise RolloutError(f"policy {self.name!r}: every rollout worker failed: " +
+                               "; ".join(f"worker {i}: {why}" for i, why in self.fleet.dead.items()))
+        return [f"policy {self.name!r}: rollout worker {i} failed ({why}); {len(self.fleet.live)} left"
+                for i, why in self.fleet.dead.items() if i not in before]
+
+    def busy_s(self) -> list[float]:
+        """Busy seconds so far of the learner, then of each live worker (``otray.timing.BusyClock``)."""
+        import ray
+
+        live = [self.fleet.workers[i] for i in self.fleet.live] if self.fleet is not None else []
+        return ray.get([self.learner.busy_s.remote(), *[w.busy_s.remote() for w in live]])
+
+    def save(self, path: Path, extra_state: dict[str, Any]) -> None:
+        """Learner state (``path/state``, with ``extra_state``) and the exported model (``path/model``)."""
+        import ray
+
+        ray.get(self.learner.save_state.remote(str(path / "state"), extra_state))
+        ray.get(self.learner.export.remote(str(path / "model")))
+
+    def load(self, path: Path) -> dict[str, Any]:
+        """Load the learner state saved under ``path/state``, push the weights; returns its meta."""
+        import ray
+
+        meta = ray.get(self.learner.load_state.remote(str(path / "state")))
+        self.version = ray.get(self.learner.info.remote()).policy_version
+        self.sync_weights()
+        return meta
+
+
+def build_policies(cfg: Config, factory: ActorFactory) -> dict[str, PolicyRuntime]:
+    """Every policy the job trains (``config.trained_policies``; the first is the job's own), each with
+    its learner and rollout workers started and ready. Policies after the first push their weights to
+    their workers once, so every trained policy starts from the same weights as its sampler."""
+    import ray
+
+    from otray.actors.rollout import wait_ready
+
+    per = 1 + num_rollout_workers(cfg)
+    colocated = cfg.rollout.colocate and (cfg.job.kind == "rl" or bool(cfg.envs))
+    made = [(name, factory.learner(k * per), factory.workers(k * per + 1, per - 1))
+            for k, name in enumerate(trained_policies(cfg))]
+    wait_ready([h for _, learner, workers in made for h in (learner, *workers)])
+    policies = {}
+    for k, (name, learner, workers) in enumerate(made):
+        if colocated:
+            infos = [ray.get(learner.start_sampler.remote(cfg.rollout.max_model_len, cfg.rollout.max_batch))]
+        else:
+            infos = ray.get([w.info.remote() for w in workers])
+        fleet = RolloutFleet([learner] if colocated else workers) if infos else None
+        state = ray.get(learner.info.remote())
+        policy = PolicyRuntime(name, learner, fleet, infos[0] if infos else WorkerInfo(None, cfg.rollout.max_model_len),
+                               colocated, version=state.policy_version,
+                               nodes={"learner": state.node_id, "rollout": [i.node_id for i in infos]})
+        if k > 0:
+            policy.sync_weights()
+        policies[name] = policy
+    return policies

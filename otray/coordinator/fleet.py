@@ -1,0 +1,101 @@
+"""RolloutFleet: routing generate calls over rollout worker actors, from the process that owns it.
+
+A fleet holds Ray actor handles of rollout workers (or of a learner that samples,
+``rollout.colocate``) and whatever it learned about them: which died, and why. It
+splits a batch of prompts over the live workers, routes around a worker that died
+(re-running its share on the others), pushes weight updates, and health-checks the
+workers when asked (the job does between steps, and reports a worker it lost).
+
+State stays in the process that owns the fleet: the job driver owns the fleets that
+its agent loop samples from and that receive weight updates; a ProtocolCoordinator
+actor is given worker *handles* and builds fleets of its own. A fleet object is never
+shipped to another actor (its copy there would go stale).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from otray.types import ConfigError, GenerateResult, RolloutError, SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class RolloutFleet:
+    """Manager of rollout worker actors, owned by the process that samples through it."""
+
+    def __init__(self, workers: list[Any]):
+        if not workers:
+            raise ConfigError("a rollout fleet needs at least one worker (rollout.num_workers >= 1)")
+        self.workers = list(workers)
+        self.dead: dict[int, str] = {}  # worker index -> why it was dropped
+
+    @property
+    def live(self) -> list[int]:
+        return [i for i in range(len(self.workers)) if i not in self.dead]
+
+    def health_check(self, timeout: float = 30.0) -> dict[int, bool]:
+        """Ping every live worker; one that fails or does not answer within ``timeout`` is dropped.
+        Returns worker index -> healthy (for the workers that were live)."""
+        import ray
+
+        refs = {i: self.workers[i].ping.remote() for i in self.live}
+        status = {}
+        for i, ref in refs.items():
+            try:
+                status[i] = bool(ray.get(ref, timeout=timeout))
+            except Exception as e:  # noqa: BLE001 - any failure means unhealthy
+                self._drop(i, e)
+                status[i] = False
+        return status
+
+    def _drop(self, i: int, err: BaseException) -> None:
+        first_line = (str(err).strip().splitlines() or [""])[0]
+        self.dead[i] = f"{type(err).__name__}: {first_line}"[:300]
+        log.warning("rollout worker %d dropped: %s", i, err)
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, n: int = 1) -> list[GenerateResult]:
+        """Split ``prompts`` over live workers; a failed share is re-run on the others."""
+        import ray
+
+        results: list[GenerateResult | None] = [None] * len(prompts)
+        pending = list(range(len(prompts)))
+        while pending:
+            live = self.live
+            if not live:
+                raise RolloutError("every rollout worker failed: " +
+                                   "; ".join(f"worker {i}: {why}" for i, why in self.dead.items()))
+            shares = {w: pending[k::len(live)] for k, w in enumerate(live)}
+            refs = {w: self.workers[w].generate.remote([prompts[j] for j in idx], params, n)
+                    for w, idx in shares.items() if idx}
+            pending = []
+            for w, ref in refs.items():
+                try:
+                    for j, r in zip(shares[w], ray.get(ref)):
+                        results[j] = r
+                except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
+                    self._drop(w, e)
+                    pending.extend(shares[w])
+        return results  # type: ignore[return-value]
+
+    def busy_s(self) -> list[float]:
+        """Each live worker's busy seconds so far (see ``otray.timing.BusyClock``)."""
+        import ray
+
+        return ray.get([self.workers[i].busy_s.remote() for i in self.live])
+
+    def update_weights(self, update_ref: Any) -> list[int]:
+        """Push one weight update (an ObjectRef, so it travels via the object store) to every live worker."""
+        import ray
+
+        refs = {i: self.workers[i].update_weights.remote(update_ref) for i in self.live}
+        versions = []
+        for i, ref in refs.items():
+            try:
+                versions.append(ray.get(ref))
+            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
+                self._drop(i, e)
+        if not versions:
+            raise RolloutError("no rollout worker accepted the weight update")
+        return versions

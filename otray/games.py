@@ -1,0 +1,55 @@
+"""What an env author needs to put a PettingZoo game in front of an LLM: the game's text.
+
+A :class:`GameText` says how an agent's observation is written for the model
+(``render(observation, agent) -> str``) and how its reply is read back
+(``parse(reply) -> action | None``), plus a well-formed ``example`` reply (jobs check
+that ``game.max_tokens_per_turn`` fits it). The generic fallbacks list the legal
+action indices from the observation's ``action_mask`` (the PettingZoo classic-games
+convention) and read ``<move>N</move>``. A game config names its text as
+``game.text: module:TEXT`` (or a function of ``game.kwargs`` returning one).
+
+This module is public API (``otray.games``) and sits at the env level: it imports
+nothing of otray's. The coordinator's bridges (``otray.coordinator.text_bridge``) use it.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+_MOVE_INDEX = re.compile(r"<move>\s*(\d+)\s*</move>")
+
+
+def legal_actions(observation: Any) -> list[int]:
+    """Indices the action mask allows (every action when there is no mask)."""
+    mask = observation.get("action_mask") if isinstance(observation, dict) else None
+    return [] if mask is None else [int(i) for i in np.flatnonzero(mask)]
+
+
+def generic_render(observation: Any, agent: str) -> str:
+    """Fallback renderer: the raw observation and the legal action indices."""
+    obs = observation.get("observation") if isinstance(observation, dict) else observation
+    legal = legal_actions(observation)
+    return (f"You are {agent}. Observation: {np.asarray(obs).tolist()}\n"
+            f"Legal moves: {', '.join(map(str, legal))}. Reply with one as <move>N</move>.")
+
+
+def generic_parse(text: str) -> int | None:
+    found = _MOVE_INDEX.findall(text)
+    return int(found[-1]) if found else None
+
+
+@dataclass
+class GameText:
+    """The per-game text functions: ``render(observation, agent) -> str``, ``parse(reply) -> action | None``."""
+
+    render: Callable[[Any, str], str] = generic_render
+    parse: Callable[[str], int | None] = generic_parse
+    example: str = "<move>0</move>"  # a well-formed reply: jobs check that max_tokens_per_turn fits it
+
+
+__all__ = ["GameText", "generic_parse", "generic_render", "legal_actions"]

@@ -1,0 +1,50 @@
+"""Who plays a seat in a game: :class:`PolicySpec`, parsed once from the config's strings.
+
+A game config maps every agent to a policy written as text (``game.policies``) and
+names evaluation opponents the same way (``game.eval_opponents``):
+
+- ``trained`` or ``trained:NAME``: a policy the job trains (``trained`` is ``trained:main``);
+- ``frozen:REF``: a fixed model; REF is ``JOB_ID[:STEP]``, a checkpoint or a model directory;
+- ``random``: a uniformly random legal move;
+- ``scripted:module:fn``: ``fn(observation, agent) -> action``.
+
+Everything past the config works with :class:`PolicySpec` values; ``str(spec)`` gives the
+canonical text back (what the coordinator's policy library is keyed by).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from otray.types import ConfigError
+
+KINDS = ("trained", "frozen", "random", "scripted")
+
+
+@dataclass(frozen=True)
+class PolicySpec:
+    kind: str  # trained | frozen | random | scripted
+    arg: str = ""  # trained: the policy's name; frozen: REF; scripted: module:fn; random: ""
+
+    @classmethod
+    def parse(cls, text: str, where: str = "game.policies") -> "PolicySpec":
+        """``trained[:NAME]`` | ``frozen:REF`` | ``random`` | ``scripted:module:fn``; else a ConfigError naming ``where``."""
+        kind, _, arg = str(text).strip().partition(":")
+        if kind == "trained" and not arg:
+            arg = "main"
+        if kind not in KINDS or (kind == "random") != (arg == ""):
+            raise ConfigError(f"{where}: {text!r} is not a policy; write trained[:NAME] | frozen:REF | random | "
+                              "scripted:module:fn")
+        return cls(kind, arg)
+
+    def __str__(self) -> str:
+        return self.kind if self.kind == "random" else f"{self.kind}:{self.arg}"
+
+    @property
+    def label(self) -> str:
+        """The spec as a metric-name part: ``scripted:envs.x:heuristic`` -> ``heuristic``, ``frozen:JOB_ID:7``
+        -> ``frozen-JOB_ID-7``, ``frozen:/runs/a/checkpoints/step-000010`` -> ``frozen-step-000010``."""
+        if self.kind == "frozen":
+            return "frozen-" + (Path(self.arg.rstrip("/")).name if "/" in self.arg else self.arg.replace(":", "-"))
+        return str(self).split(":")[-1]
