@@ -28,24 +28,26 @@ def run_game(ray_local, tmp_path_factory):
 
 
 def test_one_step_off_policy_game_trains_each_batch_one_version_late(run_game):
-    rows = [r for r in run_game("offpolicy", ["algo.steps=3", "algo.max_steps_off_policy=1"]) if r["phase"] == "grpo"]
+    # every group trained on, so every step updates the policy and the lag shows
+    overrides = ["algo.steps=3", "algo.max_steps_off_policy=1", "algo.drop_uniform_groups=false"]
+    rows = [r for r in run_game("offpolicy", overrides) if r["phase"] == "grpo"]
     assert len(rows) == 3 and [r["policy_lag"] for r in rows] == [0, 1, 1]
     assert len({r["batch"] for r in rows}) == 3  # three different seed ranges
     assert all("time/rollout_wait_s" in r for r in rows[1:])  # later batches were played while it trained
     assert all(r["games"] == 2 * 2 * 2 and r["games_errored"] == 0 for r in rows)  # seeds x seatings x rollouts
     assert all(GROUP_KEYS <= set(r) for r in rows) and "eval/accuracy" in rows[-1]
+    assert [r["learner/step"] for r in rows] == [1, 2, 3]
 
 
 def test_colocated_game_samples_from_the_learner(run_game):
     from otray.actors.resource_manager import bundles_for
 
-    overrides = ["algo.steps=3", "rollout.colocate=true"]
+    overrides = ["algo.steps=3", "rollout.colocate=true", "algo.drop_uniform_groups=false"]
     assert len(bundles_for(config.load(ROOT / "conf" / "tictactoe_vs_random.yaml", SMALL + overrides))) == 1
     rows = [r for r in run_game("colocated", overrides) if r["phase"] == "grpo"]
     assert len(rows) == 3 and [r["policy_lag"] for r in rows] == [0, 0, 0]
     assert all(r["time/weight_sync_s"] < 0.05 and r["time/generate_s"] > 0 for r in rows)  # nothing to send
-    trained = [r for r in rows if r["groups_kept"]]
-    assert trained and trained[-1]["learner/step"] >= 1 and "eval/accuracy" in rows[-1]
+    assert [r["learner/step"] for r in rows] == [1, 2, 3] and "eval/accuracy" in rows[-1]
 
 
 def test_game_step_drops_uniform_groups_and_counts_them_like_an_env_step(run_game):
