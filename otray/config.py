@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from otray.names import ADVANTAGE_NAMES, AGGREGATIONS, loss_config
-from otray.policies import PolicySpec
+from otray.policies import PolicySpec, eval_opponents, frozen_policies, seating, trained_policies  # noqa: F401 (re-exported)
 from otray.structured import import_object, load_structured, one_of, to_dict  # noqa: F401 (re-exported)
 from otray.types import ConfigError
 
@@ -171,13 +171,26 @@ class EnvSection:
     max_failing_rollouts: int = 0
     temperature: float = 1.0
     top_p: float = 1.0
-    reward_reduction: str = "sum"
-    nonterminal_reward: float = 0.0
+    reward_reduction: str = "sum"  # over the turns' rewards that are not None
+    # one more reward value for an episode that did not finish (ended unfinished by the env, or
+    # truncated); null: none, so an unfinished episode with no reward counts as a failed rollout
+    nonterminal_reward: Optional[float] = 0.0
     weight: float = 1.0
     max_turns: Optional[int] = None  # null = the env's own max_turns
     max_tokens_per_turn: int = 32
     max_tokens_per_episode: int = 256
     ignore_eos: bool = False  # sample exactly max_tokens_per_turn tokens (throughput benchmarks)
+    stop: list[str] = field(default_factory=list)  # stop strings, kept in the sampled text (e.g. </tool_call>)
+    # env calls (reset/step/close) of the active episodes: this many at once, each within timeout_s,
+    # an episode's within episode_timeout_s (null: no limit); a call past its limit is an error record
+    max_concurrency: int = 1
+    timeout_s: Optional[float] = None
+    episode_timeout_s: Optional[float] = None
+    # a failed rollout (error, or no reward at all) is rolled out again up to this many times, then
+    # taken out of its group (counted toward max_failing_rollouts)
+    max_rollout_retries: int = 0
+    # an env that scores whole groups (score_group): none | replace (its score is the reward) | add
+    group_reward: str = "none"
 
 
 @dataclass
@@ -225,29 +238,6 @@ class GameSection:
     # whom each trained policy meets in evaluation (in every role): random | scripted:... | frozen:...
     eval_opponents: list[str] = field(default_factory=lambda: ["random"])
     eval_games: int = 100  # per role and opponent
-
-
-def seating(cfg: "Config") -> dict[str, PolicySpec]:
-    """``game.policies`` parsed: agent -> PolicySpec."""
-    return {} if cfg.game is None else {a: PolicySpec.parse(p, f"game.policies.{a}") for a, p in cfg.game.policies.items()}
-
-
-def eval_opponents(cfg: "Config") -> list[PolicySpec]:
-    """``game.eval_opponents`` parsed."""
-    return [] if cfg.game is None else [PolicySpec.parse(p, "game.eval_opponents") for p in cfg.game.eval_opponents]
-
-
-def trained_policies(cfg: "Config") -> list[str]:
-    """Names of the policies the job trains, in the order they first appear (the first is the job's own);
-    an env job trains one, ``main``."""
-    if cfg.game is None:
-        return ["main"]
-    return list(dict.fromkeys(p.arg for p in seating(cfg).values() if p.kind == "trained"))
-
-
-def frozen_policies(cfg: "Config") -> list[PolicySpec]:
-    """The game's ``frozen:REF`` policies (seats and eval opponents), each once."""
-    return list(dict.fromkeys(p for p in [*seating(cfg).values(), *eval_opponents(cfg)] if p.kind == "frozen"))
 
 
 @dataclass
@@ -374,6 +364,16 @@ def _check_values(cfg: Config) -> None:
         one_of(env.reward_reduction, REWARD_REDUCTIONS, f"envs.{name}.reward_reduction")
         if env.num_rollouts < 1:
             raise ConfigError(f"envs.{name}.num_rollouts must be >= 1, got {env.num_rollouts}")
+        one_of(env.group_reward, ("none", "replace", "add"), f"envs.{name}.group_reward")
+        for key, value, low in (("max_concurrency", env.max_concurrency, 1), ("max_rollout_retries", env.max_rollout_retries, 0),
+                                ("max_failing_rollouts", env.max_failing_rollouts, 0)):
+            if value < low:
+                raise ConfigError(f"envs.{name}.{key} must be >= {low}, got {value}")
+        for key in ("timeout_s", "episode_timeout_s"):
+            if getattr(env, key) is not None and getattr(env, key) <= 0:
+                raise ConfigError(f"envs.{name}.{key} must be > 0 seconds (or null for no limit), got {getattr(env, key)}")
+        if any(not s for s in env.stop):
+            raise ConfigError(f"envs.{name}.stop holds an empty string; give non-empty stop strings")
         if cfg.job.kind == "rl" and "train" not in env.splits:
             raise ConfigError(f"envs.{name}.splits has no 'train' split for RL to sample from "
                               f"(it has: {', '.join(env.splits) or 'none'}); add envs.{name}.splits.train")

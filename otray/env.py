@@ -9,7 +9,8 @@ An otray environment is text in, text out, in Gymnasium's vocabulary::
 
 ``step`` gets the policy's decoded text for one turn. ``StepResult.done`` ends the
 episode; otherwise ``observation`` becomes the next user message. Rewards are
-floats, one per step; the job reduces them (sum/mean/max/min) to the episode reward.
+floats (or None: no signal that turn), one per step; the job reduces the ones given
+(sum/mean/max/min) to the episode reward, and an episode that gave none counts as failed.
 
 Tasks come from a :class:`TaskSource`: a JSONL or Parquet file, or a generator
 function. Envs are named in configs either by a registered name (``register``) or
@@ -33,10 +34,16 @@ from otray.types import ConfigError, DatasetError, EnvCheckError, EnvStateError,
 
 @dataclass
 class StepResult:
+    """What ``Env.step`` returns. ``reward`` may be None: no reward signal this turn (the episode's
+    reward reduces over the turns that gave one). ``finished=False`` with ``done`` says the env
+    ended the episode unfinished (``nonterminal_reward`` applies, as on truncation); an env may
+    say the same with ``info["finished"] = False``."""
+
     observation: str
-    reward: float
+    reward: float | None
     done: bool
     info: dict[str, Any] = field(default_factory=dict)
+    finished: bool | None = None
 
 
 class Env:
@@ -45,6 +52,10 @@ class Env:
     system_prompt: str | None = None
     #: Most turns an episode may take; the agent loop truncates past it.
     max_turns: int = 1
+    #: Tools the env offers (OpenAI function shape: name, description, parameters as JSON Schema),
+    #: read after ``reset``: passed to the chat template's ``tools=`` when it takes them, else
+    #: rendered into the system prompt (``otray.tools.system_with_tools``). None: the env's own prompt.
+    tools: list[dict[str, Any]] | None = None
 
     def reset(self, task: Task, seed: int | None = None) -> tuple[str, dict[str, Any]]:
         raise NotImplementedError
@@ -71,6 +82,7 @@ BUNDLED = {
     "arithmetic": "envs.arithmetic:Arithmetic", "math_word": "envs.math_word:MathWord",
     "calculator": "envs.calculator:Calculator", "math_code": "envs.python_tool:MathWithCode",
     "bandit": "envs.bandit:Bandit", "guess_number": "envs.guess_number:GuessNumber",
+    "openreward": "envs.openreward:OpenRewardEnv",
 }
 
 
@@ -289,7 +301,8 @@ def check_env(env: Env, task: Task, *, actions: Iterable[str] = ("0", "hello", "
 
     Checks: ``step`` before ``reset`` raises :class:`EnvStateError`; ``reset`` returns
     ``(str, dict)``; each ``step`` returns a :class:`StepResult` with a str observation,
-    a finite real (not bool) reward, a bool ``done`` and a dict info; the episode ends
+    a finite real (not bool) reward or None, a bool ``done``, a dict info and ``finished``
+    None or a bool; the episode ends
     within ``max_steps`` (default ``env.max_turns``) when fed ``actions`` cyclically;
     ``step`` after the end raises :class:`EnvStateError`; the same seed gives the same
     first observation.
@@ -349,8 +362,10 @@ def _check_step_result(result: Any, name: str, i: int) -> None:
     if not isinstance(result.observation, str):
         raise EnvCheckError(f"{where} observation must be str, got {type(result.observation).__name__}")
     r = result.reward
-    if isinstance(r, bool) or not isinstance(r, numbers.Real) or not math.isfinite(float(r)):
-        raise EnvCheckError(f"{where} reward must be a finite float, got {r!r} ({type(r).__name__})")
+    if r is not None and (isinstance(r, bool) or not isinstance(r, numbers.Real) or not math.isfinite(float(r))):
+        raise EnvCheckError(f"{where} reward must be a finite float or None, got {r!r} ({type(r).__name__})")
+    if result.finished is not None and not isinstance(result.finished, bool):
+        raise EnvCheckError(f"{where} finished must be None or bool, got {type(result.finished).__name__}")
     if not isinstance(result.done, bool):
         raise EnvCheckError(f"{where} done must be bool, got {type(result.done).__name__}")
     if not isinstance(result.info, dict):

@@ -239,10 +239,19 @@ def end_of_turn_ids(tokenizer) -> list[int]:
     return sorted(i for i in ids if i is not None)
 
 
-def chat_prompt_ids(tokenizer, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
-    """Token ids of ``messages`` rendered by the tokenizer's chat template."""
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+def chat_prompt_ids(tokenizer, messages: list[dict[str, str]], add_generation_prompt: bool = True,
+                    tools: list[dict[str, Any]] | None = None) -> list[int]:
+    """Token ids of ``messages`` rendered by the tokenizer's chat template (with ``tools``, for a
+    template that takes them: see :func:`template_takes_tools`)."""
+    extra = {"tools": [{"type": "function", "function": t} for t in tools]} if tools else {}
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False, **extra)
     return tokenizer.encode(text, add_special_tokens=False)
+
+
+def template_takes_tools(tokenizer) -> bool:
+    """Whether the tokenizer's chat template renders a ``tools=`` list (Qwen2.5's and Llama 3's do;
+    otray's tiny model's does not: its envs' tools go into the system prompt)."""
+    return "tools" in str(getattr(tokenizer, "chat_template", None) or "")
 
 
 def main(argv: list[str] | None = None) -> None:

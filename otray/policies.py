@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from otray.types import ConfigError
 
@@ -48,3 +49,29 @@ class PolicySpec:
         if self.kind == "frozen":
             return "frozen-" + (Path(self.arg.rstrip("/")).name if "/" in self.arg else self.arg.replace(":", "-"))
         return str(self).split(":")[-1]
+
+
+# ------------------------------------------------------------------ a job config's policies (cfg: otray.config.Config)
+
+
+def seating(cfg: Any) -> dict[str, PolicySpec]:
+    """``game.policies`` parsed: agent -> PolicySpec."""
+    return {} if cfg.game is None else {a: PolicySpec.parse(p, f"game.policies.{a}") for a, p in cfg.game.policies.items()}
+
+
+def eval_opponents(cfg: Any) -> list[PolicySpec]:
+    """``game.eval_opponents`` parsed."""
+    return [] if cfg.game is None else [PolicySpec.parse(p, "game.eval_opponents") for p in cfg.game.eval_opponents]
+
+
+def trained_policies(cfg: Any) -> list[str]:
+    """Names of the policies the job trains, in the order they first appear (the first is the job's own);
+    an env job trains one, ``main``."""
+    if cfg.game is None:
+        return ["main"]
+    return list(dict.fromkeys(p.arg for p in seating(cfg).values() if p.kind == "trained"))
+
+
+def frozen_policies(cfg: Any) -> list[PolicySpec]:
+    """The game's ``frozen:REF`` policies (seats and eval opponents), each once."""
+    return list(dict.fromkeys(p for p in [*seating(cfg).values(), *eval_opponents(cfg)] if p.kind == "frozen"))

@@ -43,6 +43,26 @@ class ParsedReply:
         return bool(self.calls or self.errors)
 
 
+def render_tools(tools: list[dict[str, Any]]) -> str:
+    """Tool specs (OpenAI function shape: ``name``, ``description``, ``parameters`` as JSON Schema) as
+    the model reads them when its chat template takes no ``tools=``: one line per tool with its
+    arguments, then the call format."""
+    lines = []
+    for t in tools:
+        props = (t.get("parameters") or {}).get("properties", {})
+        args = ", ".join(f"{k}: {v.get('type', 'any')}" for k, v in props.items())
+        lines.append(f"- {t['name']}({args}): {(t.get('description') or '').strip()}")
+    return ("Tools:\n" + "\n".join(lines) + "\n"
+            + 'Call a tool as <tool_call>{"name": NAME, "arguments": {...}}</tool_call>.')
+
+
+def system_with_tools(tools: list[dict[str, Any]] | None, system_prompt: str | None) -> str | None:
+    """The system message of an env that lists ``tools`` (``Env.tools``) to a model whose template
+    cannot take them: the rendered tools, then the env's own system prompt."""
+    parts = [render_tools(tools) if tools else None, system_prompt]
+    return "\n".join(p for p in parts if p) or None
+
+
 def format_tool_call(call: ToolCall) -> str:
     """The canonical text of a call (what :func:`parse_tool_calls` reads back)."""
     return f"{OPEN}{json.dumps({'name': call.name, 'arguments': call.arguments}, ensure_ascii=False)}{CLOSE}"

@@ -60,7 +60,9 @@ class SamplingParams:
 
     ``max_tokens`` bounds the new tokens of one call (one turn). ``stop_token_ids``
     default to the tokenizer's end-of-turn ids, filled in by the backend, unless
-    ``ignore_eos`` asks for exactly ``max_tokens`` tokens.
+    ``ignore_eos`` asks for exactly ``max_tokens`` tokens. ``stop`` strings end a sample
+    as soon as its decoded text contains one (e.g. ``</tool_call>``); the sample keeps
+    every token up to the one that completed the string (finish reason ``stop_string``).
     """
 
     max_tokens: int = 64
@@ -70,8 +72,11 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False  # generate exactly max_tokens (benchmarks); no stop ids apply
+    stop: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ConfigError(f"stop strings must be non-empty strings, got {list(self.stop)}")
         if self.max_tokens < 1:
             raise ConfigError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.temperature < 0:
@@ -87,6 +92,7 @@ class SamplingParams:
 class FinishReason(str, enum.Enum):
     STOP = "stop"  # an end-of-turn / stop token was sampled (and is included)
     LENGTH = "length"  # max_tokens or the context limit was reached
+    STOP_STRING = "stop_string"  # the text reached a stop string; every sampled token is kept
 
 
 @dataclass
@@ -194,7 +200,9 @@ class Trajectory:
     ``token_ids`` is append-only: prompt, then each sampled turn exactly as sampled,
     then each observation as new tokens. ``loss_mask[i] == 1`` exactly where token
     ``i`` was sampled by the policy; ``logprobs[i]`` is the sampler's logprob there
-    (0.0 elsewhere). ``turn_rewards`` has one entry per env step.
+    (0.0 elsewhere). ``turn_rewards`` has one entry per env step (None: the env gave no reward
+    signal that turn). ``finished``: the env ended the episode and called it finished (an env may
+    end one unfinished); ``truncated``: a limit (turns, tokens, context) ended it.
     """
 
     task: Task
@@ -202,7 +210,7 @@ class Trajectory:
     loss_mask: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     prompt_len: int = 0
-    turn_rewards: list[float] = field(default_factory=list)
+    turn_rewards: list[float | None] = field(default_factory=list)
     reward: float = 0.0
     finished: bool = False
     truncated: bool = False
@@ -241,6 +249,9 @@ class TrajectoryGroup:
     trajectories: list[Trajectory]
     key: tuple[Any, ...] = ()
     max_failing: int = 0
+    # rollouts that failed (after their retries) and were taken out of the group: kept for the
+    # metrics and the episode log, never trained on; they count toward ``max_failing``
+    failed: list[Trajectory] = field(default_factory=list)
 
     @property
     def rewards(self) -> list[float]:
@@ -248,7 +259,12 @@ class TrajectoryGroup:
 
     @property
     def num_failed(self) -> int:
-        return sum(t.error is not None for t in self.trajectories)
+        return len(self.failed) + sum(t.error is not None for t in self.trajectories)
+
+    @property
+    def all_trajectories(self) -> list[Trajectory]:
+        """The group's trajectories and its failed rollouts."""
+        return [*self.trajectories, *self.failed]
 
 
 @dataclass

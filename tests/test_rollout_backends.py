@@ -97,6 +97,23 @@ def test_lora_update_then_match(worker, tiny_path, prompts):
     assert new_lp != base_lp
 
 
+def test_stop_strings_end_a_sample_at_the_token_that_completes_them(worker, tokenizer, prompts):
+    from dataclasses import replace
+
+    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    full = worker.generate(prompts[:1], greedy, 1)[0].samples[0]
+    text = tokenizer.decode(full.token_ids, skip_special_tokens=False)
+    stop = text[len(text) // 2: len(text) // 2 + 3]
+    expected = next(k for k in range(1, len(full.token_ids) + 1)
+                    if stop in tokenizer.decode(full.token_ids[:k], skip_special_tokens=False))
+    cut = worker.generate(prompts[:1], replace(greedy, stop=(stop,)), 1)[0].samples[0]
+    assert cut.finish_reason is FinishReason.STOP_STRING
+    assert cut.token_ids == full.token_ids[:expected]  # every token up to the completing one, as sampled
+    assert cut.logprobs == pytest.approx(full.logprobs[:expected], abs=1e-4)
+    never = worker.generate(prompts[:1], replace(greedy, stop=("\x01never",)), 1)[0].samples[0]
+    assert never.token_ids == full.token_ids and never.finish_reason is FinishReason.LENGTH
+
+
 def test_ignore_eos_generates_exactly_max_tokens(worker, tiny_path, tokenizer, prompts):
     # a policy trained to stop right away still runs to max_tokens when asked to ignore eos
     learner = PolicyLearner(tiny_path)

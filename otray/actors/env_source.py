@@ -18,8 +18,9 @@ from otray.actors.episodes import batch_digest, episode_metrics, episode_reward
 from otray.actors.step import Batch
 from otray.config import Config, EnvSection, EvalSection
 from otray.coordinator.agent_loop import AgentLoop, GenerateFn, Limits
+from otray.coordinator.env_io import EnvIO
 from otray.env import Mixture, TaskSource, resolve
-from otray.types import SamplingParams, Task, TrajectoryGroup
+from otray.types import ErrorRecord, SamplingParams, Task, Trajectory, TrajectoryGroup
 
 
 class EnvRollouts:
@@ -31,41 +32,100 @@ class EnvRollouts:
         self.generate_s = 0.0  # inside generate calls, summed over every rollout
         self.last_generate_s = 0.0  # of the last rollout
         self.first_rollout_at: float | None = None  # wall clock (time.time) of the first rollout
+        self._generate_s_run = 0.0
 
     def limits(self, env: EnvSection, factory_max_turns: int) -> Limits:
         return Limits(max_turns=env.max_turns or factory_max_turns, max_tokens_per_turn=env.max_tokens_per_turn,
-                      max_tokens_per_episode=env.max_tokens_per_episode, max_model_len=self.max_model_len)
+                      max_tokens_per_episode=env.max_tokens_per_episode, max_model_len=self.max_model_len,
+                      env_io=EnvIO(env.max_concurrency, env.timeout_s, env.episode_timeout_s))
 
-    def rollout(self, tasks: list[Task], seed_step: int, *, n: int | None = None,
-                greedy: bool = False) -> list[TrajectoryGroup]:
+    def rollout(self, tasks: list[Task], seed_step: int, *, n: int | None = None, greedy: bool = False,
+                train: bool = False) -> list[TrajectoryGroup]:
         """``n`` (default: the env's ``num_rollouts``) episodes per task, every env in one agent loop;
-        groups come back env by env in config order, keyed ``(env, task id)``, rewards reduced."""
+        groups come back env by env in config order, keyed ``(env, task id)``, rewards reduced.
+
+        ``train``: a failed rollout (an error, or no reward at all) is rolled out again, up to
+        ``max_rollout_retries`` times, then taken out of its group into ``group.failed``; envs that
+        score groups (``group_reward``) score them. Evaluation keeps every episode as it came."""
         if self.first_rollout_at is None:
             self.first_rollout_at = time.time()
-        batches, layout = [], []
-        for name, env_cfg in self.envs.items():
-            mine = [t for t in tasks if t.env == name]
-            if not mine:
-                continue
-            factory, k = resolve(env_cfg.entry), n or env_cfg.num_rollouts
-            base = self.seed * 1_000_003 + seed_step * 100_003 + len(layout) * 10_007
-            episodes = [(t, factory(**env_cfg.kwargs), base + j * k + i) for j, t in enumerate(mine) for i in range(k)]
-            params = SamplingParams(max_tokens=env_cfg.max_tokens_per_turn, ignore_eos=env_cfg.ignore_eos,
-                                    temperature=0.0 if greedy else env_cfg.temperature, top_p=env_cfg.top_p)
-            batches.append((episodes, params, self.limits(env_cfg, episodes[0][1].max_turns)))
-            layout.append((name, env_cfg, mine, k))
-        loop = AgentLoop(self.tokenizer, self.generate, Limits())
-        trajs = iter(loop.run_many(batches))
-        self.generate_s += loop.generate_s
-        self.last_generate_s = loop.generate_s
+        layout = [(name, env_cfg, [t for t in tasks if t.env == name]) for name, env_cfg in self.envs.items()]
+        layout = [(name, env_cfg, mine, n or env_cfg.num_rollouts) for name, env_cfg, mine in layout if mine]
+        slots = [(e, j, i) for e, (_, _, mine, k) in enumerate(layout) for j in range(len(mine)) for i in range(k)]
+        trajs = self._run(layout, slots, seed_step, 0, greedy)
+        self.last_generate_s = self._generate_s_run
+        retries = max((env.max_rollout_retries for _, env, _, _ in layout), default=0) if train else 0
+        for attempt in range(1, 1 + retries):
+            again = [j for j, (k_env, _, _) in enumerate(slots)
+                     if trajs[j].error is not None and attempt <= layout[k_env][1].max_rollout_retries]
+            if not again:
+                break
+            for j, traj in zip(again, self._run(layout, [slots[j] for j in again], seed_step, attempt, greedy)):
+                trajs[j] = traj
+            self.last_generate_s += self._generate_s_run
         groups: list[TrajectoryGroup] = []
+        members = iter(trajs)
         for name, env_cfg, mine, k in layout:
             for t in mine:
-                members = [next(trajs) for _ in range(k)]
-                for traj in members:
-                    traj.reward = episode_reward(traj, env_cfg)
-                groups.append(TrajectoryGroup(t, members, key=(name, t.id), max_failing=env_cfg.max_failing_rollouts))
+                group = [next(members) for _ in range(k)]
+                failed = [tr for tr in group if tr.error is not None] if train else []
+                kept = [tr for tr in group if tr.error is None] if train else group
+                groups.append(TrajectoryGroup(t, kept, key=(name, t.id), max_failing=env_cfg.max_failing_rollouts,
+                                              failed=failed))
+                if train and env_cfg.group_reward != "none":
+                    self._score_group(groups[-1], env_cfg)
         return groups
+
+    def _run(self, layout: list, slots: list[tuple[int, int, int]], seed_step: int, attempt: int,
+             greedy: bool) -> list[Trajectory]:
+        """One agent loop over ``slots`` (env index, task index, rollout index; in env order); rewards
+        reduced, episodes with no reward at all marked failed. Seeds derive from the job seed, the
+        step, the env's place, the task's and the rollout's (and the retry ``attempt``)."""
+        batches = []
+        for e, (name, env_cfg, mine, k) in enumerate(layout):
+            factory = resolve(env_cfg.entry)
+            base = self.seed * 1_000_003 + seed_step * 100_003 + e * 10_007 + attempt * 7_919
+            episodes = [(mine[j], factory(**env_cfg.kwargs), base + j * k + i) for e2, j, i in slots if e2 == e]
+            if not episodes:
+                continue
+            params = SamplingParams(max_tokens=env_cfg.max_tokens_per_turn, ignore_eos=env_cfg.ignore_eos,
+                                    temperature=0.0 if greedy else env_cfg.temperature, top_p=env_cfg.top_p,
+                                    stop=tuple(env_cfg.stop))
+            batches.append((episodes, params, self.limits(env_cfg, episodes[0][1].max_turns)))
+        loop = AgentLoop(self.tokenizer, self.generate, Limits())
+        trajs = loop.run_many(batches)  # in the order of the batches: env by env, as ``slots`` is
+        self.generate_s += loop.generate_s
+        self._generate_s_run = loop.generate_s
+        for (e, _, _), traj in zip(slots, trajs):
+            reward = episode_reward(traj, layout[e][1])
+            if reward is None:
+                traj.error = ErrorRecord("no_reward", "the episode gave no reward: every turn's reward was None"
+                                         + ("" if traj.finished else " and envs.<name>.nonterminal_reward is null"),
+                                         turn=traj.num_turns)
+            traj.reward = reward or 0.0
+        return trajs
+
+    def _score_group(self, group: TrajectoryGroup, env_cfg: EnvSection) -> None:
+        """Combine the env's group score (``score_group(task, trajectories) -> rewards``) with each
+        rollout's reward as ``group_reward`` says; a failing scorer fails the whole group."""
+        if not group.trajectories:
+            return
+        env = resolve(env_cfg.entry)(**env_cfg.kwargs)
+        try:
+            scores = [float(x) for x in env.score_group(group.task, group.trajectories)]
+            if len(scores) != len(group.trajectories):
+                raise ValueError(f"score_group returned {len(scores)} scores for {len(group.trajectories)} rollouts")
+        except Exception as e:  # noqa: BLE001 - the group is recorded as failed, the step goes on
+            for traj in group.trajectories:
+                traj.error = ErrorRecord("group_score_failed", f"{type(e).__name__}: {e}"[:2000], turn=traj.num_turns)
+            group.failed.extend(group.trajectories)
+            group.trajectories = []
+            return
+        finally:
+            env.close()
+        for traj, score in zip(group.trajectories, scores):
+            traj.info["group_score"] = score
+            traj.reward = score if env_cfg.group_reward == "replace" else traj.reward + score
 
     def accuracy(self, tasks: list[Task], seed_step: int, greedy: bool = True) -> float:
         """Share of ``tasks`` solved in one episode each (info["correct"], else reward > 0)."""
@@ -105,16 +165,16 @@ class EnvGroupSource:
         t0 = time.perf_counter()
         tasks = self.mixture.sample(self.cfg.algo.batch_size)
         sample_s = time.perf_counter() - t0
-        groups = self.rollouts.rollout(tasks, seed_step)
-        trajs = [t for g in groups for t in g.trajectories]
+        groups = self.rollouts.rollout(tasks, seed_step, train=True)
+        trajs = [t for g in groups for t in g.all_trajectories]
         metrics = episode_metrics(trajs, "")
         for name in self.cfg.envs if len(self.cfg.envs) > 1 else ():  # per env, when there are several
-            mine = [t for g in groups if g.task.env == name for t in g.trajectories]
+            mine = [t for g in groups if g.task.env == name for t in g.all_trajectories]
             if mine:
                 metrics.update(episode_metrics(mine, f"env/{name}/"))
         return Batch({self.policy: groups}, batch_digest(tasks), time.perf_counter() - t0, sample_s,
                      self.rollouts.last_generate_s, sum(t.num_sampled for t in trajs), metrics,
-                     shown=[t for g in groups[:2] for t in g.trajectories])
+                     shown=[t for g in groups[:2] for t in g.all_trajectories])
 
     def evaluate(self, step: int, greedy: bool) -> dict[str, float]:
         from dataclasses import replace

@@ -25,12 +25,17 @@ REDUCE: dict[str, Callable[[list[float]], float]] = {
     "sum": sum, "mean": statistics.fmean, "max": max, "min": min}
 
 
-def episode_reward(traj: Trajectory, env: EnvSection) -> float:
-    """Reduce per-turn rewards; add ``nonterminal_reward`` if the episode never finished."""
+def episode_reward(traj: Trajectory, env: EnvSection) -> float | None:
+    """The episode's reward: ``env.reward_reduction`` over the turns' rewards that are not None, with
+    ``env.nonterminal_reward`` as one more value when the episode did not finish (the env ended it
+    unfinished, or a limit truncated it). None when there is no value at all: the rollout gave no
+    reward and counts as failed. An errored episode gets 0.0 (it is failed already)."""
     if traj.error is not None:
         return 0.0
-    reward = REDUCE[env.reward_reduction](traj.turn_rewards) if traj.turn_rewards else 0.0
-    return reward if traj.finished else reward + env.nonterminal_reward
+    values = [r for r in traj.turn_rewards if r is not None]
+    if not traj.finished and env.nonterminal_reward is not None:
+        values.append(env.nonterminal_reward)
+    return REDUCE[env.reward_reduction](values) if values else None
 
 
 def solved(traj: Trajectory) -> bool:

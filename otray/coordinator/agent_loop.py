@@ -10,20 +10,29 @@ Each episode moves PENDING -> GENERATING <-> INTERACTING -> TERMINATED:
   observation is appended as *new* tokens: the chat template's continuation
   after the assistant turn (mask 0). Text the policy produced is never re-tokenized.
 - TERMINATED: done, truncated (``max_turns``, per-episode token budget, context
-  full) or errored (an env exception becomes ``Trajectory.error``).
+  full) or errored (an env exception, or a call past its time limit, becomes
+  ``Trajectory.error``). Its env is closed right away (a remote session is freed
+  as soon as its episode ends, not at the end of the batch).
+
+Env calls of one phase (every episode's ``reset``, every interacting episode's
+``step``, the ``close`` of those that ended) run concurrently and under time limits
+as each env's :class:`~otray.coordinator.env_io.EnvIO` says (``Limits.env_io``).
 """
 
 from __future__ import annotations
 
 import enum
+import functools
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+from otray.coordinator.env_io import EnvIO, EnvTimeout, call_all
 from otray.env import Env
-from otray.models import chat_prompt_ids
+from otray.models import chat_prompt_ids, template_takes_tools
+from otray.tools import system_with_tools
 from otray.types import ErrorRecord, FinishReason, GenerateResult, SamplingParams, Task, Trajectory
 
 GenerateFn = Callable[[list[list[int]], SamplingParams, int], list[GenerateResult]]
@@ -42,6 +51,7 @@ class Limits:
     max_tokens_per_turn: int = 64
     max_tokens_per_episode: int = 512  # sampled tokens, summed over turns
     max_model_len: int = 512
+    env_io: EnvIO = field(default_factory=EnvIO)  # env calls: concurrency and time limits
 
 
 class ChatContinuation:
@@ -74,6 +84,8 @@ class _Episode:
     params: SamplingParams
     state: State = State.PENDING
     seed: int | None = None
+    started_at: float = 0.0  # time.monotonic() at reset, for the episode's time limit
+    closed: bool = False
 
 
 class AgentLoop:
@@ -84,6 +96,7 @@ class AgentLoop:
         self.generate = generate
         self.limits = limits
         self.continuation = ChatContinuation(tokenizer)
+        self.template_tools = template_takes_tools(tokenizer)  # env tools via the template's tools=
         self.generate_s = 0.0  # time spent in ``generate`` calls, summed over runs
 
     def run(self, episodes: Sequence[tuple[Task, Env, int | None]], params: SamplingParams) -> list[Trajectory]:
@@ -100,33 +113,64 @@ class AgentLoop:
         """
         eps = [_Episode(env, Trajectory(task=task), limits, params, seed=seed)
                for episodes, params, limits in batches for task, env, seed in episodes]
-        for ep in eps:
-            self._start(ep)
+        for ep, out in zip(eps, self._env_calls(eps, lambda ep: ep.env.reset(ep.traj.task, seed=ep.seed), start=True)):
+            self._start(ep, out)
+        self._close_ended(eps)
         while True:
             active = [ep for ep in eps if ep.state is State.GENERATING]
             if not active:
                 break
             self._generate_turn(active)
-            for ep in active:
-                if ep.state is State.INTERACTING:
-                    self._interact(ep)
-        for ep in eps:
-            try:
-                ep.env.close()
-            except Exception:  # noqa: BLE001 - closing must not lose the trajectory
-                pass
+            interacting = [ep for ep in active if ep.state is State.INTERACTING]
+            for ep in interacting:
+                ep.traj.num_turns += 1
+            steps = self._env_calls(interacting, lambda ep: ep.env.step(ep.traj.messages[-1]["content"]))
+            for ep, out in zip(interacting, steps):
+                self._interact(ep, out)
+            self._close_ended(active)
         return [ep.traj for ep in eps]
+
+    # ------------------------------------------------------------------ env calls
+
+    def _env_calls(self, eps: list[_Episode], call: Callable[[_Episode], Any], start: bool = False) -> list[Any]:
+        """``call(ep)`` for every episode, concurrently as their EnvIO allows, each limited to its call's
+        time limit and what is left of its episode's; returns values or exceptions."""
+        now = time.monotonic()
+        jobs, skipped = [], {}
+        for i, ep in enumerate(eps):
+            io = ep.limits.env_io
+            if start:
+                ep.started_at = now
+            limit = io.timeout_s
+            if io.episode_timeout_s is not None:
+                left = io.episode_timeout_s - (now - ep.started_at)
+                limit = left if limit is None else min(limit, left)
+            if limit is not None and limit <= 0:
+                skipped[i] = EnvTimeout(f"the episode ran past its time limit ({io.episode_timeout_s:g} s of env calls)")
+                continue
+            jobs.append((functools.partial(call, ep), io, limit))
+        results = iter(call_all(jobs))
+        return [skipped[i] if i in skipped else next(results) for i in range(len(eps))]
+
+    def _close_ended(self, eps: list[_Episode]) -> None:
+        """Close the envs of episodes that have ended (errors in ``close`` must not lose a trajectory)."""
+        ended = [ep for ep in eps if ep.state is State.TERMINATED and not ep.closed]
+        for ep in ended:
+            ep.closed = True
+        self._env_calls(ended, lambda ep: ep.env.close())
 
     # ------------------------------------------------------------------ transitions
 
-    def _start(self, ep: _Episode) -> None:
-        try:
-            first, info = ep.env.reset(ep.traj.task, seed=ep.seed)
-        except Exception as e:  # noqa: BLE001 - an env failure is a value, not a crash
-            return self._fail(ep, "env_exception", e)
-        messages = ([{"role": "system", "content": ep.env.system_prompt}] if ep.env.system_prompt else [])
+    def _start(self, ep: _Episode, out: Any) -> None:
+        if isinstance(out, BaseException):  # an env failure is a value, not a crash
+            return self._fail(ep, "env_timeout" if isinstance(out, EnvTimeout) else "env_exception", out)
+        first, info = out
+        tools = getattr(ep.env, "tools", None)
+        in_template = bool(tools) and self.template_tools
+        system = ep.env.system_prompt if in_template else system_with_tools(tools, ep.env.system_prompt)
+        messages = ([{"role": "system", "content": system}] if system else [])
         messages.append({"role": "user", "content": first})
-        ids = chat_prompt_ids(self.tokenizer, messages)
+        ids = chat_prompt_ids(self.tokenizer, messages, tools=tools if in_template else None)
         ep.traj.messages = messages
         ep.traj.info.update(info)
         ep.traj.append(ids, sampled=False)
@@ -168,18 +212,15 @@ class AgentLoop:
         body = ids[:-1] if reason is FinishReason.STOP else ids
         return self.tokenizer.decode(body, skip_special_tokens=False)
 
-    def _interact(self, ep: _Episode) -> None:
+    def _interact(self, ep: _Episode, result: Any) -> None:
         traj = ep.traj
-        traj.num_turns += 1
-        try:
-            result = ep.env.step(traj.messages[-1]["content"])
-        except Exception as e:  # noqa: BLE001
-            return self._fail(ep, "env_exception", e)
-        traj.turn_rewards.append(float(result.reward))
+        if isinstance(result, BaseException):
+            return self._fail(ep, "env_timeout" if isinstance(result, EnvTimeout) else "env_exception", result)
+        traj.turn_rewards.append(None if result.reward is None else float(result.reward))
         traj.info.update(result.info)
         stop = traj.info.pop("_last_stop", None)
-        if result.done:
-            traj.finished = True
+        if result.done:  # finished unless the env says it ended the episode unfinished
+            traj.finished = result.finished is not False and result.info.get("finished") is not False
             ep.state = State.TERMINATED
             return
         out_of_budget = self._turn_budget(ep) <= 0
@@ -197,7 +238,11 @@ class AgentLoop:
         ep.state = State.GENERATING
 
     def _fail(self, ep: _Episode, kind: str, err: BaseException | str) -> None:
-        msg = err if isinstance(err, str) else f"{type(err).__name__}: {err}\n{traceback.format_exc(limit=3)}"
+        if isinstance(err, str):
+            msg = err
+        else:
+            tb = "".join(traceback.format_exception(type(err), err, err.__traceback__, limit=3))
+            msg = f"{type(err).__name__}: {err}\n{tb}"
         ep.traj.error = ErrorRecord(kind, msg[:2000], turn=ep.traj.num_turns)
         ep.traj.info.pop("_last_stop", None)
         ep.state = State.TERMINATED

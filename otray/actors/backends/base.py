@@ -7,9 +7,10 @@ returns are exactly the ids the learner trains on.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from otray.types import PromptTooLongError, Sample, SamplingParams
+from otray.types import FinishReason, PromptTooLongError, Sample, SamplingParams
 
 
 class Backend(Protocol):
@@ -47,3 +48,23 @@ def effective_params(params: SamplingParams, stop_token_ids: list[int]) -> Sampl
     if params.stop_token_ids:
         return params
     return replace(params, stop_token_ids=tuple(stop_token_ids))
+
+
+def stop_string_end(decode: Callable[[list[int]], str], ids: list[int], stops: Sequence[str]) -> int | None:
+    """How many of ``ids`` to keep when their text reaches one of ``stops``: up to and including the
+    token that completes the first stop string; None when the text holds none."""
+    if not stops or not any(s in decode(ids) for s in stops):
+        return None
+    for k in range(1, len(ids) + 1):
+        if any(s in decode(ids[:k]) for s in stops):
+            return k
+    return None
+
+
+def apply_stop_strings(sample: Sample, decode: Callable[[list[int]], str], stops: Sequence[str]) -> Sample:
+    """``sample`` cut after the token that completed a stop string (finish reason ``stop_string``), or
+    as it is when its text reaches none (or an end-of-turn token ended it on the same token)."""
+    k = stop_string_end(decode, sample.token_ids, stops)
+    if k is None or (sample.finish_reason is FinishReason.STOP and k == len(sample.token_ids)):
+        return sample
+    return Sample(sample.token_ids[:k], sample.logprobs[:k], FinishReason.STOP_STRING)

@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import torch
 
-from otray.actors.backends.base import check_prompt_lengths, effective_params
+from otray.actors.backends.base import apply_stop_strings, check_prompt_lengths, effective_params
 from otray.actors.backends.packed import PackedLinears
 from otray.models import end_of_turn_ids, load_model, load_tokenizer
 from otray.types import FinishReason, Sample, SamplingParams
@@ -76,6 +76,8 @@ class HFBackend:
             "top_k": params.top_k if params.top_k > 0 else 0}
         if params.ignore_eos:
             sampling["min_new_tokens"] = budget
+        if params.stop:  # end rows early at a stop string (the exact cut is made below)
+            sampling.update(stop_strings=list(params.stop), tokenizer=self.tokenizer)
         with self.packed.active(self.model) if self.packed else nullcontext():
             out = self.model.generate(
                 input_ids=ids, attention_mask=attn, max_new_tokens=budget,
@@ -97,8 +99,11 @@ class HFBackend:
                 if t in stops:
                     reason = FinishReason.STOP
                     break
-            result.append(Sample(toks, lps, reason))
+            result.append(apply_stop_strings(Sample(toks, lps, reason), self._decode, params.stop))
         return result
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
 
     def load_full_weights(self, tensors: dict[str, Any]) -> None:
         if self.model is not self.base_model:

@@ -26,7 +26,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from otray.actors.backends.base import check_prompt_lengths, effective_params
+from otray.actors.backends.base import apply_stop_strings, check_prompt_lengths, effective_params
 from otray.models import end_of_turn_ids, load_tokenizer
 from otray.types import FinishReason, Sample, SamplingParams
 
@@ -111,8 +111,8 @@ class VLLMBackend:
             sp = VSP(n=n, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
                      max_tokens=budget, seed=params.seed, logprobs=0,
                      stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos,
-                     skip_special_tokens=False,
-                     detokenize=False)
+                     skip_special_tokens=False, stop=list(params.stop) or None, include_stop_str_in_output=True,
+                     detokenize=bool(params.stop))  # stop strings need the text; otherwise skip it
             lora = self._lora_request if adapters is None else [adapters[i] for i in idx]
             got = self.llm.generate([TokensPrompt(prompt_token_ids=prompts[i]) for i in idx], sp,
                                     lora_request=lora, use_tqdm=False)
@@ -123,8 +123,14 @@ class VLLMBackend:
                 ids = list(c.token_ids)
                 lps = [c.logprobs[j][t].logprob for j, t in enumerate(ids)] if c.logprobs else [0.0] * len(ids)
                 reason = FinishReason.STOP if c.finish_reason == "stop" else FinishReason.LENGTH
-                result[i].append(Sample(ids, lps, reason))
+                if isinstance(c.stop_reason, str):  # a stop string ended it (vLLM stops on the completing token)
+                    reason = FinishReason.STOP_STRING
+                sample = Sample(ids, lps, reason)
+                result[i].append(apply_stop_strings(sample, self._decode, params.stop) if params.stop else sample)
         return result
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
 
     def load_full_weights(self, tensors: dict[str, Any]) -> None:
         from safetensors.torch import save
