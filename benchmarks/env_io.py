@@ -15,32 +15,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-
-
-def serve() -> tuple[subprocess.Popen, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "tests.openreward_envs", "--port", str(port)], cwd=ROOT,
-                            env={**os.environ, "OPENREWARD_DISABLE_UPDATE_CHECK": "1"},
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    for _ in range(300):
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return proc, f"http://127.0.0.1:{port}"
-        except OSError:
-            time.sleep(0.2)
-    raise RuntimeError("the test env server did not start")
 
 
 def main() -> None:
@@ -63,7 +44,9 @@ def main() -> None:
     def generate(prompts, params, n):
         return [GenerateResult([Sample(reply, [0.0] * len(reply), FinishReason.STOP)], 0) for _ in prompts]
 
-    proc, url = serve()
+    from envs.openreward import start_server
+
+    proc, url = start_server("tests.openreward_envs", cwd=ROOT)
     try:
         def run(n: int, concurrency: int) -> float:
             limits = Limits(max_turns=3, max_tokens_per_turn=32, max_tokens_per_episode=96, max_model_len=512,

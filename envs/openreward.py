@@ -12,6 +12,8 @@ Config::
         max_concurrency: 32             # sessions at a time
         timeout_s: 30                   # per env call; a hung tool is an error record, not a hung step
 
+``tools_per_task: true`` asks each session for its tools (an env whose tools depend on the task);
+by default an env's tools are fetched once per process (they belong to the env class).
 ``base_url`` is the env server (``local:MODULE`` starts ``python -m MODULE --port P`` in the
 job's process for you); ``variant`` picks the env class on a server that holds several (without
 it a session lands in the server's first env). The API key comes from ``OPENREWARD_API_KEY``
@@ -50,6 +52,7 @@ NUDGE = "Call one of the tools, as <tool_call>{\"name\": ..., \"arguments\": {..
 _lock = threading.Lock()
 _client: Any = None
 _servers: dict[str, str] = {}  # local:MODULE -> the URL of the server this process started
+_tools: dict[tuple[str, str | None, str | None], tuple[list[dict[str, Any]], bool]] = {}  # env -> tools, terminal?
 
 
 def tool_specs(listed: Any) -> list[dict[str, Any]]:
@@ -74,10 +77,26 @@ def render_blocks(blocks: Any) -> str:
     return "\n".join(out)
 
 
-def _free_port() -> int:
+def start_server(module: str, cwd: str | Path | None = None, wait_s: float = 60.0) -> tuple[subprocess.Popen, str]:
+    """Start ``python -m MODULE --port P`` on a free localhost port and wait until it accepts
+    connections; returns the process and its URL. A server that exits or stays silent is a ConfigError."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", module, "--port", str(port)], cwd=cwd,
+                            env={**os.environ, "OPENREWARD_DISABLE_UPDATE_CHECK": "1"},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return proc, f"http://127.0.0.1:{port}"
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                err = proc.stderr.read().decode()[-2000:] if proc.poll() is not None else f"no answer in {wait_s:g} s"
+                proc.kill()
+                raise ConfigError(f"the env server `python -m {module}` did not start ({err})") from None
+            time.sleep(0.2)
 
 
 def resolve_url(base_url: str | None) -> str | None:
@@ -87,22 +106,8 @@ def resolve_url(base_url: str | None) -> str | None:
         return base_url
     with _lock:
         if base_url not in _servers:
-            module, port = base_url.split(":", 1)[1], _free_port()
-            proc = subprocess.Popen([sys.executable, "-m", module, "--port", str(port)],
-                                    env={**os.environ, "OPENREWARD_DISABLE_UPDATE_CHECK": "1"},
-                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            proc, _servers[base_url] = start_server(base_url.split(":", 1)[1])
             atexit.register(proc.terminate)
-            deadline = time.monotonic() + 60
-            while True:
-                try:
-                    socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                    break
-                except OSError:
-                    if proc.poll() is not None or time.monotonic() > deadline:
-                        err = proc.stderr.read().decode()[-2000:] if proc.poll() is not None else "no answer in 60 s"
-                        raise ConfigError(f"base_url={base_url!r}: the env server did not start ({err})") from None
-                    time.sleep(0.2)
-            _servers[base_url] = f"http://127.0.0.1:{port}"
         return _servers[base_url]
 
 
@@ -125,17 +130,17 @@ def _no_key_in_config(kwargs: dict[str, Any]) -> None:
                           "remove it from kwargs and set OPENREWARD_API_KEY in the job's environment")
     if kwargs:
         raise ConfigError(f"envs.<name>.kwargs: unknown key(s) {sorted(kwargs)} for entry openreward; valid: "
-                          "environment, base_url, variant, max_turns, nudge")
+                          "environment, base_url, variant, max_turns, nudge, tools_per_task")
 
 
 class OpenRewardEnv(Env):
     """One OpenReward session per episode (see the module docstring)."""
 
     def __init__(self, environment: str, base_url: str | None = None, variant: str | None = None,
-                 max_turns: int = 4, nudge: str = NUDGE, **unknown: Any):
+                 max_turns: int = 4, nudge: str = NUDGE, tools_per_task: bool = False, **unknown: Any):
         _no_key_in_config(unknown)
         self.name, self.base_url, self.variant = environment, base_url, variant
-        self.max_turns, self.nudge = max_turns, nudge
+        self.max_turns, self.nudge, self.tools_per_task = max_turns, nudge, tools_per_task
         self.session: Any = None
         self.done = True
         self.system_prompt = None
@@ -151,11 +156,22 @@ class OpenRewardEnv(Env):
         self.session = env.session(split=str(task.data["split"]), index=int(task.data["index"]))
         self.session.__enter__()
         prompt = render_blocks(self.session.get_prompt())
-        self.has_terminal = self.session.terminal_tool() is not None
-        self.tools = tool_specs(self.session.list_tools()) or None
+        tools, self.has_terminal = self._tool_list(env)
+        self.tools = tools or None
         self.system_prompt = FINAL_ANSWER if self.has_terminal and self.tools else None
         self.done, self.calls, self.errors = False, 0, 0
         return prompt, {"tool_calls": 0, "tool_errors": 0}
+
+    def _tool_list(self, env: Any) -> tuple[list[dict[str, Any]], bool]:
+        """The env's tools and whether it has a terminal tool: static for an env class (fetched once per
+        process from the environment), or asked of each session with ``tools_per_task`` (an env whose
+        tools depend on the task: its ``list_task_tools``)."""
+        if self.tools_per_task:
+            return tool_specs(self.session.list_tools()), self.session.terminal_tool() is not None
+        key = (self.name, self.base_url, self.variant)
+        if key not in _tools:
+            _tools[key] = (tool_specs(env.list_tools()), env.terminal_tool() is not None)
+        return _tools[key]
 
     def step(self, action: str) -> StepResult:
         from openreward.api.errors import ToolCallError

@@ -1,10 +1,7 @@
 """OpenReward environments through otray (envs/openreward.py) against real SDK servers on localhost,
 concurrent env calls with time limits, and the episode reward semantics."""
 
-import os
 import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -19,28 +16,12 @@ from otray.types import FinishReason, GenerateResult, Sample, SamplingParams, Ta
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _serve(module: str):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", module, "--port", str(port)], cwd=ROOT,
-                            env={**os.environ, "OPENREWARD_DISABLE_UPDATE_CHECK": "1"},
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            break
-        except OSError:
-            assert proc.poll() is None and time.monotonic() < deadline, f"{module} did not start"
-            time.sleep(0.2)
-    return proc, f"http://127.0.0.1:{port}"
-
-
 @pytest.fixture(scope="module")
 def servers():
     """The test envs (Echo first, Faulty, Slow) and the bundled examples, each on its own port."""
-    started = [_serve("tests.openreward_envs"), _serve("envs.openreward_examples")]
+    from envs.openreward import start_server
+
+    started = [start_server("tests.openreward_envs", cwd=ROOT), start_server("envs.openreward_examples", cwd=ROOT)]
     yield {"tests": started[0][1], "examples": started[1][1]}
     for proc, _ in started:
         proc.terminate()
@@ -64,7 +45,7 @@ def call(name, **arguments):
 
 
 def test_check_env_passes_through_the_adapter(servers):
-    check_env(adapter(servers["examples"], "ToolAddition"), task(), actions=[call("submit", answer=1)])
+    check_env(adapter(servers["examples"], "ToolAddition"), task(), actions=[call("problem"), "12"])
     check_env(adapter(servers["tests"], "Echo"), task(), actions=[call("say", text="hi"), call("finish", ok=True)])
     check_env(adapter(servers["examples"], "PlainAddition"), task(), actions=["12"])
 
@@ -202,8 +183,10 @@ def test_chat_demonstrations_show_the_task_as_the_adapter_does(servers, tmp_path
     env = adapter(servers["examples"], "ToolAddition")
     prompt, _ = env.reset(task("train", 0))
     assert [m["content"] for m in row["messages"][:2]] == [system_with_tools(env.tools, env.system_prompt), prompt]
-    assert "- submit(answer: integer): Submit the final answer" in row["messages"][0]["content"]
-    assert env.step(row["messages"][2]["content"]).reward == 1.0  # the demonstration solves the task
+    assert "- problem(): The problem." in row["messages"][0]["content"]
+    fetched = env.step(row["messages"][2]["content"])  # the demonstration: fetch the problem, then answer it
+    assert fetched.observation == row["messages"][3]["content"] and fetched.reward is None and not fetched.done
+    assert env.step(row["messages"][4]["content"]).reward == 1.0
     env.close()
 
 

@@ -3,9 +3,10 @@
 Both pose the arithmetic demo's problems (``envs.arithmetic.make_problems``: two-digit
 additions; split ``test`` = the demo's 500 eval problems, ``train`` = the rest):
 
-- ``ToolAddition`` (tool use): the answer must be submitted through the ``submit`` tool,
-  which rewards 1.0 when it is right (0.0 when wrong) and ends the episode; an ``add``
-  tool returns a sum with no reward. A reply that calls no tool gets a nudge.
+- ``ToolAddition`` (tool use): the problem is only given by the ``problem`` tool (no reward);
+  the final plain message is graded by the ``@terminal`` tool ``answer`` (1.0 when right).
+  Why this shape: with the answer inside a ``submit`` call's JSON, ~25 tokens after the
+  numbers, otray's 4-layer tiny model stayed at 1-3% after 300+ SFT steps (NOTES.md).
 - ``PlainAddition`` (terminal tool): the model answers in plain text; the ``@terminal``
   tool ``answer`` grades that final message.
 
@@ -26,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from openreward.environments import Environment, TextBlock, ToolOutput, terminal, tool
-from pydantic import BaseModel, Field
+from pydantic import BaseModel
 
 from envs.arithmetic import make_problems, parse_answer
 
@@ -39,18 +40,15 @@ def _problems() -> dict[str, list[dict[str, Any]]]:
     return {"test": rows[:NUM_TEST], "train": rows[NUM_TEST:]}
 
 
-def question(spec: dict[str, Any]) -> str:
-    """The prompt text of a task (``ToolAddition``)."""
-    return f"{spec['question']} Submit the answer with the submit tool."
+PROMPT = "Get the problem from the problem tool, then answer it."
 
 
-class AddArgs(BaseModel):
-    a: int = Field(description="first number")
-    b: int = Field(description="second number")
+class NoArgs(BaseModel):
+    pass
 
 
-class SubmitArgs(BaseModel):
-    answer: int = Field(description="the final answer")
+class AnswerArgs(BaseModel):
+    text: str
 
 
 class _Addition(Environment):
@@ -64,28 +62,28 @@ class _Addition(Environment):
             raise ValueError(f"unknown split {split!r}; this env has train and test")
         return _problems()[split]
 
-
-class ToolAddition(_Addition):
-    """Two-digit addition answered through a tool call."""
-
-    def get_prompt(self) -> list[TextBlock]:
-        return [TextBlock(text=question(self.task_spec))]
-
-    @tool
-    async def add(self, params: AddArgs) -> ToolOutput:
-        """Add two numbers."""
-        return ToolOutput(blocks=[TextBlock(text=str(params.a + params.b))])
-
-    @tool
-    async def submit(self, params: SubmitArgs) -> ToolOutput:
-        """Submit the final answer; ends the episode."""
-        right = params.answer == int(self.task_spec["answer"])
+    def grade(self, text: str) -> ToolOutput:
+        right = parse_answer(text) == int(self.task_spec["answer"])
         return ToolOutput(blocks=[TextBlock(text="correct" if right else "wrong")], reward=1.0 if right else 0.0,
                           finished=True, metadata={"correct": right})
 
 
-class AnswerArgs(BaseModel):
-    text: str
+class ToolAddition(_Addition):
+    """Two-digit addition whose problem must be fetched with a tool; the final message is graded."""
+
+    def get_prompt(self) -> list[TextBlock]:
+        return [TextBlock(text=PROMPT)]
+
+    @tool
+    async def problem(self, params: NoArgs) -> ToolOutput:
+        """The problem."""
+        return ToolOutput(blocks=[TextBlock(text=self.task_spec["question"])])
+
+    @terminal
+    @tool
+    async def answer(self, params: AnswerArgs) -> ToolOutput:
+        """The final message, graded."""
+        return self.grade(params.text)
 
 
 class PlainAddition(_Addition):
@@ -98,32 +96,33 @@ class PlainAddition(_Addition):
     @tool
     async def answer(self, params: AnswerArgs) -> ToolOutput:
         """The model's final message, graded."""
-        right = parse_answer(params.text) == int(self.task_spec["answer"])
-        return ToolOutput(blocks=[TextBlock(text="correct" if right else "wrong")], reward=1.0 if right else 0.0,
-                          finished=True, metadata={"correct": right})
+        return self.grade(params.text)
 
 
 ENVIRONMENTS = [ToolAddition, PlainAddition]
 
 
 def make_chat_dataset(out_dir: str | Path, *, num_train: int | None = None) -> dict[str, Path]:
-    """SFT demonstrations for ``ToolAddition``: system prompt (the tools, as the adapter renders them),
-    the task's prompt, and the right ``submit`` call; ``chat_train.jsonl`` from the train split,
-    ``chat_eval.jsonl`` from the test split. Idempotent per directory."""
-    from envs.openreward import tool_specs
+    """SFT demonstrations for ``ToolAddition``, as the agent loop shows the env to the model: the system
+    prompt (the tools), the prompt, the ``problem`` call, the tool's answer, and the sum as the final
+    message; ``chat_train.jsonl`` from the train split, ``chat_eval.jsonl`` from the test split.
+    Idempotent per directory."""
+    from envs.openreward import FINAL_ANSWER, tool_specs
     from otray.env import dataset_paths
     from otray.tools import ToolCall, format_tool_call, system_with_tools
 
     paths, built = dataset_paths(out_dir, {"train": "chat_train.jsonl", "eval": "chat_eval.jsonl"})
     if built:
         return paths
-    system = system_with_tools(tool_specs(ToolAddition.list_tools().tools), None)  # as the agent loop renders it
+    system = system_with_tools(tool_specs(ToolAddition.list_tools().tools), FINAL_ANSWER)  # as the loop renders it
+    call = format_tool_call(ToolCall("problem", {}))
     for split, name in (("train", "train"), ("eval", "test")):
         rows = _problems()[name][:num_train] if split == "train" else _problems()[name]
         with paths[split].open("w") as f:
             for r in rows:
-                call = format_tool_call(ToolCall("submit", {"answer": int(r["answer"])}))
                 f.write(json.dumps({"id": r["id"], "messages": [
-                    {"role": "system", "content": system}, {"role": "user", "content": question(r)},
-                    {"role": "assistant", "content": call}]}) + "\n")
+                    {"role": "system", "content": system}, {"role": "user", "content": PROMPT},
+                    {"role": "assistant", "content": call},
+                    {"role": "user", "content": f"<tool_response>{r['question']}</tool_response>"},
+                    {"role": "assistant", "content": str(r["answer"])}]}) + "\n")
     return paths
