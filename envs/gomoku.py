@@ -27,6 +27,8 @@ from gymnasium import spaces
 from pettingzoo import AECEnv
 from pettingzoo.utils import AgentSelector, wrappers
 
+from otray.games import GameText
+
 LETTERS = "ABCDEFGHJKLMNOPQRST"  # no I, as on go boards
 
 
@@ -158,10 +160,8 @@ def parse_move(text: str, size: int) -> int | None:
     return row * size + col
 
 
-def text(size: int = 9, **_: Any) -> "GameText":
+def text(size: int = 9, **_: Any) -> GameText:
     """The game's ``GameText`` for a board of ``size`` (``game.text: envs.gomoku:text`` passes the kwargs)."""
-    from otray.games import GameText
-
     return GameText(render=render_text, parse=lambda reply: parse_move(reply, size),
                     example=f"<move>{move_name(size * size - 1, size)}</move>")
 
