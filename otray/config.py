@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from otray.device import DEVICES, DTYPES
 from otray.names import ADVANTAGE_NAMES, AGGREGATIONS, loss_config
 from otray.policies import PolicySpec, eval_opponents, frozen_policies, seating, trained_policies  # noqa: F401 (re-exported)
 from otray.structured import import_object, load_structured, one_of, to_dict  # noqa: F401 (re-exported)
@@ -51,7 +52,8 @@ class LoraSection:
 @dataclass
 class ModelSection:
     path: str = "tiny"  # local HF dir, hub id, or tiny[:SEED] (built by otray)
-    dtype: str = "float32"
+    dtype: str = "float32"  # float32 | bfloat16 | float16 | auto (bf16 on a GPU, float32 on the CPU)
+    device: str = "auto"  # auto (the actor's GPU if Ray gave it one, else the CPU) | cpu | cuda
     cache_dir: str = ".cache/models"
     lora: LoraSection = field(default_factory=LoraSection)
 
@@ -294,6 +296,8 @@ class Config:
 def _check_values(cfg: Config) -> None:
     one_of(cfg.job.kind, ("rl", "sft", "infer"), "job.kind")
     one_of(cfg.rollout.backend, ("auto", "vllm", "hf"), "rollout.backend")
+    one_of(cfg.model.device, DEVICES, "model.device")
+    one_of(cfg.model.dtype, DTYPES, "model.dtype")
     one_of(cfg.logging.wandb_mode, ("offline", "online"), "logging.wandb_mode")
     one_of(cfg.algo.advantage, ADVANTAGE_NAMES, "algo.advantage")
     one_of(cfg.algo.aggregation, AGGREGATIONS, "algo.aggregation")

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from otray.actors import current_node_id
+from otray.device import resolve_device, resolve_dtype
 from otray.actors.backends.base import Backend
 from otray.timing import BusyClock, busy
 from otray.algos.losses import aggregate, per_token_loss
@@ -57,11 +58,12 @@ def micro_batches(datums: Sequence[Datum], token_budget: int) -> list[list[Datum
     return chunks
 
 
-def _pad(rows: list[list[float]] | list[list[int]], width: int, value: float, dtype: torch.dtype) -> torch.Tensor:
+def _pad(rows: list[list[float]] | list[list[int]], width: int, value: float, dtype: torch.dtype,
+         device: str = "cpu") -> torch.Tensor:
     out = torch.full((len(rows), width), value, dtype=dtype)
     for i, r in enumerate(rows):
         out[i, : len(r)] = torch.tensor(r, dtype=dtype)
-    return out
+    return out if device == "cpu" else out.to(device, non_blocking=True)
 
 
 def new_adamw(params: list[torch.nn.Parameter], **kwargs: Any) -> torch.optim.AdamW:
@@ -76,7 +78,7 @@ def new_adamw(params: list[torch.nn.Parameter], **kwargs: Any) -> torch.optim.Ad
 
 class PolicyLearner:
     def __init__(self, model_path: str, *, lora: LoraSpec | dict[str, Any] | None = None, dtype: str = "float32",
-                 micro_batch_tokens: int = 8192, seed: int = 0, num_threads: int | None = None):
+                 micro_batch_tokens: int = 8192, seed: int = 0, num_threads: int | None = None, device: str = "auto"):
         if num_threads:
             torch.set_num_threads(num_threads)
         torch.manual_seed(seed)
@@ -85,7 +87,10 @@ class PolicyLearner:
         self.lora = LoraSpec(**lora) if isinstance(lora, dict) else (lora or LoraSpec())
         if isinstance(self.lora.target_modules, list):
             self.lora.target_modules = tuple(self.lora.target_modules)
-        model = load_model(model_path, dtype)
+        self.device = resolve_device(device)  # the GPU Ray gave this actor, else the CPU (otray.device)
+        model = load_model(model_path, resolve_dtype(dtype, self.device))
+        if self.device != "cpu":
+            model.to(self.device)
         self.model = apply_lora(model, self.lora) if self.lora.rank > 0 else model
         self.micro_batch_tokens = micro_batch_tokens
         self.optimizer: torch.optim.Optimizer | None = None
@@ -112,9 +117,10 @@ class PolicyLearner:
 
     def _logprobs(self, batch: list[Datum]) -> tuple[torch.Tensor, torch.Tensor]:
         width = max(len(d) for d in batch)
-        ids = _pad([d.input_ids for d in batch], width, 0, torch.long)
-        targets = _pad([d.target_ids for d in batch], width, 0, torch.long)
-        attn = _pad([[1] * len(d) for d in batch], width, 0, torch.long)
+        dev = self.device
+        ids = _pad([d.input_ids for d in batch], width, 0, torch.long, dev)
+        targets = _pad([d.target_ids for d in batch], width, 0, torch.long, dev)
+        attn = _pad([[1] * len(d) for d in batch], width, 0, torch.long, dev)
         logits = self.model(input_ids=ids, attention_mask=attn).logits.float()
         logprobs = -F.cross_entropy(logits.transpose(1, 2), targets, reduction="none")
         return logprobs, attn.float()
@@ -152,10 +158,12 @@ class PolicyLearner:
         for batch in micro_batches(datums, self.micro_batch_tokens):
             lp, valid = self._logprobs(batch)
             width = lp.shape[1]
-            mask = _pad([d.mask for d in batch], width, 0.0, torch.float32) * valid
-            q = _pad([d.sampler_logprobs for d in batch], width, 0.0, torch.float32)
-            adv = _pad([d.advantages for d in batch], width, 0.0, torch.float32)
-            w = None if batch[0].weights is None else _pad([d.weights or [] for d in batch], width, 0.0, torch.float32)
+            dev = self.device
+            mask = _pad([d.mask for d in batch], width, 0.0, torch.float32, dev) * valid
+            q = _pad([d.sampler_logprobs for d in batch], width, 0.0, torch.float32, dev)
+            adv = _pad([d.advantages for d in batch], width, 0.0, torch.float32, dev)
+            w = (None if batch[0].weights is None
+                 else _pad([d.weights or [] for d in batch], width, 0.0, torch.float32, dev))
             tok_loss = per_token_loss(loss_fn, lp, q, adv, w, **cfg)
             loss = aggregate(tok_loss, mask, aggregation, total_tokens=norm_tokens, total_sequences=norm_seqs)
             loss.backward()
@@ -235,11 +243,11 @@ class PolicyLearner:
         if self.is_lora:
             from peft import get_peft_model_state_dict
 
-            tensors = {k: v.detach().clone() for k, v in get_peft_model_state_dict(self.model).items()}
+            tensors = {k: v.detach().to("cpu", copy=True) for k, v in get_peft_model_state_dict(self.model).items()}
             return WeightUpdate(self.version, "lora", tensors, self._lora_config_dict())
         # Every entry, tied lm_head included: vLLM's in-place reload leaves the head
         # stale when only embed_tokens arrives (measured: logprobs off by ~1.6).
-        tensors = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        tensors = {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}  # object store
         return WeightUpdate(self.version, "full", tensors)
 
     def _lora_config_dict(self) -> dict[str, Any]:
@@ -281,12 +289,12 @@ class PolicyLearner:
         meta = json.loads((src / "meta.json").read_text())
         if (meta["lora"]["rank"] > 0) != self.is_lora:
             raise ModelLoadError(f"checkpoint {src} has lora rank {meta['lora']['rank']}, this learner {self.lora.rank}")
-        trainable = torch.load(src / "trainable.pt", weights_only=True)
+        trainable = torch.load(src / "trainable.pt", weights_only=True, map_location="cpu")  # any device saved it
         params = dict(self.model.named_parameters())
         with torch.no_grad():
             for name, value in trainable.items():
                 params[name].copy_(value)
-        opt_state = torch.load(src / "optimizer.pt", weights_only=False)
+        opt_state = torch.load(src / "optimizer.pt", weights_only=False, map_location=self.device)
         if opt_state is not None:
             self.optimizer = new_adamw(self._trainable())
             self.optimizer.load_state_dict(opt_state)

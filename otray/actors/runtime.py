@@ -66,7 +66,7 @@ class ActorFactory:
         cfg, res = self.cfg, self.cfg.resources
         return ray.remote(num_cpus=res.learner_cpus, num_gpus=res.learner_gpus)(PolicyLearner).options(
             **in_bundle(self.placement_group, bundle), **threads_env(res.learner_threads)).remote(
-            self.model_path, lora=to_dict(cfg)["model"]["lora"], dtype=cfg.model.dtype,
+            self.model_path, lora=to_dict(cfg)["model"]["lora"], dtype=cfg.model.dtype, device=cfg.model.device,
             micro_batch_tokens=cfg.algo.micro_batch_tokens, seed=cfg.job.seed, num_threads=res.learner_threads)
 
     def workers(self, first_bundle: int, n: int, model_path: str | None = None) -> list[Any]:
@@ -80,6 +80,7 @@ class ActorFactory:
         return [ray.remote(num_cpus=res.rollout_cpus, num_gpus=res.rollout_gpus)(RolloutWorker).options(
             **in_bundle(self.placement_group, first_bundle + i), **threads_env(res.rollout_threads)).remote(
             model_path or self.model_path, cfg.rollout.backend, num_threads=res.rollout_threads, dtype=cfg.model.dtype,
+            device=cfg.model.device,
             max_model_len=cfg.rollout.max_model_len, seed=cfg.job.seed + i, max_lora_rank=cfg.model.lora.rank,
             kv_cache_gb=cfg.rollout.kv_cache_gb, max_batch=cfg.rollout.max_batch) for i in range(n)]
 

@@ -16,6 +16,7 @@ import torch
 
 from otray.actors.backends.base import apply_stop_strings, check_prompt_lengths, effective_params
 from otray.actors.backends.packed import PackedLinears
+from otray.device import resolve_device, resolve_dtype
 from otray.models import end_of_turn_ids, load_model, load_tokenizer
 from otray.types import FinishReason, Sample, SamplingParams
 
@@ -24,10 +25,14 @@ class HFBackend:
     name = "hf"
 
     def __init__(self, model_path: str, *, dtype: str = "float32", max_model_len: int | None = None,
-                 max_batch: int = 256, seed: int = 0, packed_linears: bool = True, **_: Any):
+                 max_batch: int = 256, seed: int = 0, packed_linears: bool = True, device: str = "auto", **_: Any):
         torch.manual_seed(seed)  # sampling without a per-call seed draws from this process's RNG
-        self._attach(load_model(model_path, dtype).eval(), load_tokenizer(model_path), max_model_len, max_batch,
-                     packed_linears)
+        where = resolve_device(device)  # the GPU Ray gave this worker, else the CPU (otray.device)
+        model = load_model(model_path, resolve_dtype(dtype, where)).eval()
+        if where != "cpu":
+            model.to(where)
+        # oneDNN's prepacked kernels are the CPU's; a GPU samples with the model's own layers
+        self._attach(model, load_tokenizer(model_path), max_model_len, max_batch, packed_linears and where == "cpu")
 
     @classmethod
     def on_model(cls, model: Any, tokenizer: Any, *, max_model_len: int | None = None,
@@ -70,6 +75,8 @@ class HFBackend:
         for i, r in enumerate(rows):
             ids[i, width - len(r):] = torch.tensor(r)
             attn[i, width - len(r):] = 1
+        if self.model.device.type != "cpu":
+            ids, attn = ids.to(self.model.device), attn.to(self.model.device)
         budget = min(params.max_tokens, self.max_model_len - min(len(r) for r in rows))
         sampling = {"do_sample": False} if params.greedy else {
             "do_sample": True, "temperature": params.temperature, "top_p": params.top_p,

@@ -1,0 +1,38 @@
+"""Where a model lives and in what precision: ``model.device`` and ``model.dtype``, resolved inside the
+actor that holds the model (Ray makes an actor's GPUs visible to it only when it asked for them:
+``resources.learner_gpus`` / ``rollout_gpus``, so the answer differs per actor).
+
+- ``device``: ``auto`` = the first GPU this process sees, else the CPU; ``cpu``; ``cuda`` (an
+  error naming the key when the process sees no GPU).
+- ``dtype``: ``auto`` = bfloat16 on a GPU, float32 on the CPU; or ``float32`` / ``bfloat16`` / ``float16``.
+"""
+
+from __future__ import annotations
+
+from otray.types import ConfigError
+
+DEVICES = ("auto", "cpu", "cuda")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def resolve_device(setting: str = "auto", where: str = "model.device") -> str:
+    """``cpu`` or ``cuda`` for this process (see the module docstring)."""
+    import torch
+
+    if setting not in DEVICES:
+        raise ConfigError(f"{where}={setting!r}: choose one of {', '.join(DEVICES)}")
+    has_gpu = torch.cuda.is_available() and torch.cuda.device_count() > 0
+    if setting == "cuda" and not has_gpu:
+        raise ConfigError(f"{where}=cuda but this process sees no GPU: give the actor one (resources.learner_gpus / "
+                          "resources.rollout_gpus > 0; Ray shows an actor only the GPUs it asked for) or set "
+                          f"{where}=auto")
+    return "cuda" if setting == "cuda" or (setting == "auto" and has_gpu) else "cpu"
+
+
+def resolve_dtype(setting: str, device: str, where: str = "model.dtype") -> str:
+    """The torch dtype name for ``setting`` on ``device``."""
+    if setting not in DTYPES:
+        raise ConfigError(f"{where}={setting!r}: choose one of {', '.join(DTYPES)}")
+    if setting == "auto":
+        return "bfloat16" if device == "cuda" else "float32"
+    return setting
