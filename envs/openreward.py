@@ -21,7 +21,7 @@ when set, never from the config.
 
 One episode is one session: ``reset`` opens it on the task (``split``, ``index`` from the
 dataset row), shows the prompt (text blocks as text, images as a visible placeholder: otray's
-models read text) and offers the env's tools (``Env.tools``: the chat template's ``tools=`` when
+models read text) and offers the env's tools (``Env.tool_specs``: the chat template's ``tools=`` when
 it takes them, else the system prompt); ``step`` runs every tool call in
 the reply (otray's ``<tool_call>`` format) through the session. A ``ToolCallError`` (unknown
 tool, bad arguments, episode over) becomes a ``<tool_error>`` observation and the episode goes
@@ -55,8 +55,8 @@ _servers: dict[str, str] = {}  # local:MODULE -> the URL of the server this proc
 _tools: dict[tuple[str, str | None, str | None], tuple[list[dict[str, Any]], bool]] = {}  # env -> tools, terminal?
 
 
-def tool_specs(listed: Any) -> list[dict[str, Any]]:
-    """The SDK's ToolSpecs as ``Env.tools`` (OpenAI function shape)."""
+def specs_of(listed: Any) -> list[dict[str, Any]]:
+    """The SDK's ToolSpecs as ``Env.tool_specs`` (OpenAI function shape)."""
     return [{"name": t.name, "description": t.description or "", "parameters": t.input_schema or {}} for t in listed]
 
 
@@ -144,7 +144,7 @@ class OpenRewardEnv(Env):
         self.session: Any = None
         self.done = True
         self.system_prompt = None
-        self.tools: list[dict[str, Any]] | None = None
+        self.tool_specs: list[dict[str, Any]] | None = None
         self.has_terminal = False
 
     def reset(self, task: Task, seed: int | None = None) -> tuple[str, dict[str, Any]]:
@@ -157,8 +157,8 @@ class OpenRewardEnv(Env):
         self.session.__enter__()
         prompt = render_blocks(self.session.get_prompt())
         tools, self.has_terminal = self._tool_list(env)
-        self.tools = tools or None
-        self.system_prompt = FINAL_ANSWER if self.has_terminal and self.tools else None
+        self.tool_specs = tools or None
+        self.system_prompt = FINAL_ANSWER if self.has_terminal and self.tool_specs else None
         self.done, self.calls, self.errors = False, 0, 0
         return prompt, {"tool_calls": 0, "tool_errors": 0}
 
@@ -167,10 +167,10 @@ class OpenRewardEnv(Env):
         process from the environment), or asked of each session with ``tools_per_task`` (an env whose
         tools depend on the task: its ``list_task_tools``)."""
         if self.tools_per_task:
-            return tool_specs(self.session.list_tools()), self.session.terminal_tool() is not None
+            return specs_of(self.session.list_tools()), self.session.terminal_tool() is not None
         key = (self.name, self.base_url, self.variant)
         if key not in _tools:
-            _tools[key] = (tool_specs(env.list_tools()), env.terminal_tool() is not None)
+            _tools[key] = (specs_of(env.list_tools()), env.terminal_tool() is not None)
         return _tools[key]
 
     def step(self, action: str) -> StepResult:

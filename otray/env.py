@@ -55,7 +55,8 @@ class Env:
     #: Tools the env offers (OpenAI function shape: name, description, parameters as JSON Schema),
     #: read after ``reset``: passed to the chat template's ``tools=`` when it takes them, else
     #: rendered into the system prompt (``otray.tools.system_with_tools``). None: the env's own prompt.
-    tools: list[dict[str, Any]] | None = None
+    #: (Not ``tools``: ``otray.tools.ToolEnv`` uses that name for its in-process Tool objects.)
+    tool_specs: list[dict[str, Any]] | None = None
 
     def reset(self, task: Task, seed: int | None = None) -> tuple[str, dict[str, Any]]:
         raise NotImplementedError

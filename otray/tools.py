@@ -57,7 +57,7 @@ def render_tools(tools: list[dict[str, Any]]) -> str:
 
 
 def system_with_tools(tools: list[dict[str, Any]] | None, system_prompt: str | None) -> str | None:
-    """The system message of an env that lists ``tools`` (``Env.tools``) to a model whose template
+    """The system message of an env that lists ``tools`` (``Env.tool_specs``) to a model whose template
     cannot take them: the rendered tools, then the env's own system prompt."""
     parts = [render_tools(tools) if tools else None, system_prompt]
     return "\n".join(p for p in parts if p) or None

@@ -52,7 +52,7 @@ def test_check_env_passes_through_the_adapter(servers):
 
 def test_variant_selects_the_env_on_a_two_env_server(servers):
     env = adapter(servers["tests"], "Faulty")
-    assert env.reset(task())[0] == "Faulty task 0" and [t["name"] for t in env.tools] == ["boom", "hang"]
+    assert env.reset(task())[0] == "Faulty task 0" and [t["name"] for t in env.tool_specs] == ["boom", "hang"]
     env.close()
     from envs.openreward import OpenRewardEnv
 
@@ -182,7 +182,7 @@ def test_chat_demonstrations_show_the_task_as_the_adapter_does(servers, tmp_path
     row = json.loads(make_chat_dataset(tmp_path, num_train=3)["train"].read_text().splitlines()[0])
     env = adapter(servers["examples"], "ToolAddition")
     prompt, _ = env.reset(task("train", 0))
-    assert [m["content"] for m in row["messages"][:2]] == [system_with_tools(env.tools, env.system_prompt), prompt]
+    assert [m["content"] for m in row["messages"][:2]] == [system_with_tools(env.tool_specs, env.system_prompt), prompt]
     assert "- problem(): The problem." in row["messages"][0]["content"]
     fetched = env.step(row["messages"][2]["content"])  # the demonstration: fetch the problem, then answer it
     assert fetched.observation == row["messages"][3]["content"] and fetched.reward is None and not fetched.done

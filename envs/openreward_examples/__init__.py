@@ -107,14 +107,14 @@ def make_chat_dataset(out_dir: str | Path, *, num_train: int | None = None) -> d
     prompt (the tools), the prompt, the ``problem`` call, the tool's answer, and the sum as the final
     message; ``chat_train.jsonl`` from the train split, ``chat_eval.jsonl`` from the test split.
     Idempotent per directory."""
-    from envs.openreward import FINAL_ANSWER, tool_specs
+    from envs.openreward import FINAL_ANSWER, specs_of
     from otray.env import dataset_paths
     from otray.tools import ToolCall, format_tool_call, system_with_tools
 
     paths, built = dataset_paths(out_dir, {"train": "chat_train.jsonl", "eval": "chat_eval.jsonl"})
     if built:
         return paths
-    system = system_with_tools(tool_specs(ToolAddition.list_tools().tools), FINAL_ANSWER)  # as the loop renders it
+    system = system_with_tools(specs_of(ToolAddition.list_tools().tools), FINAL_ANSWER)  # as the loop renders it
     call = format_tool_call(ToolCall("problem", {}))
     for split, name in (("train", "train"), ("eval", "test")):
         rows = _problems()[name][:num_train] if split == "train" else _problems()[name]

@@ -165,7 +165,7 @@ class AgentLoop:
         if isinstance(out, BaseException):  # an env failure is a value, not a crash
             return self._fail(ep, "env_timeout" if isinstance(out, EnvTimeout) else "env_exception", out)
         first, info = out
-        tools = getattr(ep.env, "tools", None)
+        tools = getattr(ep.env, "tool_specs", None)
         in_template = bool(tools) and self.template_tools
         system = ep.env.system_prompt if in_template else system_with_tools(tools, ep.env.system_prompt)
         messages = ([{"role": "system", "content": system}] if system else [])
