@@ -9,8 +9,7 @@ An otray environment is text in, text out, in Gymnasium's vocabulary::
 
 ``step`` gets the policy's decoded text for one turn. ``StepResult.done`` ends the
 episode; otherwise ``observation`` becomes the next user message. Rewards are
-floats (or None: no signal that turn), one per step; the job reduces the ones given
-(sum/mean/max/min) to the episode reward, and an episode that gave none counts as failed.
+floats or None, one per step; the job reduces the given ones (sum/mean/max/min); none at all = failed.
 
 Tasks come from a :class:`TaskSource`: a JSONL or Parquet file, or a generator
 function. Envs are named in configs either by a registered name (``register``) or
@@ -52,10 +51,8 @@ class Env:
     system_prompt: str | None = None
     #: Most turns an episode may take; the agent loop truncates past it.
     max_turns: int = 1
-    #: Tools the env offers (OpenAI function shape: name, description, parameters as JSON Schema),
-    #: read after ``reset``: passed to the chat template's ``tools=`` when it takes them, else
-    #: rendered into the system prompt (``otray.tools.system_with_tools``). None: the env's own prompt.
-    #: (Not ``tools``: ``otray.tools.ToolEnv`` uses that name for its in-process Tool objects.)
+    #: Tools offered (OpenAI function dicts), read after ``reset``: the template's ``tools=`` if it takes them,
+    #: else the system prompt (``otray.tools.system_with_tools``). ``ToolEnv.tools`` is another thing.
     tool_specs: list[dict[str, Any]] | None = None
 
     def reset(self, task: Task, seed: int | None = None) -> tuple[str, dict[str, Any]]:
