@@ -26,6 +26,7 @@ from typing import Any, Optional
 from otray.device import DEVICES, DTYPES
 from otray.names import ADVANTAGE_NAMES, AGGREGATIONS, loss_config
 from otray.policies import PolicySpec, eval_opponents, frozen_policies, seating, trained_policies  # noqa: F401 (re-exported)
+from otray.ranges import check_ranges
 from otray.structured import import_object, load_structured, one_of, to_dict  # noqa: F401 (re-exported)
 from otray.types import ConfigError
 
@@ -302,10 +303,6 @@ def _check_values(cfg: Config) -> None:
     one_of(cfg.algo.advantage, ADVANTAGE_NAMES, "algo.advantage")
     one_of(cfg.algo.aggregation, AGGREGATIONS, "algo.aggregation")
     loss_config(cfg.algo.loss_fn, **cfg.algo.loss_fn_config)
-    for key, value in (("algo.steps", cfg.algo.steps), ("algo.batch_size", cfg.algo.batch_size),
-                       ("rollout.num_workers", cfg.rollout.num_workers)):
-        if value < (0 if key == "algo.steps" else 1):
-            raise ConfigError(f"{key} must be positive, got {value}")
     one_of(cfg.resources.strategy, ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"), "resources.strategy")
     if cfg.algo.max_steps_off_policy not in (0, 1):
         raise ConfigError(f"algo.max_steps_off_policy must be 0 (on-policy) or 1 (one-step-off-policy), "
@@ -321,8 +318,6 @@ def _check_values(cfg: Config) -> None:
             raise ConfigError("rollout.colocate=true runs generation and training in one actor, one after the "
                               "other: algo.max_steps_off_policy must be 0")
     if cfg.job.kind == "infer":
-        if cfg.infer.limit is not None and cfg.infer.limit < 1:
-            raise ConfigError(f"infer.limit must be >= 1 (or null for the whole split), got {cfg.infer.limit}")
         if cfg.game is not None and len(trained_policies(cfg)) > 1:
             raise ConfigError("an inference job plays one model: give a game config with one trained policy")
         for name, env in cfg.envs.items():
@@ -388,6 +383,7 @@ def _check_values(cfg: Config) -> None:
 def load(source: str | Path | dict[str, Any] | Config, overrides: list[str] | None = None) -> Config:
     """Load and validate a config from a YAML path, a dict or a Config, plus dotted overrides."""
     cfg = load_structured(source, overrides, Config)
+    check_ranges(cfg)
     _check_values(cfg)
     return cfg
 

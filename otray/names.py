@@ -1,4 +1,5 @@
-"""The names a config may choose for its algorithm, and each loss's config keys with defaults.
+"""The names a config may choose for its algorithm, each loss's config keys with defaults, and the
+shape of a checkpoint reference (``JOB_ID[:STEP]``).
 
 Kept below :mod:`otray.config` so that checking a config needs neither torch nor
 :mod:`otray.algos`; the algorithms (``otray/algos/losses.py``, ``advantages.py``)
@@ -7,7 +8,20 @@ implement exactly these names and import them from here.
 
 from __future__ import annotations
 
+import re
+
 from otray.types import ConfigError
+
+_JOB_REF = re.compile(r"(?P<job>\d{8}-\d{6}-[0-9a-f]{6})(?::(?P<step>\d+))?")
+
+
+def parse_ref(ref: str) -> tuple[str, int | None] | None:
+    """``JOB_ID[:STEP]`` (a checkpoint registered with the ResourceManager) -> (job id, step or None);
+    anything else (a path) -> None."""
+    m = _JOB_REF.fullmatch(ref.strip())
+    if m is None:
+        return None
+    return m["job"], int(m["step"]) if m["step"] is not None else None
 
 LOSS_NAMES = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro")
 AGGREGATIONS = ("sum", "token_mean", "seq_mean_token_mean")

@@ -63,14 +63,14 @@ def load_structured(source: Any, overrides: list[str] | None, schema: type) -> A
         data: Any = {}
     elif isinstance(source, dict):
         base, data = OmegaConf.structured(Config), source
+    elif not isinstance(source, (str, Path)):
+        raise ConfigError(f"a config is a mapping of sections (job:, model:, algo: ...) or a YAML path, "
+                          f"not a {type(source).__name__}")
     else:
         path = Path(source)
         if not path.exists():
             raise ConfigError(f"config file {str(path)!r} does not exist")
-        try:
-            data = OmegaConf.to_container(OmegaConf.load(path), resolve=False) or {}
-        except OmegaConfBaseException as e:
-            raise ConfigError(f"{path}: not valid YAML: {e}") from e
+        data = read_yaml(path)
         base = OmegaConf.structured(Config)
     check_keys(data, Config, "")
     layers = [OmegaConf.create(data)]
@@ -91,6 +91,34 @@ def load_structured(source: Any, overrides: list[str] | None, schema: type) -> A
         raise ConfigError(f"invalid value for config key '{key}': {e.msg if hasattr(e, 'msg') else e}") from e
     assert isinstance(cfg, Config)
     return cfg
+
+
+def read_yaml(path: Path) -> dict[str, Any]:
+    """A YAML file's top-level mapping; malformed YAML or another shape is one ConfigError naming the
+    file and line (an empty file is an empty mapping)."""
+    import yaml
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        text = path.read_text()
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
+        what = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"{where}: not valid YAML ({what}); fix the file") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: cannot read the config ({e})") from None
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}:1: a config is a mapping of sections (job:, model:, algo: ...), "
+                          f"not a {type(raw).__name__}")
+    try:
+        return OmegaConf.to_container(OmegaConf.load(path), resolve=False) or {}
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"{path}: not a valid config file: {e}") from None
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:

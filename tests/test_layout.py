@@ -40,6 +40,8 @@ def test_actors_never_import_the_cli_or_the_train_entry_point():
     ("names.py", ("otray.algos", "otray.config", "torch")),
     ("policies.py", ("otray.config", "otray.actors")),
     ("structured.py", ("otray.config", "otray.env")),
+    ("trust.py", ("otray.actors", "otray.coordinator", "otray.serve", "otray.algos")),
+    ("ranges.py", ("otray.",)),
 ])
 def test_low_modules_import_nothing_above_them(module, forbidden):
     found = [m for m in imported_modules(OTRAY / module) if m.startswith(forbidden) and m != "otray.types"

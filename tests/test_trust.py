@@ -1,0 +1,134 @@
+"""What a non-admin's config may name (otray/trust.py), numeric ranges and YAML errors at load.
+
+The seven import-path kinds an attacker used to run code as root (issue "A real security
+boundary"): each is refused for a user and passes unchanged for an admin.
+"""
+
+import pkgutil
+from pathlib import Path
+
+import pytest
+
+from otray import config
+from otray.trust import BUNDLED_MODULES, Caller, ForbiddenConfigError, confine
+from otray.types import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+ALICE, ADMIN = Caller("alice", False), Caller("root", True)
+
+
+def _env_cfg(**env):
+    base = {"entry": "envs.arithmetic:Arithmetic",
+            "dataset": {"builder": "envs.arithmetic:make_dataset", "dir": ".cache/data/arithmetic"},
+            "splits": {"train": {}, "eval": {"shuffle": False}}}
+    return {"model": {"path": "tiny"}, "envs": {"arithmetic": {**base, **env}}}
+
+
+def _game_cfg(**game):
+    base = {"entry": "envs.rps:parallel_env", "text": "envs.rps:TEXT",
+            "policies": {"player_0": "trained", "player_1": "random"}}
+    return {"model": {"path": "tiny"}, "game": {**base, **game}}
+
+
+ATTACKS = {  # the seven kinds, as the report used them
+    "dataset.builder": _env_cfg(dataset={"builder": "builtins:exec", "dir": "import os"}),
+    "sft.dataset.builder": {**_env_cfg(), "job": {"kind": "sft"},
+                            "sft": {"steps": 1, "dataset": {"builder": "builtins:exec"}, "splits": {"train": {}}}},
+    "envs.entry": _env_cfg(entry="os:system", kwargs={"command": "id"}),
+    "gymnasium env": _env_cfg(entry="gymnasium", kwargs={"env": "os:system"}),
+    "game.entry": _game_cfg(entry="os:system"),
+    "game.text": _game_cfg(text="planted_by_a_job:TEXT"),
+    "scripted policy": _game_cfg(policies={"player_0": "trained", "player_1": "scripted:planted_by_a_job:move"}),
+}
+
+
+@pytest.mark.parametrize("kind", ATTACKS)
+def test_seven_import_paths_refused_for_users_allowed_for_admins(kind, tmp_path):
+    with pytest.raises(ForbiddenConfigError, match="not code this cluster lets users run"):
+        confine(config.load(ATTACKS[kind]), ALICE, BUNDLED_MODULES, tmp_path)
+    cfg = config.load(ATTACKS[kind])
+    assert config.to_dict(confine(cfg, ADMIN, BUNDLED_MODULES, tmp_path)) == config.to_dict(config.load(ATTACKS[kind]))
+
+
+def test_allowed_modules_still_check_the_attribute(tmp_path):
+    for entry, why in (("envs.arithmetic:random", "the module random"),  # a module it imported
+                       ("envs.arithmetic:Path", "not defined in envs.arithmetic"),  # a class it imported
+                       ("envs.arithmetic:register", "it is otray.env:register"),  # a function it imported
+                       ("envs.arithmetic:_problems_cache", "private attribute")):
+        with pytest.raises(ForbiddenConfigError, match=why):
+            confine(config.load(_env_cfg(entry=entry)), ALICE, BUNDLED_MODULES, tmp_path)
+    with pytest.raises(ForbiddenConfigError, match="'planted'"):  # an OpenReward server module to import
+        confine(config.load(_env_cfg(entry="openreward", kwargs={"base_url": "local:planted"})), ALICE,
+                BUNDLED_MODULES, tmp_path)
+    # what an admin allowed (otray modules allow) is usable by users
+    allowed = BUNDLED_MODULES | {"planted_by_a_job"}
+    confine(config.load(ATTACKS["game.text"]), ALICE, allowed, tmp_path)
+
+
+def test_paths_are_confined_to_the_users_area(tmp_path):
+    cfg = confine(config.load(_env_cfg()), ALICE, BUNDLED_MODULES, tmp_path / "users" / "alice")
+    assert cfg.envs["arithmetic"].dataset.dir == str(tmp_path / "users" / "alice" / "data" / ".cache/data/arithmetic")
+    bad = {
+        "checkpoint.resume_from": {"checkpoint": {"resume_from": "/root/.otray/checkpoints/x/step-000001"}},
+        "model.path": {"model": {"path": str(tmp_path)}},
+        "job.output_dir": {"job": {"output_dir": "/work/main/envs"}},
+        "model.cache_dir": {"model": {"path": "tiny", "cache_dir": "/tmp/x"}},
+        "dataset.dir": {"envs": {"arithmetic": {"dataset": {"dir": "../../root"}}}},
+        "splits.train.path": {"envs": {"arithmetic": {"splits": {"train": {"path": "/root/.ray/auth_token"}}}}},
+    }
+    for key, override in bad.items():
+        data = _env_cfg()
+        for section, value in override.items():
+            if section == "envs":
+                env = data["envs"]["arithmetic"]
+                for k, v in value["arithmetic"].items():
+                    env[k] = {**env.get(k, {}), **v}
+            else:
+                data[section] = {**data.get(section, {}), **value}
+        with pytest.raises(ForbiddenConfigError, match=key.split(".")[-1]):
+            confine(config.load(data), ALICE, BUNDLED_MODULES, tmp_path)
+        confine(config.load(data), ADMIN, BUNDLED_MODULES, tmp_path)  # an admin may
+    ok = confine(config.load({**_env_cfg(), "model": {"path": "Qwen/Qwen3-8B"},
+                              "checkpoint": {"resume_from": "20261123-101010-abcdef:3"}}), ALICE, BUNDLED_MODULES, tmp_path)
+    assert ok.model.path == "Qwen/Qwen3-8B"
+
+
+@pytest.mark.parametrize("path", sorted(p.name for p in (ROOT / "conf").glob("*.yaml")))
+def test_every_bundled_config_is_one_a_user_may_submit(path, tmp_path):
+    confine(config.load(ROOT / "conf" / path), ALICE, BUNDLED_MODULES, tmp_path)
+
+
+def test_bundled_modules_are_the_shipped_envs():
+    import envs
+
+    shipped = {m.name for m in pkgutil.walk_packages(envs.__path__, "envs.") if not m.name.endswith("__main__")}
+    assert shipped == {m for m in BUNDLED_MODULES if m.startswith("envs.")}, \
+        "a new bundled env module: decide whether users may name it and update otray/trust.py"
+
+
+@pytest.mark.parametrize("override,message", [
+    ("sft.batch_size=-1", "sft.batch_size must be >= 1, got -1"),
+    ("algo.micro_batch_tokens=0", "algo.micro_batch_tokens must be >= 1"),
+    ("eval.num_samples=-3", "eval.num_samples must be >= 1"),
+    ("envs.arithmetic.temperature=-0.5", "envs.arithmetic.temperature must be >= 0"),
+    ("envs.arithmetic.max_tokens_per_turn=0", "envs.arithmetic.max_tokens_per_turn must be >= 1"),
+    ("resources.learner_cpus=-1", "resources.learner_cpus must be >= 0"),
+    ("envs.arithmetic.top_p=0", "envs.arithmetic.top_p must be > 0 and <= 1"),
+    ("algo.learning_rate=nan", "algo.learning_rate must be >= 0, got nan"),
+])
+def test_numeric_ranges_checked_at_load(override, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+        config.load(ROOT / "conf" / "arithmetic_grpo.yaml", [override])
+
+
+def test_malformed_and_non_mapping_yaml_name_file_and_line(tmp_path):
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("job:\n  name: x\nalgo: {steps: [1,\n")
+    with pytest.raises(ConfigError, match=r"broken.yaml:\d+: not valid YAML"):
+        config.load(broken)
+    listed = tmp_path / "list.yaml"
+    listed.write_text("- job\n- algo\n")
+    with pytest.raises(ConfigError, match=r"list.yaml:1: a config is a mapping .* not a list"):
+        config.load(listed)
+    with pytest.raises(ConfigError, match="not a list"):
+        config.load(["job"])  # type: ignore[arg-type]
