@@ -2,14 +2,16 @@
 
     otray train CONFIG [key=value ...]   submit, stream the per-step table, exit 0 on success
     otray jobs | status JOB | metrics JOB | cancel JOB
-    otray users add NAME [--admin]       prints the new API key once
+    otray users add NAME [--admin] | delete NAME | rotate [NAME] | list   (keys are printed once)
+    otray modules allow MODULE ... | list  the code users' configs may name besides the bundled envs
     otray tiny-model DIR [--seed N]
     otray serve [CONFIG] [key=value ...]  the OpenAI-compatible app (+ dashboard), until Ctrl-C
     otray infer CONFIG [--checkpoint REF] [--split eval] [--limit N] [--out FILE] [key=value ...]
 
 ``--address`` (or ``RAY_ADDRESS``) joins a running cluster; without it a local Ray
 starts for the command. ``OTRAY_API_KEY`` carries the key when auth is on.
-Exit codes: 0 success, 1 the job failed or was cancelled, 2 bad input.
+Exit codes: 0 success, 1 the job failed or was cancelled, 2 bad input (also when the cluster
+found it: a job that failed with a config, dataset, model-path or permission error).
 """
 
 from __future__ import annotations
@@ -20,6 +22,14 @@ import sys
 import time
 
 from otray.types import OtrayError
+
+# a job that failed with one of these (its stored error starts with the type) failed on bad input: exit 2
+INPUT_ERRORS = ("ConfigError", "ForbiddenConfigError", "DatasetError", "ModelLoadError", "AuthError")
+
+
+def _failed(job_id: str, st: dict) -> int:
+    print(f"job {job_id} {st['state']}: {st['error']}", file=sys.stderr)
+    return 2 if (st.get("error") or "").split(":", 1)[0] in INPUT_ERRORS else 1
 
 
 def _connect(args: argparse.Namespace):
@@ -53,8 +63,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             break
         time.sleep(0.5)
     if st["state"] != "SUCCEEDED":
-        print(f"job {job.id} {st['state']}: {st['error']}", file=sys.stderr)
-        return 1
+        return _failed(job.id, st)
     evals = [r for r in job.metrics() if "eval/accuracy" in r]
     start = next((r for r in evals if r.get("phase") in ("sft", "init")), evals[0] if evals else None)
     if start is not None:
@@ -96,8 +105,30 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 
 
 def cmd_users(args: argparse.Namespace) -> int:
-    key = _connect(args).add_user(args.name, args.admin)
-    print(f"API key for {args.name} (shown once, store it now):\n{key}")
+    import ray
+
+    client = _connect(args)
+    rm, key = client.rm, client.api_key
+    if args.users_cmd == "list":
+        for u in ray.get(rm.users.remote(api_key=key)):
+            print(f"{u['name']}{'  (admin)' if u['admin'] else ''}")
+    elif args.users_cmd == "delete":
+        ray.get(rm.delete_user.remote(args.name, api_key=key))
+        print(f"deleted {args.name}; their key no longer works")
+    else:
+        new = (client.add_user(args.name, args.admin) if args.users_cmd == "add"
+               else ray.get(rm.rotate_key.remote(args.name, api_key=key)))
+        print(f"API key for {args.name or 'you'} (shown once, store it now):\n{new}")
+    return 0
+
+
+def cmd_modules(args: argparse.Namespace) -> int:
+    import ray
+
+    client = _connect(args)
+    if args.modules_cmd == "allow":
+        ray.get(client.rm.allow_modules.remote(args.modules, api_key=client.api_key))
+    print("\n".join(ray.get(client.rm.allowed_modules.remote())))
     return 0
 
 
@@ -148,8 +179,7 @@ def cmd_infer(args: argparse.Namespace) -> int:
     print(f"submitted inference job {job.id}", flush=True)
     st = job.wait()
     if st["state"] != "SUCCEEDED":
-        print(f"job {job.id} {st['state']}: {st['error']}", file=sys.stderr)
-        return 1
+        return _failed(job.id, st)
     out.parent.mkdir(parents=True, exist_ok=True)
     rows = job.outputs()
     with out.open("w") as f:
@@ -176,10 +206,20 @@ def parser() -> argparse.ArgumentParser:
             s.add_argument("--breakdown", action="store_true",
                            help="a table of each RL step's time parts and the actors' idle fractions")
         s.set_defaults(fn=fn)
-    u = sub.add_parser("users").add_subparsers(dest="users_cmd", required=True).add_parser("add")
+    users = sub.add_parser("users", help="API keys (auth on): add, delete, rotate, list")
+    users_sub = users.add_subparsers(dest="users_cmd", required=True)
+    u = users_sub.add_parser("add")
     u.add_argument("name")
     u.add_argument("--admin", action="store_true")
-    u.set_defaults(fn=cmd_users)
+    users_sub.add_parser("delete").add_argument("name")
+    users_sub.add_parser("rotate").add_argument("name", nargs="?", default=None, help="default: yourself")
+    users_sub.add_parser("list")
+    users.set_defaults(fn=cmd_users)
+    mods = sub.add_parser("modules", help="code users may name in configs (admin)")
+    mods_sub = mods.add_subparsers(dest="modules_cmd", required=True)
+    mods_sub.add_parser("allow").add_argument("modules", nargs="+")
+    mods_sub.add_parser("list")
+    mods.set_defaults(fn=cmd_modules)
     v = sub.add_parser("serve", help="serve base models and trained checkpoints over an OpenAI-compatible API")
     v.add_argument("config", nargs="?", default=None, help="serve config YAML (default: the tiny model)")
     v.add_argument("overrides", nargs="*", help="dotted key=value overrides")

@@ -157,10 +157,8 @@ class Client:
         import ray
 
         cfg = config_mod.load(config, overrides)
-        out = Path(cfg.job.output_dir)
-        if not out.is_absolute():  # relative to the submitter, not to wherever the job lands
-            cfg.job.output_dir = str(out.absolute())
-        job_id = ray.get(self.rm.submit.remote(config_mod.to_dict(cfg), api_key=self.api_key))
+        # an admin's relative job.output_dir counts from here, not from wherever the job lands
+        job_id = ray.get(self.rm.submit.remote(config_mod.to_dict(cfg), api_key=self.api_key, cwd=os.getcwd()))
         return JobHandle(self, job_id)
 
     def job(self, job_id: str) -> JobHandle:
@@ -192,6 +190,6 @@ def connect(address: str | None = None, api_key: str | None = None, *, db_path: 
                                            "TOKENIZERS_PARALLELISM": "false"}})
     if auth_enabled is None:
         auth_enabled = os.environ.get("OTRAY_AUTH", "0") == "1"
-    rm = get_or_create(db_path or os.environ.get("OTRAY_DB", ".otray/registry.db"), auth_enabled=auth_enabled)
+    rm = get_or_create(db_path, auth_enabled=auth_enabled)  # db_path None: $OTRAY_DB or <otray home>/registry.db
     ray.get(rm.ping.remote())
     return Client(rm, api_key if api_key is not None else os.environ.get("OTRAY_API_KEY"))

@@ -16,13 +16,15 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _cfg(tmp_path, tiny_path, steps=2):
-    return {"job": {"name": "client-test", "output_dir": str(tmp_path / "runs")},
-            "model": {"path": tiny_path}, "rollout": {"backend": "hf", "max_model_len": 64},
+    """A user's config: what a non-admin may name (the tiny model by name, relative dataset dirs, which
+    the ResourceManager puts under the user's own area; no output_dir: the job goes there too)."""
+    return {"job": {"name": "client-test"},
+            "model": {"path": "tiny"}, "rollout": {"backend": "hf", "max_model_len": 64},
             "algo": {"steps": steps, "batch_size": 2, "drop_uniform_groups": False},
             "eval": {"num_samples": 4}, "checkpoint": {"save_at_end": False},
             "envs": {"arithmetic": {
                 "entry": "envs.arithmetic:Arithmetic", "num_rollouts": 2, "max_tokens_per_turn": 3,
-                "dataset": {"builder": "envs.arithmetic:make_dataset", "dir": str(tmp_path / "data"),
+                "dataset": {"builder": "envs.arithmetic:make_dataset", "dir": "data/arithmetic",
                             "kwargs": {"num_eval": 10}},
                 "splits": {"train": {}, "eval": {"shuffle": False}}}}}
 
@@ -105,7 +107,7 @@ def test_cli_exit_codes(tmp_path):
 def test_resume_from_job_id_and_step(cluster, tmp_path, tiny_path):
     from otray.client import Client
 
-    admin, _ = cluster
+    admin, db = cluster
     dave = Client(admin.rm, admin.add_user("dave"))
     data = _cfg(tmp_path, tiny_path, steps=2)
     data["checkpoint"] = {"save_every": 1}
@@ -113,7 +115,7 @@ def test_resume_from_job_id_and_step(cluster, tmp_path, tiny_path):
     assert first.wait(timeout=180)["state"] == "SUCCEEDED"
     # the registered copy lives in the ResourceManager's store; remove the job's own copy so
     # that the resumed job can only get it through Ray
-    local = tmp_path / "runs" / first.id / "checkpoints"
+    local = Path(db).parent / "users" / "dave" / "runs" / first.id / "checkpoints"  # a user's jobs: their area
     assert (local / "step-000001" / "state").is_dir()
     shutil.rmtree(local)
     got = first.download_checkpoint(tmp_path / "fetched", step=1)

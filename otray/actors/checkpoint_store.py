@@ -15,24 +15,13 @@ up to a few GiB; bigger models want an external store (noted in NOTES.md).
 from __future__ import annotations
 
 import io
-import re
 import shutil
 import tarfile
 from pathlib import Path
 from typing import Any
 
+from otray.names import parse_ref  # noqa: F401 (re-exported: JOB_ID[:STEP])
 from otray.types import ModelLoadError
-
-_JOB_REF = re.compile(r"(?P<job>\d{8}-\d{6}-[0-9a-f]{6})(?::(?P<step>\d+))?")
-
-
-def parse_ref(ref: str) -> tuple[str, int | None] | None:
-    """``JOB_ID[:STEP]`` -> (job id, step or None); anything else (a path) -> None."""
-    m = _JOB_REF.fullmatch(ref.strip())
-    if m is None:
-        return None
-    return m["job"], int(m["step"]) if m["step"] is not None else None
-
 
 def registered_refs(cfg: Any) -> list[str]:
     """The ``JOB_ID[:STEP]`` checkpoints a config names: ``checkpoint.resume_from``, ``frozen:`` policies

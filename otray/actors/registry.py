@@ -6,6 +6,8 @@
 - Jobs: ``QUEUED -> STARTING -> RUNNING -> SUCCEEDED | FAILED | CANCELLED``, with a
   timestamp per transition and error text; an illegal transition is an error.
 - Checkpoints: (job, step, path), latest-first lookup.
+- Settings: cluster-wide values that outlive the ResourceManager (``auth`` once on stays on,
+  the modules an admin allowed, the secret that signs checkpoint grants).
 
 One connection per Registry; callers (the ResourceManager actor) serialize access.
 """
@@ -68,6 +70,7 @@ CREATE TABLE IF NOT EXISTS episodes (
     PRIMARY KEY (job_id, seq));
 CREATE TABLE IF NOT EXISTS outputs (
     job_id TEXT NOT NULL, seq INTEGER NOT NULL, row TEXT NOT NULL, PRIMARY KEY (job_id, seq));
+CREATE TABLE IF NOT EXISTS settings (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS checkpoints (
     job_id TEXT NOT NULL, step INTEGER NOT NULL, path TEXT NOT NULL, created REAL NOT NULL,
     PRIMARY KEY (job_id, step));
@@ -106,6 +109,16 @@ class Registry:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
         self.db.executescript(_SCHEMA)
+        self._verified: dict[bytes, User] = {}  # sha256(key) -> user: scrypt once per key, dropped on changes
+
+    # ------------------------------------------------------------------ settings
+
+    def setting(self, key: str, default: Any = None) -> Any:
+        row = self.db.execute("SELECT value FROM settings WHERE key = ?", (key,)).fetchone()
+        return json.loads(row[0]) if row else default
+
+    def set_setting(self, key: str, value: Any) -> None:
+        self.db.execute("INSERT OR REPLACE INTO settings VALUES (?, ?)", (key, json.dumps(value)))
 
     # ------------------------------------------------------------------ users and keys
 
@@ -122,6 +135,14 @@ class Registry:
         return f"otr_{cur.lastrowid}_{secret}"
 
     def authenticate(self, key: str | None) -> User:
+        digest = hashlib.sha256(key.encode()).digest() if key else b""
+        if digest in self._verified:
+            return self._verified[digest]
+        user = self._authenticate(key)
+        self._verified[digest] = user
+        return user
+
+    def _authenticate(self, key: str | None) -> User:
         if not key:
             raise AuthError("this cluster requires an API key: pass api_key= to otray.connect or set OTRAY_API_KEY")
         parts = key.split("_", 2)
@@ -131,6 +152,25 @@ class Registry:
         if row is None or not hmac.compare_digest(_hash(row[3], parts[2]), row[4]):
             raise AuthError("wrong API key: no user has this key (ask an admin for a new one)")
         return User(row[0], row[1], bool(row[2]))
+
+    def users(self) -> list[User]:
+        return [User(r[0], r[1], bool(r[2])) for r in self.db.execute("SELECT id, name, admin FROM users ORDER BY id")]
+
+    def delete_user(self, name: str) -> None:
+        """Remove a user; their key stops working at once (their jobs and checkpoints stay)."""
+        if self.db.execute("DELETE FROM users WHERE name = ?", (name,)).rowcount == 0:
+            raise KeyError(f"no user {name!r} (list users with `otray users list`)")
+        self._verified.clear()
+
+    def rotate_key(self, name: str) -> str:
+        """A new key for ``name``; the old one stops working at once. Returns the new key (shown once)."""
+        secret, salt = secrets.token_urlsafe(24), secrets.token_bytes(16)
+        cur = self.db.execute("UPDATE users SET salt = ?, key_hash = ? WHERE name = ?", (salt, _hash(salt, secret), name))
+        if cur.rowcount == 0:
+            raise KeyError(f"no user {name!r} (list users with `otray users list`)")
+        self._verified.clear()
+        uid = self.db.execute("SELECT id FROM users WHERE name = ?", (name,)).fetchone()[0]
+        return f"otr_{uid}_{secret}"
 
     def has_users(self) -> bool:
         return self.db.execute("SELECT 1 FROM users LIMIT 1").fetchone() is not None

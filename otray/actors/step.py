@@ -21,7 +21,7 @@ from otray.actors.runtime import Objective, PolicyRuntime
 from otray.algos.groups import prepare, select_groups
 from otray.config import AlgoSection
 from otray.timing import StepClock
-from otray.types import Trajectory, TrajectoryGroup
+from otray.types import RolloutError, Trajectory, TrajectoryGroup
 
 
 @dataclass
@@ -104,11 +104,25 @@ class StepMetrics:
     generate_s: float | None = None
 
 
+def check_batch(batch: Batch, step: int) -> None:
+    """Raise RolloutError when every rollout of the batch failed: a step with nothing to train on is
+    a broken job (dead workers, an env failing every episode), never a silent success."""
+    every = [t for groups in batch.groups.values() for g in groups for t in g.all_trajectories]
+    failed = [t for t in every if t.error is not None]
+    if every and len(failed) < len(every):
+        return
+    kinds = sorted({t.error.kind for t in failed})
+    first = f"; the first: {failed[0].error.kind}: {failed[0].error.message}" if failed else ""
+    raise RolloutError(f"step {step}: all {len(every)} rollouts failed ({', '.join(kinds) or 'none came back'})"
+                       f"{first}. Nothing to train on, so the job stops here without a checkpoint of this step")
+
+
 def rl_step(pipeline: Prefetcher, policies: dict[str, PolicyRuntime], algo: AlgoSection, step: int) -> StepMetrics:
     """One RL step: the batch, then for every trained policy groups -> advantages -> datums -> update,
     then weights pushed. ``step`` counts the steps done before this one."""
     clock, objective = StepClock(), Objective.of(algo)
     batch = pipeline.take(step, clock)                                              # 1-3. tasks, episodes, rewards
+    check_batch(batch, step + 1)                                                    #    (all failed: stop)
     chosen = {name: select_groups(batch.groups.get(name, []), algo.drop_uniform_groups)  # 4. drop failing and
               for name in policies}                                                 #    uniform groups
     prepared = {name: prepare(sel, algo.advantage) for name, sel in chosen.items()}  # 5. advantages, datums
