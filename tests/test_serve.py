@@ -117,12 +117,47 @@ def test_a_trained_checkpoint_answers_differently_from_the_base(served):
     ("/v1/completions", {"model": "tiny", "prompt": "x" * 2_000_000}, None, 413, None),
     ("/v1/completions", {"model": "job-20990101-000000-abcdef", "prompt": "x"}, None, 404, "model"),
     ("/v1/nothing", {}, None, 404, None),
+    ("/v1/completions", None, b"[" * 1000 + b"]" * 1000, 400, None),  # nested 1,000 deep
+    ("/v1/completions", None, b'{"model": "tiny", "prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}", 400, None),
 ])
 def test_bad_requests_get_a_4xx_with_an_openai_error_body(served, path, body, raw, status, param):
     r = _post(path, body, served["alice"], raw)
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert err["message"] and err["type"] and err["param"] == param
+
+
+def test_huge_prompts_and_indexes_are_refused_cheaply(served):
+    """A prompt far past the token limit is refused before tokenizing (< 50 ms, not seconds); query
+    indexes past SQLite's integers are a 400, and another user's job is the same 404 as none."""
+    import httpx
+
+    body = {"model": "tiny", "prompt": "12+34=" * 160_000}  # ~960 KB: under the body limit
+    _post("/v1/completions", {"model": "tiny", "prompt": "1+1=", "max_tokens": 1}, served["alice"])  # warm
+    def timed(**kw):
+        t0 = time.perf_counter()
+        r = _post("/v1/completions", key=served["alice"], **kw)
+        return r, time.perf_counter() - t0
+
+    took, floor = [], []
+    for _ in range(3):  # against the same-size body refused at the JSON parse: what moving ~1 MB costs
+        r, t = timed(body=body)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+        took.append(t)
+        floor.append(timed(body=None, raw=b"{" + b" " * len(json.dumps(body)))[1])
+    assert min(took) - min(floor) < 0.05, (took, floor)  # refused within 50 ms of reading the body
+    auth = {"authorization": f"Bearer {served['alice']}"}
+    base = f"http://127.0.0.1:{PORT}/api/jobs/{served['job']}"
+    for url, param in ((f"{base}/metrics?since=99999999999999999999", "since"),
+                       (f"{base}/episodes?step=99999999999999999999", "step")):
+        r = httpx.get(url, headers=auth)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    bob = {"authorization": f"Bearer {served['bob']}"}
+    mine, none = httpx.get(base, headers=bob), httpx.get(f"http://127.0.0.1:{PORT}/api/jobs/20990101-000000-abcdef",
+                                                          headers=bob)
+    assert mine.status_code == none.status_code == 404
+    assert mine.json()["error"]["message"].replace(served["job"], "X") == \
+        none.json()["error"]["message"].replace("20990101-000000-abcdef", "X")
 
 
 def test_api_keys(served):
@@ -229,3 +264,16 @@ def test_split_and_single_layouts_answer_alike(served, tiny_path):
     assert single["tiny"][0] != single[f"job-{served['job']}"][0]
     for complete, streamed in single.values():
         assert complete == streamed
+
+
+def test_without_a_manager_the_app_fails_closed(served):
+    """auth: auto with no ResourceManager (killed for good, not restarting) answers 503, never an
+    unauthenticated completion; the base model and a checkpoint are both refused."""
+    kill_resource_manager()
+    time.sleep(11)  # past the Gateway's cached manager handle and auth setting
+    for key in (None, served["alice"]):
+        for model in ("tiny", f"job-{served['job']}"):
+            r = _post("/v1/chat/completions", {"model": model, "messages": [{"role": "user", "content": "1+1"}],
+                                               "max_tokens": 2}, key)
+            assert r.status_code == 503, (key, model, r.text)
+            assert r.json()["error"]["code"] == "service_unavailable"

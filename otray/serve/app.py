@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import hashlib
 import json
 import re
 import time
@@ -47,6 +46,28 @@ if TYPE_CHECKING:
 
 APP_NAME = "otray"
 _JOB_MODEL = re.compile(r"job-(?P<job>\d{8}-\d{6}-[0-9a-f]{6})(?::(?P<step>\d+))?")
+
+
+# Helpers the Gateway's methods call are defined before it: Serve pickles the class by value when
+# the decorator runs, with the module's globals as they are at that point.
+def _no_manager() -> APIError:
+    return APIError(503, "no ResourceManager answers on this cluster, so this server cannot check keys or "
+                    "find checkpoints: start one (any `otray` command does; it restarts itself after a crash), or "
+                    "set auth: off in the serve config for a cluster without users",
+                    type="server_error", code="service_unavailable")
+
+
+def _unwrap(e: BaseException) -> APIError:
+    """An APIError raised in a replica (Ray wraps it), else a 500 that says what failed."""
+    cause = e
+    while cause is not None and not isinstance(cause, APIError):
+        cause = getattr(cause, "cause", None) or cause.__cause__
+    if isinstance(cause, APIError):
+        return cause
+    first = (str(e).strip().splitlines() or [type(e).__name__])[-1]
+    return APIError(500, f"the model server failed: {first[:500]}", type="server_error")
+
+
 @serve.deployment(name="Gateway", num_replicas=1, ray_actor_options={"num_cpus": 0})
 @serve.ingress(api)
 class Gateway(DashboardRoutes):
@@ -67,7 +88,7 @@ class Gateway(DashboardRoutes):
         self.paths = {m.name: resolve_model_path(m.path, self.cfg.cache_dir) for m in self.cfg.models}
         self.tokenizers = {name: load_tokenizer(path) for name, path in self.paths.items()}
         self.context = {}  # base model name -> max_model_len, asked of a replica on first use
-        self.keys: dict[str, tuple[float, dict[str, Any]]] = {}  # sha256(key) -> (expiry, whoami)
+        self.token_chars: dict[str, int] = {}  # base model name -> characters of its longest token
         self.started = int(time.time())
         self.auth_cache = (False, 0.0)  # (auth on?, expiry): the RM's setting, asked every 10 s
         self.ray_dashboard = ray_dashboard  # linked from /dashboard
@@ -75,18 +96,25 @@ class Gateway(DashboardRoutes):
     # ------------------------------------------------------------------ auth and model names
 
     async def _auth_on(self) -> bool:
-        """``auth: on|off`` as configured; ``auto``: as the cluster's ResourceManager (off without one)."""
+        """``auth: on|off`` as configured; ``auto``: as the cluster's ResourceManager. Without a manager
+        ``auto`` fails closed (503): whether keys are needed is the manager's to say."""
         if self.cfg.auth != "auto":
             return self.cfg.auth == "on"
         if self.auth_cache[1] > time.monotonic():
             return self.auth_cache[0]
         rm = rm_handle()
-        on = rm is not None and await rm.auth_required.remote()
+        try:
+            on = await rm.auth_required.remote() if rm is not None else None
+        except Exception:  # noqa: BLE001 - a dead manager: the same as none
+            on = None
+        if on is None:
+            raise _no_manager()
         self.auth_cache = (on, time.monotonic() + 10.0)
         return on
 
     async def _caller(self, request: Request) -> str | None:
-        """The request's API key (checked when auth is on); None when auth is off."""
+        """The request's API key (checked on every request when auth is on: a deleted or rotated
+        key fails at once; the manager caches verified keys, so this is one actor call)."""
         header = request.headers.get("authorization", "")
         key = header[7:].strip() if header.lower().startswith("bearer ") else None
         if not await self._auth_on():
@@ -94,15 +122,13 @@ class Gateway(DashboardRoutes):
         if not key:
             raise APIError(401, "missing API key: send 'Authorization: Bearer <key>' (keys come from `otray users add`)",
                            type="invalid_request_error", code="invalid_api_key")
-        digest = hashlib.sha256(key.encode()).hexdigest()
-        hit = self.keys.get(digest)
-        if hit is None or hit[0] < time.time():
-            try:
-                who = await rm_handle().whoami.remote(key)
-            except Exception as e:  # noqa: BLE001 - AuthError from the registry
-                raise APIError(401, str(e).splitlines()[-1].split(": ", 1)[-1] or "wrong API key",
-                               type="invalid_request_error", code="invalid_api_key") from None
-            self.keys[digest] = (time.time() + 30.0, who)
+        try:
+            await rm_handle().whoami.remote(key)
+        except PermissionError as e:  # AuthError from the registry
+            raise APIError(401, str(e).splitlines()[-1].split(": ", 1)[-1] or "wrong API key",
+                           type="invalid_request_error", code="invalid_api_key") from None
+        except Exception:  # noqa: BLE001 - the manager died or is restarting: fail closed
+            raise _no_manager() from None
         return key
 
     async def _resolve(self, name: str, key: str | None) -> tuple[str, str]:
@@ -115,12 +141,13 @@ class Gateway(DashboardRoutes):
             raise APIError(404, f"the model {name!r} does not exist; GET /v1/models lists what is served",
                            param="model", code="model_not_found")
         try:
-            step, _ = await rm.checkpoint.remote(m["job"], int(m["step"]) if m["step"] else None, key)
-            job = next(j for j in await rm.servable.remote(key) if j["id"] == m["job"])
-        except Exception:  # noqa: BLE001 - unknown job, no such step, or not the caller's job: all look the same
+            step, grant, model_path = await rm.serve_grant.remote(m["job"], int(m["step"]) if m["step"] else None, key)
+        except (PermissionError, KeyError, LookupError):  # unknown job or step, or another user's: one answer
             raise APIError(404, f"the model {name!r} does not exist or you do not have access to it",
                            param="model", code="model_not_found") from None
-        return self._base_for(job["model_path"]), f"job-{m['job']}:{step}"
+        except Exception:  # noqa: BLE001 - the manager is gone
+            raise _no_manager() from None
+        return self._base_for(model_path), f"job-{m['job']}:{step}:{grant}"  # the grant loads it in a replica
 
     def _base_for(self, model_path: str) -> str:
         from otray.models import resolve_model_path
@@ -166,11 +193,20 @@ class Gateway(DashboardRoutes):
             return json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise APIError(400, f"the request body is not valid JSON: {e}") from None
+        except (ValueError, RecursionError) as e:  # an integer past 4,300 digits; nesting past the recursion limit
+            raise APIError(400, f"the request body is JSON this server does not take ({type(e).__name__}: "
+                                f"{str(e)[:200]}); send plain numbers and shallow objects") from None
 
     async def _prompt_ids(self, req: GenerationRequest, base: str) -> list[int]:
         from otray.models import chat_prompt_ids
 
         tok = self.tokenizers[base]
+        chars = sum(len(str(m.get("content") or "")) for m in req.messages) if req.chat else len(req.prompt)
+        bound = self.cfg.max_prompt_tokens * self._longest_token(base)
+        if chars > bound:  # surely past the limit: refused without tokenizing (a tokenizer pass on ~1 MB takes s)
+            raise APIError(400, f"the prompt has {chars} characters, more than {self.cfg.max_prompt_tokens} tokens "
+                                f"can hold (at most {bound} characters with this tokenizer): shorten it",
+                           param="messages" if req.chat else "prompt", code="context_length_exceeded")
         ids = chat_prompt_ids(tok, req.messages) if req.chat else tok.encode(req.prompt, add_special_tokens=False)
         if not ids:
             raise APIError(400, "the prompt is empty", param="prompt")
@@ -183,6 +219,14 @@ class Gateway(DashboardRoutes):
                                 "shorten the prompt or lower max_tokens", param="messages" if req.chat else "prompt",
                            code="context_length_exceeded")
         return ids
+
+    def _longest_token(self, base: str) -> int:
+        """Characters in the base model's longest token (computed once): a prompt longer than
+        ``max_prompt_tokens`` times this cannot fit, whatever the tokenizer does with it."""
+        if base not in self.token_chars:
+            tok = self.tokenizers[base]
+            self.token_chars[base] = max(1, max(len(tok.convert_tokens_to_string([t])) for t in tok.get_vocab()))
+        return self.token_chars[base]
 
     async def _generate(self, request: Request, chat: bool) -> Any:
         from otray.serve.model_server import Job
@@ -271,17 +315,6 @@ class Gateway(DashboardRoutes):
                        "created": created, "model": req.model, "choices": [],
                        "usage": usage(len(job.prompt_ids), sum(tokens.values()))})
         yield sse("[DONE]")
-
-
-def _unwrap(e: BaseException) -> APIError:
-    """An APIError raised in a replica (Ray wraps it), else a 500 that says what failed."""
-    cause = e
-    while cause is not None and not isinstance(cause, APIError):
-        cause = getattr(cause, "cause", None) or cause.__cause__
-    if isinstance(cause, APIError):
-        return cause
-    first = (str(e).strip().splitlines() or [type(e).__name__])[-1]
-    return APIError(500, f"the model server failed: {first[:500]}", type="server_error")
 
 
 def single_layout(cfg: ServeConfig) -> bool:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from fastapi import Request
+from fastapi import Query, Request
 from fastapi.responses import FileResponse, HTMLResponse
 
 from otray.serve.http import api, rm_handle
@@ -20,25 +20,25 @@ from otray.serve.openai_api import APIError
 
 STATIC = Path(__file__).resolve().parent / "static"
 ASSETS = {"app.js": "text/javascript", "style.css": "text/css"}
+MAX_INDEX = 2**62  # query indexes past SQLite's 64-bit integers are a 400, not a 500
 
 
 def _cause(e: BaseException) -> BaseException:
     return getattr(e, "cause", None) or e
 
 
-async def rm_call(method: Any, *args: Any) -> Any:
-    """Call a ResourceManager method; its AuthError / KeyError become 403 / 404 with its message."""
-    from otray.actors.registry import AuthError
-
+async def rm_call(method: Any, job_id: str, *args: Any) -> Any:
+    """Call a ResourceManager method about ``job_id``. Another user's job and a job that does not
+    exist get the same 404 (no existence oracle); a dead manager is a 503."""
     try:
-        return await method.remote(*args)
+        return await method.remote(job_id, *args)
     except Exception as e:  # noqa: BLE001 - Ray wraps the actor's exception
         cause = _cause(e)
-        if isinstance(cause, AuthError) or "AuthError" in type(e).__name__:
-            raise APIError(403, str(cause).splitlines()[-1], type="permission_error") from None
-        if isinstance(cause, KeyError) or "KeyError" in type(e).__name__:
-            raise APIError(404, str(cause.args[0] if getattr(cause, "args", None) else cause), type="not_found") from None
-        raise
+        if isinstance(cause, (PermissionError, KeyError)):  # AuthError (not yours) or unknown id / step
+            raise APIError(404, f"no job {job_id!r} of yours with that (list yours at GET /api/jobs)",
+                           type="not_found", code="job_not_found") from None
+        raise APIError(503, f"the ResourceManager did not answer ({type(cause).__name__}); try again",
+                       type="server_error", code="service_unavailable") from None
 
 
 class DashboardRoutes:
@@ -69,7 +69,11 @@ class DashboardRoutes:
     @api.get("/api/jobs")
     async def jobs(self, request: Request) -> list[dict[str, Any]]:
         key = await self._caller(request)
-        jobs = await rm_call(self._rm().jobs, key)
+        try:
+            jobs = await self._rm().jobs.remote(key)
+        except Exception as e:  # noqa: BLE001 - the manager died or is restarting
+            raise APIError(503, f"the ResourceManager did not answer ({type(e).__name__}); try again",
+                           type="server_error", code="service_unavailable") from None
         out = []
         for j in sorted(jobs, key=lambda j: j["created"], reverse=True):
             p = j.get("progress") or {}
@@ -84,11 +88,13 @@ class DashboardRoutes:
         return await rm_call(self._rm().status, job_id, await self._caller(request))
 
     @api.get("/api/jobs/{job_id}/metrics")
-    async def job_metrics(self, job_id: str, request: Request, since: int = 0) -> list[dict[str, Any]]:
+    async def job_metrics(self, job_id: str, request: Request,
+                          since: int = Query(0, ge=0, le=MAX_INDEX)) -> list[dict[str, Any]]:
         return await rm_call(self._rm().metrics, job_id, since, await self._caller(request))
 
     @api.get("/api/jobs/{job_id}/episodes")
-    async def job_episodes(self, job_id: str, request: Request, step: int | None = None) -> dict[str, Any]:
+    async def job_episodes(self, job_id: str, request: Request,
+                           step: int | None = Query(None, ge=0, le=MAX_INDEX)) -> dict[str, Any]:
         return await rm_call(self._rm().episodes, job_id, step, await self._caller(request))
 
     @api.get("/api/jobs/{job_id}/checkpoints")

@@ -6,6 +6,7 @@ import time
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from otray.serve.openai_api import APIError
@@ -16,6 +17,15 @@ api = FastAPI(title="otray", docs_url=None, redoc_url=None)
 @api.exception_handler(APIError)
 async def _api_error(_: Request, e: APIError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status)
+
+
+@api.exception_handler(RequestValidationError)
+async def _bad_params(_: Request, e: RequestValidationError) -> JSONResponse:
+    """FastAPI's own checks (query parameters) in OpenAI's error shape, as a 400."""
+    first = (e.errors() or [{}])[0]
+    where = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+    return JSONResponse(APIError(400, f"{where or 'request'}: {first.get('msg', 'invalid')}",
+                                 param=where).body(), status_code=400)
 
 
 @api.exception_handler(404)

@@ -258,18 +258,19 @@ class ModelServer:
     # ------------------------------------------------------------------ checkpoints
 
     def load_checkpoint(self, model_id: str) -> Loaded | Adapter:
-        """``job-<id>:<step>`` -> a model to generate with (blocking; the deployment runs it off the event loop)."""
+        """``job-<id>:<step>:<grant>`` -> a model to generate with (blocking; the deployment runs it off the
+        event loop). The grant is the ResourceManager's, given to the Gateway for a caller who owns the job."""
         import ray
 
         from otray.actors.checkpoint_store import unpack_dir
         from otray.actors.resource_manager import NAME, NAMESPACE
 
-        job_id, _, step = model_id.removeprefix("job-").rpartition(":")
+        job_id, step, grant = (model_id.removeprefix("job-").split(":") + ["", ""])[:3]
         try:
             rm = ray.get_actor(NAME, namespace=NAMESPACE)
-            blob = ray.get(rm.serve_checkpoint_blob.remote(job_id, int(step)))
+            blob = ray.get(rm.serve_checkpoint_blob.remote(job_id, int(step), grant))
         except Exception as e:  # noqa: BLE001 - no RM, unknown job or step: the model does not exist
-            raise APIError(404, f"model {model_id!r} could not be loaded: {e}", code="model_not_found") from None
+            raise APIError(404, f"model job-{job_id}:{step} could not be loaded: {e}", code="model_not_found") from None
         where = tempfile.mkdtemp(prefix=f"otray-serve-{job_id}-{step}-")
         model_dir = Path(unpack_dir(blob, Path(where) / "ckpt")) / "model"
         model = self.open_checkpoint(model_dir, model_id, where)
