@@ -8,7 +8,7 @@ export VLLM_CPU_KVCACHE_SPACE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 export RAY_USAGE_STATS_ENABLED ?= 0
 
-.PHONY: demo test test-fast bench bench-trl clean venv browser openreward-sdk
+.PHONY: demo test test-fast bench bench-trl clean venv browser sandbox openreward-sdk
 
 venv: $(STAMP)
 
@@ -41,11 +41,17 @@ browser:
 	@command -v chromium >/dev/null 2>&1 || (apt-get update -q && apt-get install -y -q --no-install-recommends chromium) \
 	  || echo "could not install Debian's chromium (needs root or sudo): tests/test_serve.py's dashboard test will fail"
 
-test: $(STAMP) browser
+# the code tool (envs/python_tool.py) runs model-written code inside Debian's bubblewrap; without it
+# the tool refuses to run (docs/security.md)
+sandbox:
+	@command -v bwrap >/dev/null 2>&1 || (apt-get update -q && apt-get install -y -q --no-install-recommends bubblewrap) \
+	  || echo "could not install bubblewrap (needs root or sudo): the code tool and its tests will refuse to run"
+
+test: $(STAMP) browser sandbox
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
 # the suite without the vLLM engine tests (about a minute faster)
-test-fast: $(STAMP) browser
+test-fast: $(STAMP) browser sandbox
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not vllm"
 
 bench: $(STAMP)

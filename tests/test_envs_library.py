@@ -2,6 +2,7 @@
 the Gymnasium adapter (no Ray)."""
 
 import json
+import time
 from fractions import Fraction
 from pathlib import Path
 
@@ -138,9 +139,64 @@ def test_python_tool_contains_escapes_as_error_observations(tmp_path):
 
 
 def test_python_tool_output_limit_and_timeout():
-    assert run_python("print('x' * 10000)", max_output=100).output.endswith("[output truncated at 100 characters]")
+    assert "[output truncated at 100 bytes" in run_python("print('x' * 10000)", max_output=100).output
     slow = run_python("import time\ntime.sleep(30)", wall_s=1.0)
     assert not slow.ok and "timed out" in slow.error
+    t0 = time.perf_counter()  # a write loop: read up to the cap, then stopped (it used to buffer GBs)
+    flood = run_python("while True:\n    print('x' * 100000)", max_output=2000, wall_s=5.0)
+    assert time.perf_counter() - t0 < 2.0 and len(flood.output) < 2200 and "truncated" in flood.output
+
+
+# The escapes the security review used (with the audit hook intact they worked): shell, writes
+# through dir_fd, sqlite on the registry, reading the host's files. Run twice: through the tool
+# (both layers), and with no audit hook at all (bubblewrap alone must contain them).
+ESCAPES = {
+    "shell": "import subprocess\nsubprocess.run(['/bin/sh', '-c', 'touch {marker}'], check=True)",
+    "dir_fd write": "import os\nfd = os.open({dir!r}, os.O_RDONLY)\nos.open('marker', os.O_WRONLY | os.O_CREAT, dir_fd=fd)",
+    "sqlite outside": "import sqlite3\nsqlite3.connect({db!r}).execute('create table t(x)')",
+    "read the host": "print(open({secret!r}).read())",
+    "parent's environ": "import os\nprint(open(f'/proc/{{os.getppid()}}/environ').read())",
+    "network": "import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=2)\nprint('connected')",
+}
+
+
+def test_python_tool_sandbox_holds_against_deliberate_escapes(tmp_path, monkeypatch):
+    import socket
+
+    from otray.sandbox import run_python_sandboxed, sandbox_problem
+
+    assert sandbox_problem() is None, f"bubblewrap must run here (make installs it): {sandbox_problem()}"
+    monkeypatch.setenv("OTRAY_SECRET_FOR_TEST", "registry-key")
+    listener = socket.create_server(("127.0.0.1", 0))  # a host service the sandbox must not reach
+    marker, secret = tmp_path / "marker", tmp_path / "secret.txt"
+    secret.write_text("the registry's contents")
+    fill = {"marker": marker, "dir": str(tmp_path), "db": str(tmp_path / "registry.db"), "secret": str(secret),
+            "port": listener.getsockname()[1]}
+    no_hook = "import sys\nexec(compile(sys.stdin.read(), '<code>', 'exec'), {})"
+    for name, code in ESCAPES.items():
+        via_tool = run_python(code.format(**fill))
+        bare = run_python_sandboxed(no_hook, [], code.format(**fill).encode(), wall_s=10, cpu_s=5, memory_mb=512,
+                                    file_mb=1, max_output=4000)
+        for ok, out in ((via_tool.ok, via_tool.output), (bare.returncode == 0, bare.output.decode())):
+            assert "registry" not in out and "connected" not in out, (name, ok, out)
+            assert not ok or name == "parent's environ", (name, out)  # that one reads bwrap's own, empty, environ
+    listener.close()
+    assert not marker.exists() and not (tmp_path / "registry.db").exists()
+    # a detached child (new session, parent gone) dies with the sandbox, not 13 s later
+    tag = f"30.{time.time_ns() % 10**6:06d}"  # an argument no other process has
+    bare = run_python_sandboxed(no_hook, [], (f"import subprocess\nsubprocess.Popen(['/usr/bin/sleep', '{tag}'], "
+                                              f"start_new_session=True)\nprint('spawned')").encode(),
+                                wall_s=10, cpu_s=5, memory_mb=512, file_mb=1, max_output=4000)
+    assert b"spawned" in bare.output
+    time.sleep(0.5)
+    import psutil
+
+    assert not [p for p in psutil.process_iter(["cmdline"]) if tag in (p.info["cmdline"] or [])]
+    # what the sandbox shows: no host directories, the project absent, only its own processes
+    seen = run_python("import os\nprint(sorted(os.listdir('/')), os.path.exists({!r}), "
+                      "sum(p.isdigit() for p in os.listdir('/proc')))".format(str(ROOT)))
+    top, project_visible, pids = seen.output.rsplit(" ", 2)
+    assert "sandbox" in top and "home" not in top and project_visible == "False" and int(pids) <= 3, seen.output
 
 
 # --------------------------------------------------------------------------- Gymnasium adapter
