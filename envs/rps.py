@@ -55,7 +55,7 @@ class parallel_raw_env(ParallelEnv):  # noqa: N801 - PettingZoo's naming convent
         self.agents = list(self.possible_agents)
         self.round = 0
         self.history: list[tuple[int, int]] = []
-        return {a: NONE for a in self.agents}, {a: {} for a in self.agents}
+        return {a: np.int64(NONE) for a in self.agents}, {a: {} for a in self.agents}
 
     def step(self, actions: dict[str, int]):
         a, b = (int(actions[p]) for p in self.possible_agents)
@@ -64,7 +64,7 @@ class parallel_raw_env(ParallelEnv):  # noqa: N801 - PettingZoo's naming convent
         outcome = 0 if a == b else (1 if (a - b) % 3 == 1 else -1)  # paper beats rock, etc.
         rewards = {"player_0": float(outcome), "player_1": float(-outcome)}
         done = self.round >= self.rounds
-        observations = {"player_0": b, "player_1": a}
+        observations = {"player_0": np.int64(b), "player_1": np.int64(a)}  # Discrete's own type (api_test)
         terminations = {p: done for p in self.agents}
         truncations = {p: False for p in self.agents}
         infos = {p: {"round": self.round} for p in self.agents}

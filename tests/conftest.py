@@ -70,6 +70,51 @@ def fresh_resource_manager(db_path, **kwargs):
     return rm
 
 
+def _ray_cluster_processes() -> dict[int, str]:
+    """PID -> command of every Ray cluster's root processes (GCS servers, raylets) on this machine."""
+    import psutil
+
+    out = {}
+    for p in psutil.process_iter(["pid", "name", "cmdline"]):
+        cmd = " ".join(p.info["cmdline"] or [])
+        if p.info["name"] in ("gcs_server", "raylet") or "/ray/gcs/gcs_server" in cmd or "/raylet/raylet" in cmd:
+            out[p.info["pid"]] = cmd
+    return out
+
+
+@pytest.fixture(autouse=True, scope="module")
+def no_ray_cluster_left_behind(request):
+    """A test module that starts a Ray cluster of its own (``ray start``, ``Cluster``, a subprocess's
+    ``ray.init``) and leaves its processes running fails here; the suite's shared cluster
+    (``ray_local``, started before or during the module and stopped at the end) is exempt."""
+    import time
+
+    before = _ray_cluster_processes()
+    yield
+    import ray
+
+    session = ""
+    if ray.is_initialized():  # the cluster this process is connected to: its processes name its session dir
+        session = os.path.basename(ray._private.worker._global_node.get_session_dir_path())
+    deadline = time.time() + 15
+    while True:
+        left = {pid: cmd for pid, cmd in _ray_cluster_processes().items()
+                if pid not in before and not (session and session in cmd)}
+        if not left or time.time() > deadline:
+            break
+        time.sleep(0.5)
+    if left:
+        import signal
+
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        pytest.fail(f"{request.module.__name__} left Ray cluster processes running (killed now): "
+                    f"{ {pid: cmd[:160] for pid, cmd in left.items()} }")
+
+
 @pytest.fixture(autouse=True, scope="module")
 def no_resource_manager_left_behind(request):
     """A test module that leaves a ResourceManager running fails here (and the manager is killed)."""

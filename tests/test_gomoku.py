@@ -85,6 +85,14 @@ def test_move_parser_never_raises(text):
 # --------------------------------------------------------------------------- the simultaneous-move game
 
 
+@pytest.mark.parametrize("factory", ["envs.gomoku:env", "envs.rps:env", "pettingzoo.classic.tictactoe_v3:env",
+                                     "pettingzoo.classic.connect_four_v3:env"])
+def test_pettingzoo_api_test_on_the_aec_form_of_every_bundled_game(factory):
+    from otray.structured import import_object
+
+    api_test(import_object(factory)(), num_cycles=50)
+
+
 def test_rps_parallel_api_and_rules():
     from pettingzoo.test import parallel_api_test
 
