@@ -62,7 +62,7 @@ def bodies(rng: random.Random, served: Any) -> bytes | None:
 
 
 def requests_for(schema: dict[str, Any], rng: random.Random, served: Any, n: int) -> list[dict[str, Any]]:
-    keys = [None, "otr_1_wrong", "garbage", served.bob, served.alice, served.admin]
+    keys = [None, "otr_1_wrong", "garbage"] + [served.bob, served.alice, served.admin] * 3  # mostly past auth
     routes = [(path, method, op) for path, ops in schema["paths"].items() for method, op in ops.items()]
     out = []
     for i in range(n):
@@ -80,7 +80,7 @@ def requests_for(schema: dict[str, Any], rng: random.Random, served: Any, n: int
         headers = {"content-type": rng.choice(["application/json", "text/plain", "application/x-www-form-urlencoded"])}
         key = rng.choice(keys)
         if key is not None:
-            headers["authorization"] = rng.choice([f"Bearer {key}", key, f"Basic {key}"])
+            headers["authorization"] = f"Bearer {key}" if rng.random() < 0.85 else rng.choice([key, f"Basic {key}"])
         out.append({"method": method.upper(), "url": url, "params": query, "content": body, "headers": headers})
     return out
 

@@ -76,3 +76,19 @@ def test_trajectories_that_sampled_nothing_make_no_datum_but_keep_their_advantag
 def test_zscore_of_a_uniform_group_is_zero_not_nan():
     p = prepare(select_groups([group(3.0, 3.0)], drop_uniform=False), "zscore")
     assert p.advantages == [0.0, 0.0] and not any(math.isnan(a) for a in p.advantages)
+
+
+def test_check_batch_fails_a_step_whose_rollouts_all_failed():
+    """A batch with nothing to train on (every episode, or every game of every policy, errored; or no
+    rollout came back) stops the job; one good rollout anywhere is enough to go on."""
+    from otray.actors.step import Batch, check_batch
+    from otray.types import RolloutError
+
+    def batch(groups):
+        return Batch(groups, "d", 0.0, 0.0, 0.0, 0)
+
+    dead = TrajectoryGroup(Task("t", "e"), [traj(0.0, error=True), traj(0.0, error=True)], failed=[traj(0.0, error=True)])
+    for broken in ({"main": [dead, dead]}, {"main": [dead], "other": [dead]}, {"main": []}, {}):
+        with pytest.raises(RolloutError, match="step 4: all .*rollouts failed"):
+            check_batch(batch(broken), 4)
+    check_batch(batch({"main": [dead], "other": [group(1.0, 0.0)]}), 4)  # a game whose other seat played

@@ -16,6 +16,14 @@ from tests.test_client_auth import _cfg as user_cfg
 TERMINAL = ("SUCCEEDED", "FAILED", "CANCELLED")
 
 
+def admin_cfg(tmp_path, steps=2):
+    """An admin's job: the user config with its dataset in a temporary dir (an admin's relative paths
+    count from the job's working directory, the project)."""
+    data = user_cfg(None, None, steps=steps)
+    data["envs"]["arithmetic"]["dataset"]["dir"] = str(tmp_path / "data")
+    return data
+
+
 def _wait(ray, rm, job_id, key, until=TERMINAL, timeout=180):
     deadline = time.time() + timeout
     while time.time() < deadline:
@@ -109,11 +117,11 @@ def test_keys_are_revoked_and_rotated_at_once(keyed, ray_local):
         ray_local.get(rm.whoami.remote(new))
 
 
-def test_job_error_is_the_innermost_exception_and_the_cli_calls_it_bad_input(keyed, ray_local):
+def test_job_error_is_the_innermost_exception_and_the_cli_calls_it_bad_input(keyed, ray_local, tmp_path):
     from otray.cli import _failed
 
     rm, root = keyed["rm"], keyed["root"]
-    data = user_cfg(None, None)
+    data = admin_cfg(tmp_path)
     data["envs"]["arithmetic"]["entry"] = "nosuchmod:Env"  # an admin's config: imported on the cluster
     job = ray_local.get(rm.submit.remote(data, root))
     st = _wait(ray_local, rm, job, root)
@@ -123,9 +131,9 @@ def test_job_error_is_the_innermost_exception_and_the_cli_calls_it_bad_input(key
     assert _failed(job, {"state": "FAILED", "error": "RolloutError: step 3: all 8 rollouts failed"}) == 1
 
 
-def test_a_step_whose_rollouts_all_failed_fails_the_job_without_its_checkpoint(keyed, ray_local):
+def test_a_step_whose_rollouts_all_failed_fails_the_job_without_its_checkpoint(keyed, ray_local, tmp_path):
     rm, root = keyed["rm"], keyed["root"]
-    data = user_cfg(None, None)
+    data = admin_cfg(tmp_path)
     data["envs"]["arithmetic"]["entry"] = "tests.failing_envs:FailsAfterReset"
     data["checkpoint"] = {"save_every": 1}
     job = ray_local.get(rm.submit.remote(data, root))
@@ -147,8 +155,8 @@ def _kill_process_of(ray, class_name):
     return time.time()
 
 
-def _running_job(ray, rm, root):
-    data = user_cfg(None, None, steps=500)
+def _running_job(ray, rm, root, tmp_path):
+    data = admin_cfg(tmp_path, steps=500)
     data["checkpoint"] = {"save_every": 1}
     job = ray.get(rm.submit.remote(data, root))
     _wait(ray, rm, job, root, until="step")
@@ -156,9 +164,9 @@ def _running_job(ray, rm, root):
 
 
 @pytest.mark.parametrize("victim, says", [("RolloutWorker", "rollout worker"), ("PolicyLearner", "Actor")])
-def test_a_killed_worker_or_learner_fails_the_job_and_frees_its_lease(keyed, ray_local, victim, says):
+def test_a_killed_worker_or_learner_fails_the_job_and_frees_its_lease(keyed, ray_local, victim, says, tmp_path):
     rm, root = keyed["rm"], keyed["root"]
-    job, pg = _running_job(ray_local, rm, root)
+    job, pg = _running_job(ray_local, rm, root, tmp_path)
     killed_at = _kill_process_of(ray_local, victim)
     st = _wait(ray_local, rm, job, root, timeout=60)
     assert st["state"] == "FAILED" and says in st["error"], st
@@ -168,11 +176,11 @@ def test_a_killed_worker_or_learner_fails_the_job_and_frees_its_lease(keyed, ray
     assert max(ray_local.get(rm.checkpoints.remote(job, root))) <= trained  # none saved from a failed step
 
 
-def test_a_crashed_manager_restarts_fails_its_running_job_and_keeps_auth(keyed, ray_local):
+def test_a_crashed_manager_restarts_fails_its_running_job_and_keeps_auth(keyed, ray_local, tmp_path):
     from otray.actors.resource_manager import get_or_create
 
     rm, db, alice, root = keyed["rm"], keyed["db"], keyed["alice"], keyed["root"]
-    job, pg = _running_job(ray_local, rm, root)
+    job, pg = _running_job(ray_local, rm, root, tmp_path)
     _kill_process_of(ray_local, "ResourceManager")  # the process dies; Ray restarts the manager (max_restarts)
     deadline = time.time() + 60
     while True:  # calls fail (ActorUnavailableError) until the new process answers
