@@ -84,7 +84,7 @@ def test_rm_methods_refuse_callers_without_the_right_key_token_or_grant(keyed, r
 
 
 def test_users_jobs_are_confined(keyed, ray_local):
-    rm, job, alice, bob = keyed["rm"], keyed["job"], keyed["alice"], keyed["bob"]
+    rm, job, bob = keyed["rm"], keyed["job"], keyed["bob"]
     area = Path(keyed["db"]).parent / "users" / "alice"
     assert (area / "runs" / job / "metrics.jsonl").exists() and (area / "data" / "data" / "arithmetic").is_dir()
     before = len(ray_local.get(rm.jobs.remote(keyed["root"])))

@@ -47,6 +47,21 @@ def test_ray_job_submit_runs_otray_train():
                                 text=True, timeout=60)
         assert "succeeded" in (status.stdout + status.stderr).lower()
     finally:
-        subprocess.run(["pkill", "-f", temp], timeout=30)
-        time.sleep(2)
+        _kill_cluster(temp)
         shutil.rmtree(temp, ignore_errors=True)
+
+
+def _kill_cluster(temp: str) -> None:
+    """SIGKILL every process of the cluster started with ``--temp-dir=temp`` (its GCS server and raylet
+    ignored SIGTERM long enough to outlive the suite) and wait until they are gone."""
+    import psutil
+
+    def mine():
+        return [p for p in psutil.process_iter(["cmdline"]) if temp in " ".join(p.info["cmdline"] or [])]
+
+    for p in mine():
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(mine(), timeout=20)
