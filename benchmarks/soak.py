@@ -22,14 +22,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from serve import percentile as pct  # noqa: E402 (benchmarks/serve.py)
 from serve_cluster import gateway_pid, start, stop  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
-
-
-def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))] if xs else float("nan")
 
 
 def main() -> int:
@@ -90,7 +86,7 @@ def main() -> int:
     per_minute = []
     for m in range(int(args.minutes)):
         rows = [(lat, err) for done, lat, err in log if t0 + 60 * m <= done < t0 + 60 * (m + 1)]
-        lats = [lat for lat, err in rows if not err]
+        lats = [lat for lat, err in rows if not err] or [float("nan")]
         per_minute.append({"minute": m + 1, "requests": len(rows), "errors": sum(1 for _, e in rows if e),
                            "p50_s": round(pct(lats, 0.5), 4), "p99_s": round(pct(lats, 0.99), 4),
                            "gateway_rss_mib": round(rss[m], 1)})

@@ -121,15 +121,14 @@ def run_python_sandboxed(boot: str, args: list[str], code: bytes, *, wall_s: flo
                          file_mb: int, max_output: int) -> Ran:
     """Run ``python -I -S -c boot *args`` with ``code`` on stdin, sandboxed (or, in unsafe mode, not)."""
     python, _ = _interpreter()
-    program = [python, "-I", "-S", "-c", boot, *args]
     require_sandbox()
-    if sandbox_problem() is None:
-        argv, cwd = bwrap_argv(program, tmpfs_mb=max(16, 4 * file_mb)), None
-    else:  # unsafe mode, set by an admin: a plain child process in a temp dir
+    cwd = None
+    if sandbox_problem() is not None:  # unsafe mode, set by an admin: a plain child process in a temp dir
         import tempfile
 
         cwd = tempfile.mkdtemp(prefix="otray-py-")
-        argv = [*program[:-len(args)], *[cwd if a == WORKDIR else a for a in args]] if args else program
+    program = [python, "-I", "-S", "-c", boot, *[cwd if cwd and a == WORKDIR else a for a in args]]
+    argv = program if cwd else bwrap_argv(program, tmpfs_mb=max(16, 4 * file_mb))
     proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=cwd,
                             env={}, start_new_session=True, preexec_fn=_limits(cpu_s, memory_mb, file_mb))
     try:

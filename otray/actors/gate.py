@@ -71,7 +71,7 @@ class Gate:
 
     def allow_modules(self, modules: list[str], api_key: str | None) -> list[str]:
         self.admin(api_key, "allow modules")
-        bad = [m for m in modules if not m.replace("_", "a").replace(".", "a").isalnum()]
+        bad = [m for m in modules if not all(part.isidentifier() for part in m.split("."))]
         if bad:
             raise ValueError(f"not module names: {bad}; give dotted names like mypkg.envs")
         extra = sorted(set(self.registry.setting("allowed_modules", [])) | set(modules))
