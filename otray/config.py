@@ -25,7 +25,8 @@ from typing import Any, Optional
 
 from otray.device import DEVICES, DTYPES
 from otray.names import ADVANTAGE_NAMES, AGGREGATIONS, loss_config
-from otray.policies import PolicySpec, eval_opponents, frozen_policies, seating, trained_policies  # noqa: F401 (re-exported)
+from otray.policies import (PolicySpec, eval_opponents, frozen_policies, learner_ranks, num_rollout_workers,  # noqa: F401
+                            policy_bundles, seating, trained_policies)  # (re-exported)
 from otray.ranges import check_ranges
 from otray.structured import import_object, load_structured, one_of, to_dict  # noqa: F401 (re-exported)
 from otray.types import ConfigError
@@ -86,6 +87,10 @@ class ResourcesSection:
     # phases alternate, so each may use every core of a small machine.
     learner_threads: Optional[int] = None
     rollout_threads: Optional[int] = None
+    # N > 1: each trained policy is one sharded learner group of N ranks (FSDP2, one bundle of
+    # learner_cpus/learner_gpus each; otray.actors.learner_group); 1 = one PolicyLearner.
+    learner_workers: int = 1
+    collective_timeout_s: float = 300.0  # a rank waiting longer in a collective fails the job
 
 
 @dataclass
@@ -317,6 +322,9 @@ def _check_values(cfg: Config) -> None:
         if cfg.algo.max_steps_off_policy:
             raise ConfigError("rollout.colocate=true runs generation and training in one actor, one after the "
                               "other: algo.max_steps_off_policy must be 0")
+    if cfg.resources.learner_workers > 1 and cfg.rollout.colocate:
+        raise ConfigError("rollout.colocate=true samples with the learner's own model, which a sharded learner "
+                          "(resources.learner_workers > 1) does not hold whole: set one of them back")
     if cfg.job.kind == "infer":
         if cfg.game is not None and len(trained_policies(cfg)) > 1:
             raise ConfigError("an inference job plays one model: give a game config with one trained policy")
@@ -386,11 +394,3 @@ def load(source: str | Path | dict[str, Any] | Config, overrides: list[str] | No
     check_ranges(cfg)
     _check_values(cfg)
     return cfg
-
-
-def num_rollout_workers(cfg: Config) -> int:
-    """Rollout worker actors the job needs: none for an SFT job without envs to evaluate, and none when
-    the learner generates (``rollout.colocate``)."""
-    if cfg.job.kind == "infer":  # no learner to generate with
-        return cfg.rollout.num_workers
-    return 0 if (cfg.job.kind == "sft" and not cfg.envs) or cfg.rollout.colocate else cfg.rollout.num_workers

@@ -75,3 +75,23 @@ def trained_policies(cfg: Any) -> list[str]:
 def frozen_policies(cfg: Any) -> list[PolicySpec]:
     """The game's ``frozen:REF`` policies (seats and eval opponents), each once."""
     return list(dict.fromkeys(p for p in [*seating(cfg).values(), *eval_opponents(cfg)] if p.kind == "frozen"))
+
+
+def learner_ranks(cfg: Any) -> int:
+    """Learner actors per trained policy (bundles too): ``resources.learner_workers``; none lead an
+    inference job, whose bundle 0 holds only its driver."""
+    return 1 if cfg.job.kind == "infer" else cfg.resources.learner_workers
+
+
+def policy_bundles(cfg: Any) -> int:
+    """Bundles one trained policy takes in the job's placement group: its learner ranks, then its
+    rollout workers (``otray.actors.lease.bundles_for``)."""
+    return learner_ranks(cfg) + num_rollout_workers(cfg)
+
+
+def num_rollout_workers(cfg: Any) -> int:
+    """Rollout worker actors the job needs: none for an SFT job without envs to evaluate, and none when
+    the learner generates (``rollout.colocate``)."""
+    if cfg.job.kind == "infer":  # no learner to generate with
+        return cfg.rollout.num_workers
+    return 0 if (cfg.job.kind == "sft" and not cfg.envs) or cfg.rollout.colocate else cfg.rollout.num_workers

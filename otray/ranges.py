@@ -37,6 +37,7 @@ RANGES: dict[str, tuple[Any, Any]] = {
     "resources.learner_cpus": (0, None), "resources.rollout_cpus": (0, None),
     "resources.learner_gpus": (0, None), "resources.rollout_gpus": (0, None),
     "resources.learner_threads": (1, None), "resources.rollout_threads": (1, None),
+    "resources.learner_workers": (1, None), "resources.collective_timeout_s": (GT(0), None),
     "algo.learning_rate": (0, None), "algo.weight_decay": (0, None), "algo.grad_clip": (0, None),
     "algo.steps": (0, None), "algo.batch_size": (1, None), "algo.micro_batch_tokens": (1, None),
     "eval.every": (0, None), "eval.num_samples": (1, None),

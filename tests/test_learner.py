@@ -190,3 +190,10 @@ def test_leaving_out_zero_advantage_datums_with_the_batch_normalizer_keeps_the_g
     for name in g_whole:
         assert torch.allclose(g_whole[name], g_part[name], atol=1e-6, rtol=1e-4), name
     assert not all(torch.allclose(g_whole[n], g_un[n], atol=1e-6, rtol=1e-4) for n in g_whole)  # the normalizer matters
+
+
+def test_micro_batches_keep_short_rows_apart_from_long_ones():
+    rows = [Datum([1] * n, [1] * n, [1.0] * n, [0.0] * n, [0.0] * n) for n in (5, 6, 7, 20, 30)]
+    assert [len(c) for c in micro_batches(rows, 1000)] == [5]  # one chunk: the 5-token row padded to 30
+    assert [[len(d) for d in c] for c in micro_batches(rows, 1000, 2.0)] == [[5, 6, 7], [20, 30]]
+    assert [[len(d) for d in c] for c in micro_batches(rows, 40, 2.0)] == [[5, 6, 7], [20], [30]]  # budget too

@@ -40,3 +40,12 @@ def test_job_through_the_resource_manager_spreads_and_resumes_through_ray(seen):
     # the first job's own checkpoint copy was deleted; the second got it from the ResourceManager's store
     assert seen["second"]["state"] == "SUCCEEDED", seen["second"]["error"]
     assert seen["second_batches"] == {"2": seen["first_batches"]["2"]}
+
+
+def test_a_sharded_learner_with_its_two_ranks_on_different_nodes(seen):
+    sharded = seen["sharded"]
+    first, second = sharded["rank_nodes"]
+    assert first and second and first != second
+    assert sharded["gap_after_sync"] < 1e-3  # gathered weights reached the worker
+    assert sharded["files"] == [".metadata", "__0_0.distcp", "__1_0.distcp"]  # rank 1's shard crossed nodes
+    assert sharded["reload_gap"] < 1e-5

@@ -61,8 +61,8 @@ def main(tmp: Path, model: str) -> dict:
     from otray.client import connect
     from otray.models import chat_prompt_ids
 
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
-    cluster.add_node(num_cpus=1)
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"side_a": 1}})
+    cluster.add_node(num_cpus=1, resources={"side_b": 1})
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, namespace="otray", log_to_driver=False,
              runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false", "VLLM_CPU_KVCACHE_SPACE": "1"}})
@@ -95,10 +95,53 @@ def main(tmp: Path, model: str) -> dict:
         second = client.submit(job_config(tmp, model, resume_from=f"{first.id}:1"))
         out["second"] = second.wait(timeout=300)
         out["second_batches"] = {r["step"]: r["batch"] for r in second.metrics() if r["phase"] == "grpo"}
+
+        # 3. a sharded learner (learner_workers=2) whose ranks are on different nodes
+        out["sharded"] = sharded_across_nodes(tmp, model)
     finally:
         ray.shutdown()
         cluster.shutdown()
     return out
+
+
+def sharded_across_nodes(tmp: Path, model: str) -> dict:
+    """Rank 0 on one node, rank 1 on the other (bundles pinned by the nodes' custom resources): train,
+    sync the rollout worker, save (rank 1's shard crosses to rank 0's node) and load the checkpoint
+    into a plain PolicyLearner here."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    from otray import config
+    from otray.actors.job import TrainJob
+    from otray.actors.learner import PolicyLearner
+    from otray.actors.runtime import SUPERVISED
+    from otray.models import chat_prompt_ids
+
+    data = job_config(tmp, model)
+    data["resources"] = {"learner_workers": 2, "learner_cpus": 0.5, "rollout_cpus": 0.5, "strategy": "SPREAD"}
+    cfg = config.load(data)
+    pg = placement_group([{"CPU": 0.5, "side_a": 0.5}, {"CPU": 0.5, "side_b": 0.5}, {"CPU": 0.5}], strategy="SPREAD")
+    ray.get(pg.ready(), timeout=60)
+    job = TrainJob(cfg, tmp / "sharded", placement_group=pg, log=lambda _: None)
+    seen: dict = {"rank_nodes": ray.get(job.main.learner.rank_nodes.remote())}
+    prompt = chat_prompt_ids(job.tokenizer, [{"role": "user", "content": "12+34="}])
+    for _ in range(2):
+        job.main.update(job.sft.env_batch(job.env_splits["arithmetic"]["train"].sample(16)), SUPERVISED, cfg.algo, 5e-3)
+    job.main.sync_weights()
+    seen["gap_after_sync"] = sampler_learner_gap(job, prompt)
+    ckpt = tmp / "sharded" / "ckpt"
+    ray.get(job.main.learner.save_state.remote(str(ckpt), {}))
+    seen["files"] = sorted(p.name for p in (ckpt / "dcp").iterdir())
+    probe = job.sft.env_batch(job.env_splits["arithmetic"]["train"].sample(4))
+    plain = PolicyLearner(model, seed=0)
+    plain.load_state(str(ckpt))
+    theirs = ray.get(job.main.learner.forward.remote(probe))
+    seen["reload_gap"] = max(abs(a - b) for x, y in zip(plain.forward(probe), theirs) for a, b in zip(x, y))
+    ray.kill(job.main.learner)
+    for handle in job.main.fleet.workers:
+        ray.kill(handle)
+    remove_placement_group(pg)
+    return seen
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ from typing import Any
 from otray.actors.checkpoint_store import frozen_model_dir
 from otray.actors.runtime import ActorFactory, in_bundle
 from otray.actors.step import Batch
-from otray.config import Config, eval_opponents, num_rollout_workers, seating, trained_policies
+from otray.config import Config, eval_opponents, policy_bundles, seating, trained_policies
 from otray.coordinator.agent_loop import Limits
 from otray.coordinator.protocol import GameResult, Played, Policy, ProtocolCoordinator
 from otray.coordinator.text_bridge import MoveRules
@@ -77,7 +77,7 @@ class GameGroupSource:
         self.seatings = seatings(seating(cfg), self.roles, g.rotate_seats)
         self.trained = list(trained_workers)
         self.opponents = eval_opponents(cfg)
-        first = len(trained_policies(cfg)) * (1 + num_rollout_workers(cfg))  # bundles after the trained policies'
+        first = len(trained_policies(cfg)) * policy_bundles(cfg)  # bundles after the trained policies'
         frozen = {spec: tuple(factory.workers(first + j, 1, frozen_model_dir(spec.arg, job_dir)))
                   for j, spec in enumerate(dict.fromkeys(p for p in [*seating(cfg).values(), *self.opponents]
                                                          if p.kind == "frozen"))}

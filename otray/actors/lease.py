@@ -1,7 +1,7 @@
 """A job's lease: the bundles it needs, whether they can ever fit, and the driver that runs in them.
 
 One placement group per job, sized from the job's ``resources`` section (bundle 0:
-learner + job driver; bundle 1+i: rollout worker i). The :class:`JobDriver` runs in
+learner + job driver; then the other learner ranks, if sharded; then the rollout workers). The :class:`JobDriver` runs in
 bundle 0 and reports to the ResourceManager with the job token it was given.
 """
 
@@ -19,13 +19,14 @@ NAMESPACE, NAME = "otray", "resource_manager"
 
 
 def bundles_for(cfg: config_mod.Config) -> list[dict[str, float]]:
-    """Bundle 0: learner (+ the job driver, 0 CPU); bundle 1+i: rollout worker i. GPUs only where asked."""
+    """Per trained policy: one bundle per learner rank (the first also holds the job driver, 0 CPU), then
+    one per rollout worker; then one per frozen game policy. GPUs only where asked."""
     res = cfg.resources
 
     def bundle(cpus: float, gpus: float) -> dict[str, float]:
         return {"CPU": cpus, **({"GPU": gpus} if gpus else {})}
 
-    policy = [bundle(res.learner_cpus, res.learner_gpus)] + [
+    policy = [bundle(res.learner_cpus, res.learner_gpus)] * config_mod.learner_ranks(cfg) + [
         bundle(res.rollout_cpus, res.rollout_gpus) for _ in range(config_mod.num_rollout_workers(cfg))]
     # a game's further trained policies: the same block each; a frozen policy: one rollout bundle each
     return (policy * len(config_mod.trained_policies(cfg))

@@ -7,10 +7,11 @@ its rollout workers in the job's placement group (or lets the learner sample its
 the :class:`~otray.coordinator.fleet.RolloutFleet` over the workers, their typed
 :class:`~otray.types.WorkerInfo`, and the policy version the driver has counted.
 
-Bundle layout of a job's placement group (``otray.actors.resource_manager.bundles_for``):
-policy k takes ``1 + W`` bundles from ``k * (1 + W)`` on (its learner, then its W rollout
-workers; the job driver and a game's coordinator sit in bundle 0 with no CPU of their
-own), then one bundle per frozen game policy.
+Bundle layout of a job's placement group (``otray.actors.lease.bundles_for``): policy k
+takes ``N + W`` bundles from ``k * (N + W)`` on (its N learner ranks, ``resources.learner_workers``,
+then its W rollout workers; the job driver, a game's coordinator and a sharded policy's
+LearnerGroup sit in the first bundle with no CPU of their own), then one bundle per frozen
+game policy.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from otray.config import AlgoSection, Config, num_rollout_workers, to_dict, trained_policies
+from otray.config import AlgoSection, Config, learner_ranks, policy_bundles, to_dict, trained_policies
 from otray.coordinator.fleet import RolloutFleet
 from otray.timing import StepClock
 from otray.types import Datum, LossNormalizer, RolloutError, WorkerInfo
@@ -58,16 +59,31 @@ class ActorFactory:
     placement_group: Any = None
 
     def learner(self, bundle: int) -> Any:
-        """A PolicyLearner for the job's model in bundle ``bundle``."""
+        """The policy's learner from bundle ``bundle`` on: a PolicyLearner, or with
+        ``resources.learner_workers: N > 1`` a LearnerGroup over N ranks in bundles ``bundle ..
+        bundle + N - 1`` (otray.actors.learner_group)."""
         import ray
 
         from otray.actors.learner import PolicyLearner
 
         cfg, res = self.cfg, self.cfg.resources
-        return ray.remote(num_cpus=res.learner_cpus, num_gpus=res.learner_gpus)(PolicyLearner).options(
-            **in_bundle(self.placement_group, bundle), **threads_env(res.learner_threads)).remote(
-            self.model_path, lora=to_dict(cfg)["model"]["lora"], dtype=cfg.model.dtype, device=cfg.model.device,
-            micro_batch_tokens=cfg.algo.micro_batch_tokens, seed=cfg.job.seed, num_threads=res.learner_threads)
+        kwargs = dict(lora=to_dict(cfg)["model"]["lora"], dtype=cfg.model.dtype, device=cfg.model.device,
+                      micro_batch_tokens=cfg.algo.micro_batch_tokens, seed=cfg.job.seed, num_threads=res.learner_threads)
+
+        def actor(cls: type, index: int) -> Any:
+            return ray.remote(num_cpus=res.learner_cpus, num_gpus=res.learner_gpus)(cls).options(
+                **in_bundle(self.placement_group, index), **threads_env(res.learner_threads))
+
+        n = res.learner_workers
+        if n == 1:
+            return actor(PolicyLearner, bundle).remote(self.model_path, **kwargs)
+        from otray.actors.learner_group import LearnerGroup
+        from otray.actors.sharded import LearnerRank
+
+        ranks = [actor(LearnerRank, bundle + r).remote(self.model_path, rank=r, world_size=n, **kwargs)
+                 for r in range(n)]
+        return ray.remote(num_cpus=0)(LearnerGroup).options(**in_bundle(self.placement_group, bundle)).remote(
+            ranks, cfg.algo.micro_batch_tokens, res.collective_timeout_s)
 
     def workers(self, first_bundle: int, n: int, model_path: str | None = None) -> list[Any]:
         """``n`` RolloutWorkers serving ``model_path`` (default: the job's model) in bundles
@@ -197,9 +213,9 @@ def build_policies(cfg: Config, factory: ActorFactory) -> dict[str, PolicyRuntim
 
     from otray.actors.rollout import wait_ready
 
-    per = 1 + num_rollout_workers(cfg)
+    per, ranks = policy_bundles(cfg), learner_ranks(cfg)
     colocated = cfg.rollout.colocate and (cfg.job.kind == "rl" or bool(cfg.envs))
-    made = [(name, factory.learner(k * per), factory.workers(k * per + 1, per - 1))
+    made = [(name, factory.learner(k * per), factory.workers(k * per + ranks, per - ranks))
             for k, name in enumerate(trained_policies(cfg))]
     wait_ready([h for _, learner, workers in made for h in (learner, *workers)])
     policies = {}
