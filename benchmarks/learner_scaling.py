@@ -6,6 +6,12 @@ parameter trainable, on one fixed batch, side by side in this script:
 - ``N=1``: one PolicyLearner actor (today's learner), 1 torch thread, and again with 2;
 - ``N=2``: a LearnerGroup over two LearnerRank actors (FSDP2 over gloo), 1 thread each.
 
+The actors run with ``MALLOC_MMAP_THRESHOLD_=65536`` (``--mmap-threshold``; 0 = glibc's default).
+Why: glibc raises its mmap threshold as big buffers are freed, after which freed memory stays
+in the heap and counts in the resident set; with the default a rank's RSS after one
+forward_backward stayed ~1 GB above its live tensors (measured: 1.7-2.0 GB resident, 0.9 GB
+with the fixed threshold), which hides what sharding saves. Both figures are reported.
+
 Each run: one warm-up step (creates the optimizer state), then ``--steps`` timed steps of
 forward_backward + optim_step. Memory is each actor process's peak resident set (``VmHWM``)
 and that peak minus the resident set of a process that imported the same code but holds no
@@ -54,21 +60,24 @@ class Floor:
     """A process that imports what a learner imports and holds no model: the resident-set floor."""
 
     def pid(self) -> int:
-        import otray.actors.learner  # noqa: F401 - the imports are the point
-        import otray.actors.sharded  # noqa: F401
-        import torch.distributed.fsdp  # noqa: F401
+        import importlib
+
+        for name in ("otray.actors.learner", "otray.actors.sharded", "torch.distributed.fsdp"):
+            importlib.import_module(name)  # the imports are the point
 
         return os.getpid()
 
 
-def run(ray, model: str, n: int, threads: int, steps: int, data, device: str) -> dict:
+def run(ray, model: str, n: int, threads: int, steps: int, data, device: str, mmap_threshold: int) -> dict:
     from otray.actors.learner import PolicyLearner
     from otray.actors.learner_group import LearnerGroup
     from otray.actors.sharded import LearnerRank
 
     kw = dict(micro_batch_tokens=4096, seed=0, num_threads=threads, device=device)
-    opts = dict(num_cpus=1, num_gpus=1 if device == "cuda" else 0,
-                runtime_env={"env_vars": {"OMP_NUM_THREADS": str(threads)}})
+    env = {"OMP_NUM_THREADS": str(threads)}
+    if mmap_threshold:  # see the module docstring: glibc keeps freed buffers, RSS then hides sharding
+        env["MALLOC_MMAP_THRESHOLD_"] = str(mmap_threshold)
+    opts = dict(num_cpus=1, num_gpus=1 if device == "cuda" else 0, runtime_env={"env_vars": env})
     if n == 1:
         ranks = [ray.remote(**opts)(PolicyLearner).remote(model, **kw)]
         handle = ranks[0]
@@ -92,7 +101,8 @@ def run(ray, model: str, n: int, threads: int, steps: int, data, device: str) ->
         mem = [memory_of(p) for p in pids]
     for h in (*ranks, handle):
         ray.kill(h)
-    return {"learners": n, "threads_each": threads, "step_s": sorted(times)[len(times) // 2], "per_rank": mem}
+    return {"learners": n, "threads_each": threads, "mmap_threshold": mmap_threshold,
+            "step_s": sorted(times)[len(times) // 2], "per_rank": mem}
 
 
 def main() -> None:
@@ -102,6 +112,7 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--datums", type=int, default=8)
     ap.add_argument("--length", type=int, default=128)
+    ap.add_argument("--mmap-threshold", type=int, default=65536)
     args = ap.parse_args()
 
     import ray
@@ -115,9 +126,12 @@ def main() -> None:
         floor_actor = ray.remote(num_cpus=0)(Floor).remote()
         floor = memory_of(ray.get(floor_actor.pid.remote()))["VmRSS"] if args.device == "cpu" else 0.0
         data = batch(args.datums, args.length)
-        runs = [run(ray, model, 1, 1, args.steps, data, args.device),
-                run(ray, model, 1, 2, args.steps, data, args.device),
-                run(ray, model, 2, 1, args.steps, data, args.device)]
+        t = args.mmap_threshold
+        runs = [run(ray, model, 1, 1, args.steps, data, args.device, t),
+                run(ray, model, 1, 2, args.steps, data, args.device, t),
+                run(ray, model, 2, 1, args.steps, data, args.device, t),
+                run(ray, model, 1, 1, args.steps, data, args.device, 0),  # glibc's default: what RSS shows then
+                run(ray, model, 2, 1, args.steps, data, args.device, 0)]
     finally:
         ray.shutdown()
     for r in runs:
@@ -136,9 +150,12 @@ def main() -> None:
         "target": "memory per rank with N=2 <= 0.6 x N=1 (full-parameter)",
         "met": sharded / single <= 0.6,
     }
-    print(f"{'learners':>8} {'threads':>7} {'step_s':>7}  per-rank peak MiB (" + key + ")")
+    default_single = max(m[key] for m in runs[3]["per_rank"])
+    default_sharded = max(m[key] for m in runs[4]["per_rank"])
+    result["memory_per_rank_ratio_glibc_default"] = default_sharded / default_single
+    print(f"{'learners':>8} {'threads':>7} {'mmap_thr':>8} {'step_s':>7}  per-rank peak MiB (" + key + ")")
     for r in runs:
-        print(f"{r['learners']:>8} {r['threads_each']:>7} {r['step_s']:>7.2f}  "
+        print(f"{r['learners']:>8} {r['threads_each']:>7} {r['mmap_threshold']:>8} {r['step_s']:>7.2f}  "
               + ", ".join(f"{m[key]:.0f}" for m in r["per_rank"]))
     print(f"memory per rank, N=2 / N=1: {sharded / single:.2f} (target <= 0.6); floor {floor:.0f} MiB")
     out = ROOT / "benchmarks" / "results" / "learner_scaling.json"

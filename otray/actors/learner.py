@@ -76,6 +76,18 @@ def by_length(datums: Sequence[Datum]) -> list[int]:
     return sorted(range(len(datums)), key=lambda i: len(datums[i]))
 
 
+def plan_micro_batches(datums: Sequence[Datum], token_budget: int) -> tuple[list[list[Datum]], list[int]]:
+    """How a learner cuts one call's datums: shortest first, at the budget and at ``PAD_SPREAD``;
+    returns the micro-batches and the datum order they hold (``order[k]``: the k-th row's index).
+    A call that fits one micro-batch keeps its own order, so its sums are added as they always were
+    (the demo's runs are reproducible across this change)."""
+    order = by_length(datums)
+    batches = micro_batches([datums[i] for i in order], token_budget, PAD_SPREAD)
+    if len(batches) == 1:
+        return [list(datums)], list(range(len(datums)))
+    return batches, order
+
+
 def _pad(rows: list[list[float]] | list[list[int]], width: int, value: float, dtype: torch.dtype,
          device: str = "cpu") -> torch.Tensor:
     out = torch.full((len(rows), width), value, dtype=dtype)
@@ -187,10 +199,8 @@ class PolicyLearner:
     @busy
     def forward(self, datums: Sequence[Datum]) -> list[list[float]]:
         """Learner logprob of each target token (one list per datum, unpadded)."""
-        order = by_length(datums)
-        rows = [row for rows in self.logprobs_of(micro_batches([datums[i] for i in order], self.micro_batch_tokens,
-                                                              PAD_SPREAD))
-                for row in rows]
+        batches, order = plan_micro_batches(datums, self.micro_batch_tokens)
+        rows = [row for rows in self.logprobs_of(batches) for row in rows]
         out: list[list[float]] = [[] for _ in datums]
         for k, i in enumerate(order):
             out[i] = rows[k]
@@ -223,8 +233,7 @@ class PolicyLearner:
         if not datums:
             return LossSums().metrics(loss_fn)
         norm = global_normalizer(datums, normalizer)
-        ordered = [datums[i] for i in by_length(datums)]
-        return self.accumulate(micro_batches(ordered, self.micro_batch_tokens, PAD_SPREAD), loss_fn, loss_fn_config,
+        return self.accumulate(plan_micro_batches(datums, self.micro_batch_tokens)[0], loss_fn, loss_fn_config,
                                aggregation, norm).metrics(loss_fn)
 
     def accumulate(self, batches: Sequence[Sequence[Datum]], loss_fn: str, loss_fn_config: dict[str, float] | None,
