@@ -121,12 +121,16 @@ def main() -> None:
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     model = resolve_model_path(f"tiny-{args.shape}", str(ROOT / ".cache" / "models"))
-    ray.init(num_cpus=4, num_gpus=1 if args.device == "cuda" else 0, include_dashboard=False, log_to_driver=False)
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     try:
         floor_actor = ray.remote(num_cpus=0)(Floor).remote()
         floor = memory_of(ray.get(floor_actor.pid.remote()))["VmRSS"] if args.device == "cpu" else 0.0
         data = batch(args.datums, args.length)
         t = args.mmap_threshold
+        if args.device == "cuda":  # one GPU per rank: NCCL refuses two ranks on one GPU
+            gpus = int(ray.cluster_resources().get("GPU", 0))
+            if gpus < 2:
+                raise SystemExit(f"--device cuda compares 1 and 2 ranks, one GPU each; this machine has {gpus}")
         runs = [run(ray, model, 1, 1, args.steps, data, args.device, t),
                 run(ray, model, 1, 2, args.steps, data, args.device, t),
                 run(ray, model, 2, 1, args.steps, data, args.device, t),

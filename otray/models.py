@@ -56,6 +56,12 @@ SHAPES = {
     # ~100M parameters, used by benchmarks/rollout_throughput.py.
     "100m": TinyShape(hidden_size=768, intermediate_size=2048, num_hidden_layers=16,
                       num_attention_heads=12, num_key_value_heads=4, max_position_embeddings=1024),
+    # Qwen2.5-0.5B's and -1.5B's transformer blocks (this tokenizer's 512-token vocabulary, so without
+    # their 136M / 233M embedding parameters), for benchmarks/learner_scaling.py on a GPU.
+    "0.5b": TinyShape(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                      num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=1024),
+    "1.5b": TinyShape(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                      num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=1024),
 }
 
 
