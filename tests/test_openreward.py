@@ -188,6 +188,10 @@ def test_chat_demonstrations_show_the_task_as_the_adapter_does(servers, tmp_path
     assert fetched.observation == row["messages"][3]["content"] and fetched.reward is None and not fetched.done
     assert env.step(row["messages"][4]["content"]).reward == 1.0
     env.close()
+    rows = [json.loads(r) for r in make_chat_dataset(tmp_path / "plain", num_train=3, plain=3)["train"].read_text()
+            .splitlines()]
+    assert len(rows) == 3 * 4 and rows[1]["messages"] == rows[2]["messages"] == rows[3]["messages"]
+    assert rows[1]["messages"][0]["content"] in row["messages"][3]["content"]  # the bare question, 3 times
 
 
 def test_env_calls_run_concurrently_up_to_max_concurrency(servers, tokenizer):

@@ -102,12 +102,13 @@ class PlainAddition(_Addition):
 ENVIRONMENTS = [ToolAddition, PlainAddition]
 
 
-def make_chat_dataset(out_dir: str | Path, *, num_train: int | None = None, plain: bool = False) -> dict[str, Path]:
+def make_chat_dataset(out_dir: str | Path, *, num_train: int | None = None, plain: int = 0) -> dict[str, Path]:
     """SFT demonstrations for ``ToolAddition``, as the agent loop shows the env to the model: the system
     prompt (the tools), the prompt, the ``problem`` call, the tool's answer, and the sum as the final
     message; ``chat_train.jsonl`` from the train split, ``chat_eval.jsonl`` from the test split.
-    ``plain``: the train split also holds each problem as a bare question and its sum (a few tokens,
-    against ~200 for a tool conversation), so that the addition is learned on cheap rows.
+    ``plain``: the train split also holds each problem ``plain`` times as a bare question and its sum
+    (a few tokens, against ~200 for a tool conversation), so that the addition is learned on cheap
+    rows (``true`` = once).
     Idempotent per directory."""
     from envs.openreward import FINAL_ANSWER, specs_of
     from otray.env import dataset_paths
@@ -127,8 +128,8 @@ def make_chat_dataset(out_dir: str | Path, *, num_train: int | None = None, plai
                     {"role": "assistant", "content": call},
                     {"role": "user", "content": f"<tool_response>{r['question']}</tool_response>"},
                     {"role": "assistant", "content": str(r["answer"])}]}) + "\n")
-                if plain and split == "train":
-                    f.write(json.dumps({"id": f"{r['id']}-plain", "messages": [
+                for k in range(int(plain) if split == "train" else 0):
+                    f.write(json.dumps({"id": f"{r['id']}-plain{k or ''}", "messages": [
                         {"role": "user", "content": r["question"]},
                         {"role": "assistant", "content": str(r["answer"])}]}) + "\n")
     return paths
