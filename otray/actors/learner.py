@@ -23,7 +23,7 @@ import random
 import shutil
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, astuple, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -88,6 +88,14 @@ def plan_micro_batches(datums: Sequence[Datum], token_budget: int) -> tuple[list
     return batches, order
 
 
+def in_order(rows: list[list[float]], order: list[int]) -> list[list[float]]:
+    """``rows`` (the k-th for datum ``order[k]``) back in the datums' own order."""
+    out: list[list[float]] = [[] for _ in rows]
+    for k, i in enumerate(order):
+        out[i] = rows[k]
+    return out
+
+
 def _pad(rows: list[list[float]] | list[list[int]], width: int, value: float, dtype: torch.dtype,
          device: str = "cpu") -> torch.Tensor:
     out = torch.full((len(rows), width), value, dtype=dtype)
@@ -120,8 +128,8 @@ class LossSums:
 
     def plus(self, other: "LossSums") -> "LossSums":
         """Both calls' sums; ``compute_s`` is the slower one's (ranks run side by side)."""
-        return LossSums(*(a + b for a, b in zip(astuple(self)[:-1], astuple(other)[:-1])),
-                        compute_s=max(self.compute_s, other.compute_s))
+        summed = {f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self) if f.name != "compute_s"}
+        return LossSums(**summed, compute_s=max(self.compute_s, other.compute_s))
 
     def metrics(self, loss_fn: str) -> dict[str, float]:
         if not self.sequences:
@@ -200,11 +208,7 @@ class PolicyLearner:
     def forward(self, datums: Sequence[Datum]) -> list[list[float]]:
         """Learner logprob of each target token (one list per datum, unpadded)."""
         batches, order = plan_micro_batches(datums, self.micro_batch_tokens)
-        rows = [row for rows in self.logprobs_of(batches) for row in rows]
-        out: list[list[float]] = [[] for _ in datums]
-        for k, i in enumerate(order):
-            out[i] = rows[k]
-        return out
+        return in_order([row for rows in self.logprobs_of(batches) for row in rows], order)
 
     @torch.no_grad()
     def logprobs_of(self, batches: Sequence[Sequence[Datum]]) -> list[list[list[float]]]:

@@ -31,7 +31,7 @@ from typing import Any
 
 import ray
 
-from otray.actors.learner import PAD_SPREAD, LossSums, by_length, global_normalizer, micro_batches
+from otray.actors.learner import PAD_SPREAD, LossSums, by_length, global_normalizer, in_order, micro_batches
 from otray.types import ConfigError, Datum, LearnerInfo, LossNormalizer, ModelLoadError, WeightUpdate
 
 
@@ -124,11 +124,7 @@ class LearnerGroup:
             return []
         batches, order = rank_batches(datums, len(self.ranks), self.micro_batch_tokens)
         per_rank = self._all([r.logprobs_of.remote(b) for r, b in zip(self.ranks, batches)])
-        rows = [row for rank_rows in per_rank for batch_rows in rank_rows for row in batch_rows]
-        out: list[list[float]] = [[] for _ in datums]
-        for k, i in enumerate(order):
-            out[i] = rows[k]
-        return out
+        return in_order([row for rank_rows in per_rank for batch_rows in rank_rows for row in batch_rows], order)
 
     def forward_backward(self, datums: Sequence[Datum], loss_fn: str, loss_fn_config: dict[str, float] | None = None,
                          aggregation: str = "token_mean",
