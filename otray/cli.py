@@ -6,6 +6,7 @@
     otray modules allow MODULE ... | list  the code users' configs may name besides the bundled envs
     otray tiny-model DIR [--seed N]
     otray serve [CONFIG] [key=value ...]  the OpenAI-compatible app (+ dashboard), until Ctrl-C
+    otray tinker [CONFIG] [key=value ...] the Tinker-compatible training API (tinker SDK), until Ctrl-C
     otray infer CONFIG [--checkpoint REF] [--split eval] [--limit N] [--out FILE] [key=value ...]
 
 ``--address`` (or ``RAY_ADDRESS``) joins a running cluster; without it a local Ray
@@ -118,7 +119,10 @@ def cmd_users(args: argparse.Namespace) -> int:
     else:
         new = (client.add_user(args.name, args.admin) if args.users_cmd == "add"
                else ray.get(rm.rotate_key.remote(args.name, api_key=key)))
-        print(f"API key for {args.name or 'you'} (shown once, store it now):\n{new}")
+        from otray.actors.registry import tinker_key
+
+        print(f"API key for {args.name or 'you'} (shown once, store it now):\n{new}\n"
+              f"the same key for the Tinker API (TINKER_API_KEY, `otray tinker`):\n{tinker_key(new)}")
     return 0
 
 
@@ -148,6 +152,26 @@ def cmd_serve(args: argparse.Namespace) -> int:
     run(cfg)
     print(f"serving on http://{cfg.host}:{cfg.port}/v1 (models: {', '.join(m.name for m in cfg.models)}); "
           f"dashboard at http://{cfg.host}:{cfg.port}/dashboard; Ctrl-C stops", flush=True)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        from ray import serve
+
+        serve.shutdown()
+    return 0
+
+
+def cmd_tinker(args: argparse.Namespace) -> int:
+    from otray.tinker.app import ROUTE_PREFIX, run
+    from otray.tinker.config import load_tinker
+
+    cfg = load_tinker(args.config, args.overrides)  # fail before touching a cluster
+    _connect(args)  # the ResourceManager checks keys when auth is on
+    run(cfg)
+    print(f"Tinker API on http://{cfg.host}:{cfg.port}{ROUTE_PREFIX} (base models: "
+          f"{', '.join(m.name for m in cfg.models)}): TINKER_BASE_URL=http://{cfg.host}:{cfg.port}; Ctrl-C stops",
+          flush=True)
     try:
         while True:
             time.sleep(3600)
@@ -224,6 +248,10 @@ def parser() -> argparse.ArgumentParser:
     v.add_argument("config", nargs="?", default=None, help="serve config YAML (default: the tiny model)")
     v.add_argument("overrides", nargs="*", help="dotted key=value overrides")
     v.set_defaults(fn=cmd_serve)
+    t = sub.add_parser("tinker", help="serve the Tinker-compatible training API to the tinker SDK")
+    t.add_argument("config", nargs="?", default=None, help="tinker config YAML (default: the tiny model)")
+    t.add_argument("overrides", nargs="*", help="dotted key=value overrides")
+    t.set_defaults(fn=cmd_tinker)
     i = sub.add_parser("infer", help="run a config's envs (or game) over a split with a model or checkpoint")
     i.add_argument("config")
     i.add_argument("overrides", nargs="*", help="dotted key=value overrides")

@@ -2,7 +2,9 @@
 
 - Users: an API key is shown once, at creation, and stored only as a salted
   scrypt hash. Keys look like ``otr_<user id>_<secret>``: the id finds the row, the
-  hash checks the secret; no key string ever reaches the database.
+  hash checks the secret; no key string ever reaches the database. The Tinker API's clients
+  send the same key as ``tml-<user id>_<secret>`` (the ``tinker`` SDK only takes keys that
+  start with ``tml-``): one secret, two spellings (:func:`tinker_key`).
 - Jobs: ``QUEUED -> STARTING -> RUNNING -> SUCCEEDED | FAILED | CANCELLED``, with a
   timestamp per transition and error text; an illegal transition is an error.
 - Checkpoints: (job, step, path), latest-first lookup.
@@ -99,6 +101,11 @@ class JobRecord:
     transitions: list[tuple[str, float]]
 
 
+def tinker_key(key: str) -> str:
+    """``otr_<id>_<secret>`` as the Tinker SDK takes it: ``tml-<id>_<secret>``."""
+    return "tml-" + key.removeprefix("otr_")
+
+
 def _hash(salt: bytes, secret: str) -> bytes:
     return hashlib.scrypt(secret.encode(), salt=salt, n=2**14, r=8, p=1, dklen=32)
 
@@ -145,9 +152,12 @@ class Registry:
     def _authenticate(self, key: str | None) -> User:
         if not key:
             raise AuthError("this cluster requires an API key: pass api_key= to otray.connect or set OTRAY_API_KEY")
+        if key.startswith("tml-"):  # the Tinker SDK's spelling of the same key
+            key = "otr_" + key[4:]
         parts = key.split("_", 2)
         if len(parts) != 3 or parts[0] != "otr" or not parts[1].isdigit():
-            raise AuthError("malformed API key: expected the 'otr_<id>_<secret>' string printed by `otray users add`")
+            raise AuthError("malformed API key: expected the 'otr_<id>_<secret>' (or Tinker's 'tml-<id>_<secret>') "
+                            "string printed by `otray users add`")
         row = self.db.execute("SELECT id, name, admin, salt, key_hash FROM users WHERE id = ?", (int(parts[1]),)).fetchone()
         if row is None or not hmac.compare_digest(_hash(row[3], parts[2]), row[4]):
             raise AuthError("wrong API key: no user has this key (ask an admin for a new one)")

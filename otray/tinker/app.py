@@ -1,0 +1,268 @@
+"""The Tinker API over HTTP: a Ray Serve deployment (FastAPI ingress) in front of the
+:class:`~otray.tinker.service.TinkerService` actor.
+
+Every route is under ``/api/v1``, as the ``tinker`` SDK calls it. The key arrives as
+``X-API-Key``; with auth on it must be a ``tml-`` key from ``otray users add`` (the same secret
+as the user's ``otr_`` key) and the caller's user name goes with every service call; with auth
+off every caller is ``local``. Bodies are JSON except ``forward_backward`` (protobuf). A
+request the service cannot use gets a 4xx whose ``detail`` says why; a failure inside a
+request the service accepted comes back from ``retrieve_future`` as a failed promise with a
+``user`` or ``server`` category. Nothing a client sends gives a 5xx: the SDK would retry it.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from ray import serve
+
+from otray.tinker.wire import UserError
+
+APP_NAME = "otray-tinker"
+tinker_api = FastAPI(title="otray tinker", docs_url=None, redoc_url=None)
+PROTO = "application/x-protobuf"
+ROUTE_PREFIX = "/api/v1"  # the routes below are under it; otray serve's app may share the port at "/"
+
+
+@tinker_api.exception_handler(UserError)
+async def _user_error(_: Request, e: UserError) -> JSONResponse:
+    return JSONResponse({"detail": str(e), "category": "user"}, status_code=e.status)
+
+
+@tinker_api.exception_handler(404)
+async def _no_route(request: Request, _: Exception) -> JSONResponse:
+    return JSONResponse({"detail": f"no route {request.method} {request.url.path}"}, status_code=404)
+
+
+def _unwrap(e: BaseException) -> BaseException:
+    """The exception a service call raised inside its actor (Ray wraps it)."""
+    cause = e
+    while cause is not None and not isinstance(cause, (UserError, PermissionError)):
+        cause = getattr(cause, "cause", None) or cause.__cause__
+    return cause if cause is not None else e
+
+
+async def _json(request: Request, limit: int) -> dict[str, Any]:
+    body = await request.body()
+    if len(body) > limit:
+        raise UserError(f"request body of {len(body)} bytes is over the limit of {limit}", 413)
+    try:
+        import json
+
+        data = json.loads(body or b"{}")
+    except ValueError:
+        raise UserError("the request body is not JSON") from None
+    if not isinstance(data, dict):
+        raise UserError("the request body must be a JSON object")
+    return data
+
+
+def _need(data: dict[str, Any], *keys: str) -> None:
+    missing = [k for k in keys if data.get(k) in (None, "")]
+    if missing:
+        raise UserError(f"missing field(s) {missing}")
+
+
+@serve.deployment(name="TinkerGateway", num_replicas=1, max_ongoing_requests=1000, ray_actor_options={"num_cpus": 0})
+@serve.ingress(tinker_api)
+class TinkerGateway:
+    def __init__(self, cfg: dict[str, Any]):
+        import ray
+
+        from otray.tinker.config import load_tinker
+        from otray.tinker.service import NAME, NAMESPACE, TinkerService
+
+        self.cfg = load_tinker(cfg)
+        self.service = ray.remote(TinkerService).options(
+            name=NAME, namespace=NAMESPACE, get_if_exists=True, lifetime="detached", num_cpus=0,
+            max_concurrency=1000, max_restarts=-1).remote(cfg)
+        self.auth_cache = (False, 0.0)
+
+    async def _owner(self, request: Request) -> str:
+        """The caller's user name: checked against the ResourceManager's registry when auth is on."""
+        from otray.serve.http import rm_handle
+
+        key = request.headers.get("x-api-key") or ""
+        if not key.startswith("tml-"):
+            raise UserError("missing or malformed API key: send X-API-Key: tml-... (from `otray users add`)", 401)
+        if not await self._auth_on():
+            return "local"
+        try:
+            who = await rm_handle().whoami.remote(key)
+        except Exception as e:  # noqa: BLE001 - AuthError from the registry, or no manager
+            if isinstance(_unwrap(e), PermissionError):
+                raise UserError(str(_unwrap(e)).splitlines()[-1], 401) from None
+            raise UserError("no ResourceManager answers on this cluster, so keys cannot be checked", 503) from None
+        return who["name"]
+
+    async def _auth_on(self) -> bool:
+        from otray.serve.http import rm_handle
+
+        if self.cfg.auth != "auto":
+            return self.cfg.auth == "on"
+        if self.auth_cache[1] > time.monotonic():
+            return self.auth_cache[0]
+        rm = rm_handle()
+        if rm is None:
+            raise UserError("no ResourceManager answers on this cluster (auth: auto asks it whether keys are needed); "
+                            "start one with any `otray` command, or set auth: off", 503)
+        on = bool(await rm.auth_required.remote())
+        self.auth_cache = (on, time.monotonic() + 10.0)
+        return on
+
+    async def _call(self, request: Request, method: str, *args: Any) -> Any:
+        owner = await self._owner(request)
+        try:
+            return await getattr(self.service, method).remote(owner, *args)
+        except Exception as e:  # noqa: BLE001 - a UserError from the service, or the service failed
+            inner = _unwrap(e)
+            if isinstance(inner, UserError):
+                raise inner from None
+            raise UserError(f"the Tinker service failed: {str(inner).strip().splitlines()[-1][:500]}", 503) from None
+
+    # ------------------------------------------------------------------ handshake and sessions
+
+    @tinker_api.get("/healthz")
+    async def healthz(self) -> dict[str, str]:
+        return {"status": "ok"}
+
+    @tinker_api.post("/client/config")
+    async def client_config(self, request: Request) -> dict[str, Any]:
+        await self._owner(request)
+        return {"pjwt_auth_enabled": False, "parallel_fwdbwd_chunks": True, "proto_compress_fwdbwd": False}
+
+    @tinker_api.post("/client/dynamic_config")
+    async def dynamic_config(self, request: Request) -> dict[str, Any]:
+        await self._owner(request)
+        return {"refresh_interval_sec": 300, "sample_cancel_enabled": False}
+
+    @tinker_api.post("/telemetry")
+    async def telemetry(self) -> dict[str, str]:
+        return {"status": "accepted"}
+
+    @tinker_api.post("/create_session")
+    async def create_session(self, request: Request) -> dict[str, Any]:
+        return {"type": "create_session", "session_id": await self._call(request, "create_session")}
+
+    @tinker_api.post("/session_heartbeat")
+    async def heartbeat(self, request: Request) -> dict[str, Any]:
+        data = await _json(request, self.cfg.max_body_bytes)
+        _need(data, "session_id")
+        await self._call(request, "heartbeat", data["session_id"])
+        return {"type": "session_heartbeat"}
+
+    @tinker_api.post("/sessions/{session_id}/finish")
+    async def finish(self, session_id: str, request: Request) -> Response:
+        await self._call(request, "finish_session", session_id)
+        return Response(status_code=204)
+
+    @tinker_api.get("/get_server_capabilities")
+    async def capabilities(self, request: Request) -> dict[str, Any]:
+        return await self._call(request, "capabilities")
+
+    # ------------------------------------------------------------------ models and training
+
+    async def _post(self, request: Request, method: str, *required: str, extra: tuple = ()) -> Any:
+        data = await _json(request, self.cfg.max_body_bytes)
+        _need(data, *required)
+        return await self._call(request, method, data, *extra)
+
+    @tinker_api.post("/create_model")
+    async def create_model(self, request: Request) -> dict[str, Any]:
+        return await self._post(request, "create_model", "session_id", "model_seq_id", "base_model")
+
+    @tinker_api.post("/get_info")
+    async def get_info(self, request: Request) -> dict[str, Any]:
+        data = await _json(request, self.cfg.max_body_bytes)
+        _need(data, "model_id")
+        return await self._call(request, "get_info", data["model_id"])
+
+    @tinker_api.post("/forward_backward")
+    async def forward_backward(self, request: Request) -> dict[str, Any]:
+        if PROTO not in request.headers.get("content-type", ""):
+            raise UserError(f"forward_backward takes a protobuf body (Content-Type: {PROTO}); tinker SDK >= 0.25 sends one", 415)
+        body = await request.body()
+        if len(body) > self.cfg.max_body_bytes:
+            raise UserError(f"request body of {len(body)} bytes is over the limit of {self.cfg.max_body_bytes}", 413)
+        return await self._call(request, "forward_backward", body)
+
+    @tinker_api.post("/optim_step")
+    async def optim_step(self, request: Request) -> dict[str, Any]:
+        return await self._post(request, "optim_step", "model_id")
+
+    @tinker_api.post("/save_weights")
+    async def save_weights(self, request: Request) -> dict[str, Any]:
+        return await self._post(request, "save_weights", "model_id", extra=(False,))
+
+    @tinker_api.post("/save_weights_for_sampler")
+    async def save_weights_for_sampler(self, request: Request) -> dict[str, Any]:
+        return await self._post(request, "save_weights", "model_id", extra=(True,))
+
+    @tinker_api.post("/load_weights")
+    async def load_weights(self, request: Request) -> dict[str, Any]:
+        return await self._post(request, "load_weights", "path")
+
+    # ------------------------------------------------------------------ sampling
+
+    @tinker_api.post("/create_sampling_session")
+    async def create_sampling_session(self, request: Request) -> dict[str, Any]:
+        sid = await self._post(request, "create_sampling_session", "session_id", "sampling_session_seq_id")
+        return {"type": "create_sampling_session", "sampling_session_id": sid}
+
+    @tinker_api.get("/samplers/{sampler_id}")
+    async def sampler(self, sampler_id: str, request: Request) -> dict[str, Any]:
+        return await self._call(request, "get_sampler", sampler_id)
+
+    @tinker_api.post("/asample")
+    async def asample(self, request: Request) -> dict[str, Any]:
+        return await self._post(request, "asample", "prompt", "sampling_params")
+
+    @tinker_api.post("/retrieve_future")
+    async def retrieve_future(self, request: Request) -> Response:
+        data = await _json(request, self.cfg.max_body_bytes)
+        _need(data, "request_id")
+        outcome = await self._call(request, "retrieve", data["request_id"])
+        if outcome is None:
+            return JSONResponse({"type": "try_again", "request_id": data["request_id"], "queue_state": "active"})
+        if outcome.kind == "proto":
+            return Response(outcome.body, media_type=PROTO)
+        return JSONResponse(outcome.body)
+
+    # ------------------------------------------------------------------ runs and checkpoints (REST)
+
+    @tinker_api.get("/training_runs")
+    async def training_runs(self, request: Request, limit: int = 20, offset: int = 0) -> dict[str, Any]:
+        if not 1 <= limit <= 1000 or offset < 0:
+            raise UserError("limit must be 1 to 1000 and offset >= 0")
+        return await self._call(request, "training_runs", limit, offset)
+
+    @tinker_api.get("/training_runs/{model_id}")
+    async def training_run(self, model_id: str, request: Request) -> dict[str, Any]:
+        return await self._call(request, "training_run", model_id)
+
+    @tinker_api.get("/training_runs/{model_id}/checkpoints")
+    async def checkpoints(self, model_id: str, request: Request) -> dict[str, Any]:
+        return {"checkpoints": await self._call(request, "checkpoints", model_id)}
+
+    @tinker_api.delete("/training_runs/{model_id}/checkpoints/{checkpoint_id:path}")
+    async def delete_checkpoint(self, model_id: str, checkpoint_id: str, request: Request) -> Response:
+        await self._call(request, "delete_checkpoint", model_id, checkpoint_id)
+        return Response(status_code=204)
+
+    @tinker_api.post("/weights_info")
+    async def weights_info(self, request: Request) -> dict[str, Any]:
+        data = await _json(request, self.cfg.max_body_bytes)
+        _need(data, "tinker_path")
+        return await self._call(request, "weights_info", data["tinker_path"])
+
+
+def run(cfg: Any, *, blocking: bool = False) -> Any:
+    """Start Serve at ``cfg.host:cfg.port`` on the connected cluster and deploy the Tinker app."""
+    from otray.structured import to_dict
+
+    serve.start(http_options={"host": cfg.host, "port": cfg.port})
+    return serve.run(TinkerGateway.bind(to_dict(cfg)), name=APP_NAME, route_prefix=ROUTE_PREFIX,
+                     blocking=blocking)

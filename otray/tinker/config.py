@@ -1,0 +1,66 @@
+"""The Tinker API app's config (``otray tinker [CONFIG] [key=value ...]``), checked like a job's.
+
+``models`` maps the names clients pass as ``base_model`` to what otray loads: a local
+directory, a hub id, or ``tiny`` (built on first use). A registry name such as
+``Qwen/Qwen3-8B`` may map to a local model, so recipes that only accept registry names run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from otray.structured import load_structured, one_of
+from otray.types import ConfigError
+
+
+@dataclass
+class TinkerModel:
+    """A base model clients may train LoRA adapters of and sample from."""
+
+    name: str = "tiny"  # the base_model clients send
+    path: str = "tiny"  # local dir, hub id, or tiny[-shape][:seed]
+    learner_cpus: float = 1.0  # the AdapterLearner actor's CPUs (it trains and samples)
+    learner_gpus: float = 0.0
+    num_threads: Optional[int] = None  # torch threads in the learner (default: its CPUs)
+    max_context_length: Optional[int] = None  # default: the model's max_position_embeddings
+    lora_alpha: float = 32.0  # the LoRA scale is alpha / rank
+    max_rank: int = 128
+
+
+@dataclass
+class TinkerConfig:
+    """``otray tinker``: the Tinker API over Ray Serve."""
+
+    host: str = "127.0.0.1"
+    port: int = 8001
+    models: list[TinkerModel] = field(default_factory=lambda: [TinkerModel()])
+    auth: str = "auto"  # auto (as the ResourceManager) | on | off
+    storage: str = ".cache/tinker"  # checkpoints and the service's SQLite index
+    cache_dir: str = ".cache/models"  # where tiny models are built
+    long_poll_s: float = 20.0  # retrieve_future waits this long before answering try_again
+    result_ttl_s: float = 3600.0  # a finished request's result is kept this long
+    gap_timeout_s: float = 120.0  # a training request whose predecessor never arrives fails after this
+    session_timeout_s: float = 600.0  # a session without heartbeats for this long is closed
+    max_body_bytes: int = 64_000_000
+    max_samples: int = 64  # num_samples per request
+    max_tokens: int = 4096  # per sample
+
+
+def load_tinker(source: str | Path | dict[str, Any] | TinkerConfig | None = None,
+                overrides: list[str] | None = None) -> TinkerConfig:
+    cfg = load_structured(source if source is not None else {}, overrides, TinkerConfig)
+    cfg.auth = {"True": "on", "False": "off"}.get(str(cfg.auth), str(cfg.auth))  # YAML reads on/off as booleans
+    one_of(cfg.auth, ("auto", "on", "off"), "auth")
+    names = [m.name for m in cfg.models]
+    if not names or len(set(names)) != len(names):
+        raise ConfigError(f"models must list at least one base model, each name once; got {names}")
+    for i, m in enumerate(cfg.models):
+        if m.learner_cpus <= 0 or m.max_rank < 1 or m.lora_alpha <= 0:
+            raise ConfigError(f"models[{i}]: learner_cpus, max_rank and lora_alpha must be positive")
+    if min(cfg.long_poll_s, cfg.result_ttl_s, cfg.gap_timeout_s, cfg.session_timeout_s) <= 0:
+        raise ConfigError("long_poll_s, result_ttl_s, gap_timeout_s and session_timeout_s must be positive")
+    if cfg.long_poll_s > 40:
+        raise ConfigError(f"long_poll_s={cfg.long_poll_s}: the SDK gives up on a poll after 45 s; use at most 40")
+    return cfg

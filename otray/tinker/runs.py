@@ -1,0 +1,104 @@
+"""The Tinker API's JSON shapes for runs, checkpoints and model info, and the small checks the
+service makes on names and sampling requests."""
+
+from __future__ import annotations
+
+import datetime as dt
+import math
+import re
+import shutil
+from pathlib import Path
+from typing import Any, Optional
+
+from otray.tinker.store import Checkpoint, Run
+from otray.tinker.wire import UserError, sampling_params
+
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
+def cause(e: BaseException) -> str:
+    """The last line of what failed in an actor (Ray wraps it), for an error message."""
+    inner = getattr(e, "cause", None) or e
+    text = str(inner).strip().splitlines() or [type(inner).__name__]
+    return f"{type(inner).__name__}: {text[-1]}"[:2000]
+
+
+def check_name(name: Optional[str]) -> None:
+    if not name or not _NAME.fullmatch(name):
+        raise UserError(f"checkpoint name {name!r}: use 1-128 letters, digits, '.', '_' or '-', starting with a "
+                        "letter or digit")
+
+
+def _iso(t: Optional[float]) -> Optional[str]:
+    return None if t is None else dt.datetime.fromtimestamp(t, dt.timezone.utc).isoformat()
+
+
+def checkpoint_json(c: Checkpoint) -> dict[str, Any]:
+    return {"checkpoint_id": c.checkpoint_id, "checkpoint_type": c.kind, "time": _iso(c.created),
+            "tinker_path": c.tinker_path, "size_bytes": c.size, "public": False,
+            "user_metadata": c.user_metadata, "expires_at": _iso(c.expires)}
+
+
+def run_json(run: Run, checkpoints: list[Checkpoint]) -> dict[str, Any]:
+    def last(kind: str) -> Optional[dict[str, Any]]:
+        found = [c for c in checkpoints if c.kind == kind and not c.name.startswith("ephemeral-")]
+        return checkpoint_json(found[-1]) if found else None
+
+    meta = {str(k): str(v) for k, v in (run.user_metadata or {}).items()} or None
+    return {"training_run_id": run.model_id, "base_model": run.base_model, "model_owner": run.owner,
+            "is_lora": True, "corrupted": False, "lora_rank": run.spec["rank"],
+            "last_request_time": _iso(run.last_request), "last_checkpoint": last("training"),
+            "last_sampler_checkpoint": last("sampler"), "user_metadata": meta}
+
+
+def info(run: Run, model_dir: str) -> dict[str, Any]:
+    """``get_info``: the SDK's ``get_tokenizer`` loads ``tokenizer_id`` with transformers, so it is the
+    base model's directory (or hub id) as this service loaded it."""
+    return {"type": "get_info", "model_id": run.model_id, "is_lora": True, "lora_rank": run.spec["rank"],
+            "model_name": run.base_model,
+            "model_data": {"arch": "causal_lm", "model_name": run.base_model, "tokenizer_id": model_dir}}
+
+
+def weights_info(run: Run) -> dict[str, Any]:
+    return {"base_model": run.base_model, "is_lora": True, "lora_rank": run.spec["rank"],
+            "train_unembed": run.spec["train_unembed"], "train_mlp": run.spec["train_mlp"],
+            "train_attn": run.spec["train_attn"]}
+
+
+def remove_dir(path: str) -> None:
+    shutil.rmtree(Path(path), ignore_errors=True)
+
+
+def sample_wait(req: dict[str, Any], key: str, adapter: Optional[str], cfg: Any, cls: type) -> Any:
+    """A checked ``asample`` body as the service's wait record (``cls``)."""
+    prompt = [t for chunk in (req.get("prompt") or {}).get("chunks", []) for t in _chunk_tokens(chunk)]
+    if not prompt:
+        raise UserError("asample: the prompt has no tokens")
+    n = int(req.get("num_samples", 1))
+    if not 1 <= n <= cfg.max_samples:
+        raise UserError(f"num_samples={n}: send 1 to {cfg.max_samples}")
+    params = sampling_params(req.get("sampling_params") or {})
+    if params.max_tokens > cfg.max_tokens:
+        raise UserError(f"max_tokens={params.max_tokens} is over this service's limit of {cfg.max_tokens}")
+    unsupported = [k for k in ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k")
+                   if req.get(k)] + [k for k in ("target_prompt_logprobs",) if req.get(k) is not None]
+    if unsupported:
+        raise UserError(f"asample: {unsupported} are not offered by this service; leave them unset")
+    last_n = req.get("prompt_logprobs_last_n")
+    if last_n is not None and not 1 <= int(last_n) <= len(prompt) - 1:
+        raise UserError(f"prompt_logprobs_last_n={last_n}: send 1 to len(prompt) - 1 = {len(prompt) - 1}")
+    return cls(f"sample:{key}", adapter, prompt, params, n, bool(req.get("prompt_logprobs")), last_n)
+
+
+def _chunk_tokens(chunk: dict[str, Any]) -> list[int]:
+    if chunk.get("type", "encoded_text") != "encoded_text" or not isinstance(chunk.get("tokens"), list):
+        raise UserError("asample: the prompt holds a non-text chunk; this service samples from token chunks only")
+    return [int(t) for t in chunk["tokens"]]
+
+
+def last_n(logprobs: Optional[list[Optional[float]]], n: Optional[int]) -> Optional[list[Optional[float]]]:
+    """Prompt logprobs with all but the last ``n`` blanked (None), as ``prompt_logprobs_last_n`` asks."""
+    if logprobs is None or n is None:
+        return logprobs
+    cut = len(logprobs) - n
+    return [None if i < cut or (v is not None and math.isnan(v)) else v for i, v in enumerate(logprobs)]

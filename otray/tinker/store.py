@@ -1,0 +1,142 @@
+"""What the Tinker service keeps across restarts, in SQLite: training runs, their checkpoints and
+sampling sessions, each with its owner. Checkpoint files live beside the database; a row is
+written only after its files are complete, so a restart never lists a half-written checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS runs (model_id TEXT PRIMARY KEY, owner TEXT, base_model TEXT, spec TEXT,
+    created REAL, last_request REAL, user_metadata TEXT);
+CREATE TABLE IF NOT EXISTS checkpoints (model_id TEXT, kind TEXT, name TEXT, path TEXT, created REAL,
+    size INTEGER, expires REAL, user_metadata TEXT, PRIMARY KEY (model_id, kind, name));
+CREATE TABLE IF NOT EXISTS samplers (sampler_id TEXT PRIMARY KEY, owner TEXT, base_model TEXT,
+    model_path TEXT, adapter_dir TEXT);
+"""
+SEGMENT = {"training": "weights", "sampler": "sampler_weights"}  # checkpoint kind -> tinker path segment
+
+
+@dataclass(frozen=True)
+class Run:
+    model_id: str
+    owner: str
+    base_model: str
+    spec: dict[str, Any]
+    created: float
+    last_request: float
+    user_metadata: Optional[dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    model_id: str
+    kind: str  # training | sampler
+    name: str
+    path: str  # the directory holding its files
+    created: float
+    size: int
+    expires: Optional[float]
+    user_metadata: Optional[dict[str, str]]
+
+    @property
+    def checkpoint_id(self) -> str:
+        return f"{SEGMENT[self.kind]}/{self.name}"
+
+    @property
+    def tinker_path(self) -> str:
+        return f"tinker://{self.model_id}/{self.checkpoint_id}"
+
+
+@dataclass(frozen=True)
+class Sampler:
+    sampler_id: str
+    owner: str
+    base_model: str
+    model_path: Optional[str]  # the tinker:// path it samples, None for the base model
+    adapter_dir: Optional[str]
+
+
+def parse_path(path: str) -> tuple[str, str, str]:
+    """``tinker://<model id>/{weights|sampler_weights}/<name>`` -> (model id, kind, name)."""
+    from otray.tinker.wire import UserError
+
+    rest = path[len("tinker://"):] if path.startswith("tinker://") else None
+    parts = rest.split("/") if rest else []
+    kinds = {v: k for k, v in SEGMENT.items()}
+    if len(parts) != 3 or parts[1] not in kinds or not parts[0] or not parts[2]:
+        raise UserError(f"{path!r} is not a checkpoint path: expected tinker://<run>/weights/<name> or "
+                        "tinker://<run>/sampler_weights/<name>")
+    return parts[0], kinds[parts[1]], parts[2]
+
+
+class Store:
+    def __init__(self, root: str | Path):
+        self.root = Path(root).absolute()
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.db = sqlite3.connect(self.root / "tinker.db", isolation_level=None, check_same_thread=False)
+        self.db.executescript(_SCHEMA)
+
+    def checkpoint_dir(self, owner: str, model_id: str, kind: str, name: str) -> Path:
+        safe = model_id.replace(":", "_").replace("/", "_")
+        return self.root / "checkpoints" / owner / safe / SEGMENT[kind] / name
+
+    # ------------------------------------------------------------------ runs
+
+    def add_run(self, model_id: str, owner: str, base_model: str, spec: dict[str, Any],
+                user_metadata: Optional[dict[str, Any]]) -> None:
+        now = time.time()
+        self.db.execute("INSERT OR REPLACE INTO runs VALUES (?, ?, ?, ?, ?, ?, ?)",
+                        (model_id, owner, base_model, json.dumps(spec), now, now, json.dumps(user_metadata)))
+
+    def touch(self, model_id: str) -> None:
+        self.db.execute("UPDATE runs SET last_request = ? WHERE model_id = ?", (time.time(), model_id))
+
+    def run(self, model_id: str) -> Optional[Run]:
+        row = self.db.execute("SELECT * FROM runs WHERE model_id = ?", (model_id,)).fetchone()
+        return None if row is None else Run(row[0], row[1], row[2], json.loads(row[3]), row[4], row[5],
+                                            json.loads(row[6]))
+
+    def runs(self, owner: Optional[str]) -> list[Run]:
+        ids = self.db.execute("SELECT model_id FROM runs WHERE ? IS NULL OR owner = ? ORDER BY created",
+                              (owner, owner)).fetchall()
+        return [r for (i,) in ids if (r := self.run(i)) is not None]
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def add_checkpoint(self, c: Checkpoint) -> None:
+        self.db.execute("INSERT OR REPLACE INTO checkpoints VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                        (c.model_id, c.kind, c.name, c.path, c.created, c.size, c.expires,
+                         json.dumps(c.user_metadata)))
+
+    def checkpoint(self, model_id: str, kind: str, name: str) -> Optional[Checkpoint]:
+        row = self.db.execute("SELECT * FROM checkpoints WHERE model_id = ? AND kind = ? AND name = ?",
+                              (model_id, kind, name)).fetchone()
+        return None if row is None else self._ckpt(row)
+
+    def checkpoints(self, model_id: str) -> list[Checkpoint]:
+        rows = self.db.execute("SELECT * FROM checkpoints WHERE model_id = ? ORDER BY created", (model_id,))
+        return [self._ckpt(r) for r in rows.fetchall()]
+
+    def delete_checkpoint(self, model_id: str, kind: str, name: str) -> None:
+        self.db.execute("DELETE FROM checkpoints WHERE model_id = ? AND kind = ? AND name = ?", (model_id, kind, name))
+
+    @staticmethod
+    def _ckpt(row: tuple) -> Checkpoint:
+        return Checkpoint(row[0], row[1], row[2], row[3], row[4], row[5], row[6], json.loads(row[7]))
+
+    # ------------------------------------------------------------------ samplers
+
+    def add_sampler(self, s: Sampler) -> None:
+        self.db.execute("INSERT OR REPLACE INTO samplers VALUES (?, ?, ?, ?, ?)",
+                        (s.sampler_id, s.owner, s.base_model, s.model_path, s.adapter_dir))
+
+    def sampler(self, sampler_id: str) -> Optional[Sampler]:
+        row = self.db.execute("SELECT * FROM samplers WHERE sampler_id = ?", (sampler_id,)).fetchone()
+        return None if row is None else Sampler(*row)

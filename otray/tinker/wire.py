@@ -1,0 +1,215 @@
+"""The Tinker SDK's wire formats, in and out: protobuf for forward_backward requests and for
+forward_backward and sample results (the schema ships in the ``tinker`` wheel:
+``tinker.proto.tinker_public_pb2``), and the checks every request gets before it reaches a
+learner.
+
+A request the service cannot use raises :class:`UserError` with a message that says what is
+wrong and what to send instead; the service turns it into a 4xx or a ``user``-category
+failed future, never a 5xx.
+
+Tinker's datum -> otray's :class:`~otray.types.Datum`: ``model_input`` (token chunks) is the
+input row, ``loss_fn_inputs['target_tokens']`` its targets, ``weights`` the cross-entropy
+weights, ``logprobs`` / ``advantages`` the sampler's logprobs and the advantages of the policy
+losses. Every tensor has one entry per input token.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import numpy as np
+
+from otray.types import Datum, FinishReason, Sample, SamplingParams
+
+LOSSES: dict[str, tuple[str, ...]] = {  # loss -> the loss_fn_inputs it needs besides target_tokens
+    "cross_entropy": (),
+    "importance_sampling": ("logprobs", "advantages"),
+    "ppo": ("logprobs", "advantages"),
+    "cispo": ("logprobs", "advantages"),
+    "dro": ("logprobs", "advantages"),
+}
+# Tinker's loss_fn_config keys -> otray.algos.losses's
+CONFIG_KEYS: dict[str, dict[str, str]] = {
+    "ppo": {"clip_low_threshold": "clip_low", "clip_high_threshold": "clip_high"},
+    "cispo": {"clip_low_threshold": "clip_low", "clip_high_threshold": "clip_high"},
+    "dro": {"beta": "beta"},
+}
+MAX_TOKENS_PER_DATUM = 1 << 20
+
+
+class UserError(ValueError):
+    """A request the caller has to change; ``status`` is the HTTP status when it is refused at once."""
+
+    def __init__(self, message: str, status: int = 400):
+        super().__init__(message)
+        self.status = status
+
+
+def pb():
+    try:
+        from tinker.proto import tinker_public_pb2
+    except ImportError as e:  # pragma: no cover - the extra is missing
+        raise RuntimeError("the Tinker API needs the tinker package (pip install 'otray[tinker]')") from e
+    return tinker_public_pb2
+
+
+@dataclass
+class TrainCall:
+    """A decoded ``/forward_backward`` body (also ``forward``: ``forward_only``)."""
+
+    model_id: str
+    seq_id: int
+    loss_fn: str
+    loss_fn_config: dict[str, float]
+    forward_only: bool
+    datums: list[Datum]
+
+
+def _tensor(msg: Any, name: str, where: str) -> np.ndarray:
+    p = pb()
+    dtypes = {p.DTYPE_FLOAT32: np.float32, p.DTYPE_INT64: np.int64, p.DTYPE_INT32: np.int32}
+    if msg.dtype not in dtypes:
+        raise UserError(f"{where}: loss_fn_inputs[{name!r}] has dtype {msg.dtype}; send float32 or int64")
+    if msg.HasField("sparse_csr"):
+        raise UserError(f"{where}: loss_fn_inputs[{name!r}] is sparse (2-D); this service takes 1-D tensors, "
+                        "one entry per input token")
+    itemsize = np.dtype(dtypes[msg.dtype]).itemsize
+    if len(msg.dense) % itemsize:
+        raise UserError(f"{where}: loss_fn_inputs[{name!r}] has {len(msg.dense)} bytes, not a whole number of values")
+    arr = np.frombuffer(msg.dense, dtype=dtypes[msg.dtype])
+    shape = list(msg.shape)
+    if shape and (len(shape) != 1 or shape[0] != arr.size):
+        raise UserError(f"{where}: loss_fn_inputs[{name!r}] has shape {shape} for {arr.size} values; "
+                        "send a 1-D tensor with one entry per input token")
+    if arr.dtype.kind == "f" and not np.isfinite(arr).all():
+        raise UserError(f"{where}: loss_fn_inputs[{name!r}] holds NaN or infinite values")
+    return arr
+
+
+def _datum(msg: Any, loss_fn: str, where: str, vocab: int) -> Datum:
+    tokens: list[int] = []
+    for chunk in msg.model_input:
+        kind = chunk.WhichOneof("chunk") if chunk.DESCRIPTOR.oneofs else None
+        if not chunk.HasField("encoded_text") or kind not in (None, "encoded_text"):
+            raise UserError(f"{where}: model_input holds a non-text chunk; this service trains on token chunks only")
+        if len(chunk.encoded_text.tokens) % 4:
+            raise UserError(f"{where}: a token chunk is not a whole number of int32 values")
+        tokens.extend(np.frombuffer(chunk.encoded_text.tokens, dtype=np.int32).tolist())
+    n = len(tokens)
+    if n == 0 or n > MAX_TOKENS_PER_DATUM:
+        raise UserError(f"{where}: model_input has {n} tokens; send 1 to {MAX_TOKENS_PER_DATUM}")
+    inputs = {name: _tensor(msg.loss_fn_inputs[name], name, where) for name in msg.loss_fn_inputs}
+    needed = ("target_tokens", *LOSSES[loss_fn])
+    missing = [k for k in needed if k not in inputs]
+    if missing:
+        raise UserError(f"{where}: loss {loss_fn!r} needs loss_fn_inputs {list(needed)}; missing {missing}")
+    for name, arr in inputs.items():
+        if arr.size != n:
+            raise UserError(f"{where}: loss_fn_inputs[{name!r}] has {arr.size} entries for {n} input tokens; "
+                            "every tensor needs one entry per input token")
+    targets = inputs["target_tokens"].astype(np.int64).tolist()
+    for ids, what in ((tokens, "model_input"), (targets, "target_tokens")):
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise UserError(f"{where}: {what} holds a token id outside the model's vocabulary [0, {vocab})")
+    zeros = [0.0] * n
+    weights = inputs["weights"].astype(np.float32).tolist() if "weights" in inputs else [1.0] * n
+    return Datum(tokens, targets, [1.0] * n,
+                 inputs["advantages"].astype(np.float32).tolist() if "advantages" in inputs else zeros,
+                 inputs["logprobs"].astype(np.float32).tolist() if "logprobs" in inputs else zeros,
+                 weights if loss_fn == "cross_entropy" else None)
+
+
+def parse_train_call(body: bytes, vocab_of: Any) -> TrainCall:
+    """A ``/forward_backward`` protobuf body -> :class:`TrainCall`; ``vocab_of(model_id)`` gives the
+    vocabulary size of the model it names (and raises :class:`UserError` for an unknown one)."""
+    msg = pb().ForwardBackwardRequest()
+    try:
+        msg.ParseFromString(body)
+    except Exception:  # noqa: BLE001 - protobuf's DecodeError and friends
+        raise UserError("the forward_backward body is not a ForwardBackwardRequest protobuf message "
+                        "(send it with the tinker SDK, Content-Type: application/x-protobuf)") from None
+    if not msg.model_id:
+        raise UserError("forward_backward: model_id is missing")
+    vocab = vocab_of(msg.model_id)
+    loss = msg.loss_fn
+    if loss not in LOSSES:
+        raise UserError(f"loss_fn {loss!r} is not supported by this service; choose one of {', '.join(LOSSES)} "
+                        "(custom losses run client-side with forward_backward_custom)")
+    raw: dict[str, Any] = {k: v for k, v in msg.loss_fn_config.items()}
+    for k, v in msg.loss_fn_config_v2.items():
+        raw[k] = v.number if v.WhichOneof("value") == "number" else v.text
+    known = CONFIG_KEYS.get(loss, {})
+    unknown = sorted(set(raw) - set(known))
+    if unknown:
+        raise UserError(f"loss_fn {loss!r} takes no loss_fn_config key(s) {unknown}; valid: {sorted(known) or 'none'}")
+    if any(not isinstance(v, (int, float)) or not math.isfinite(v) for v in raw.values()):
+        raise UserError(f"loss_fn_config values must be finite numbers, got {raw}")
+    if not msg.data:
+        raise UserError("forward_backward: data is empty; send at least one datum")
+    datums = [_datum(d, loss, f"datum {i}", vocab) for i, d in enumerate(msg.data)]
+    return TrainCall(msg.model_id, int(msg.seq_id), loss, {known[k]: float(v) for k, v in raw.items()},
+                     bool(msg.forward_only), datums)
+
+
+def _batched(rows: list[list[float]]) -> Any:
+    """Per-datum float rows as one ``BatchedTensor`` (byte offsets between datums)."""
+    p = pb()
+    data = np.concatenate([np.asarray(r, dtype=np.float32) for r in rows]) if rows else np.zeros(0, np.float32)
+    offsets = np.cumsum([0, *[len(r) * 4 for r in rows]]).astype(np.int64)
+    return p.BatchedTensor(data=data.tobytes(), offsets=offsets.tobytes(), dtype=p.DTYPE_FLOAT32)
+
+
+def train_output(logprobs: list[list[float]], losses: list[list[float]], loss_sum: float) -> bytes:
+    """A ``ForwardBackwardOutput`` protobuf: per datum ``logprobs`` and ``elementwise_loss``; metric
+    ``loss:sum`` (the SDK sums it across the chunks of one call)."""
+    p = pb()
+    record = p.ArrayRecord(type_tag="ArrayRecord", num_datums=len(logprobs))
+    record.fields["logprobs"].CopyFrom(_batched(logprobs))
+    record.fields["elementwise_loss"].CopyFrom(_batched(losses))
+    out = p.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord", loss_fn_outputs=[record])
+    out.metrics["loss:sum"] = float(loss_sum)
+    return out.SerializeToString()
+
+
+def sampling_params(raw: dict[str, Any]) -> SamplingParams:
+    """Tinker's ``SamplingParams`` JSON -> otray's. ``stop``: None keeps the end-of-turn tokens, ``[]``
+    stops at nothing (exactly ``max_tokens``), strings or token ids replace them."""
+    stop = raw.get("stop")
+    strings: tuple[str, ...] = ()
+    ids: tuple[int, ...] = ()
+    if isinstance(stop, str):
+        strings = (stop,)
+    elif isinstance(stop, list) and stop:
+        if all(isinstance(s, str) for s in stop):
+            strings = tuple(stop)
+        elif all(isinstance(s, int) and not isinstance(s, bool) for s in stop):
+            ids = tuple(stop)
+        else:
+            raise UserError(f"sampling_params.stop mixes strings and token ids: {stop!r}; send one kind")
+    elif stop not in (None, []):
+        raise UserError(f"sampling_params.stop must be a string, a list of strings or of token ids; got {stop!r}")
+    try:
+        return SamplingParams(max_tokens=int(raw.get("max_tokens") or 64), temperature=float(raw.get("temperature", 1.0)),
+                              top_p=float(raw.get("top_p", 1.0)), top_k=int(raw.get("top_k", -1)),
+                              seed=raw.get("seed"), stop_token_ids=ids, stop=strings,
+                              ignore_eos=isinstance(stop, list) and not stop)
+    except (TypeError, ValueError) as e:
+        raise UserError(f"sampling_params: {e}") from None
+
+
+def sample_output(samples: list[Sample], prompt_logprobs: Optional[list[Optional[float]]]) -> bytes:
+    """A ``SampleResponse`` protobuf. The stop token (id or the one completing a stop string) is in
+    ``tokens``; finish reason ``length`` maps to LENGTH, anything else to STOP."""
+    p = pb()
+    out = p.SampleResponse()
+    for s in samples:
+        seq = out.sequences.add()
+        seq.stop_reason = p.STOP_REASON_LENGTH if s.finish_reason is FinishReason.LENGTH else p.STOP_REASON_STOP
+        seq.tokens = np.asarray(s.token_ids, dtype=np.int32).tobytes()
+        seq.logprobs = np.asarray(s.logprobs, dtype=np.float32).tobytes()
+    if prompt_logprobs is not None:
+        vals = [math.nan if v is None else v for v in prompt_logprobs]
+        out.prompt_logprobs = np.asarray(vals, dtype=np.float32).tobytes()
+    return out.SerializeToString()
