@@ -219,7 +219,8 @@ class AdapterLearner:
     def adapter_tensors(self, adapter: str) -> dict[str, torch.Tensor]:
         from peft import get_peft_model_state_dict
 
-        return {k: v.detach().clone() for k, v in get_peft_model_state_dict(self.model, adapter_name=adapter).items()}
+        return {k: v.detach().clone() for k, v in get_peft_model_state_dict(self.model, adapter_name=adapter,
+                                                                              save_embedding_layers=False).items()}
 
     def save(self, adapter: str, path: str, optimizer: bool) -> int:
         """``adapter`` as a PEFT directory at ``path`` (loadable by transformers, vLLM and ``otray serve``),

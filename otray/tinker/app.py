@@ -40,9 +40,15 @@ async def _no_route(request: Request, _: Exception) -> JSONResponse:
 def _unwrap(e: BaseException) -> BaseException:
     """The exception a service call raised inside its actor (Ray wraps it)."""
     cause = e
-    while cause is not None and not isinstance(cause, (UserError, PermissionError)):
-        cause = getattr(cause, "cause", None) or cause.__cause__
-    return cause if cause is not None else e
+    while cause is not None:
+        inner = getattr(cause, "cause", None)  # Ray's wrapper (itself a subclass of the error) -> the original
+        if isinstance(inner, BaseException) and inner is not cause:
+            cause = inner
+        elif isinstance(cause, (UserError, PermissionError)):
+            return cause
+        else:
+            cause = cause.__cause__
+    return e
 
 
 async def _json(request: Request, limit: int) -> dict[str, Any]:
@@ -121,7 +127,7 @@ class TinkerGateway:
             inner = _unwrap(e)
             if isinstance(inner, UserError):
                 raise inner from None
-            raise UserError(f"the Tinker service failed: {str(inner).strip().splitlines()[-1][:500]}", 503) from None
+            raise UserError(f"the Tinker service failed: {str(inner).strip().splitlines()[-1][:500]}", 500) from None
 
     # ------------------------------------------------------------------ handshake and sessions
 
@@ -132,7 +138,8 @@ class TinkerGateway:
     @tinker_api.post("/client/config")
     async def client_config(self, request: Request) -> dict[str, Any]:
         await self._owner(request)
-        return {"pjwt_auth_enabled": False, "parallel_fwdbwd_chunks": True, "proto_compress_fwdbwd": False}
+        return {"pjwt_auth_enabled": False, "parallel_fwdbwd_chunks": True, "proto_compress_fwdbwd": False,
+                "fwdbwd_max_chunk_len": self.cfg.max_chunk_datums}
 
     @tinker_api.post("/client/dynamic_config")
     async def dynamic_config(self, request: Request) -> dict[str, Any]:

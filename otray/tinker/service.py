@@ -73,7 +73,7 @@ class TinkerService:
 
     # ------------------------------------------------------------------ sessions and capabilities
 
-    async def capabilities(self) -> dict[str, Any]:
+    async def capabilities(self, owner: str) -> dict[str, Any]:
         return {"supported_models": [{"model_name": m.name, "max_context_length": m.max_context_length,
                                       "trainable": True, "sampleable": True} for m in self.cfg.models]}
 
