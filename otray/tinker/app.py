@@ -221,7 +221,7 @@ class TinkerGateway:
 
     @tinker_api.get("/samplers/{sampler_id}")
     async def sampler(self, sampler_id: str, request: Request) -> dict[str, Any]:
-        return await self._call(request, "get_sampler", sampler_id)
+        return await self._call(request, "rest", "get_sampler", sampler_id)
 
     @tinker_api.post("/asample")
     async def asample(self, request: Request) -> dict[str, Any]:
@@ -244,26 +244,26 @@ class TinkerGateway:
     async def training_runs(self, request: Request, limit: int = 20, offset: int = 0) -> dict[str, Any]:
         if not 1 <= limit <= 1000 or offset < 0:
             raise UserError("limit must be 1 to 1000 and offset >= 0")
-        return await self._call(request, "training_runs", limit, offset)
+        return await self._call(request, "rest", "training_runs", limit, offset)
 
     @tinker_api.get("/training_runs/{model_id}")
     async def training_run(self, model_id: str, request: Request) -> dict[str, Any]:
-        return await self._call(request, "training_run", model_id)
+        return await self._call(request, "rest", "training_run", model_id)
 
     @tinker_api.get("/training_runs/{model_id}/checkpoints")
     async def checkpoints(self, model_id: str, request: Request) -> dict[str, Any]:
-        return {"checkpoints": await self._call(request, "checkpoints", model_id)}
+        return {"checkpoints": await self._call(request, "rest", "checkpoints", model_id)}
 
     @tinker_api.delete("/training_runs/{model_id}/checkpoints/{checkpoint_id:path}")
     async def delete_checkpoint(self, model_id: str, checkpoint_id: str, request: Request) -> Response:
-        await self._call(request, "delete_checkpoint", model_id, checkpoint_id)
+        await self._call(request, "rest", "delete_checkpoint", model_id, checkpoint_id)
         return Response(status_code=204)
 
     @tinker_api.post("/weights_info")
     async def weights_info(self, request: Request) -> dict[str, Any]:
         data = await _json(request, self.cfg.max_body_bytes)
         _need(data, "tinker_path")
-        return await self._call(request, "weights_info", data["tinker_path"])
+        return await self._call(request, "rest", "weights_info", data["tinker_path"])
 
 
 def run(cfg: Any, *, blocking: bool = False) -> Any:

@@ -16,31 +16,23 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any, Optional
 
 import ray
 
-from otray.actors.adapters import AdamStep, AdapterLearner, AdapterSpec, SampleJob
+from otray.actors.adapters import AdamStep, AdapterLearner, AdapterSpec
 from otray.tinker.config import TinkerConfig, load_tinker
 from otray.tinker.futures import Futures, OrderedExecutor, Outcome
-from otray.tinker.store import Checkpoint, Run, Sampler, Store, parse_path
-from otray.tinker.wire import TrainCall, UserError, parse_train_call, sample_output, train_output
+from otray.tinker.catalog import Catalog
+from otray.tinker.sampling import SampleBatcher, SampleWait
+from otray.tinker.store import Checkpoint, Sampler, Store
+from otray.tinker.wire import TrainCall, UserError, parse_train_call, train_output
 from otray.tinker import runs as R
 
 NAME = "otray-tinker"
 NAMESPACE = "otray"
-
-
-@dataclass
-class _SampleWait:
-    request_id: str
-    adapter: Optional[str]
-    prompt: list[int]
-    params: Any
-    n: int
-    prompt_logprobs: bool
-    last_n: Optional[int]
+REST_VIEWS = ("checkpoints", "delete_checkpoint", "training_run", "training_runs", "weights_info", "get_sampler")
 
 
 class TinkerService:
@@ -49,6 +41,7 @@ class TinkerService:
 
         self.cfg: TinkerConfig = load_tinker(cfg)
         self.store = Store(self.cfg.storage)
+        self.catalog = Catalog(self.store)
         self.futures = Futures(self.cfg.result_ttl_s)
         self.order = OrderedExecutor(self.futures, self.cfg.gap_timeout_s)
         self.paths = {m.name: resolve_model_path(m.path, self.cfg.cache_dir) for m in self.cfg.models}
@@ -64,8 +57,7 @@ class TinkerService:
                                                   max_model_len=m.max_context_length)
         self.live: dict[str, str] = {}  # model id -> base model, for adapters on a learner now
         self.sessions: dict[str, tuple[str, float]] = {}  # session id -> (owner, last heartbeat)
-        self.waiting: dict[str, list[_SampleWait]] = {m: [] for m in self.learners}
-        self.sampling: dict[str, bool] = {m: False for m in self.learners}
+        self.batcher = SampleBatcher(self.learners, self.futures)
 
     async def ready(self) -> list[str]:
         await asyncio.gather(*[h.ping.remote() for h in self.learners.values()])
@@ -107,14 +99,8 @@ class TinkerService:
 
     # ------------------------------------------------------------------ runs
 
-    def _run(self, owner: str, model_id: str) -> Run:
-        run = self.store.run(model_id)
-        if run is None or run.owner != owner:
-            raise UserError(f"no training run {model_id!r} (unknown, or another user's)", 404)
-        return run
-
     def _vocab(self, owner: str, model_id: str) -> int:
-        base = self._run(owner, model_id).base_model
+        base = self.catalog.run(owner, model_id).base_model
         if base not in self.vocab:
             from transformers import AutoConfig
 
@@ -156,7 +142,7 @@ class TinkerService:
         return {"request_id": request_id, "model_id": model_id}
 
     async def get_info(self, owner: str, model_id: str) -> dict[str, Any]:
-        run = self._run(owner, model_id)
+        run = self.catalog.run(owner, model_id)
         return R.info(run, self.paths[run.base_model])
 
     # ------------------------------------------------------------------ training requests
@@ -180,7 +166,7 @@ class TinkerService:
 
     async def optim_step(self, owner: str, req: dict[str, Any]) -> dict[str, Any]:
         model_id = req["model_id"]
-        self._run(owner, model_id)
+        self.catalog.run(owner, model_id)
         learner = self._learner_of(model_id)
         raw = req.get("adam_params") or req.get("optim_params") or {}
         if "type" in raw and raw["type"] != "adamw":
@@ -198,7 +184,7 @@ class TinkerService:
         return self._queue(owner, model_id, req.get("seq_id"), run)
 
     def _queue(self, owner: str, model_id: str, seq_id: Any, run: Any) -> dict[str, Any]:
-        self._run(owner, model_id)
+        self.catalog.run(owner, model_id)
         self.store.touch(model_id)
         if not isinstance(seq_id, int) or seq_id < 1:
             raise UserError(f"{model_id}: seq_id must be an integer >= 1, got {seq_id!r}")
@@ -210,7 +196,7 @@ class TinkerService:
         """``save_weights`` (adapter + optimizer) or ``save_weights_for_sampler`` (adapter only; without
         a name an ephemeral one, and the promise names a new sampling session)."""
         model_id = req["model_id"]
-        self._run(owner, model_id)
+        self.catalog.run(owner, model_id)
         learner = self._learner_of(model_id)
         name = req.get("path")
         ephemeral = sampler and not name
@@ -237,18 +223,10 @@ class TinkerService:
 
         return self._queue(owner, model_id, req.get("seq_id"), run)
 
-    def _checkpoint(self, owner: str, path: str) -> Checkpoint:
-        model_id, kind, name = parse_path(path)
-        ckpt = self.store.checkpoint(model_id, kind, name)
-        run = self.store.run(model_id)
-        if ckpt is None or run is None or run.owner != owner or (ckpt.expires and ckpt.expires < time.time()):
-            raise UserError(f"no checkpoint {path!r} (unknown, deleted, expired, or another user's)", 404)
-        return ckpt
-
     async def load_weights(self, owner: str, req: dict[str, Any]) -> dict[str, Any]:
         """``load_weights``: into a live model (in its order), or create-via-load (a new model whose
         id the client computed: ``{session}:train:{n}``)."""
-        ckpt = self._checkpoint(owner, req["path"])
+        ckpt = self.catalog.checkpoint(owner, req["path"])
         source = self.store.run(ckpt.model_id)
         optimizer = bool(req.get("optimizer", False))
         if req.get("session_id"):  # create-via-load
@@ -277,27 +255,12 @@ class TinkerService:
 
         return self._queue(owner, model_id, req.get("seq_id"), run)
 
-    async def checkpoints(self, owner: str, model_id: str) -> list[dict[str, Any]]:
-        self._run(owner, model_id)
-        return [R.checkpoint_json(c) for c in self.store.checkpoints(model_id) if not c.name.startswith("ephemeral-")]
-
-    async def delete_checkpoint(self, owner: str, model_id: str, checkpoint_id: str) -> None:
-        ckpt = self._checkpoint(owner, f"tinker://{model_id}/{checkpoint_id}")
-        self.store.delete_checkpoint(ckpt.model_id, ckpt.kind, ckpt.name)
-        R.remove_dir(ckpt.path)
-
-    async def training_run(self, owner: str, model_id: str) -> dict[str, Any]:
-        return R.run_json(self._run(owner, model_id), self.store.checkpoints(model_id))
-
-    async def training_runs(self, owner: str, limit: int, offset: int) -> dict[str, Any]:
-        runs = self.store.runs(owner)
-        page = runs[offset:offset + limit]
-        return {"training_runs": [R.run_json(r, self.store.checkpoints(r.model_id)) for r in page],
-                "cursor": {"offset": offset, "limit": limit, "total_count": len(runs)}}
-
-    async def weights_info(self, owner: str, path: str) -> dict[str, Any]:
-        ckpt = self._checkpoint(owner, path)
-        return R.weights_info(self.store.run(ckpt.model_id))
+    async def rest(self, owner: str, view: str, *args: Any) -> Any:
+        """The read-only REST calls (checkpoints, delete_checkpoint, training_run(s), weights_info,
+        get_sampler): :class:`~otray.tinker.catalog.Catalog`'s methods, owner-checked there."""
+        if view not in REST_VIEWS:
+            raise UserError(f"no view {view!r}", 404)
+        return getattr(self.catalog, view)(owner, *args)
 
     # ------------------------------------------------------------------ sampling
 
@@ -305,63 +268,29 @@ class TinkerService:
         self._session(owner, req["session_id"])
         sid = f"{req['session_id']}:sampler:{int(req['sampling_session_seq_id'])}"
         if req.get("model_path"):
-            ckpt = self._checkpoint(owner, req["model_path"])
+            ckpt = self.catalog.checkpoint(owner, req["model_path"])
             sampler = Sampler(sid, owner, self.store.run(ckpt.model_id).base_model, req["model_path"], ckpt.path)
         else:
             sampler = Sampler(sid, owner, self._base(req.get("base_model")), None, None)
         self.store.add_sampler(sampler)
         return sid
 
-    async def get_sampler(self, owner: str, sampler_id: str) -> dict[str, Any]:
-        s = self._sampler(owner, sampler_id)
-        return {"sampler_id": s.sampler_id, "base_model": s.base_model, "model_path": s.model_path}
-
-    def _sampler(self, owner: str, sampler_id: str) -> Sampler:
-        s = self.store.sampler(sampler_id)
-        if s is None or s.owner != owner:
-            raise UserError(f"no sampling session {sampler_id!r} (unknown, or another user's)", 404)
-        return s
-
     async def asample(self, owner: str, req: dict[str, Any]) -> dict[str, Any]:
         """``asample``: queued for the next batched learner call; the promise carries one sequence id
         per sample."""
         if req.get("sampling_session_id"):
-            s = self._sampler(owner, req["sampling_session_id"])
+            s = self.catalog.sampler(owner, req["sampling_session_id"])
             base, adapter, key = s.base_model, s.adapter_dir, f"{s.sampler_id}:{req.get('seq_id')}"
         elif req.get("model_path"):
-            ckpt = self._checkpoint(owner, req["model_path"])
+            ckpt = self.catalog.checkpoint(owner, req["model_path"])
             base, adapter, key = self.store.run(ckpt.model_id).base_model, ckpt.path, uuid.uuid4().hex
         else:
             base, adapter, key = self._base(req.get("base_model")), None, uuid.uuid4().hex
-        wait = R.sample_wait(req, key, adapter, self.cfg, _SampleWait)
+        wait = R.sample_wait(req, key, adapter, self.cfg, SampleWait)
         ids = [f"{wait.request_id}:{i}" for i in range(wait.n)]
         if self.futures.new(wait.request_id, owner):
-            self.waiting[base].append(wait)
-            if not self.sampling[base]:
-                self.sampling[base] = True
-                asyncio.get_running_loop().create_task(self._sample_loop(base))
+            self.batcher.submit(base, wait)
         return {"request_id": wait.request_id, "sample_sequence_ids": ids}
-
-    async def _sample_loop(self, base: str) -> None:
-        try:
-            while self.waiting[base]:
-                batch, self.waiting[base] = self.waiting[base], []
-                groups: dict[tuple, list[_SampleWait]] = {}
-                for w in batch:
-                    groups.setdefault((w.adapter, w.params, w.n, w.prompt_logprobs), []).append(w)
-                jobs = [SampleJob(k[0], [w.prompt for w in ws], k[1], k[2], k[3]) for k, ws in groups.items()]
-                try:
-                    results = await self.learners[base].sample.remote(jobs)
-                except Exception as e:  # noqa: BLE001
-                    for w in batch:
-                        self.futures.finish(w.request_id, Outcome.error(R.cause(e), "server"))
-                    continue
-                for ws, outs in zip(groups.values(), results):
-                    for w, out in zip(ws, outs):
-                        lps = R.last_n(out.prompt_logprobs, w.last_n)
-                        self.futures.finish(w.request_id, Outcome("proto", sample_output(out.samples, lps)))
-        finally:
-            self.sampling[base] = False
 
     # ------------------------------------------------------------------ promises
 
