@@ -1,7 +1,7 @@
 """Supervised fine-tuning through the unmodified ``tinker`` SDK against otray.
 
     otray tinker &                       # or let this script start one (auth off)
-    python examples/tinker_sl_loop.py [--steps 300] [--batch 64] [--rank 64]
+    python examples/tinker_sl_loop.py [--steps 800] [--batch 64] [--rank 128]
 
 A LoRA adapter of the tiny model learns 2-digit addition from (question, answer) chats with
 ``forward_backward(..., "cross_entropy")`` and ``optim_step``; held-out loss (``forward``) and
@@ -23,11 +23,11 @@ from examples.tinker_arith import Clock, accuracy, ensure_service, mean_nll, sft
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--base-model", default="tiny")
-    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--steps", type=int, default=800)
     ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--rank", type=int, default=64)
+    ap.add_argument("--rank", type=int, default=128)
     ap.add_argument("--lr", type=float, default=2e-3)
-    ap.add_argument("--eval-every", type=int, default=50)
+    ap.add_argument("--eval-every", type=int, default=100)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
 

@@ -295,3 +295,34 @@ def test_bad_input_gets_a_user_error_or_a_4xx_never_a_5xx_or_a_hang(svc, tokeniz
         sc.create_lora_training_client(base_model="nope/nope", rank=2).result()
     assert time.time() - t0 < 60
     sc.close("success").result()
+
+
+def test_a_service_restart_keeps_every_finished_checkpoint(svc, tokenizer, ray_local):
+    """The service actor is killed (Ray restarts it): checkpoints saved before are listed and load;
+    the adapter that was live is reported lost with what to do."""
+    from otray.tinker.service import NAME, NAMESPACE
+
+    sc = tinker.ServiceClient(base_url=URL, api_key=svc["alice"])
+    tc = sc.create_lora_training_client(base_model=BASE, rank=2, seed=5).result()
+    tc.forward_backward([sft(*problems(tokenizer, 1)[0])], "cross_entropy")
+    tc.optim_step(types.AdamParams(learning_rate=1e-3))
+    saved = tc.save_state("before-restart").result()
+    ray_local.kill(ray_local.get_actor(NAME, namespace=NAMESPACE), no_restart=False)
+    rest = tinker.RestClient(base_url=URL, api_key=svc["alice"])
+    deadline = time.time() + 120
+    while True:
+        try:
+            listed = [c.tinker_path for c in rest.list_checkpoints(tc.model_id).result().checkpoints]
+            break
+        except Exception:  # noqa: BLE001 - the actor is restarting
+            assert time.time() < deadline, "the service did not come back"
+            time.sleep(1)
+    assert saved.path in listed
+    fresh = tinker.ServiceClient(base_url=URL, api_key=svc["alice"])
+    again = fresh.create_training_client_from_state_with_optimizer(saved.path).result()
+    again.save_state("after-restart").result()
+    assert max_diff(adapter_file(svc["store"], tc.model_id, "before-restart"),
+                    adapter_file(svc["store"], again.model_id, "after-restart")) == 0.0
+    with pytest.raises(Exception, match="not loaded"):
+        tc.forward_backward([sft(*problems(tokenizer, 1)[0])], "cross_entropy").result()
+    fresh.close("success").result()

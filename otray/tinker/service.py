@@ -70,6 +70,7 @@ class TinkerService:
                                       "trainable": True, "sampleable": True} for m in self.cfg.models]}
 
     async def create_session(self, owner: str) -> str:
+        self._expire_sessions()
         sid = f"s-{uuid.uuid4().hex[:16]}"
         self.sessions[sid] = (owner, time.monotonic())
         return sid
@@ -81,9 +82,16 @@ class TinkerService:
     async def finish_session(self, owner: str, session_id: str) -> None:
         """The SDK's ``close()``: the session's adapters leave the learner (their checkpoints stay)."""
         self._session(owner, session_id)
-        del self.sessions[session_id]
-        for model_id in [m for m in self.live if m.startswith(f"{session_id}:")]:
-            self._unload(model_id)
+        self.sessions[session_id] = (owner, float("-inf"))
+        self._expire_sessions()
+
+    def _expire_sessions(self) -> None:
+        """Sessions whose client stopped sending heartbeats are closed like ``finish_session``."""
+        cutoff = time.monotonic() - self.cfg.session_timeout_s
+        for sid in [s for s, (_, seen) in self.sessions.items() if seen < cutoff]:
+            del self.sessions[sid]
+            for model_id in [m for m in self.live if m.startswith(f"{sid}:")]:
+                self._unload(model_id)
 
     def _session(self, owner: str, session_id: str) -> None:
         s = self.sessions.get(session_id)

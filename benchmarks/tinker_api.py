@@ -1,0 +1,159 @@
+"""What the Tinker API costs: the same SFT and RL steps through the ``tinker`` SDK over HTTP and as
+direct calls on an in-process AdapterLearner, side by side in this script.
+
+Model: the ~100M generated model (``tiny-100m``), a rank-32 LoRA adapter, 2 torch threads on
+both sides (the service's learner actor gets the same). Steps, each timed after one warm-up:
+
+- SFT: ``forward_backward`` (cross_entropy, ``--batch`` datums) + ``optim_step``;
+- RL: sampler weights saved, ``--prompts`` prompts x ``--group`` samples of ``--max-tokens``
+  tokens, then ``forward_backward`` (importance_sampling) on every sample + ``optim_step``.
+
+The SDK side goes through everything a user's client does: HTTP, the gateway, the service
+actor (promises, seq_id order), the learner actor; the in-process side calls the learner's
+methods directly. Overhead = (SDK step - in-process step) / in-process step; target <= 15%.
+
+    python benchmarks/tinker_api.py [--steps 3] [--shape 100m]
+
+Prints a table and writes ``benchmarks/results/tinker_api.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("TINKER_API_KEY", "tml-local")
+PORT = 8031
+THREADS = 2
+
+
+def data(tok, n: int, seed: int) -> list[tuple[list[int], list[int]]]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        a, b = rng.randrange(10, 100), rng.randrange(10, 100)
+        prompt = tok.encode(f"Question: what is {a} plus {b}? Think, then answer. Answer: ")
+        out.append((prompt, tok.encode(f"{a} plus {b} is {a + b}, so the answer is {a + b}.")))
+    return out
+
+
+def in_process(path: str, args, pairs, prompts) -> dict[str, list[float]]:
+    import torch
+
+    from otray.actors.adapters import AdamStep, AdapterLearner, AdapterSpec, SampleJob
+    from otray.types import Datum, SamplingParams
+
+    torch.set_num_threads(THREADS)
+    learner = AdapterLearner(path)
+    learner.create("a", AdapterSpec(32, 0))
+    sft = [Datum(p + a[:-1], (p + a)[1:], [1.0] * (len(p) + len(a) - 1), [0.0] * (len(p) + len(a) - 1),
+                 [0.0] * (len(p) + len(a) - 1), [0.0] * (len(p) - 1) + [1.0] * len(a)) for p, a in pairs]
+    times: dict[str, list[float]] = {"sft": [], "rl": []}
+    for i in range(args.steps + 1):
+        t0 = time.perf_counter()
+        learner.forward_backward("a", sft, "cross_entropy")
+        learner.optim_step("a", AdamStep(learning_rate=1e-4))
+        times["sft"].append(time.perf_counter() - t0)
+    sampler_dir = Path(args.tmp) / "inproc-sampler"
+    for i in range(args.steps + 1):
+        t0 = time.perf_counter()
+        learner.save("a", str(sampler_dir), optimizer=False)
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=1.0, ignore_eos=True)
+        outs = learner.sample([SampleJob(str(sampler_dir), prompts, params, args.group)])[0]
+        rl = []
+        for p, out in zip(prompts, outs):
+            for s in out.samples:
+                seq = p + s.token_ids
+                n = len(seq) - 1
+                rl.append(Datum(seq[:-1], seq[1:], [1.0] * n, [0.0] * (len(p) - 1) + [0.5] * len(s.token_ids),
+                                [0.0] * (len(p) - 1) + s.logprobs))
+        learner.forward_backward("a", rl, "importance_sampling")
+        learner.optim_step("a", AdamStep(learning_rate=1e-4))
+        times["rl"].append(time.perf_counter() - t0)
+    return times
+
+
+def through_sdk(path: str, args, pairs, prompts) -> dict[str, list[float]]:
+    import ray
+    import tinker
+    from tinker import types
+
+    from otray.tinker.app import run
+    from otray.tinker.config import load_tinker
+
+    ray.init(include_dashboard=False, log_to_driver=False)
+    run(load_tinker({"port": PORT, "auth": "off", "storage": str(Path(args.tmp) / "store"),
+                     "models": [{"name": "m", "path": path, "learner_cpus": 1, "num_threads": THREADS}]}))
+    service = tinker.ServiceClient(base_url=f"http://127.0.0.1:{PORT}")
+    tc = service.create_lora_training_client(base_model="m", rank=32, seed=0).result()
+    sft = [types.Datum(model_input=types.ModelInput.from_ints(p + a[:-1]), loss_fn_inputs={
+        "target_tokens": (p + a)[1:], "weights": [0.0] * (len(p) - 1) + [1.0] * len(a)}) for p, a in pairs]
+    times: dict[str, list[float]] = {"sft": [], "rl": []}
+    for i in range(args.steps + 1):
+        t0 = time.perf_counter()
+        tc.forward_backward(sft, "cross_entropy")
+        tc.optim_step(types.AdamParams(learning_rate=1e-4)).result()
+        times["sft"].append(time.perf_counter() - t0)
+    params = types.SamplingParams(max_tokens=args.max_tokens, temperature=1.0, stop=[])
+    for i in range(args.steps + 1):
+        t0 = time.perf_counter()
+        sampler = tc.save_weights_and_get_sampling_client().result()
+        futures = [sampler.sample(types.ModelInput.from_ints(p), args.group, params) for p in prompts]
+        rl = []
+        for p, f in zip(prompts, futures):
+            for s in f.result().sequences:
+                seq = p + list(s.tokens)
+                rl.append(types.Datum(model_input=types.ModelInput.from_ints(seq[:-1]), loss_fn_inputs={
+                    "target_tokens": seq[1:], "logprobs": [0.0] * (len(p) - 1) + list(s.logprobs),
+                    "advantages": [0.0] * (len(p) - 1) + [0.5] * len(s.tokens)}))
+        tc.forward_backward(rl, "importance_sampling")
+        tc.optim_step(types.AdamParams(learning_rate=1e-4)).result()
+        times["rl"].append(time.perf_counter() - t0)
+    service.close("success").result()
+    ray.shutdown()
+    return times
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--shape", default="100m")
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--group", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--tmp", default="/tmp/otray-tinker-bench")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "tinker_api.json"))
+    args = ap.parse_args()
+
+    from otray.models import load_tokenizer, resolve_model_path
+
+    path = resolve_model_path(f"tiny-{args.shape}", ROOT / ".cache" / "models")
+    tok = load_tokenizer(path)
+    pairs = data(tok, args.batch, 0)
+    prompts = [p for p, _ in data(tok, args.prompts, 1)]
+    local = in_process(path, args, pairs, prompts)
+    remote = through_sdk(path, args, pairs, prompts)
+    rows = {}
+    print(f"{'step':6} {'in-process s':>13} {'SDK over HTTP s':>16} {'overhead':>9}")
+    for kind in ("sft", "rl"):
+        a, b = statistics.median(local[kind][1:]), statistics.median(remote[kind][1:])
+        rows[kind] = {"in_process_s": a, "sdk_s": b, "overhead": (b - a) / a,
+                      "in_process_all_s": local[kind], "sdk_all_s": remote[kind]}
+        print(f"{kind:6} {a:13.3f} {b:16.3f} {100 * (b - a) / a:8.1f}%")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"args": vars(args), "model": f"tiny-{args.shape}", "threads": THREADS,
+                                          "target_overhead": 0.15, "results": rows}, indent=1))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
