@@ -5,7 +5,7 @@ Model: the ~100M generated model (``tiny-100m``), a rank-32 LoRA adapter, 2 torc
 both sides (the service's learner actor gets the same). Steps, each timed after one warm-up:
 
 - SFT: ``forward_backward`` (cross_entropy, ``--batch`` datums) + ``optim_step``;
-- RL: sampler weights saved, ``--prompts`` prompts x ``--group`` samples of ``--max-tokens``
+- RL: sampler weights saved (``rl_sampling``: up to here, then the training part), ``--prompts`` prompts x ``--group`` samples of ``--max-tokens``
   tokens, then ``forward_backward`` (importance_sampling) on every sample + ``optim_step``.
 
 The SDK side goes through everything a user's client does: HTTP, the gateway, the service
@@ -53,21 +53,22 @@ def in_process(path: str, args, pairs, prompts) -> dict[str, list[float]]:
 
     torch.set_num_threads(THREADS)
     learner = AdapterLearner(path)
-    learner.create("a", AdapterSpec(32, 0))
+    learner.create("bench", AdapterSpec(32, 0))
     sft = [Datum(p + a[:-1], (p + a)[1:], [1.0] * (len(p) + len(a) - 1), [0.0] * (len(p) + len(a) - 1),
                  [0.0] * (len(p) + len(a) - 1), [0.0] * (len(p) - 1) + [1.0] * len(a)) for p, a in pairs]
-    times: dict[str, list[float]] = {"sft": [], "rl": []}
+    times: dict[str, list[float]] = {"sft": [], "rl": [], "rl_sampling": []}
     for i in range(args.steps + 1):
         t0 = time.perf_counter()
-        learner.forward_backward("a", sft, "cross_entropy")
-        learner.optim_step("a", AdamStep(learning_rate=1e-4))
+        learner.forward_backward("bench", sft, "cross_entropy")
+        learner.optim_step("bench", AdamStep(learning_rate=1e-4))
         times["sft"].append(time.perf_counter() - t0)
     sampler_dir = Path(args.tmp) / "inproc-sampler"
     for i in range(args.steps + 1):
         t0 = time.perf_counter()
-        learner.save("a", str(sampler_dir), optimizer=False)
+        learner.save("bench", str(sampler_dir), optimizer=False)
         params = SamplingParams(max_tokens=args.max_tokens, temperature=1.0, ignore_eos=True)
         outs = learner.sample([SampleJob(str(sampler_dir), prompts, params, args.group)])[0]
+        times["rl_sampling"].append(time.perf_counter() - t0)
         rl = []
         for p, out in zip(prompts, outs):
             for s in out.samples:
@@ -75,8 +76,8 @@ def in_process(path: str, args, pairs, prompts) -> dict[str, list[float]]:
                 n = len(seq) - 1
                 rl.append(Datum(seq[:-1], seq[1:], [1.0] * n, [0.0] * (len(p) - 1) + [0.5] * len(s.token_ids),
                                 [0.0] * (len(p) - 1) + s.logprobs))
-        learner.forward_backward("a", rl, "importance_sampling")
-        learner.optim_step("a", AdamStep(learning_rate=1e-4))
+        learner.forward_backward("bench", rl, "importance_sampling")
+        learner.optim_step("bench", AdamStep(learning_rate=1e-4))
         times["rl"].append(time.perf_counter() - t0)
     return times
 
@@ -91,12 +92,13 @@ def through_sdk(path: str, args, pairs, prompts) -> dict[str, list[float]]:
 
     ray.init(include_dashboard=False, log_to_driver=False)
     run(load_tinker({"port": PORT, "auth": "off", "storage": str(Path(args.tmp) / "store"),
+                     "sample_batch_wait_ms": args.batch_wait_ms,
                      "models": [{"name": "m", "path": path, "learner_cpus": 1, "num_threads": THREADS}]}))
     service = tinker.ServiceClient(base_url=f"http://127.0.0.1:{PORT}")
     tc = service.create_lora_training_client(base_model="m", rank=32, seed=0).result()
     sft = [types.Datum(model_input=types.ModelInput.from_ints(p + a[:-1]), loss_fn_inputs={
         "target_tokens": (p + a)[1:], "weights": [0.0] * (len(p) - 1) + [1.0] * len(a)}) for p, a in pairs]
-    times: dict[str, list[float]] = {"sft": [], "rl": []}
+    times: dict[str, list[float]] = {"sft": [], "rl": [], "rl_sampling": []}
     for i in range(args.steps + 1):
         t0 = time.perf_counter()
         tc.forward_backward(sft, "cross_entropy")
@@ -107,9 +109,11 @@ def through_sdk(path: str, args, pairs, prompts) -> dict[str, list[float]]:
         t0 = time.perf_counter()
         sampler = tc.save_weights_and_get_sampling_client().result()
         futures = [sampler.sample(types.ModelInput.from_ints(p), args.group, params) for p in prompts]
+        results = [f.result() for f in futures]
+        times["rl_sampling"].append(time.perf_counter() - t0)
         rl = []
-        for p, f in zip(prompts, futures):
-            for s in f.result().sequences:
+        for p, res in zip(prompts, results):
+            for s in res.sequences:
                 seq = p + list(s.tokens)
                 rl.append(types.Datum(model_input=types.ModelInput.from_ints(seq[:-1]), loss_fn_inputs={
                     "target_tokens": seq[1:], "logprobs": [0.0] * (len(p) - 1) + list(s.logprobs),
@@ -117,6 +121,9 @@ def through_sdk(path: str, args, pairs, prompts) -> dict[str, list[float]]:
         tc.forward_backward(rl, "importance_sampling")
         tc.optim_step(types.AdamParams(learning_rate=1e-4)).result()
         times["rl"].append(time.perf_counter() - t0)
+    from otray.tinker.service import NAME, NAMESPACE
+
+    times["prompts_per_sample_call"] = ray.get(ray.get_actor(NAME, namespace=NAMESPACE).sample_calls.remote())
     service.close("success").result()
     ray.shutdown()
     return times
@@ -130,6 +137,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--group", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--batch-wait-ms", type=float, default=30.0, help="the service's sample_batch_wait_ms")
     ap.add_argument("--tmp", default="/tmp/otray-tinker-bench")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "tinker_api.json"))
     args = ap.parse_args()
@@ -144,13 +152,15 @@ def main() -> None:
     remote = through_sdk(path, args, pairs, prompts)
     rows = {}
     print(f"{'step':6} {'in-process s':>13} {'SDK over HTTP s':>16} {'overhead':>9}")
-    for kind in ("sft", "rl"):
+    for kind in ("sft", "rl", "rl_sampling"):
         a, b = statistics.median(local[kind][1:]), statistics.median(remote[kind][1:])
         rows[kind] = {"in_process_s": a, "sdk_s": b, "overhead": (b - a) / a,
                       "in_process_all_s": local[kind], "sdk_all_s": remote[kind]}
         print(f"{kind:6} {a:13.3f} {b:16.3f} {100 * (b - a) / a:8.1f}%")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    print(f"prompts per learner sample call (SDK side): {remote['prompts_per_sample_call']}")
     Path(args.out).write_text(json.dumps({"args": vars(args), "model": f"tiny-{args.shape}", "threads": THREADS,
+                                          "prompts_per_sample_call": remote["prompts_per_sample_call"],
                                           "target_overhead": 0.15, "results": rows}, indent=1))
     print(f"wrote {args.out}")
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from otray.actors.registry import AuthError, JobState, JobStateError, Registry
+from otray.actors.registry import AuthError, JobState, JobStateError, Registry, tinker_key
 
 
 @pytest.fixture
@@ -31,6 +31,20 @@ def test_bad_keys_are_refused(reg, key, match):
     reg.add_user("alice")
     with pytest.raises(AuthError, match=match):
         reg.authenticate(key)
+
+
+def test_the_tinker_spelling_of_a_key_is_the_same_key(reg):
+    key = reg.add_user("alice")
+    other = reg.add_user("bob")
+    assert tinker_key(key).startswith("tml-") and reg.authenticate(tinker_key(key)).name == "alice"
+    assert reg.authenticate(tinker_key(other)).name == "bob"
+    with pytest.raises(AuthError, match="wrong API key"):
+        reg.authenticate(tinker_key(key)[:-2] + "xx")
+    with pytest.raises(AuthError, match="malformed"):
+        reg.authenticate("tml-local")
+    reg.rotate_key("alice")
+    with pytest.raises(AuthError, match="wrong API key"):
+        reg.authenticate(tinker_key(key))
 
 
 def test_duplicate_and_bad_user_names(reg):

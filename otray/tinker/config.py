@@ -44,6 +44,7 @@ class TinkerConfig:
     gap_timeout_s: float = 120.0  # a training request whose predecessor never arrives fails after this
     session_timeout_s: float = 600.0  # a session without heartbeats for this long is closed
     max_body_bytes: int = 64_000_000
+    sample_batch_wait_ms: float = 30.0  # sample requests arriving within this window share one learner call
     max_chunk_datums: int = 1024  # the SDK splits a forward_backward into requests of at most this many datums
     max_samples: int = 64  # num_samples per request
     max_tokens: int = 4096  # per sample

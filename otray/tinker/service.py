@@ -57,7 +57,11 @@ class TinkerService:
                                                   max_model_len=m.max_context_length)
         self.live: dict[str, str] = {}  # model id -> base model, for adapters on a learner now
         self.sessions: dict[str, tuple[str, float]] = {}  # session id -> (owner, last heartbeat)
-        self.batcher = SampleBatcher(self.learners, self.futures)
+        self.batcher = SampleBatcher(self.learners, self.futures, self.cfg.sample_batch_wait_ms / 1000)
+
+    async def sample_calls(self) -> list[int]:
+        """Prompts per learner sample call, latest last (how well requests were batched)."""
+        return list(self.batcher.calls)
 
     async def ready(self) -> list[str]:
         await asyncio.gather(*[h.ping.remote() for h in self.learners.values()])
