@@ -243,6 +243,7 @@ def test_two_users_train_concurrently_and_each_adapter_equals_it_trained_alone(s
             tc.optim_step(types.AdamParams(learning_rate=1e-2))
         path = tc.save_state("five").result().path
         tc.save_weights_for_sampler("five-s").result()
+        sc.close("success").result()  # else its heartbeat thread outlives the test
         return tc.model_id, path
 
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
@@ -326,3 +327,5 @@ def test_a_service_restart_keeps_every_finished_checkpoint(svc, tokenizer, ray_l
     with pytest.raises(Exception, match="not loaded"):
         tc.forward_backward([sft(*problems(tokenizer, 1)[0])], "cross_entropy").result()
     fresh.close("success").result()
+    with pytest.raises(Exception):  # its session went with the restart: finishing it is a 404
+        sc.close("success").result()
