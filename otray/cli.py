@@ -143,6 +143,18 @@ def cmd_tiny(args: argparse.Namespace) -> int:
     return 0
 
 
+def _until_interrupted() -> int:
+    """Keep a Serve app up until Ctrl-C, then shut Serve down."""
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        from ray import serve
+
+        serve.shutdown()
+    return 0
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from otray.serve.app import run
     from otray.serve.config import load_serve
@@ -152,14 +164,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     run(cfg)
     print(f"serving on http://{cfg.host}:{cfg.port}/v1 (models: {', '.join(m.name for m in cfg.models)}); "
           f"dashboard at http://{cfg.host}:{cfg.port}/dashboard; Ctrl-C stops", flush=True)
-    try:
-        while True:
-            time.sleep(3600)
-    except KeyboardInterrupt:
-        from ray import serve
-
-        serve.shutdown()
-    return 0
+    return _until_interrupted()
 
 
 def cmd_tinker(args: argparse.Namespace) -> int:
@@ -172,14 +177,7 @@ def cmd_tinker(args: argparse.Namespace) -> int:
     print(f"Tinker API on http://{cfg.host}:{cfg.port}{ROUTE_PREFIX} (base models: "
           f"{', '.join(m.name for m in cfg.models)}): TINKER_BASE_URL=http://{cfg.host}:{cfg.port}; Ctrl-C stops",
           flush=True)
-    try:
-        while True:
-            time.sleep(3600)
-    except KeyboardInterrupt:
-        from ray import serve
-
-        serve.shutdown()
-    return 0
+    return _until_interrupted()
 
 
 def cmd_infer(args: argparse.Namespace) -> int:

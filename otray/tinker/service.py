@@ -140,17 +140,27 @@ class TinkerService:
         if not spec.target_modules():
             raise UserError("lora_config trains nothing: set one of train_mlp, train_attn, train_unembed")
         model_id = f"{req['session_id']}:train:{int(req['model_seq_id'])}"
+        async def make() -> AdapterSpec:
+            await self.learners[base].create.remote(model_id, spec)
+            return spec
+
+        return await self._open(owner, model_id, base, req, make, {"model_id": model_id, "type": "create_model"})
+
+    async def _open(self, owner: str, model_id: str, base: str, req: dict[str, Any], make: Any,
+                    result: dict[str, Any]) -> dict[str, Any]:
+        """A new live model (create_model, create-via-load): ``make()`` (makes its adapter on the learner,
+        returns its spec) runs once per model id, a resubmission gets the same request ``<model>:req:0``."""
         request_id = f"{model_id}:req:0"
         if self.futures.new(request_id, owner):
             try:
-                await self.learners[base].create.remote(model_id, spec)
+                spec = await make()
             except Exception as e:  # noqa: BLE001
                 self.futures.finish(request_id, Outcome.error(R.cause(e), "server"))
             else:
                 self.store.add_run(model_id, owner, base, asdict(spec), req.get("user_metadata"))
                 self.live[model_id] = base
                 self.order.start(model_id)
-                self.futures.finish(request_id, Outcome("json", {"model_id": model_id, "type": "create_model"}))
+                self.futures.finish(request_id, Outcome("json", result))
         return {"request_id": request_id, "model_id": model_id}
 
     async def get_info(self, owner: str, model_id: str) -> dict[str, Any]:
@@ -245,19 +255,10 @@ class TinkerService:
             self._session(owner, req["session_id"])
             model_id = f"{req['session_id']}:train:{int(req['model_seq_id'])}"
             base = self._base(req.get("base_model") or source.base_model)
-            request_id = f"{model_id}:req:0"
-            if self.futures.new(request_id, owner):
-                try:
-                    spec = await self.learners[base].load.remote(model_id, ckpt.path, optimizer, True)
-                except Exception as e:  # noqa: BLE001
-                    self.futures.finish(request_id, Outcome.error(R.cause(e), "server"))
-                else:
-                    self.store.add_run(model_id, owner, base, asdict(spec), req.get("user_metadata"))
-                    self.live[model_id] = base
-                    self.order.start(model_id)
-                    self.futures.finish(request_id, Outcome("json", {"path": req["path"], "model_id": model_id,
-                                                                     "type": "load_weights"}))
-            return {"request_id": request_id, "model_id": model_id}
+            learner = self.learners[base]
+            return await self._open(owner, model_id, base, req,
+                                    lambda: learner.load.remote(model_id, ckpt.path, optimizer, True),
+                                    {"path": req["path"], "model_id": model_id, "type": "load_weights"})
         model_id = req["model_id"]
         learner = self._learner_of(model_id)
 
