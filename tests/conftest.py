@@ -132,3 +132,33 @@ def no_resource_manager_left_behind(request):
     kill_resource_manager()
     pytest.fail(f"{request.module.__name__} left a ResourceManager running: kill it in the test's teardown "
                 "(tests.conftest.kill_resource_manager), or the next module's get_or_create hands it out")
+
+
+def tinker_service(ray_local, tmp: Path, port: int, tiny_path: str, **overrides):
+    """Start ``otray tinker`` on ``port`` with auth on and users alice and bob (bob created by alice).
+
+    The base model is offered as ``Qwen/Qwen3-8B`` (a cookbook registry name) mapped to the tiny
+    model. Returns ``(keys, stop)``: the users' ``tml-`` keys and a function that stops it all.
+    """
+    from ray import serve
+
+    from otray.actors.registry import tinker_key
+    from otray.tinker.app import run
+    from otray.tinker.config import load_tinker
+    from otray.tinker.service import NAME, NAMESPACE
+
+    rm = fresh_resource_manager(tmp / "registry.db", auth_enabled=True)
+    alice = ray_local.get(rm.add_user.remote("alice"))
+    bob = ray_local.get(rm.add_user.remote("bob", False, alice))
+    run(load_tinker({"port": port, "storage": str(tmp / "store"), "long_poll_s": 5,
+                     "models": [{"name": "Qwen/Qwen3-8B", "path": tiny_path}], **overrides}))
+
+    def stop() -> None:
+        serve.shutdown()
+        try:
+            ray_local.kill(ray_local.get_actor(NAME, namespace=NAMESPACE))
+        except ValueError:
+            pass
+        kill_resource_manager()
+
+    return {"alice": tinker_key(alice), "bob": tinker_key(bob), "store": tmp / "store"}, stop

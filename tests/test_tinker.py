@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.conftest import fresh_resource_manager, kill_resource_manager
+from tests.conftest import tinker_service
 
 tinker = pytest.importorskip("tinker")
 from tinker import types  # noqa: E402
@@ -26,27 +26,10 @@ CHUNK = 3  # datums per forward_backward request: an 8-datum call goes out as 3 
 
 @pytest.fixture(scope="module")
 def svc(ray_local, tmp_path_factory, tiny_path):
-    from ray import serve
-
-    from otray.actors.registry import tinker_key
-    from otray.tinker.app import run
-    from otray.tinker.config import load_tinker
-    from otray.tinker.service import NAME, NAMESPACE
-
-    tmp = tmp_path_factory.mktemp("tinker")
-    rm = fresh_resource_manager(tmp / "registry.db", auth_enabled=True)
-    alice = ray_local.get(rm.add_user.remote("alice"))
-    bob = ray_local.get(rm.add_user.remote("bob", False, alice))
-    cfg = load_tinker({"port": PORT, "storage": str(tmp / "store"), "max_chunk_datums": CHUNK, "long_poll_s": 5,
-                       "models": [{"name": "Qwen/Qwen3-8B", "path": tiny_path}]})
-    run(cfg)
-    yield {"alice": tinker_key(alice), "bob": tinker_key(bob), "store": tmp / "store"}
-    serve.shutdown()
-    try:
-        ray_local.kill(ray_local.get_actor(NAME, namespace=NAMESPACE))
-    except ValueError:
-        pass
-    kill_resource_manager()
+    keys, stop = tinker_service(ray_local, tmp_path_factory.mktemp("tinker"), PORT, tiny_path,
+                                max_chunk_datums=CHUNK)
+    yield keys
+    stop()
 
 
 BASE = "Qwen/Qwen3-8B"  # a registry name, mapped to the tiny model by the service config
