@@ -74,10 +74,10 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def cmd_jobs(args: argparse.Namespace) -> int:
     jobs = _connect(args).jobs()
-    print(f"{'id':<24} {'owner':<10} {'name':<20} {'state':<10} {'step':>5} {'reward':>7}")
+    print(f"{'id':<24} {'owner':<10} {'name':<20} {'state':<10} {'step':>5} {'reward':>7}  (loss for sft/tinker)")
     for j in jobs:
         p = j["progress"]
-        reward = p.get("reward_mean")
+        reward = p.get("reward_mean", p.get("loss"))
         print(f"{j['id']:<24} {j['owner']:<10} {j['name'][:20]:<20} {j['state']:<10} {p.get('step', ''):>5} "
               f"{'' if reward is None else f'{reward:.3f}':>7}")
     return 0

@@ -281,6 +281,47 @@ def test_bad_input_gets_a_user_error_or_a_4xx_never_a_5xx_or_a_hang(svc, tokeniz
     sc.close("success").result()
 
 
+def lease(ray_local, key: str, model_id: str) -> dict | None:
+    """The ResourceManager's job row for a training client, as ``key``'s user sees it (None if unseen)."""
+    from otray.actors.resource_manager import NAME, NAMESPACE
+
+    rm = ray_local.get_actor(NAME, namespace=NAMESPACE)
+    return next((j for j in ray_local.get(rm.jobs.remote(key)) if j["name"] == model_id), None)
+
+
+def test_training_clients_are_resource_manager_leases(svc, tokenizer, ray_local):
+    """Each training client is a RUNNING ``tinker`` job of its owner (``otray jobs``, the dashboard) with
+    a progress row per optim_step; only its owner (or an admin) sees and cancels it; a cancel unloads
+    the model after the step in flight; closing the session ends the lease SUCCEEDED."""
+    from otray.actors.resource_manager import NAME, NAMESPACE
+
+    rm = ray_local.get_actor(NAME, namespace=NAMESPACE)
+    sc = tinker.ServiceClient(base_url=URL, api_key=svc["alice"])
+    tc = sc.create_lora_training_client(base_model=BASE, rank=2, seed=1).result()
+    job = lease(ray_local, svc["alice"], tc.model_id)
+    assert job is not None and (job["state"], job["kind"], job["owner"]) == ("RUNNING", "tinker", "alice")
+    assert lease(ray_local, svc["bob"], tc.model_id) is None
+    with pytest.raises(Exception, match="cannot|not yours|no job|only"):
+        ray_local.get(rm.cancel.remote(job["id"], svc["bob"]))
+    data = [sft(p, a) for p, a in problems(tokenizer, 2)]
+    for _ in range(2):
+        tc.forward_backward(data, "cross_entropy")
+        tc.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+    progress = lease(ray_local, svc["alice"], tc.model_id)["progress"]
+    assert progress["step"] == 2 and 0 < progress["loss"] < 20 and progress["tokens"] > 0
+    assert len(ray_local.get(rm.metrics.remote(job["id"], 0, svc["alice"]))) == 2
+    assert ray_local.get(rm.cancel.remote(job["id"], svc["alice"]))["state"] == "CANCELLED"
+    tc.forward_backward(data, "cross_entropy")
+    tc.optim_step(types.AdamParams(learning_rate=1e-3)).result()  # the step in flight stands
+    with pytest.raises(Exception, match="lease"):
+        tc.forward_backward(data, "cross_entropy").result()
+    assert lease(ray_local, svc["alice"], tc.model_id)["state"] == "CANCELLED"
+    other = sc.create_lora_training_client(base_model=BASE, rank=2).result()
+    assert lease(ray_local, svc["alice"], other.model_id)["state"] == "RUNNING"
+    sc.close("success").result()
+    assert lease(ray_local, svc["alice"], other.model_id)["state"] == "SUCCEEDED"
+
+
 def test_a_service_restart_keeps_every_finished_checkpoint(svc, tokenizer, ray_local):
     """The service actor is killed (Ray restarts it): checkpoints saved before are listed and load;
     the adapter that was live is reported lost with what to do."""
@@ -307,6 +348,9 @@ def test_a_service_restart_keeps_every_finished_checkpoint(svc, tokenizer, ray_l
     again.save_state("after-restart").result()
     assert max_diff(adapter_file(svc["store"], tc.model_id, "before-restart"),
                     adapter_file(svc["store"], again.model_id, "after-restart")) == 0.0
+    lost = lease(ray_local, svc["alice"], tc.model_id)  # its lease was ended by the restarted service
+    assert lost["state"] == "FAILED" and "restarted" in lost["error"], lost
+    assert lease(ray_local, svc["alice"], again.model_id)["state"] == "RUNNING"
     with pytest.raises(Exception, match="not loaded"):
         tc.forward_backward([sft(*problems(tokenizer, 1)[0])], "cross_entropy").result()
     fresh.close("success").result()

@@ -31,7 +31,7 @@ from otray import trust
 from otray.actors.checkpoint_store import CheckpointStore, parse_ref, pin_refs, registered_refs
 from otray.actors.gate import Gate
 from otray.actors.lease import NAME, NAMESPACE, JobDriver, bundles_for, missing_resources  # noqa: F401 (re-exported)
-from otray.actors.registry import AuthError, JobRecord, Registry
+from otray.actors.registry import AuthError, JobRecord, JobState, Registry
 from otray.actors.scheduler import JobQueue, job_error  # noqa: F401 (re-exported)
 from otray.types import ConfigError
 
@@ -154,6 +154,26 @@ class ResourceManager:
         src, step = parse_ref(ref)
         step, path = self.registry.checkpoint(src, step)
         return step, self.store.get(path)
+
+    # ------------------------------------------------------------------ leases for work run elsewhere
+
+    async def open_lease(self, kind: str, name: str, spec: dict[str, Any], api_key: str | None = None) -> tuple[str, str]:
+        """A RUNNING job record for work another service runs on the key's behalf (a Tinker training
+        client: ``kind`` "tinker"), so it shows in ``otray jobs`` and on the dashboard and its owner
+        can cancel it. Returns (job id, token): the service reports progress with ``report`` and ends
+        it with ``close_lease``; a cancel drops the token, so the service's next report fails."""
+        caller = self.gate.caller(api_key)
+        job_id = self.registry.create_job(caller.name, name, {"job": {"kind": kind, "name": name}, kind: spec})
+        self.registry.set_state(job_id, JobState.STARTING)
+        self.registry.set_state(job_id, JobState.RUNNING)
+        return job_id, self.gate.job_token(job_id)
+
+    async def close_lease(self, job_id: str, state: str, error: str | None = None, token: str | None = None) -> None:
+        """End a lease (SUCCEEDED or FAILED; an already ended one stays as it is)."""
+        self.gate.check_job(job_id, token)
+        if not self.registry.job(job_id).state.terminal:
+            self.registry.set_state(job_id, JobState(state), error)
+        self.gate.drop_job(job_id)
 
     # ------------------------------------------------------------------ the Serve app
 

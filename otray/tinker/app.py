@@ -179,7 +179,8 @@ class TinkerGateway:
 
     @tinker_api.post("/create_model")
     async def create_model(self, request: Request) -> dict[str, Any]:
-        return await self._post(request, "create_model", "session_id", "model_seq_id", "base_model")
+        return await self._post(request, "create_model", "session_id", "model_seq_id", "base_model",
+                                extra=(request.headers.get("x-api-key"),))  # the lease is opened with it
 
     @tinker_api.post("/get_info")
     async def get_info(self, request: Request) -> dict[str, Any]:
@@ -210,7 +211,7 @@ class TinkerGateway:
 
     @tinker_api.post("/load_weights")
     async def load_weights(self, request: Request) -> dict[str, Any]:
-        return await self._post(request, "load_weights", "path")
+        return await self._post(request, "load_weights", "path", extra=(request.headers.get("x-api-key"),))
 
     # ------------------------------------------------------------------ sampling
 

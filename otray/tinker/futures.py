@@ -101,8 +101,13 @@ class OrderedExecutor:
         """A new model whose first queued request will be ``next_seq``."""
         self.queues[model_id] = _Queue(next_seq=next_seq)
 
-    def forget(self, model_id: str) -> None:
-        self.queues.pop(model_id, None)
+    def forget(self, model_id: str, why: str = "the model was unloaded") -> None:
+        """Stop ordering ``model_id``'s requests; those still waiting fail (user category) with ``why``."""
+        q = self.queues.pop(model_id, None)
+        if q is not None:
+            for request_id, _ in q.pending.values():
+                self.futures.finish(request_id, Outcome.error(f"{model_id}: {why}"))
+            q.pending.clear()
 
     def submit(self, model_id: str, seq_id: int, owner: str, run: Callable[[], Awaitable[Outcome]]) -> str:
         """Queue ``run`` as request ``seq_id`` of ``model_id``; returns its request id."""
@@ -153,7 +158,8 @@ class OrderedExecutor:
             return Outcome.error(message)
 
         request_id = f"{model_id}:req:{missing}"
-        self.futures.new(request_id, "")
+        owner = self.futures.owner(next(iter(q.pending.values()))[0]) or ""  # the model's: a late send reads it
+        self.futures.new(request_id, owner)
         q.seen[missing] = request_id
         q.pending[missing] = (request_id, fail)
         if not q.running:

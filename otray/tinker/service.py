@@ -16,18 +16,20 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from dataclasses import asdict
 from typing import Any, Optional
 
 import ray
 
-from otray.actors.adapters import AdamStep, AdapterLearner, AdapterSpec
+from otray.actors.resource_manager import get_or_create
+from otray.actors.adapters import AdapterLearner, AdapterSpec
 from otray.tinker.config import TinkerConfig, load_tinker
-from otray.tinker.futures import Futures, OrderedExecutor, Outcome
+from otray.tinker.futures import Futures, Outcome
 from otray.tinker.catalog import Catalog
+from otray.tinker.leases import Leases
 from otray.tinker.sampling import SampleBatcher, SampleWait
-from otray.tinker.store import Checkpoint, Sampler, Store
-from otray.tinker.wire import TrainCall, UserError, parse_train_call, train_output
+from otray.tinker.store import Sampler, Store
+from otray.tinker.training import Training
+from otray.tinker.wire import UserError
 from otray.tinker import runs as R
 
 NAME = "otray-tinker"
@@ -43,7 +45,6 @@ class TinkerService:
         self.store = Store(self.cfg.storage)
         self.catalog = Catalog(self.store)
         self.futures = Futures(self.cfg.result_ttl_s)
-        self.order = OrderedExecutor(self.futures, self.cfg.gap_timeout_s)
         self.paths = {m.name: resolve_model_path(m.path, self.cfg.cache_dir) for m in self.cfg.models}
         self.models = {m.name: m for m in self.cfg.models}
         self.vocab: dict[str, int] = {}
@@ -55,8 +56,11 @@ class TinkerService:
                 runtime_env={"env_vars": {"OMP_NUM_THREADS": str(m.num_threads or max(1, int(m.learner_cpus)))}})
             self.learners[m.name] = remote.remote(self.paths[m.name], num_threads=m.num_threads or max(1, int(m.learner_cpus)),
                                                   max_model_len=m.max_context_length)
-        self.live: dict[str, str] = {}  # model id -> base model, for adapters on a learner now
+        self.leases = Leases(self.store, get_or_create())
+        self.training = Training(self.learners, self.store, self.catalog, self.futures, self.leases,
+                                 self.cfg.gap_timeout_s, self._vocab)
         self.sessions: dict[str, tuple[str, float]] = {}  # session id -> (owner, last heartbeat)
+        self.recovered = False  # leases a predecessor left open are closed on the first call
         self.batcher = SampleBatcher(self.learners, self.futures, self.cfg.sample_batch_wait_ms / 1000)
 
     async def sample_calls(self) -> list[int]:
@@ -65,7 +69,16 @@ class TinkerService:
 
     async def ready(self) -> list[str]:
         await asyncio.gather(*[h.ping.remote() for h in self.learners.values()])
+        await self._recover()
         return sorted(self.learners)
+
+    async def _recover(self) -> None:
+        """A restarted service's live models died with it: end the leases it left open."""
+        if not self.recovered:
+            self.recovered = True
+            asyncio.get_running_loop().create_task(self._sweep())
+            await self.leases.close_all("FAILED", "the Tinker service restarted; its live models are gone: "
+                                                  "load their last checkpoints with create_training_client_from_state")
 
     # ------------------------------------------------------------------ sessions and capabilities
 
@@ -74,7 +87,8 @@ class TinkerService:
                                       "trainable": True, "sampleable": True} for m in self.cfg.models]}
 
     async def create_session(self, owner: str) -> str:
-        self._expire_sessions()
+        await self._recover()
+        await self._expire_sessions()
         sid = f"s-{uuid.uuid4().hex[:16]}"
         self.sessions[sid] = (owner, time.monotonic())
         return sid
@@ -87,27 +101,27 @@ class TinkerService:
         """The SDK's ``close()``: the session's adapters leave the learner (their checkpoints stay)."""
         self._session(owner, session_id)
         self.sessions[session_id] = (owner, float("-inf"))
-        self._expire_sessions()
+        await self._expire_sessions()
 
-    def _expire_sessions(self) -> None:
+    async def _sweep(self) -> None:
+        """Expire silent sessions (and end their models' leases) even when no new session comes."""
+        while True:
+            await asyncio.sleep(max(1.0, self.cfg.session_timeout_s / 4))
+            await self._expire_sessions()
+
+    async def _expire_sessions(self) -> None:
         """Sessions whose client stopped sending heartbeats are closed like ``finish_session``."""
         cutoff = time.monotonic() - self.cfg.session_timeout_s
         for sid in [s for s, (_, seen) in self.sessions.items() if seen < cutoff]:
             del self.sessions[sid]
-            for model_id in [m for m in self.live if m.startswith(f"{sid}:")]:
-                self._unload(model_id)
+            for model_id in [m for m in self.training.live if m.startswith(f"{sid}:")]:
+                await self.training.unload(model_id, "its session was closed or expired")
 
     def _session(self, owner: str, session_id: str) -> None:
         s = self.sessions.get(session_id)
         if s is None or s[0] != owner:
             raise UserError(f"no session {session_id!r} (it was closed, expired after "
                             f"{self.cfg.session_timeout_s:.0f} s without heartbeats, or is another user's)", 404)
-
-    def _unload(self, model_id: str) -> None:
-        base = self.live.pop(model_id, None)
-        self.order.forget(model_id)
-        if base is not None:
-            self.learners[base].drop.remote(model_id)
 
     # ------------------------------------------------------------------ runs
 
@@ -124,7 +138,7 @@ class TinkerService:
             raise UserError(f"base model {name!r} is not offered here; choose one of {sorted(self.learners)}", 404)
         return name
 
-    async def create_model(self, owner: str, req: dict[str, Any]) -> dict[str, Any]:
+    async def create_model(self, owner: str, req: dict[str, Any], api_key: Optional[str] = None) -> dict[str, Any]:
         """``create_model``: a new LoRA adapter; the promise resolves to ``{model_id}``."""
         self._session(owner, req["session_id"])
         base = self._base(req.get("base_model"))
@@ -144,129 +158,42 @@ class TinkerService:
             await self.learners[base].create.remote(model_id, spec)
             return spec
 
-        return await self._open(owner, model_id, base, req, make, {"model_id": model_id, "type": "create_model"})
-
-    async def _open(self, owner: str, model_id: str, base: str, req: dict[str, Any], make: Any,
-                    result: dict[str, Any]) -> dict[str, Any]:
-        """A new live model (create_model, create-via-load): ``make()`` (makes its adapter on the learner,
-        returns its spec) runs once per model id, a resubmission gets the same request ``<model>:req:0``."""
-        request_id = f"{model_id}:req:0"
-        if self.futures.new(request_id, owner):
-            try:
-                spec = await make()
-            except Exception as e:  # noqa: BLE001
-                self.futures.finish(request_id, Outcome.error(R.cause(e), "server"))
-            else:
-                self.store.add_run(model_id, owner, base, asdict(spec), req.get("user_metadata"))
-                self.live[model_id] = base
-                self.order.start(model_id)
-                self.futures.finish(request_id, Outcome("json", result))
-        return {"request_id": request_id, "model_id": model_id}
+        return await self.training.open(owner, model_id, base, req, api_key, make,
+                                        {"model_id": model_id, "type": "create_model"})
 
     async def get_info(self, owner: str, model_id: str) -> dict[str, Any]:
         run = self.catalog.run(owner, model_id)
         return R.info(run, self.paths[run.base_model])
 
-    # ------------------------------------------------------------------ training requests
-
-    def _learner_of(self, model_id: str) -> Any:
-        if model_id not in self.live:
-            raise UserError(f"model {model_id!r} is not loaded (its session ended or the service restarted): "
-                            "load its last checkpoint with create_training_client_from_state", 404)
-        return self.learners[self.live[model_id]]
+    # ------------------------------------------------------------------ training requests (Training's)
 
     async def forward_backward(self, owner: str, body: bytes) -> dict[str, Any]:
-        call: TrainCall = parse_train_call(body, lambda m: self._vocab(owner, m))
-        learner = self._learner_of(call.model_id)
-
-        async def run() -> Outcome:
-            res = await learner.forward_backward.remote(call.model_id, call.datums, call.loss_fn, call.loss_fn_config,
-                                                        not call.forward_only)
-            return Outcome("proto", train_output(res.logprobs, res.losses, res.loss_sum))
-
-        return self._queue(owner, call.model_id, call.seq_id, run)
+        return self.training.forward_backward(owner, body)
 
     async def optim_step(self, owner: str, req: dict[str, Any]) -> dict[str, Any]:
-        model_id = req["model_id"]
-        self.catalog.run(owner, model_id)
-        learner = self._learner_of(model_id)
-        raw = req.get("adam_params") or req.get("optim_params") or {}
-        if "type" in raw and raw["type"] != "adamw":
-            raise UserError(f"optimizer step of type {raw['type']!r}: this service's models use adamw")
-        try:
-            step = AdamStep(**{k: float(v) for k, v in raw.items() if k != "type"})
-        except TypeError as e:
-            raise UserError(f"adam_params: {e}") from None
-        if step.learning_rate < 0 or not 0 <= step.beta1 < 1 or not 0 <= step.beta2 < 1:
-            raise UserError(f"adam_params out of range: {raw}")
-
-        async def run() -> Outcome:
-            return Outcome("json", {"metrics": await learner.optim_step.remote(model_id, step), "type": "optim_step"})
-
-        return self._queue(owner, model_id, req.get("seq_id"), run)
-
-    def _queue(self, owner: str, model_id: str, seq_id: Any, run: Any) -> dict[str, Any]:
-        self.catalog.run(owner, model_id)
-        self.store.touch(model_id)
-        if not isinstance(seq_id, int) or seq_id < 1:
-            raise UserError(f"{model_id}: seq_id must be an integer >= 1, got {seq_id!r}")
-        return {"request_id": self.order.submit(model_id, seq_id, owner, run), "model_id": model_id}
-
-    # ------------------------------------------------------------------ checkpoints
+        return self.training.optim_step(owner, req)
 
     async def save_weights(self, owner: str, req: dict[str, Any], sampler: bool) -> dict[str, Any]:
-        """``save_weights`` (adapter + optimizer) or ``save_weights_for_sampler`` (adapter only; without
-        a name an ephemeral one, and the promise names a new sampling session)."""
-        model_id = req["model_id"]
-        self.catalog.run(owner, model_id)
-        learner = self._learner_of(model_id)
-        name = req.get("path")
-        ephemeral = sampler and not name
-        if ephemeral:
-            name = f"ephemeral-{req.get('seq_id')}"
-        R.check_name(name)
-        kind = "sampler" if sampler else "training"
-        ttl = req.get("ttl_seconds")
-        overwrite = bool(req.get("overwrite", False))
+        return self.training.save_weights(owner, req, sampler)
 
-        async def run() -> Outcome:
-            if self.store.checkpoint(model_id, kind, name) and not overwrite and not ephemeral:
-                raise UserError(f"checkpoint {name!r} exists for {model_id}; pick another name or pass overwrite")
-            where = self.store.checkpoint_dir(owner, model_id, kind, name)
-            size = await learner.save.remote(model_id, str(where), not sampler)
-            ckpt = Checkpoint(model_id, kind, name, str(where), time.time(), int(size),
-                              time.time() + ttl if ttl else None, req.get("user_metadata"))
-            if ephemeral:
-                sid = f"{model_id}:sampler:{req.get('sampling_session_seq_id')}"
-                self.store.add_sampler(Sampler(sid, owner, self.live[model_id], None, str(where)))
-                return Outcome("json", {"sampling_session_id": sid, "type": "save_weights_for_sampler"})
-            self.store.add_checkpoint(ckpt)
-            return Outcome("json", {"path": ckpt.tinker_path, "type": "save_weights_for_sampler" if sampler else "save_weights"})
-
-        return self._queue(owner, model_id, req.get("seq_id"), run)
-
-    async def load_weights(self, owner: str, req: dict[str, Any]) -> dict[str, Any]:
+    async def load_weights(self, owner: str, req: dict[str, Any], api_key: Optional[str] = None) -> dict[str, Any]:
         """``load_weights``: into a live model (in its order), or create-via-load (a new model whose
         id the client computed: ``{session}:train:{n}``)."""
         ckpt = self.catalog.checkpoint(owner, req["path"])
         source = self.store.run(ckpt.model_id)
         optimizer = bool(req.get("optimizer", False))
-        if req.get("session_id"):  # create-via-load
-            self._session(owner, req["session_id"])
-            model_id = f"{req['session_id']}:train:{int(req['model_seq_id'])}"
-            base = self._base(req.get("base_model") or source.base_model)
-            learner = self.learners[base]
-            return await self._open(owner, model_id, base, req,
-                                    lambda: learner.load.remote(model_id, ckpt.path, optimizer, True),
-                                    {"path": req["path"], "model_id": model_id, "type": "load_weights"})
-        model_id = req["model_id"]
-        learner = self._learner_of(model_id)
+        if not req.get("session_id"):
+            return self.training.load_into(owner, req, ckpt, optimizer)
+        self._session(owner, req["session_id"])
+        model_id = f"{req['session_id']}:train:{int(req['model_seq_id'])}"
+        base = self._base(req.get("base_model") or source.base_model)
+        learner = self.learners[base]
 
-        async def run() -> Outcome:
-            await learner.load.remote(model_id, ckpt.path, optimizer, False)
-            return Outcome("json", {"path": req["path"], "model_id": model_id, "type": "load_weights"})
+        async def make() -> AdapterSpec:
+            return await learner.load.remote(model_id, ckpt.path, optimizer, True)
 
-        return self._queue(owner, model_id, req.get("seq_id"), run)
+        return await self.training.open(owner, model_id, base, req, api_key, make,
+                                        {"path": req["path"], "model_id": model_id, "type": "load_weights"})
 
     async def rest(self, owner: str, view: str, *args: Any) -> Any:
         """The read-only REST calls (checkpoints, delete_checkpoint, training_run(s), weights_info,

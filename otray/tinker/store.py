@@ -19,6 +19,7 @@ CREATE TABLE IF NOT EXISTS checkpoints (model_id TEXT, kind TEXT, name TEXT, pat
     size INTEGER, expires REAL, user_metadata TEXT, PRIMARY KEY (model_id, kind, name));
 CREATE TABLE IF NOT EXISTS samplers (sampler_id TEXT PRIMARY KEY, owner TEXT, base_model TEXT,
     model_path TEXT, adapter_dir TEXT);
+CREATE TABLE IF NOT EXISTS leases (model_id TEXT PRIMARY KEY, job_id TEXT, token TEXT);
 """
 SEGMENT = {"training": "weights", "sampler": "sampler_weights"}  # checkpoint kind -> tinker path segment
 
@@ -140,3 +141,15 @@ class Store:
     def sampler(self, sampler_id: str) -> Optional[Sampler]:
         row = self.db.execute("SELECT * FROM samplers WHERE sampler_id = ?", (sampler_id,)).fetchone()
         return None if row is None else Sampler(*row)
+
+    # ------------------------------------------------------------------ ResourceManager leases
+
+    def add_lease(self, model_id: str, job_id: str, token: str) -> None:
+        self.db.execute("INSERT OR REPLACE INTO leases VALUES (?, ?, ?)", (model_id, job_id, token))
+
+    def drop_lease(self, model_id: str) -> None:
+        self.db.execute("DELETE FROM leases WHERE model_id = ?", (model_id,))
+
+    def leases(self) -> dict[str, tuple[str, str]]:
+        """model id -> (job id, job token) of every lease still open."""
+        return {m: (j, t) for m, j, t in self.db.execute("SELECT * FROM leases").fetchall()}

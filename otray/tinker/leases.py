@@ -1,0 +1,105 @@
+"""Tinker training clients as ResourceManager leases: each live model is an ``otray jobs`` row.
+
+A training client (``create_model`` or create-via-load) opens a lease with the caller's own key,
+so the ResourceManager records it as a RUNNING job of kind ``tinker`` owned by that user; every
+``optim_step`` reports a progress row (step, last loss, tokens); the lease ends SUCCEEDED when the
+client's session closes or expires, FAILED when the service restarts (the live adapter is gone;
+the run's checkpoints stay). ``otray jobs cancel`` (the owner or an admin) drops the lease's
+token: the service's next report fails, and the model is unloaded, so the client's next call is
+a user error that says so.
+
+The open leases' (job id, token) pairs are kept in the service's SQLite store, so a restarted
+service can close those its predecessor left open.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from otray.tinker.store import Store
+
+log = logging.getLogger(__name__)
+KIND = "tinker"
+
+
+class LeaseEnded(Exception):
+    """The lease was cancelled (``otray jobs cancel``) or its ResourceManager restarted."""
+
+
+@dataclass(frozen=True)
+class LeaseSpec:
+    """What the ResourceManager records for a training client (the job's ``tinker`` section)."""
+    model_id: str
+    base_model: str
+    rank: int
+    session_id: str
+
+
+@dataclass
+class _Progress:
+    step: int = 0
+    loss: Optional[float] = None
+    tokens: int = 0
+
+
+class Leases:
+    def __init__(self, store: Store, rm: Any):
+        self.store, self.rm = store, rm
+        self.progress: dict[str, _Progress] = {}
+
+    async def open(self, spec: LeaseSpec, api_key: Optional[str]) -> str:
+        """Open the lease for a new live model; returns its job id."""
+        job_id, token = await self.rm.open_lease.remote(KIND, spec.model_id, vars(spec), api_key)
+        self.store.add_lease(spec.model_id, job_id, token)
+        self.progress[spec.model_id] = _Progress()
+        return job_id
+
+    def job_id(self, model_id: str) -> Optional[str]:
+        held = self.store.leases().get(model_id)
+        return held[0] if held else None
+
+    def note_pass(self, model_id: str, loss_sum: float, tokens: int) -> None:
+        """A forward_backward's loss (sum over its weighted tokens) for the next progress row."""
+        p = self.progress.setdefault(model_id, _Progress())
+        p.loss, p.tokens = (loss_sum / tokens if tokens else loss_sum), p.tokens + tokens
+
+    async def report_step(self, model_id: str, lr: float) -> None:
+        """One optim_step done: a progress row. Raises LeaseEnded when the lease is gone."""
+        held = self.store.leases().get(model_id)
+        if held is None:
+            return
+        p = self.progress.setdefault(model_id, _Progress())
+        p.step += 1
+        row = {"step": p.step, "loss": p.loss, "tokens": p.tokens, "learning_rate": lr, "phase": KIND}
+        try:
+            await self.rm.report.remote(held[0], row, held[1])
+        except Exception as e:  # noqa: BLE001 - AuthError: the token was dropped
+            if not isinstance(_cause(e), PermissionError):
+                raise
+            self.store.drop_lease(model_id)
+            raise LeaseEnded(f"training client {model_id}'s lease {held[0]} ended (cancelled with "
+                             "`otray jobs cancel`, or the ResourceManager restarted): load its last "
+                             "checkpoint with create_training_client_from_state") from None
+
+    async def close(self, model_id: str, state: str = "SUCCEEDED", error: Optional[str] = None) -> None:
+        held = self.store.leases().get(model_id)
+        self.progress.pop(model_id, None)
+        if held is None:
+            return
+        self.store.drop_lease(model_id)
+        try:
+            await self.rm.close_lease.remote(held[0], state, error, held[1])
+        except Exception as e:  # noqa: BLE001 - already cancelled, or the manager is gone
+            log.info("lease %s of %s was already closed: %s", held[0], model_id, type(_cause(e)).__name__)
+
+    async def close_all(self, state: str, error: str) -> None:
+        """Close every lease the store holds (a restarted service's predecessor's)."""
+        for model_id in list(self.store.leases()):
+            await self.close(model_id, state, error)
+
+
+def _cause(e: BaseException) -> BaseException:
+    inner = getattr(e, "cause", None)
+    return inner if isinstance(inner, BaseException) else e

@@ -1,0 +1,158 @@
+"""The live training clients of the Tinker service and their requests.
+
+:class:`Training` is owned by :class:`~otray.tinker.service.TinkerService` (all its state lives
+in that actor). It knows which models are live (a LoRA adapter on their base model's
+:class:`~otray.actors.adapters.AdapterLearner`), runs each model's mutating requests in
+``seq_id`` order (:class:`~otray.tinker.futures.OrderedExecutor`), and keeps each live model's
+ResourceManager lease (:mod:`otray.tinker.leases`) open while it lives.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict
+from typing import Any, Awaitable, Callable, Optional
+
+from otray.actors.adapters import AdamStep, AdapterSpec
+from otray.tinker import runs as R
+from otray.tinker.catalog import Catalog
+from otray.tinker.futures import Futures, OrderedExecutor, Outcome
+from otray.tinker.leases import LeaseEnded, Leases, LeaseSpec
+from otray.tinker.store import Checkpoint, Sampler, Store
+from otray.tinker.wire import TrainCall, UserError, parse_train_call, train_output
+
+
+class Training:
+    def __init__(self, learners: dict[str, Any], store: Store, catalog: Catalog, futures: Futures,
+                 leases: Leases, gap_timeout_s: float, vocab: Callable[[str, str], int]):
+        self.learners, self.store, self.catalog, self.futures, self.leases = learners, store, catalog, futures, leases
+        self.order = OrderedExecutor(futures, gap_timeout_s)
+        self.vocab = vocab
+        self.live: dict[str, str] = {}  # model id -> base model, for adapters on a learner now
+        self.ended: dict[str, str] = {}  # model id -> why it is no longer live (for the error message)
+
+    # ------------------------------------------------------------------ live models
+
+    async def open(self, owner: str, model_id: str, base: str, req: dict[str, Any], api_key: Optional[str],
+                   make: Callable[[], Awaitable[AdapterSpec]], result: dict[str, Any]) -> dict[str, Any]:
+        """A new live model (create_model, create-via-load): ``make()`` (makes its adapter on the learner,
+        returns its spec) runs once per model id, then its lease opens; a resubmission gets the same
+        request ``<model>:req:0``."""
+        request_id = f"{model_id}:req:0"
+        if self.futures.new(request_id, owner):
+            try:
+                spec = await make()
+                await self.leases.open(LeaseSpec(model_id, base, spec.rank, req["session_id"]), api_key)
+            except Exception as e:  # noqa: BLE001
+                self.learners[base].drop.remote(model_id)
+                self.futures.finish(request_id, Outcome.error(R.cause(e), "server"))
+            else:
+                self.store.add_run(model_id, owner, base, asdict(spec), req.get("user_metadata"))
+                self.live[model_id] = base
+                self.order.start(model_id)
+                self.futures.finish(request_id, Outcome("json", result))
+        return {"request_id": request_id, "model_id": model_id}
+
+    async def unload(self, model_id: str, why: str, state: str = "SUCCEEDED") -> None:
+        """The model leaves its learner (its checkpoints stay) and its lease ends."""
+        base = self.live.pop(model_id, None)
+        self.order.forget(model_id, f"unloaded before this request ran ({why})")
+        if base is not None:
+            self.ended[model_id] = why
+            self.learners[base].drop.remote(model_id)
+            await self.leases.close(model_id, state)
+
+    def learner_of(self, model_id: str) -> Any:
+        if model_id not in self.live:
+            why = self.ended.get(model_id, "its session ended or the service restarted")
+            raise UserError(f"model {model_id!r} is not loaded ({why}): load its last checkpoint with "
+                            "create_training_client_from_state", 404)
+        return self.learners[self.live[model_id]]
+
+    def _queue(self, owner: str, model_id: str, seq_id: Any, run: Callable[[], Awaitable[Outcome]]) -> dict[str, Any]:
+        self.catalog.run(owner, model_id)
+        self.store.touch(model_id)
+        if not isinstance(seq_id, int) or seq_id < 1:
+            raise UserError(f"{model_id}: seq_id must be an integer >= 1, got {seq_id!r}")
+        return {"request_id": self.order.submit(model_id, seq_id, owner, run), "model_id": model_id}
+
+    # ------------------------------------------------------------------ requests
+
+    def forward_backward(self, owner: str, body: bytes) -> dict[str, Any]:
+        call: TrainCall = parse_train_call(body, lambda m: self.vocab(owner, m))
+        learner = self.learner_of(call.model_id)
+
+        async def run() -> Outcome:
+            res = await learner.forward_backward.remote(call.model_id, call.datums, call.loss_fn, call.loss_fn_config,
+                                                        not call.forward_only)
+            if not call.forward_only:
+                self.leases.note_pass(call.model_id, res.loss_sum, sum(len(lp) for lp in res.logprobs))
+            return Outcome("proto", train_output(res.logprobs, res.losses, res.loss_sum))
+
+        return self._queue(owner, call.model_id, call.seq_id, run)
+
+    def optim_step(self, owner: str, req: dict[str, Any]) -> dict[str, Any]:
+        model_id = req["model_id"]
+        self.catalog.run(owner, model_id)
+        learner = self.learner_of(model_id)
+        raw = req.get("adam_params") or req.get("optim_params") or {}
+        if "type" in raw and raw["type"] != "adamw":
+            raise UserError(f"optimizer step of type {raw['type']!r}: this service's models use adamw")
+        try:
+            step = AdamStep(**{k: float(v) for k, v in raw.items() if k != "type"})
+        except TypeError as e:
+            raise UserError(f"adam_params: {e}") from None
+        if step.learning_rate < 0 or not 0 <= step.beta1 < 1 or not 0 <= step.beta2 < 1:
+            raise UserError(f"adam_params out of range: {raw}")
+
+        async def run() -> Outcome:
+            metrics = await learner.optim_step.remote(model_id, step)
+            try:
+                await self.leases.report_step(model_id, step.learning_rate)
+            except LeaseEnded as e:  # cancelled: this step stands, the model goes
+                await self.unload(model_id, str(e), "CANCELLED")
+            return Outcome("json", {"metrics": metrics, "type": "optim_step"})
+
+        return self._queue(owner, model_id, req.get("seq_id"), run)
+
+    def save_weights(self, owner: str, req: dict[str, Any], sampler: bool) -> dict[str, Any]:
+        """``save_weights`` (adapter + optimizer) or ``save_weights_for_sampler`` (adapter only; without
+        a name an ephemeral one, and the promise names a new sampling session)."""
+        model_id = req["model_id"]
+        self.catalog.run(owner, model_id)
+        learner = self.learner_of(model_id)
+        name = req.get("path")
+        ephemeral = sampler and not name
+        if ephemeral:
+            name = f"ephemeral-{req.get('seq_id')}"
+        R.check_name(name)
+        kind = "sampler" if sampler else "training"
+        ttl = req.get("ttl_seconds")
+        overwrite = bool(req.get("overwrite", False))
+
+        async def run() -> Outcome:
+            if self.store.checkpoint(model_id, kind, name) and not overwrite and not ephemeral:
+                raise UserError(f"checkpoint {name!r} exists for {model_id}; pick another name or pass overwrite")
+            where = self.store.checkpoint_dir(owner, model_id, kind, name)
+            size = await learner.save.remote(model_id, str(where), not sampler)
+            ckpt = Checkpoint(model_id, kind, name, str(where), time.time(), int(size),
+                              time.time() + ttl if ttl else None, req.get("user_metadata"))
+            if ephemeral:
+                sid = f"{model_id}:sampler:{req.get('sampling_session_seq_id')}"
+                self.store.add_sampler(Sampler(sid, owner, self.live[model_id], None, str(where)))
+                return Outcome("json", {"sampling_session_id": sid, "type": "save_weights_for_sampler"})
+            self.store.add_checkpoint(ckpt)
+            return Outcome("json", {"path": ckpt.tinker_path, "type": "save_weights_for_sampler" if sampler else "save_weights"})
+
+        return self._queue(owner, model_id, req.get("seq_id"), run)
+
+    def load_into(self, owner: str, req: dict[str, Any], ckpt: Checkpoint, optimizer: bool) -> dict[str, Any]:
+        """``load_weights`` into a live model, in its order."""
+        model_id = req["model_id"]
+        learner = self.learner_of(model_id)
+
+        async def run() -> Outcome:
+            await learner.load.remote(model_id, ckpt.path, optimizer, False)
+            return Outcome("json", {"path": req["path"], "model_id": model_id, "type": "load_weights"})
+
+        return self._queue(owner, model_id, req.get("seq_id"), run)

@@ -1,0 +1,69 @@
+"""The Tinker service's per-model request order (OrderedExecutor over Futures), without Ray: the SDK
+pipelines and parallelises requests, so they may arrive out of order, twice, or never."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from otray.tinker.futures import Futures, OrderedExecutor, Outcome
+from otray.tinker.wire import UserError
+
+
+def recorder(ran: list[int], seq: int):
+    async def run() -> Outcome:
+        ran.append(seq)
+        return Outcome("json", {"seq": seq})
+    return run
+
+
+def test_requests_run_in_seq_id_order_once_each():
+    async def main():
+        futures = Futures(60)
+        order = OrderedExecutor(futures, gap_timeout_s=30)
+        order.start("m")
+        ran: list[int] = []
+        r3 = order.submit("m", 3, "alice", recorder(ran, 3))
+        r2 = order.submit("m", 2, "alice", recorder(ran, 2))
+        await asyncio.sleep(0.05)
+        assert ran == []  # 1 has not come
+        r1 = order.submit("m", 1, "alice", recorder(ran, 1))
+        assert order.submit("m", 1, "alice", recorder(ran, 1)) == r1  # a resubmission: same request
+        outs = [await futures.wait(r, "alice", 5) for r in (r1, r2, r3)]
+        assert ran == [1, 2, 3] and [o.body["seq"] for o in outs] == [1, 2, 3]
+        with pytest.raises(UserError, match="not|unknown"):
+            await futures.wait(r1, "bob", 1)  # another user's request is not there for them
+    asyncio.run(main())
+
+
+def test_a_seq_id_that_never_arrives_fails_after_the_gap_timeout_and_the_rest_run():
+    async def main():
+        futures = Futures(60)
+        order = OrderedExecutor(futures, gap_timeout_s=0.3)
+        order.start("m")
+        ran: list[int] = []
+        r2 = order.submit("m", 2, "alice", recorder(ran, 2))
+        r3 = order.submit("m", 3, "alice", recorder(ran, 3))
+        assert await futures.wait(r2, "alice", 0.1) is None  # still waiting for 1
+        assert (await futures.wait(r2, "alice", 5)).body == {"seq": 2}
+        assert (await futures.wait(r3, "alice", 5)).body == {"seq": 3}
+        assert ran == [2, 3]
+        late = order.submit("m", 1, "alice", recorder(ran, 1))  # too late: it gets the gap's failure
+        gap = await futures.wait(late, "alice", 1)
+        assert gap.kind == "error" and "seq_id 1 never arrived" in gap.body["error"] and ran == [2, 3]
+    asyncio.run(main())
+
+
+def test_forgetting_a_model_fails_its_waiting_requests_with_the_reason():
+    async def main():
+        futures = Futures(60)
+        order = OrderedExecutor(futures, gap_timeout_s=30)
+        order.start("m")
+        r2 = order.submit("m", 2, "alice", recorder([], 2))
+        order.forget("m", "its lease was cancelled")
+        out = await futures.wait(r2, "alice", 1)
+        assert out.kind == "error" and "its lease was cancelled" in out.body["error"]
+        with pytest.raises(UserError, match="no model"):
+            order.submit("m", 3, "alice", recorder([], 3))
+    asyncio.run(main())
