@@ -62,9 +62,9 @@ def in_process(path: str, args, pairs, prompts) -> dict[str, list[float]]:
         learner.forward_backward("bench", sft, "cross_entropy")
         learner.optim_step("bench", AdamStep(learning_rate=1e-4))
         times["sft"].append(time.perf_counter() - t0)
-    sampler_dir = Path(args.tmp) / "inproc-sampler"
     for i in range(args.steps + 1):
         t0 = time.perf_counter()
+        sampler_dir = Path(args.tmp) / f"inproc-sampler-{i}"  # a new one per step, as the SDK's ephemeral saves
         learner.save("bench", str(sampler_dir), optimizer=False)
         params = SamplingParams(max_tokens=args.max_tokens, temperature=1.0, ignore_eos=True)
         outs = learner.sample([SampleJob(str(sampler_dir), prompts, params, args.group)])[0]

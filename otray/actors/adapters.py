@@ -109,7 +109,9 @@ class AdapterLearner:
         self.specs: dict[str, AdapterSpec] = {}
         self.optimizers: dict[str, torch.optim.Optimizer] = {}
         self.steps: dict[str, int] = {}
-        self.samplers: collections.OrderedDict[str, str] = collections.OrderedDict()  # dir -> adapter name
+        self.samplers: collections.OrderedDict[str, str] = collections.OrderedDict()  # dir -> adapter name (LRU)
+        self.sampler_specs: dict[str, AdapterSpec] = {}  # sampler adapter name -> its spec
+        self.spare: list[str] = []  # sampler adapters no dir uses now: refilled for a dir of the same shape
         self.micro_batch_tokens = micro_batch_tokens
         self.max_model_len = max_model_len or self.base.config.max_position_embeddings
 
@@ -227,6 +229,8 @@ class AdapterLearner:
         with its optimizer state when ``optimizer``; returns the bytes written."""
         out = Path(path)
         out.mkdir(parents=True, exist_ok=True)
+        if str(out) in self.samplers:  # overwritten: what is loaded from it is stale
+            self.spare.append(self.samplers.pop(str(out)))
         self.model.save_pretrained(str(out), selected_adapters=[adapter], safe_serialization=True,
                                    save_embedding_layers=False)  # the base's (tied) embeddings are not trained
         nested = out / adapter  # PEFT puts a non-default adapter in a subdirectory
@@ -266,25 +270,43 @@ class AdapterLearner:
 
     def _sampler_adapter(self, path: str) -> str:
         """The adapter name of sampler checkpoint ``path``, loading it on first use."""
-        from peft import LoraConfig, set_peft_model_state_dict
+        from peft import set_peft_model_state_dict
         from safetensors.torch import load_file
 
         if path in self.samplers:
             self.samplers.move_to_end(path)
             return self.samplers[path]
-        meta = json.loads((Path(path) / "otray_adapter.json").read_text())
-        spec = AdapterSpec(**meta["spec"])
-        name = f"sampler{abs(hash(path)) % 10**12}"
+        spec = AdapterSpec(**json.loads((Path(path) / "otray_adapter.json").read_text())["spec"])
+        name = self._sampler_slot(spec)
+        set_peft_model_state_dict(self.model, load_file(str(Path(path) / "adapter_model.safetensors")), adapter_name=name)
+        self.samplers[path] = name
+        return name
+
+    def _sampler_slot(self, spec: AdapterSpec) -> str:
+        """An adapter to load a ``spec``-shaped sampler checkpoint into: a spare one of the same shape
+        (making an adapter costs ~6x loading weights into one), else a new one. At most
+        SAMPLER_CACHE sampler adapters exist; the least recently used dir gives its adapter up."""
+        from peft import LoraConfig
+
+        if len(self.samplers) >= SAMPLER_CACHE:
+            self.spare.append(self.samplers.popitem(last=False)[1])
+        shape = (spec.rank, spec.alpha, sorted(spec.target_modules()))
+        for name in self.spare:
+            s = self.sampler_specs[name]
+            if (s.rank, s.alpha, sorted(s.target_modules())) == shape:
+                self.spare.remove(name)
+                return name
+        while self.spare and len(self.spare) + len(self.samplers) >= SAMPLER_CACHE:
+            old = self.spare.pop(0)
+            self.model.delete_adapter(old)
+            del self.sampler_specs[old]
+        name = f"sampler-{len(self.sampler_specs)}-{random.randrange(10**9)}"
         if self.model is None:
             self._add(name, spec)
         else:
             self.model.add_adapter(name, LoraConfig(r=spec.rank, lora_alpha=spec.alpha, lora_dropout=0.0,
                                                     target_modules=spec.target_modules(), task_type="CAUSAL_LM"))
-        set_peft_model_state_dict(self.model, load_file(str(Path(path) / "adapter_model.safetensors")), adapter_name=name)
-        self.samplers[path] = name
-        if len(self.samplers) > SAMPLER_CACHE:
-            _, old = self.samplers.popitem(last=False)
-            self.model.delete_adapter(old)
+        self.sampler_specs[name] = spec
         return name
 
     def sample(self, jobs: list[SampleJob]) -> list[list[SampleOut]]:
