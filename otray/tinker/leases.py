@@ -56,10 +56,6 @@ class Leases:
         self.progress[spec.model_id] = _Progress()
         return job_id
 
-    def job_id(self, model_id: str) -> Optional[str]:
-        held = self.store.leases().get(model_id)
-        return held[0] if held else None
-
     def note_pass(self, model_id: str, loss_sum: float, tokens: int) -> None:
         """A forward_backward's loss (sum over its weighted tokens) for the next progress row."""
         p = self.progress.setdefault(model_id, _Progress())
@@ -76,8 +72,9 @@ class Leases:
         try:
             await self.rm.report.remote(held[0], row, held[1])
         except Exception as e:  # noqa: BLE001 - AuthError: the token was dropped
-            if not isinstance(_cause(e), PermissionError):
-                raise
+            if not isinstance(_cause(e), PermissionError):  # the manager is restarting: a lost row, not a failed step
+                log.warning("progress row of %s not recorded: %s", model_id, type(_cause(e)).__name__)
+                return
             self.store.drop_lease(model_id)
             raise LeaseEnded(f"training client {model_id}'s lease {held[0]} ended (cancelled with "
                              "`otray jobs cancel`, or the ResourceManager restarted): load its last "
