@@ -138,7 +138,7 @@ def tinker_service(ray_local, tmp: Path, port: int, tiny_path: str, **overrides)
     """Start ``otray tinker`` on ``port`` with auth on and users alice and bob (bob created by alice).
 
     The base model is offered as ``Qwen/Qwen3-8B`` (a cookbook registry name) mapped to the tiny
-    model. Returns ``(keys, stop)``: the users' ``tml-`` keys and a function that stops it all.
+    model, sampled by its learner (tests/test_tinker_vllm.py passes ``models`` with vLLM samplers). Returns ``(keys, stop)``: the users' ``tml-`` keys and a function that stops it all.
     """
     from ray import serve
 
@@ -150,8 +150,8 @@ def tinker_service(ray_local, tmp: Path, port: int, tiny_path: str, **overrides)
     rm = fresh_resource_manager(tmp / "registry.db", auth_enabled=True)
     alice = ray_local.get(rm.add_user.remote("alice"))
     bob = ray_local.get(rm.add_user.remote("bob", False, alice))
-    run(load_tinker({"port": port, "storage": str(tmp / "store"), "long_poll_s": 5,
-                     "models": [{"name": "Qwen/Qwen3-8B", "path": tiny_path}], **overrides}))
+    models = [{"name": "Qwen/Qwen3-8B", "path": tiny_path, "sampler": {"engine": "learner"}}]
+    run(load_tinker({"port": port, "storage": str(tmp / "store"), "long_poll_s": 5, "models": models, **overrides}))
 
     def stop() -> None:
         serve.shutdown()

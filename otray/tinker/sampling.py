@@ -1,6 +1,7 @@
-"""Sample requests, batched: those that arrive while a base model's learner is busy go to it in one
-call, one ``generate`` per (sampler, settings) group, and each request's promise is finished with
-its own protobuf result. A batch first waits ``sample_batch_wait_ms`` for the rest of the requests
+"""Sample requests, batched: those that arrive while a base model's samplers are busy go to them in
+one call each: the vLLM engine takes what it can serve (:class:`~otray.tinker.engines.VllmSamplers`),
+the learner the rest (one ``generate`` per (sampler, settings) group there), and each request's
+promise is finished with its own protobuf result. A batch first waits ``sample_batch_wait_ms`` for the rest of the requests
 a client sent together: without it the first of 8 concurrent requests went alone and the other 7
 in a second call (benchmarks/tinker_api.py, RL step)."""
 
@@ -12,6 +13,7 @@ from typing import Any, Optional
 
 from otray.actors.adapters import SampleJob
 from otray.tinker import runs as R
+from otray.tinker.engines import VllmSamplers
 from otray.tinker.futures import Futures, Outcome
 from otray.tinker.wire import sample_output
 
@@ -30,13 +32,15 @@ class SampleWait:
 
 
 class SampleBatcher:
-    def __init__(self, learners: dict[str, Any], futures: Futures, wait_s: float):
+    def __init__(self, learners: dict[str, Any], engines: VllmSamplers, futures: Futures, wait_s: float):
         self.learners = learners
+        self.engines = engines  # the vLLM samplers, and which requests they take
         self.wait_s = wait_s  # a batch waits this long for requests sent together (the SDK sends one per prompt)
         self.futures = futures
         self.waiting: dict[str, list[SampleWait]] = {m: [] for m in learners}
         self.busy: dict[str, bool] = {m: False for m in learners}
-        self.calls: list[int] = []  # prompts per learner call, the latest 1,000 (batching, for benchmarks)
+        self.calls: list[int] = []  # prompts per batch, the latest 1,000 (batching, for benchmarks)
+        self.prompts = {"learner": 0, "vllm": 0}  # prompts sampled by each engine
 
     def submit(self, base: str, wait: SampleWait) -> None:
         self.waiting[base].append(wait)
@@ -49,20 +53,41 @@ class SampleBatcher:
             while self.waiting[base]:
                 await asyncio.sleep(self.wait_s)
                 batch, self.waiting[base] = self.waiting[base], []
+                self.calls = [*self.calls[-999:], len(batch)]
                 groups: dict[tuple, list[SampleWait]] = {}
                 for w in batch:
                     groups.setdefault((w.adapter, w.params, w.n, w.prompt_logprobs), []).append(w)
-                jobs = [SampleJob(k[0], [w.prompt for w in ws], k[1], k[2], k[3]) for k, ws in groups.items()]
-                self.calls = [*self.calls[-999:], sum(len(j.prompts) for j in jobs)]
-                try:
-                    results = await self.learners[base].sample.remote(jobs)
-                except Exception as e:  # noqa: BLE001 - every waiting request learns why
-                    for w in batch:
-                        self.futures.finish(w.request_id, Outcome.error(R.cause(e), "server"))
-                    continue
-                for ws, outs in zip(groups.values(), results):
-                    for w, out in zip(ws, outs):
-                        lps = R.last_n(out.prompt_logprobs, w.last_n)
-                        self.futures.finish(w.request_id, Outcome("proto", sample_output(out.samples, lps)))
+                engine, fast = None, {k: ws for k, ws in groups.items() if self.engines.serves(base, k[0])}
+                if fast:
+                    try:
+                        engine = await self.engines.actor(base)
+                    except RuntimeError as e:  # engine: vllm, and it did not start
+                        self._fail(fast, str(e))
+                        groups = {k: ws for k, ws in groups.items() if k not in fast}
+                    fast = fast if engine is not None else {}  # auto without an engine: the learner's
+                slow = {k: ws for k, ws in groups.items() if k not in fast}
+                await asyncio.gather(self._run(engine, "vllm", fast), self._run(self.learners[base], "learner", slow))
         finally:
             self.busy[base] = False
+
+    async def _run(self, sampler: Any, name: str, groups: dict[tuple, list[SampleWait]]) -> None:
+        """One ``sample`` call of ``sampler`` (a learner or a vLLM engine) for ``groups``; each request's
+        promise gets its result, or the call's error."""
+        if not groups:
+            return
+        jobs = [SampleJob(k[0], [w.prompt for w in ws], k[1], k[2], k[3]) for k, ws in groups.items()]
+        try:
+            results = await sampler.sample.remote(jobs)
+        except Exception as e:  # noqa: BLE001 - every waiting request learns why
+            self._fail(groups, R.cause(e))
+            return
+        self.prompts[name] += sum(len(j.prompts) for j in jobs)
+        for ws, outs in zip(groups.values(), results):
+            for w, out in zip(ws, outs):
+                lps = R.last_n(out.prompt_logprobs, w.last_n)
+                self.futures.finish(w.request_id, Outcome("proto", sample_output(out.samples, lps)))
+
+    def _fail(self, groups: dict[tuple, list[SampleWait]], why: str) -> None:
+        for ws in groups.values():
+            for w in ws:
+                self.futures.finish(w.request_id, Outcome.error(why, "server"))

@@ -7,8 +7,9 @@ it: it checks keys, decodes bodies and passes the caller's user name (``owner``)
 call; every lookup here checks that owner, so a caller sees only their own runs, checkpoints,
 samplers and requests (an unknown and another user's id get the same 404).
 
-Sampling requests are batched: those waiting while the learner is busy go to it in one call,
-grouped by sampler and settings (one ``generate`` per group).
+Sampling requests are batched (:mod:`otray.tinker.sampling`): those waiting while the samplers are
+busy go out together, to the base model's vLLM engine where it can serve them (multi-LoRA,
+:mod:`otray.tinker.engines`), else to the learner's HF ``generate``.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import ray
 from otray.actors.resource_manager import get_or_create
 from otray.actors.adapters import AdapterLearner, AdapterSpec
 from otray.tinker.config import TinkerConfig, load_tinker
+from otray.tinker.engines import VllmSamplers
 from otray.tinker.futures import Futures, Outcome
 from otray.tinker.catalog import Catalog
 from otray.tinker.leases import Leases
@@ -61,11 +63,16 @@ class TinkerService:
                                  self.cfg.gap_timeout_s, self._vocab)
         self.sessions: dict[str, tuple[str, float]] = {}  # session id -> (owner, last heartbeat)
         self.recovered = False  # leases a predecessor left open are closed on the first call
-        self.batcher = SampleBatcher(self.learners, self.futures, self.cfg.sample_batch_wait_ms / 1000)
+        self.engines = VllmSamplers(self.models, self.paths, NAME, NAMESPACE)
+        self.batcher = SampleBatcher(self.learners, self.engines, self.futures, self.cfg.sample_batch_wait_ms / 1000)
 
     async def sample_calls(self) -> list[int]:
-        """Prompts per learner sample call, latest last (how well requests were batched)."""
+        """Requests per sample batch, latest last (how well requests were batched)."""
         return list(self.batcher.calls)
+
+    async def sample_engines(self) -> dict[str, Any]:
+        """Prompts sampled by each engine (``learner``, ``vllm``), and why a vLLM engine is not used."""
+        return {**self.batcher.prompts, "down": dict(self.engines.down)}
 
     async def ready(self) -> list[str]:
         await asyncio.gather(*[h.ping.remote() for h in self.learners.values()])

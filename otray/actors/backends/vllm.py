@@ -57,7 +57,7 @@ class VLLMBackend:
 
     def __init__(self, model_path: str, *, dtype: str = "float32", max_model_len: int | None = None,
                  seed: int = 0, max_lora_rank: int = 0, kv_cache_gb: int = 1, max_num_seqs: int = 256,
-                 max_loras: int = 1, **_: Any):
+                 max_loras: int = 1, gpu_memory_utilization: float | None = None, **_: Any):
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(kv_cache_gb))))
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         from vllm import LLM
@@ -67,6 +67,8 @@ class VLLMBackend:
         self.max_lora_rank = _lora_rank_bucket(max_lora_rank) if max_lora_rank > 0 else 0
         lora = {"enable_lora": True, "max_lora_rank": self.max_lora_rank, "max_loras": max(1, max_loras)} \
             if max_lora_rank > 0 else {}
+        if gpu_memory_utilization is not None:  # a GPU shared with a learner: vLLM takes 0.9 of it by default
+            lora["gpu_memory_utilization"] = gpu_memory_utilization
         self.llm = LLM(model=model_path, dtype=dtype, max_model_len=max_model_len, seed=seed,
                        enforce_eager=True, max_num_seqs=max_num_seqs,
                        worker_extension_cls=f"{__name__}.WeightSyncExtension", **lora)
@@ -128,6 +130,19 @@ class VLLMBackend:
                 sample = Sample(ids, lps, reason)
                 result[i].append(apply_stop_strings(sample, self._decode, params.stop) if params.stop else sample)
         return result
+
+    def prompt_logprobs(self, prompts: list[list[int]], adapters: list[Any]) -> list[list[float | None]]:
+        """Each prompt token's logprob given the tokens before it (None for the first), under the
+        prompt's adapter (an :meth:`add_adapter` handle, or None for the base weights)."""
+        from vllm import SamplingParams as VSP
+        from vllm.inputs import TokensPrompt
+
+        check_prompt_lengths(prompts, self.max_model_len)
+        sp = VSP(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False)
+        got = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp,
+                                lora_request=list(adapters), use_tqdm=False)
+        return [[None if d is None else d[t].logprob for t, d in zip(p, out.prompt_logprobs)]
+                for p, out in zip(prompts, got)]
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False)
