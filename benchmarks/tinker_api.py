@@ -82,7 +82,13 @@ def in_process(path: str, args, pairs, prompts) -> dict[str, list[float]]:
     return times
 
 
-def through_sdk(path: str, args, pairs, prompts) -> dict[str, list[float]]:
+def through_sdk(path: str, args, pairs, prompts, engine: str = "learner",
+                train_unembed: bool = True, gpu: bool = False) -> dict[str, list[float]]:
+    """The steps through the SDK against a fresh service whose sampler is ``engine`` (``learner``: the
+    in-process side's HF generate; ``vllm``: benchmarks/tinker_sampler.py); ``gpu``: the learner and
+    the vLLM sampler share one GPU, half each."""
+    gpus = {"learner_gpus": 0.5} if gpu else {}
+    sampler = {"engine": engine, "num_threads": THREADS, **({"gpus": 0.5, "gpu_memory_utilization": 0.4} if gpu else {})}
     import ray
     import tinker
     from tinker import types
@@ -93,9 +99,10 @@ def through_sdk(path: str, args, pairs, prompts) -> dict[str, list[float]]:
     ray.init(include_dashboard=False, log_to_driver=False)
     run(load_tinker({"port": PORT, "auth": "off", "storage": str(Path(args.tmp) / "store"),
                      "sample_batch_wait_ms": args.batch_wait_ms,
-                     "models": [{"name": "m", "path": path, "learner_cpus": 1, "num_threads": THREADS}]}))
+                     "models": [{"name": "m", "path": path, "learner_cpus": 1, "num_threads": THREADS,
+                                 "sampler": sampler, **gpus}]}))
     service = tinker.ServiceClient(base_url=f"http://127.0.0.1:{PORT}")
-    tc = service.create_lora_training_client(base_model="m", rank=32, seed=0).result()
+    tc = service.create_lora_training_client(base_model="m", rank=32, seed=0, train_unembed=train_unembed).result()
     sft = [types.Datum(model_input=types.ModelInput.from_ints(p + a[:-1]), loss_fn_inputs={
         "target_tokens": (p + a)[1:], "weights": [0.0] * (len(p) - 1) + [1.0] * len(a)}) for p, a in pairs]
     times: dict[str, list[float]] = {"sft": [], "rl": [], "rl_sampling": []}
@@ -123,8 +130,14 @@ def through_sdk(path: str, args, pairs, prompts) -> dict[str, list[float]]:
         times["rl"].append(time.perf_counter() - t0)
     from otray.tinker.service import NAME, NAMESPACE
 
-    times["prompts_per_sample_call"] = ray.get(ray.get_actor(NAME, namespace=NAMESPACE).sample_calls.remote())
+    actor = ray.get_actor(NAME, namespace=NAMESPACE)
+    times["prompts_per_sample_call"] = ray.get(actor.sample_calls.remote())
+    times["prompts_by_engine"] = ray.get(actor.sample_engines.remote())
     service.close("success").result()
+    from ray import serve
+
+    serve.shutdown()
+    ray.kill(actor)
     ray.shutdown()
     return times
 
