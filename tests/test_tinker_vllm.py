@@ -109,6 +109,13 @@ def test_sampler_checkpoints_of_two_clients_and_the_base_sample_on_one_vllm_engi
     assert np.allclose(lps, forward_logprobs(fast, prompt.to_ints(), first), atol=2e-4)
     assert not np.allclose(lps, before, atol=1e-3)
     assert engines(ray_local)["vllm"] > served["vllm"]
+    # an engine that dies fails the requests it held with the reason; the next request starts a new one
+    from otray.tinker.service import NAME, NAMESPACE
+
+    ray_local.kill(ray_local.get_actor(f"{NAME}-sampler-{BASE}", namespace=NAMESPACE))
+    with pytest.raises(Exception, match="the vllm sampler died.*a new engine is started"):
+        samplers[0].sample(prompt, 1, params).result()
+    assert len(samplers[0].sample(prompt, 2, params).result().sequences) == 2
     sc.close("success").result()
 
 

@@ -62,6 +62,10 @@ class VllmSamplers:
             self.starting[base] = asyncio.ensure_future(self._start(base))
         return await asyncio.shield(self.starting[base])
 
+    def forget(self, base: str) -> None:
+        """``base``'s engine died: the next request it can serve starts a new one."""
+        self.starting.pop(base, None)
+
     async def _start(self, base: str) -> Optional[Any]:
         s = self.models[base].sampler
         env = threads_env(s.num_threads or max(1, int(s.cpus)))

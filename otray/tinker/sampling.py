@@ -11,6 +11,8 @@ import asyncio
 from dataclasses import dataclass
 from typing import Any, Optional
 
+import ray
+
 from otray.actors.adapters import SampleJob
 from otray.tinker import runs as R
 from otray.tinker.engines import VllmSamplers
@@ -66,26 +68,34 @@ class SampleBatcher:
                         groups = {k: ws for k, ws in groups.items() if k not in fast}
                     fast = fast if engine is not None else {}  # auto without an engine: the learner's
                 slow = {k: ws for k, ws in groups.items() if k not in fast}
-                await asyncio.gather(self._run(engine, "vllm", fast), self._run(self.learners[base], "learner", slow))
+                died = await asyncio.gather(self._run(engine, "vllm", fast),
+                                            self._run(self.learners[base], "learner", slow))
+                if died[0]:  # the vLLM engine's process is gone: the next request starts a new one
+                    self.engines.forget(base)
         finally:
             self.busy[base] = False
 
-    async def _run(self, sampler: Any, name: str, groups: dict[tuple, list[SampleWait]]) -> None:
+    async def _run(self, sampler: Any, name: str, groups: dict[tuple, list[SampleWait]]) -> bool:
         """One ``sample`` call of ``sampler`` (a learner or a vLLM engine) for ``groups``; each request's
-        promise gets its result, or the call's error."""
+        promise gets its result, or the call's error. True when the sampler's actor died."""
         if not groups:
-            return
+            return False
         jobs = [SampleJob(k[0], [w.prompt for w in ws], k[1], k[2], k[3]) for k, ws in groups.items()]
         try:
             results = await sampler.sample.remote(jobs)
+        except ray.exceptions.RayActorError as e:
+            again = "; send the request again: a new engine is started" if name == "vllm" else ""
+            self._fail(groups, f"the {name} sampler died ({R.cause(e)}){again}")
+            return True
         except Exception as e:  # noqa: BLE001 - every waiting request learns why
             self._fail(groups, R.cause(e))
-            return
+            return False
         self.prompts[name] += sum(len(j.prompts) for j in jobs)
         for ws, outs in zip(groups.values(), results):
             for w, out in zip(ws, outs):
                 lps = R.last_n(out.prompt_logprobs, w.last_n)
                 self.futures.finish(w.request_id, Outcome("proto", sample_output(out.samples, lps)))
+        return False
 
     def _fail(self, groups: dict[tuple, list[SampleWait]], why: str) -> None:
         for ws in groups.values():
