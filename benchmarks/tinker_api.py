@@ -142,7 +142,9 @@ def through_sdk(path: str, args, pairs, prompts, engine: str = "learner",
     return times
 
 
-def main() -> None:
+def workload(name: str, extra=None):
+    """The command line both Tinker benchmarks take (``extra`` adds to it), and the workload it
+    names: ``(args, model path, SFT pairs, RL prompts)``."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--shape", default="100m")
@@ -151,16 +153,21 @@ def main() -> None:
     ap.add_argument("--group", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--batch-wait-ms", type=float, default=30.0, help="the service's sample_batch_wait_ms")
-    ap.add_argument("--tmp", default="/tmp/otray-tinker-bench")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "tinker_api.json"))
+    ap.add_argument("--tmp", default=f"/tmp/otray-{name.replace('_', '-')}-bench")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / f"{name}.json"))
+    if extra:
+        extra(ap)
     args = ap.parse_args()
 
     from otray.models import load_tokenizer, resolve_model_path
 
     path = resolve_model_path(f"tiny-{args.shape}", ROOT / ".cache" / "models")
     tok = load_tokenizer(path)
-    pairs = data(tok, args.batch, 0)
-    prompts = [p for p, _ in data(tok, args.prompts, 1)]
+    return args, path, data(tok, args.batch, 0), [p for p, _ in data(tok, args.prompts, 1)]
+
+
+def main() -> None:
+    args, path, pairs, prompts = workload("tinker_api")
     local = in_process(path, args, pairs, prompts)
     remote = through_sdk(path, args, pairs, prompts)
     rows = {}

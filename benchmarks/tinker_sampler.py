@@ -16,7 +16,6 @@ Prints a table and writes ``benchmarks/results/tinker_sampler.json``.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -25,29 +24,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.tinker_api import data, through_sdk  # noqa: E402
+from benchmarks.tinker_api import through_sdk, workload  # noqa: E402
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--shape", default="100m")
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--prompts", type=int, default=8)
-    ap.add_argument("--group", type=int, default=4)
-    ap.add_argument("--max-tokens", type=int, default=16)
-    ap.add_argument("--batch-wait-ms", type=float, default=30.0, help="the service's sample_batch_wait_ms")
-    ap.add_argument("--gpu", action="store_true", help="learner and vLLM sampler on one GPU, half each")
-    ap.add_argument("--tmp", default="/tmp/otray-tinker-sampler-bench")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "tinker_sampler.json"))
-    args = ap.parse_args()
-
-    from otray.models import load_tokenizer, resolve_model_path
-
-    path = resolve_model_path(f"tiny-{args.shape}", ROOT / ".cache" / "models")
-    tok = load_tokenizer(path)
-    pairs = data(tok, args.batch, 0)
-    prompts = [p for p, _ in data(tok, args.prompts, 1)]
+    args, path, pairs, prompts = workload("tinker_sampler", lambda ap: ap.add_argument(
+        "--gpu", action="store_true", help="learner and vLLM sampler on one GPU, half each"))
     runs = {engine: through_sdk(path, args, pairs, prompts, engine=engine, train_unembed=False, gpu=args.gpu)
             for engine in ("learner", "vllm")}
     rows = {}

@@ -24,6 +24,7 @@ from otray.actors.adapters import AdapterSpec
 from otray.actors.lora_sampler import LoraSampler, checkpoint_spec, serves
 from otray.actors.runtime import threads_env
 from otray.tinker.config import TinkerModel
+from otray.tinker.runs import cause
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +40,7 @@ class VllmSamplers:
         self.prefix, self.namespace = name_prefix, namespace
         self.starting: dict[str, asyncio.Future] = {}
         self.down: dict[str, str] = {}  # base model -> why its engine is not used (auto fell back to the learner)
-        self.specs: dict[str, AdapterSpec] = {}  # checkpoint dir -> its adapter's shape
+        self.specs: dict[str, AdapterSpec] = {}  # checkpoint dir -> its adapter's shape (a cache)
 
     def serves(self, base: str, adapter: Optional[str]) -> bool:
         """Whether requests for ``adapter`` (a checkpoint dir; None: the base weights) of ``base`` go to vLLM."""
@@ -49,6 +50,8 @@ class VllmSamplers:
         if adapter is None:
             return True
         if adapter not in self.specs:
+            if len(self.specs) >= 10_000:  # every RL step saves a new ephemeral dir: keep the cache bounded
+                self.specs.clear()
             try:
                 self.specs[adapter] = checkpoint_spec(adapter)
             except OSError:  # deleted since: the learner's path says so to the client
@@ -82,7 +85,7 @@ class VllmSamplers:
         except Exception as e:  # noqa: BLE001 - any failure to start is reported the same way
             why = (f"the vLLM sampler of {base} did not start within {s.start_timeout_s:.0f} s (no free CPU or GPU "
                    f"for it: sampler.cpus={s.cpus}, sampler.gpus={s.gpus})" if isinstance(e, asyncio.TimeoutError)
-                   else f"the vLLM sampler of {base} failed to start: {str(e).strip().splitlines()[-1:]}")
+                   else f"the vLLM sampler of {base} failed to start: {cause(e)}")
             ray.kill(handle)
             if s.engine == "auto":
                 self.down[base] = why
