@@ -8,7 +8,7 @@ export VLLM_CPU_KVCACHE_SPACE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 export RAY_USAGE_STATS_ENABLED ?= 0
 
-.PHONY: demo test test-fast bench bench-trl clean venv browser sandbox openreward-sdk tinker-cookbook
+.PHONY: demo test test-fast test-pure bench bench-trl clean venv browser sandbox openreward-sdk tinker-cookbook
 
 venv: $(STAMP)
 
@@ -28,14 +28,14 @@ $(STAMP): pyproject.toml
 
 # The OpenReward SDK (envs/openreward.py) pins sse-starlette==2.3.6, vLLM's mcp needs >= 3: one resolve
 # cannot hold both, so the SDK goes in on its own and sse-starlette back to 3 (the SDK's server and
-# client run on it: tests/test_openreward.py). A machine without vLLM can `pip install otray[openreward]`.
+# client run on it: tests/envs/test_openreward.py). A machine without vLLM can `pip install otray[openreward]`.
 openreward-sdk:
 	$(BIN)/pip install -q "openreward==0.1.167"
 	$(BIN)/pip install -q "sse-starlette>=3"
 
 # tinker-cookbook 0.6.1 pins tml-renderers>=0.4.1, which the package registry here lacks (and which only
 # its Inkling/Kimi renderers import): its other dependencies go in by name, the cookbook with --no-deps.
-# tests/test_tinker_cookbook.py runs its RL and supervised loops, unmodified, against `otray tinker`.
+# tests/tinker/test_cookbook.py runs its RL and supervised loops, unmodified, against `otray tinker`.
 tinker-cookbook:
 	$(BIN)/pip install -q "chz>=0.4" "blobfile>=3" "pyrage>=1.4" "termcolor>=2" "datasets>=2.14"
 	$(BIN)/pip install -q --no-deps "tinker-cookbook==0.6.1"
@@ -47,7 +47,7 @@ demo: $(STAMP)
 # the dashboard test drives Debian's chromium headless (through playwright)
 browser:
 	@command -v chromium >/dev/null 2>&1 || (apt-get update -q && apt-get install -y -q --no-install-recommends chromium) \
-	  || echo "could not install Debian's chromium (needs root or sudo): tests/test_serve.py's dashboard test will fail"
+	  || echo "could not install Debian's chromium (needs root or sudo): tests/serve/test_app.py's dashboard test will fail"
 
 # the code tool (envs/python_tool.py) runs model-written code inside Debian's bubblewrap; without it
 # the tool refuses to run (docs/security.md)
@@ -57,6 +57,10 @@ sandbox:
 
 test: $(STAMP) browser sandbox
 	$(BIN)/python -m pytest -q -p no:cacheprovider
+
+# the tests that need neither Ray nor vLLM (tests/conftest.py marks Ray tests; about a minute here)
+test-pure: $(STAMP) browser sandbox
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not ray and not cluster and not vllm"
 
 # the suite without the vLLM engine tests (about a minute faster)
 test-fast: $(STAMP) browser sandbox

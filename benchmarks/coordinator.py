@@ -80,7 +80,7 @@ def model_share(tiny: str, games: int, actors: bool) -> dict:
     from pettingzoo.classic import tictactoe_v3
 
     from envs.tictactoe_text import TEXT
-    from otray.actors.rollout import RolloutWorker
+    from otray.actors.sampling.rollout import RolloutWorker
     from otray.coordinator.agent_loop import Limits
     from otray.coordinator.protocol import Policy, ProtocolCoordinator
     from otray.coordinator.text_bridge import MoveRules
@@ -94,7 +94,7 @@ def model_share(tiny: str, games: int, actors: bool) -> dict:
     if actors:
         import ray
 
-        from otray.coordinator.fleet import RolloutFleet
+        from otray.actors.sampling.fleet import RolloutFleet
 
         worker = ray.remote(num_cpus=1)(RolloutWorker).options(
             runtime_env={"env_vars": {"OMP_NUM_THREADS": "2"}}).remote(tiny, "hf", max_model_len=512, num_threads=2)

@@ -3,7 +3,7 @@ episode alone, all 32 one call at a time (``max_concurrency: 1``), and all 32 si
 (``max_concurrency: 32``), against the SDK's own server on localhost.
 
 Generation is scripted (every reply is the tool call), so the figures are env time only: the
-server (``tests/openreward_envs.py``: ``Slow``), the SDK's HTTP sessions, otray's adapter and loop.
+server (``tests/fixtures/openreward_envs.py``: ``Slow``), the SDK's HTTP sessions, otray's adapter and loop.
 Target (issue "Environments over the network"): 32 concurrent episodes in < 2x one episode.
 
     python benchmarks/env_io.py [--episodes 32] [--rounds 3]
@@ -35,7 +35,7 @@ def main() -> None:
     from otray.coordinator.env_io import EnvIO
     from otray.models import end_of_turn_ids, load_tokenizer, resolve_model_path
     from otray.types import FinishReason, GenerateResult, Sample, SamplingParams, Task
-    from tests.openreward_envs import SLOW_S
+    from tests.fixtures.openreward_envs import SLOW_S
 
     tokenizer = load_tokenizer(resolve_model_path("tiny", ROOT / ".cache" / "models"))
     reply = tokenizer.encode('<tool_call>{"name": "wait", "arguments": {}}</tool_call>', add_special_tokens=False)
@@ -46,7 +46,7 @@ def main() -> None:
 
     from envs.openreward import start_server
 
-    proc, url = start_server("tests.openreward_envs", cwd=ROOT)
+    proc, url = start_server("tests.fixtures.openreward_envs", cwd=ROOT)
     try:
         def run(n: int, concurrency: int) -> float:
             limits = Limits(max_turns=3, max_tokens_per_turn=32, max_tokens_per_episode=96, max_model_len=512,

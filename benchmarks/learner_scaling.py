@@ -62,16 +62,16 @@ class Floor:
     def pid(self) -> int:
         import importlib
 
-        for name in ("otray.actors.learner", "otray.actors.sharded", "torch.distributed.fsdp"):
+        for name in ("otray.actors.learner.policy_learner", "otray.actors.learner.rank", "torch.distributed.fsdp"):
             importlib.import_module(name)  # the imports are the point
 
         return os.getpid()
 
 
 def run(ray, model: str, n: int, threads: int, steps: int, data, device: str, mmap_threshold: int) -> dict:
-    from otray.actors.learner import PolicyLearner
-    from otray.actors.learner_group import LearnerGroup
-    from otray.actors.sharded import LearnerRank
+    from otray.actors.learner.policy_learner import PolicyLearner
+    from otray.actors.learner.group import LearnerGroup
+    from otray.actors.learner.rank import LearnerRank
 
     kw = dict(micro_batch_tokens=4096, seed=0, num_threads=threads, device=device)
     env = {"OMP_NUM_THREADS": str(threads)}

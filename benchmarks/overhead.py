@@ -49,9 +49,9 @@ def overrides(steps: int, out_dir: str) -> list[str]:
 
 def plain_run(cfg, steps: int) -> dict:
     """The GRPO loop without Ray, on the same classes the actors wrap."""
-    from otray.actors.episodes import episode_reward, load_splits
-    from otray.actors.learner import PolicyLearner
-    from otray.actors.rollout import RolloutWorker
+    from otray.actors.job.episodes import episode_reward, load_splits
+    from otray.actors.learner.policy_learner import PolicyLearner
+    from otray.actors.sampling.rollout import RolloutWorker
     from otray.algos import advantages as adv
     from otray.algos.datums import build_datums
     from otray.config import to_dict
@@ -110,11 +110,11 @@ def ray_run(client, steps: int, out_dir: str) -> dict:
     t_submit = time.time()
     job = client.submit(str(CONFIG), overrides(steps, out_dir))
     final = job.wait(timeout=1800)
-    if final["state"] != "SUCCEEDED":
-        raise RuntimeError(f"job {job.id} ended {final['state']}: {final['error']}")
+    if not final.succeeded:
+        raise RuntimeError(f"job {job.id} ended {final.state.value}: {final.error}")
     rows = [r for r in job.metrics() if r["phase"] == "grpo"]
     summary = json.loads((Path(out_dir) / job.id / "summary.json").read_text())
-    started = final["started"]
+    started = final.started
     return {"step_s": [r["step_s"] for r in rows], "startup_s": summary["startup_s"],
             **{k: [r[k] for r in rows] for k in ("rollout_s", "generate_s", "learn_s", "sync_s", "learner/compute_s")},
             "submit_to_first_rollout_s": summary["first_rollout_at"] - t_submit,

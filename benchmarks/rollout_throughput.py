@@ -88,7 +88,7 @@ def direct_vllm(path: str, prompts: list[list[int]], n_tokens: int):
 def via_worker(path: str, backend: str, prompts: list[list[int]], n_tokens: int, cpus: int):
     import ray
 
-    from otray.actors.rollout import RolloutWorker
+    from otray.actors.sampling.rollout import RolloutWorker
     from otray.types import SamplingParams
 
     worker = ray.remote(num_cpus=cpus)(RolloutWorker).remote(path, backend, num_threads=cpus, max_model_len=512,

@@ -93,7 +93,7 @@ def main() -> None:
     from ray import serve
 
     from otray.serve import config as serve_config
-    from otray.actors.backends.hf import HFBackend
+    from otray.actors.sampling.backends.hf import HFBackend
     from otray.models import chat_prompt_ids, load_tokenizer, resolve_model_path
     from otray.serve.app import run
     from otray.serve.model_server import Loaded

@@ -29,7 +29,7 @@ def start(port: int) -> Served:
     import ray
 
     from otray import config
-    from otray.actors.resource_manager import get_or_create
+    from otray.actors.control.resource_manager import get_or_create
     from otray.models import resolve_model_path
     from otray.serve import config as serve_config
     from otray.serve.app import run
@@ -46,10 +46,10 @@ def start(port: int) -> Served:
         job_cfg[key].pop("output_dir" if key == "job" else "cache_dir", None)
     job = ray.get(rm.submit.remote(job_cfg, alice))
     deadline = time.time() + 600
-    while (st := ray.get(rm.status.remote(job, alice)))["state"] not in ("SUCCEEDED", "FAILED", "CANCELLED"):
+    while not (st := ray.get(rm.status.remote(job, alice))).terminal:
         assert time.time() < deadline, "the setup job did not finish"
         time.sleep(1)
-    assert st["state"] == "SUCCEEDED", st
+    assert st.succeeded, st
     tiny = resolve_model_path("tiny", ROOT / ".cache" / "models")
     run(serve_config.load_serve({"port": port, "request_timeout_s": 60, "max_n": 4, "max_tokens": 64,
                                  "models": [{"name": "tiny", "path": tiny}]}))

@@ -48,7 +48,7 @@ def data(tok, n: int, seed: int) -> list[tuple[list[int], list[int]]]:
 def in_process(path: str, args, pairs, prompts) -> dict[str, list[float]]:
     import torch
 
-    from otray.actors.adapters import AdamStep, AdapterLearner, AdapterSpec, SampleJob
+    from otray.tinker.learner import AdamStep, AdapterLearner, AdapterSpec, SampleJob
     from otray.types import Datum, SamplingParams
 
     torch.set_num_threads(THREADS)

@@ -242,7 +242,7 @@ def accuracy(model_dir: str, data: Path, problems: int) -> float:
     import torch
 
     from envs.arithmetic import Arithmetic
-    from otray.actors.backends.hf import HFBackend
+    from otray.actors.sampling.backends.hf import HFBackend
     from otray.models import chat_prompt_ids, load_tokenizer
     from otray.types import SamplingParams, Task
 

@@ -61,8 +61,8 @@ def main() -> None:
 
     import vs_trl
     from envs.arithmetic import Arithmetic
-    from otray.actors.backends.hf import HFBackend
-    from otray.actors.learner import PolicyLearner
+    from otray.actors.sampling.backends.hf import HFBackend
+    from otray.actors.learner.policy_learner import PolicyLearner
     from otray.algos.advantages import group_zscore
     from otray.models import chat_prompt_ids
     from otray.types import Datum, LossNormalizer, SamplingParams, Task

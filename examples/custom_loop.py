@@ -1,11 +1,12 @@
-"""A GRPO loop written with otray's Tinker-style primitives (no TrainJob).
+"""A GRPO loop written with otray's local training primitives (no TrainJob, no ResourceManager).
 
     python examples/custom_loop.py [--steps 20] [--sft-steps 300]
 
 SFT warm-up, then GRPO on 2-digit addition, printing greedy accuracy on held-out
-problems before and after. Everything below is the public API: ``connect``,
-``training_client``, ``forward_backward``, ``optim_step``, ``sampling_client``,
-``sample``.
+problems before and after. Everything below is the public API of ``otray.local``
+(``TrainingClient.for_model``, ``forward_backward``, ``optim_step``, ``sampling_client``,
+``sample``): actors on a local Ray, for a cluster you own. On a shared one, use ``otray tinker``
+and the ``tinker`` SDK (``examples/tinker_rl_loop.py``).
 """
 
 from __future__ import annotations
@@ -13,10 +14,11 @@ from __future__ import annotations
 import argparse
 import random
 
-import otray
+import ray
 from envs.arithmetic import make_problems, parse_answer
 from otray.algos.advantages import group_zscore
 from otray.algos.datums import sft_datum, trajectory_to_datum
+from otray.local import TrainingClient
 from otray.models import chat_prompt_ids, load_tokenizer
 from otray.types import SamplingParams, Task, Trajectory
 
@@ -35,8 +37,8 @@ def main() -> None:
     ap.add_argument("--group", type=int, default=8)
     args = ap.parse_args()
 
-    client = otray.connect()
-    tc = client.training_client("tiny", lora_rank=0)
+    ray.init(include_dashboard=False, log_to_driver=False)
+    tc = TrainingClient.for_model("tiny", lora_rank=0)
     tok = load_tokenizer(tc.model_path)
     problems = make_problems(0)
     held_out, train = problems[:100], problems[500:]

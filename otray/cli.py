@@ -22,15 +22,18 @@ import json
 import sys
 import time
 
-from otray.types import OtrayError
+from otray import metric_keys as K
+from otray.records import JobState, JobStatus
+from otray.types import ConfigError, OtrayError
 
 # a job that failed with one of these (its stored error starts with the type) failed on bad input: exit 2
 INPUT_ERRORS = ("ConfigError", "ForbiddenConfigError", "DatasetError", "ModelLoadError", "AuthError")
 
 
-def _failed(job_id: str, st: dict) -> int:
-    print(f"job {job_id} {st['state']}: {st['error']}", file=sys.stderr)
-    return 2 if (st.get("error") or "").split(":", 1)[0] in INPUT_ERRORS else 1
+def report_failure(job_id: str, st: JobStatus) -> int:
+    """Print why a job ended unsuccessfully; its exit code: 2 for bad input (config, data, model, key), else 1."""
+    print(f"job {job_id} {st.state.value}: {st.error}", file=sys.stderr)
+    return 2 if (st.error or "").split(":", 1)[0] in INPUT_ERRORS else 1
 
 
 def _connect(args: argparse.Namespace):
@@ -41,50 +44,82 @@ def _connect(args: argparse.Namespace):
 
 def cmd_train(args: argparse.Namespace) -> int:
     from otray import config as config_mod
-    from otray.actors.run import HEADER, table_row
+    from otray.actors.job.run import HEADER, table_row
 
     config_mod.load(args.config, args.overrides)  # fail before touching a cluster
     client = _connect(args)
     job = client.submit(args.config, args.overrides)
     print(f"submitted job {job.id}", flush=True)
+    tag_ray_job(job.id)
     seen, state = 0, None
     while True:
         st = job.status()
         rows = job.metrics(seen)
         seen += len(rows)
-        if st["state"] != state and st["state"] not in ("SUCCEEDED", "FAILED", "CANCELLED"):
-            state = st["state"]
-            print(f"[{job.id}] {state}", flush=True)
-            if state == "RUNNING":
+        if st.state != state and not st.terminal:
+            state = st.state
+            print(f"[{job.id}] {state.value}", flush=True)
+            if state is JobState.RUNNING:
                 print(HEADER, flush=True)
         for row in rows:
             print(table_row(row), flush=True)
-        if st["state"] in ("SUCCEEDED", "FAILED", "CANCELLED") and not rows:
-            print(f"[{job.id}] {st['state']}", flush=True)
+        if st.terminal and not rows:
+            print(f"[{job.id}] {st.state.value}", flush=True)
             break
         time.sleep(0.5)
-    if st["state"] != "SUCCEEDED":
-        return _failed(job.id, st)
-    evals = [r for r in job.metrics() if "eval/accuracy" in r]
-    start = next((r for r in evals if r.get("phase") in ("sft", "init")), evals[0] if evals else None)
+    if not st.succeeded:
+        return report_failure(job.id, st)
+    evals = [r for r in job.metrics() if K.EVAL_ACCURACY in r]
+    start = next((r for r in evals if r.get(K.PHASE) in (K.PHASE_SFT, K.PHASE_INIT)), evals[0] if evals else None)
     if start is not None:
-        print(f"held-out accuracy: {start['eval/accuracy']:.3f} before RL -> {evals[-1]['eval/accuracy']:.3f} after")
+        print(f"held-out accuracy: {start[K.EVAL_ACCURACY]:.3f} before RL -> {evals[-1][K.EVAL_ACCURACY]:.3f} after")
     return 0
+
+
+def tag_ray_job(job_id: str) -> str | None:
+    """When this process is the entrypoint of a ``ray job submit``, add ``otray_job_id`` to that Ray job's
+    metadata, so the Ray dashboard's job list leads to the otray job. Returns the Ray submission id
+    (None outside a Ray job). Ray has no public call to change a submitted job's metadata; this writes
+    its job record the way Ray's job manager does (which keeps the metadata on every later status
+    change), and only logs if that record's format ever changes."""
+    import asyncio
+    import os
+
+    submission = (json.loads(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR") or "{}").get("metadata") or {}).get(
+        "job_submission_id")
+    if not submission:
+        return None
+    try:
+        import ray
+        from ray.dashboard.modules.job.common import JobInfoStorageClient
+
+        store = JobInfoStorageClient(ray._private.worker.global_worker.gcs_client)
+
+        async def tag() -> None:
+            info = await store.get_info(submission)
+            if info is not None:
+                info.metadata = {**(info.metadata or {}), "otray_job_id": job_id}
+                await store.put_info(submission, info)
+
+        asyncio.run(tag())
+    except Exception as e:  # noqa: BLE001 - a label for the dashboard, never a reason to fail the job
+        print(f"note: could not add otray_job_id to Ray job {submission}'s metadata ({type(e).__name__}: {e})",
+              file=sys.stderr)
+    return submission
 
 
 def cmd_jobs(args: argparse.Namespace) -> int:
     jobs = _connect(args).jobs()
     print(f"{'id':<24} {'owner':<10} {'name':<20} {'state':<10} {'step':>5} {'reward':>7}  (loss for sft/tinker)")
     for j in jobs:
-        p = j["progress"]
-        reward = p.get("reward_mean", p.get("loss"))
-        print(f"{j['id']:<24} {j['owner']:<10} {j['name'][:20]:<20} {j['state']:<10} {p.get('step', ''):>5} "
+        reward = K.headline_reward(j.progress)
+        print(f"{j.id:<24} {j.owner:<10} {j.name[:20]:<20} {j.state.value:<10} {j.progress.get(K.STEP, ''):>5} "
               f"{'' if reward is None else f'{reward:.3f}':>7}")
     return 0
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    print(json.dumps(_connect(args).job(args.job).status(), indent=1))
+    print(json.dumps(_connect(args).job(args.job).status().to_json(), indent=1))
     return 0
 
 
@@ -101,7 +136,7 @@ def cmd_metrics(args: argparse.Namespace) -> int:
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:
-    print(_connect(args).job(args.job).cancel()["state"])
+    print(_connect(args).job(args.job).cancel().state.value)
     return 0
 
 
@@ -112,14 +147,14 @@ def cmd_users(args: argparse.Namespace) -> int:
     rm, key = client.rm, client.api_key
     if args.users_cmd == "list":
         for u in ray.get(rm.users.remote(api_key=key)):
-            print(f"{u['name']}{'  (admin)' if u['admin'] else ''}")
+            print(f"{u.name}{'  (admin)' if u.admin else ''}")
     elif args.users_cmd == "delete":
         ray.get(rm.delete_user.remote(args.name, api_key=key))
         print(f"deleted {args.name}; their key no longer works")
     else:
         new = (client.add_user(args.name, args.admin) if args.users_cmd == "add"
                else ray.get(rm.rotate_key.remote(args.name, api_key=key)))
-        from otray.actors.registry import tinker_key
+        from otray.actors.control.registry import tinker_key
 
         print(f"API key for {args.name or 'you'} (shown once, store it now):\n{new}\n"
               f"the same key for the Tinker API (TINKER_API_KEY, `otray tinker`):\n{tinker_key(new)}")
@@ -200,13 +235,13 @@ def cmd_infer(args: argparse.Namespace) -> int:
     job = client.submit(cfg)
     print(f"submitted inference job {job.id}", flush=True)
     st = job.wait()
-    if st["state"] != "SUCCEEDED":
-        return _failed(job.id, st)
+    if not st.succeeded:
+        return report_failure(job.id, st)
     out.parent.mkdir(parents=True, exist_ok=True)
     rows = job.outputs()
     with out.open("w") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)
-    summary = {k: v for k, v in job.metrics()[-1].items() if k not in ("step", "phase")}
+    summary = {k: v for k, v in job.metrics()[-1].items() if k not in (K.STEP, K.PHASE)}
     print(json.dumps({"job": job.id, **summary, "output": str(out)}, indent=1))
     return 0
 
@@ -268,6 +303,17 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def config_and_overrides(config: str | None, overrides: list[str], *, required: bool) -> tuple[str | None, list[str]]:
+    """An argument with ``=`` is an override, never a file name: ``otray serve port=8001`` has no config
+    file and one override. A command that needs a config file gets a ConfigError saying so."""
+    if config is not None and "=" in config:
+        config, overrides = None, [config, *overrides]
+    if required and config is None:
+        raise ConfigError(f"this command needs a config file before its overrides ({' '.join(overrides)}): "
+                          "e.g. otray train conf/arithmetic_grpo.yaml " + " ".join(overrides))
+    return config, overrides
+
+
 def main(argv: list[str] | None = None) -> int:
     p = parser()
     args, extra = p.parse_known_args(argv)
@@ -277,6 +323,9 @@ def main(argv: list[str] | None = None) -> int:
     elif extra:
         p.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
+        if hasattr(args, "config"):
+            args.config, args.overrides = config_and_overrides(args.config, args.overrides,
+                                                               required=args.cmd in ("train", "infer"))
         return args.fn(args)
     except OtrayError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -88,7 +88,7 @@ class ResourcesSection:
     learner_threads: Optional[int] = None
     rollout_threads: Optional[int] = None
     # N > 1: each trained policy is one sharded learner group of N ranks (FSDP2, one bundle of
-    # learner_cpus/learner_gpus each; otray.actors.learner_group); 1 = one PolicyLearner.
+    # learner_cpus/learner_gpus each; otray.actors.learner.group); 1 = one PolicyLearner.
     learner_workers: int = 1
     collective_timeout_s: float = 300.0  # a rank waiting longer in a collective fails the job
 
@@ -309,9 +309,6 @@ def _check_values(cfg: Config) -> None:
     one_of(cfg.algo.aggregation, AGGREGATIONS, "algo.aggregation")
     loss_config(cfg.algo.loss_fn, **cfg.algo.loss_fn_config)
     one_of(cfg.resources.strategy, ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"), "resources.strategy")
-    if cfg.algo.max_steps_off_policy not in (0, 1):
-        raise ConfigError(f"algo.max_steps_off_policy must be 0 (on-policy) or 1 (one-step-off-policy), "
-                          f"got {cfg.algo.max_steps_off_policy}")
     if cfg.algo.max_steps_off_policy and cfg.algo.loss_fn == "cross_entropy":
         raise ConfigError("algo.max_steps_off_policy=1 needs a loss that corrects for the sampler "
                           "(ppo, cispo, importance_sampling or dro), not 'cross_entropy'")
@@ -352,8 +349,6 @@ def _check_values(cfg: Config) -> None:
         bad = [str(p) for p in eval_opponents(cfg) if p.kind == "trained"]
         if bad:
             raise ConfigError(f"game.eval_opponents takes random | scripted:module:fn | frozen:REF; got {bad}")
-        if cfg.game.max_failing_rollouts < 0:
-            raise ConfigError(f"game.max_failing_rollouts must be >= 0, got {cfg.game.max_failing_rollouts}")
         if cfg.sft.steps > 0 and "train" not in cfg.sft.splits:
             raise ConfigError("a game job's SFT warm-up needs chat demonstrations: give sft.splits.train (e.g. "
                               "sft.dataset.builder: envs.tictactoe_text:make_chat_dataset) or set sft.steps=0")

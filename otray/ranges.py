@@ -1,7 +1,9 @@
 """The valid range of every numeric config field, checked when a config loads (so at submit).
 
-One table, ``RANGES``: a dotted key (``*`` for any env name) -> (lowest, highest), either end
-``None`` for open; ``GT`` marks a strict lower bound (``> 0``). Optional fields may be null.
+One table per schema: ``RANGES`` for jobs (``otray.config``), ``SERVE_RANGES`` and ``TINKER_RANGES``
+for the two services' configs. Each maps a dotted key (``*`` for any env name or list item) ->
+(lowest, highest), either end ``None`` for open; ``GT`` marks a strict lower bound (``> 0``).
+Optional fields may be null.
 A value outside its range is a ConfigError naming the key, the value and the range, before
 anything reaches the cluster (a negative temperature used to pass submit and fail 30 s in).
 """
@@ -40,6 +42,7 @@ RANGES: dict[str, tuple[Any, Any]] = {
     "resources.learner_workers": (1, None), "resources.collective_timeout_s": (GT(0), None),
     "algo.learning_rate": (0, None), "algo.weight_decay": (0, None), "algo.grad_clip": (0, None),
     "algo.steps": (0, None), "algo.batch_size": (1, None), "algo.micro_batch_tokens": (1, None),
+    "algo.max_steps_off_policy": (0, 1),  # 0: on-policy; 1: the next batch is sampled while the learner trains
     "eval.every": (0, None), "eval.num_samples": (1, None),
     "sft.steps": (0, None), "sft.batch_size": (1, None), "sft.learning_rate": (0, None),
     "sft.warmup_steps": (0, None), "sft.stop_at_accuracy": (0, 1), "sft.check_every": (1, None),
@@ -50,6 +53,22 @@ RANGES: dict[str, tuple[Any, Any]] = {
     **{f"game.{k}": v for k, v in _GAME.items()},
 }
 
+SERVE_RANGES: dict[str, tuple[Any, Any]] = {  # ``otray serve`` (otray.serve.config)
+    "port": (1, 65535), "max_n": (1, None), "max_tokens": (1, None), "request_timeout_s": (GT(0), None),
+    "models.*.max_loaded_checkpoints": (1, None), "models.*.num_replicas": (1, None),
+    "models.*.max_lora_rank": (0, None),  # 0: LoRA checkpoints are merged into the base
+}
+
+TINKER_RANGES: dict[str, tuple[Any, Any]] = {  # ``otray tinker`` (otray.tinker.config)
+    "port": (1, 65535), "long_poll_s": (GT(0), 40),  # the SDK gives up on a poll after 45 s
+    "result_ttl_s": (GT(0), None), "gap_timeout_s": (GT(0), None), "session_timeout_s": (GT(0), None),
+    "max_body_bytes": (1, None), "sample_batch_wait_ms": (0, None), "max_chunk_datums": (1, None),
+    "max_samples": (1, None), "max_tokens": (1, None),
+    "models.*.learner_cpus": (GT(0), None), "models.*.max_rank": (1, None), "models.*.lora_alpha": (GT(0), None),
+    "models.*.sampler.cpus": (GT(0), None), "models.*.sampler.max_lora_rank": (1, None),
+    "models.*.sampler.max_loras": (1, None), "models.*.sampler.start_timeout_s": (GT(0), None),
+}
+
 
 def _values(obj: Any, parts: list[str], key: str) -> list[tuple[str, Any]]:
     """Every (concrete key, value) that the dotted pattern ``parts`` reaches in ``obj``."""
@@ -57,15 +76,18 @@ def _values(obj: Any, parts: list[str], key: str) -> list[tuple[str, Any]]:
         return [(key, obj)]
     head, rest = parts[0], parts[1:]
     if head == "*":
+        if isinstance(obj, (list, tuple)):
+            return [kv for i, child in enumerate(obj) for kv in _values(child, rest, f"{key}[{i}]")]
         items = obj.items() if isinstance(obj, dict) else []
         return [kv for name, child in items for kv in _values(child, rest, f"{key}.{name}")]
     child = obj.get(head) if isinstance(obj, dict) else getattr(obj, head, None)
     return [] if child is None else _values(child, rest, f"{key}.{head}" if key else head)
 
 
-def check_ranges(cfg: Any) -> None:
-    """Raise ConfigError for the first numeric field outside its range (nulls pass)."""
-    for pattern, (low, high) in RANGES.items():
+def check_ranges(cfg: Any, table: dict[str, tuple[Any, Any]] | None = None) -> None:
+    """Raise ConfigError for the first numeric field outside its range in ``table`` (default: the
+    job table, ``RANGES``); nulls pass."""
+    for pattern, (low, high) in (RANGES if table is None else table).items():
         for key, value in _values(cfg, pattern.split("."), ""):
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 continue

@@ -28,6 +28,8 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from otray import metric_keys as K
+
 
 class StepClock:
     def __init__(self) -> None:
@@ -56,14 +58,14 @@ class StepClock:
         """``time/<part>_s`` for every part, ``step_s`` (the step so far), the generation share of the
         step, and, given the actors' busy seconds during the step, their idle fractions."""
         step = self.elapsed  # measured on its own: the parts should add up to it
-        out = {f"time/{k}_s": v for k, v in self.parts.items()}
-        out["step_s"] = step
+        out = {K.time_part(k): v for k, v in self.parts.items()}
+        out[K.STEP_S] = step
         gen = self.parts.get("generate", 0.0) if generate_s is None else generate_s
-        out["time/generate_share"] = gen / max(step, 1e-9)
+        out[K.GENERATE_SHARE] = gen / max(step, 1e-9)
         if learner_busy_s is not None:
-            out["time/learner_idle_frac"] = max(0.0, 1 - learner_busy_s / max(step, 1e-9))
+            out[K.LEARNER_IDLE_FRAC] = max(0.0, 1 - learner_busy_s / max(step, 1e-9))
         if rollout_busy_s:
-            out["time/rollout_idle_frac"] = max(0.0, 1 - sum(rollout_busy_s) / len(rollout_busy_s) / max(step, 1e-9))
+            out[K.ROLLOUT_IDLE_FRAC] = max(0.0, 1 - sum(rollout_busy_s) / len(rollout_busy_s) / max(step, 1e-9))
         return out
 
 
@@ -102,11 +104,11 @@ def breakdown_table(rows: list[dict]) -> str:
     head = ["step", "step_s", *PARTS, "gen_share", "learner_idle", "rollout_idle"]
     lines = ["  ".join(f"{h:>12}" if i > 1 else f"{h:>6}" for i, h in enumerate(head))]
     for r in rows:
-        if "time/generate_share" not in r:
+        if K.GENERATE_SHARE not in r:
             continue
-        cells = [f"{r['step']:>6}", f"{r['step_s']:>6.2f}"]
-        cells += [f"{r.get(f'time/{p}_s', 0.0):>12.3f}" for p in PARTS]
+        cells = [f"{r[K.STEP]:>6}", f"{r[K.STEP_S]:>6.2f}"]
+        cells += [f"{r.get(K.time_part(p), 0.0):>12.3f}" for p in PARTS]
         cells += [f"{r.get(k, float('nan')):>12.2f}" for k in
-                  ("time/generate_share", "time/learner_idle_frac", "time/rollout_idle_frac")]
+                  (K.GENERATE_SHARE, K.LEARNER_IDLE_FRAC, K.ROLLOUT_IDLE_FRAC)]
         lines.append("  ".join(cells))
     return "\n".join(lines)

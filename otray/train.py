@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from otray import config as config_mod
-from otray.actors.run import run
+from otray.actors.job.run import run
 from otray.types import OtrayError
 
 

@@ -1,4 +1,10 @@
-"""Shared fixtures: the tiny model (built once per machine), a local Ray cluster."""
+"""Shared fixtures: the tiny model (built once per machine), a local Ray cluster; the suite's markers.
+
+Markers are applied here, so a test cannot forget one: ``ray`` to every test that uses the shared
+local Ray (``ray_local``, directly or through another fixture), ``cluster`` to ``tests/cluster/``
+(tests that start clusters of their own: two nodes, ``ray job submit``), which run last. So
+``pytest -m "not ray and not cluster"`` is the pure suite (no Ray at all), in well under a minute.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +16,18 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark Ray tests (``ray``) and cluster tests (``cluster``), and put the cluster tests last: they
+    start clusters of their own, which the shared local Ray must not outlive (it ends with the session)."""
+    cluster_dir = ROOT / "tests" / "cluster"
+    for item in items:
+        if Path(str(item.fspath)).is_relative_to(cluster_dir):
+            item.add_marker(pytest.mark.cluster)
+        elif "ray_local" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.ray)
+    items.sort(key=lambda item: item.get_closest_marker("cluster") is not None)  # stable: order kept otherwise
 
 
 @pytest.fixture(scope="session")
@@ -46,7 +64,7 @@ def kill_resource_manager() -> None:
 
     import ray
 
-    from otray.actors.resource_manager import NAME, NAMESPACE
+    from otray.actors.control.resource_manager import NAME, NAMESPACE
 
     deadline = time.time() + 30
     while time.time() < deadline:
@@ -62,7 +80,7 @@ def fresh_resource_manager(db_path, **kwargs):
     """A new ResourceManager on ``db_path`` (any earlier one killed first), ready for calls."""
     import ray
 
-    from otray.actors.resource_manager import get_or_create
+    from otray.actors.control.resource_manager import get_or_create
 
     kill_resource_manager()
     rm = get_or_create(str(db_path), **kwargs)
@@ -121,7 +139,7 @@ def no_resource_manager_left_behind(request):
     yield
     import ray
 
-    from otray.actors.resource_manager import NAME, NAMESPACE
+    from otray.actors.control.resource_manager import NAME, NAMESPACE
 
     if not ray.is_initialized():
         return
@@ -138,11 +156,11 @@ def tinker_service(ray_local, tmp: Path, port: int, tiny_path: str, **overrides)
     """Start ``otray tinker`` on ``port`` with auth on and users alice and bob (bob created by alice).
 
     The base model is offered as ``Qwen/Qwen3-8B`` (a cookbook registry name) mapped to the tiny
-    model, sampled by its learner (tests/test_tinker_vllm.py passes ``models`` with vLLM samplers). Returns ``(keys, stop)``: the users' ``tml-`` keys and a function that stops it all.
+    model, sampled by its learner (tests/tinker/test_engines.py passes ``models`` with vLLM samplers). Returns ``(keys, stop)``: the users' ``tml-`` keys and a function that stops it all.
     """
     from ray import serve
 
-    from otray.actors.registry import tinker_key
+    from otray.actors.control.registry import tinker_key
     from otray.tinker.app import run
     from otray.tinker.config import load_tinker
     from otray.tinker.service import NAME, NAMESPACE

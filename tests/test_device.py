@@ -17,7 +17,7 @@ def test_auto_picks_the_gpu_when_there_is_one_else_the_cpu():
 
 @pytest.mark.skipif(HAS_GPU, reason="this machine has a GPU")
 def test_cuda_without_a_gpu_is_a_config_error_naming_the_key(tiny_path):
-    from otray.actors.learner import PolicyLearner
+    from otray.actors.learner.policy_learner import PolicyLearner
 
     with pytest.raises(ConfigError, match=r"model\.device=cuda but this process sees no GPU.*learner_gpus"):
         resolve_device("cuda")
@@ -39,8 +39,8 @@ def test_bad_device_or_dtype_in_a_config_names_the_key(key, value):
 
 
 def test_the_cpu_learner_and_sampler_stay_on_the_cpu_in_float32(tiny_path):
-    from otray.actors.backends.hf import HFBackend
-    from otray.actors.learner import PolicyLearner
+    from otray.actors.sampling.backends.hf import HFBackend
+    from otray.actors.learner.policy_learner import PolicyLearner
 
     learner, sampler = PolicyLearner(tiny_path, device="cpu", dtype="auto"), HFBackend(tiny_path, device="cpu", dtype="auto")
     for model in (learner.model, sampler.model):

@@ -121,3 +121,14 @@ def test_sampling_is_seeded_and_resumable():
 def test_make_by_name_and_import_path():
     assert isinstance(make("arithmetic"), Arithmetic)
     assert isinstance(make("envs.arithmetic:Arithmetic", format_reward=0.5), Arithmetic)
+
+
+def test_the_readmes_env_example_passes_check_env():
+    """The env a newcomer copies from the README is a valid env (check_env runs inside the snippet)."""
+    import re
+
+    from tests.conftest import ROOT
+
+    code = re.search(r"```python\n(from otray import Env.*?)```", (ROOT / "README.md").read_text(), re.S)
+    assert code, "README.md lost its env example"
+    exec(compile(code.group(1), "README.md", "exec"), {})

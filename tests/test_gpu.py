@@ -22,8 +22,8 @@ def _gap(learner, sampler, tokenizer) -> float:
 @pytest.mark.parametrize("dtype, bound", [("bfloat16", 2e-2), ("float32", 1e-3)])
 @pytest.mark.parametrize("rank", [0, 8])
 def test_learner_and_sampler_on_cuda_agree_before_and_after_an_update(tiny_path, tokenizer, dtype, bound, rank):
-    from otray.actors.backends.hf import HFBackend
-    from otray.actors.learner import PolicyLearner
+    from otray.actors.sampling.backends.hf import HFBackend
+    from otray.actors.learner.policy_learner import PolicyLearner
     from otray.algos.datums import sft_datum
 
     learner = PolicyLearner(tiny_path, device="cuda", dtype=dtype, lora={"rank": rank, "alpha": 16})

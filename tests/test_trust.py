@@ -13,7 +13,7 @@ from otray import config
 from otray.trust import BUNDLED_MODULES, Caller, ForbiddenConfigError, confine
 from otray.types import ConfigError
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.conftest import ROOT  # noqa: E402 (the repository root)
 ALICE, ADMIN = Caller("alice", False), Caller("root", True)
 
 

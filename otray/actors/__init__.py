@@ -1,13 +1,12 @@
-"""Ray actors: ResourceManager, TrainJob driver, PolicyLearner, RolloutWorker."""
+"""The Ray actors of a training cluster, one folder per role.
 
-from __future__ import annotations
+- ``control/``: the ResourceManager (users, jobs, leases, checkpoints; the only detached actor) and
+  the JobDriver it starts in each job's placement group.
+- ``job/``: what a JobDriver runs: TrainJob (SFT warm-up, then ``rl_step``), InferenceJob, the group
+  sources (env mixture, game) and the policies' runtimes.
+- ``learner/``: PolicyLearner and its sharded form (LearnerGroup over LearnerRanks), over one core.
+- ``sampling/``: RolloutWorker (one backend: HF or vLLM) and RolloutFleet (routing over workers).
 
-
-def current_node_id() -> str | None:
-    """The Ray node this process runs on (None outside Ray): how tests see where actors landed."""
-    try:
-        import ray
-
-        return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
-    except Exception:  # noqa: BLE001 - a diagnostic, never fatal
-        return None
+Imports go down this list (control -> job -> learner/sampling), and the ProtocolCoordinator
+(``otray.coordinator``) sits between ``job`` and ``sampling``; ``tests/test_layout.py`` checks it.
+"""

@@ -11,7 +11,7 @@ trajectories in the games of one seed and seating), and the step treats both ali
    :class:`~otray.types.LossNormalizer` that counts the dropped uniform groups' tokens
    too, so that dropping them leaves the gradient as if they had been trained on.
 
-Nothing here needs Ray or torch; ``tests/test_groups.py`` checks it against hand-computed values.
+Nothing here needs Ray or torch; ``tests/algos/test_groups.py`` checks it against hand-computed values.
 """
 
 from __future__ import annotations

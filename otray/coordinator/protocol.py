@@ -22,7 +22,7 @@ observation. Its reward is its PettingZoo reward for the game.
 ``policies`` is either keyed by agent (every game seats the same policies) or a
 library keyed by policy name, with a *seating* (agent -> policy name) per game given
 to :meth:`ProtocolCoordinator.run`. The class is plain Python; game jobs run it as a
-Ray actor (``ray.remote(ProtocolCoordinator)``, see ``otray/actors/game_source.py``), so the
+Ray actor (``ray.remote(ProtocolCoordinator)``, see ``otray/actors/job/game_source.py``), so the
 games' envs live in the coordinator's process and only dataclasses cross.
 """
 
@@ -36,7 +36,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from otray.coordinator.agent_loop import ChatContinuation, GenerateFn, Limits
-from otray.coordinator.fleet import RolloutFleet
+from otray.actors.sampling.fleet import RolloutFleet
 from otray.coordinator.text_bridge import Bridge, Decision, MoveRules, bridge_for
 from otray.games import GameText
 from otray.models import chat_prompt_ids

@@ -170,11 +170,11 @@ class Gateway(DashboardRoutes):
         data = [{"id": n, "object": "model", "created": self.started, "owned_by": "otray"} for n in self.servers]
         rm = rm_handle()
         for job in (await rm.servable.remote(key)) if rm is not None else []:
-            created = int(job["created"] or 0)
-            data.append({"id": f"job-{job['id']}", "object": "model", "created": created, "owned_by": "otray",
-                         "root": self._base_for(job["model_path"])})
-            data += [{"id": f"job-{job['id']}:{s}", "object": "model", "created": created, "owned_by": "otray",
-                      "root": self._base_for(job["model_path"])} for s in job["steps"]]
+            created = int(job.created or 0)
+            data.append({"id": f"job-{job.id}", "object": "model", "created": created, "owned_by": "otray",
+                         "root": self._base_for(job.model_path)})
+            data += [{"id": f"job-{job.id}:{s}", "object": "model", "created": created, "owned_by": "otray",
+                      "root": self._base_for(job.model_path)} for s in job.steps]
         return {"object": "list", "data": data}
 
     @api.post("/v1/completions")

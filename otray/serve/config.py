@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from otray.ranges import SERVE_RANGES, check_ranges
 from otray.structured import load_structured, one_of
 from otray.types import ConfigError
 
@@ -69,6 +70,7 @@ class ServeConfig:
 def load_serve(source: str | Path | dict[str, Any] | ServeConfig | None = None,
                overrides: list[str] | None = None) -> ServeConfig:
     cfg = load_structured(source if source is not None else {}, overrides, ServeConfig)
+    check_ranges(cfg, SERVE_RANGES)
     one_of(cfg.auth, ("auto", "on", "off"), "auth")
     one_of(cfg.layout, ("auto", "single", "split"), "layout")
     if not cfg.models:
@@ -81,13 +83,7 @@ def load_serve(source: str | Path | dict[str, Any] | ServeConfig | None = None,
                           f"({', '.join(names)}): use layout: split (or auto)")
     for i, m in enumerate(cfg.models):
         one_of(m.backend, ("auto", "vllm", "hf"), f"models[{i}].backend")
-        if m.max_loaded_checkpoints < 1 or m.num_replicas < 1:
-            raise ConfigError(f"models[{i}]: max_loaded_checkpoints and num_replicas must be >= 1")
-        if m.max_lora_rank < 0:
-            raise ConfigError(f"models[{i}].max_lora_rank must be >= 0 (0 = merge LoRA checkpoints into the base)")
         if m.max_lora_rank and m.backend == "hf":
             raise ConfigError(f"models[{i}]: max_lora_rank serves adapters on a vLLM engine; with backend hf "
                               "LoRA checkpoints are merged into the base: set backend: vllm or drop max_lora_rank")
-    if cfg.max_n < 1 or cfg.max_tokens < 1 or cfg.request_timeout_s <= 0:
-        raise ConfigError("max_n, max_tokens and request_timeout_s must be positive")
     return cfg

@@ -15,6 +15,7 @@ from typing import Any
 from fastapi import Query, Request
 from fastapi.responses import FileResponse, HTMLResponse
 
+from otray import metric_keys as K
 from otray.serve.http import api, rm_handle
 from otray.serve.openai_api import APIError
 
@@ -64,7 +65,8 @@ class DashboardRoutes:
     @api.get("/api/info")
     async def info(self) -> dict[str, Any]:
         return {"auth": await self._auth_on(), "ray_dashboard": self.ray_dashboard,
-                "models": [m.name for m in self.cfg.models], "resource_manager": rm_handle() is not None}
+                "models": [m.name for m in self.cfg.models], "resource_manager": rm_handle() is not None,
+                "metric_keys": K.for_dashboard()}
 
     @api.get("/api/jobs")
     async def jobs(self, request: Request) -> list[dict[str, Any]]:
@@ -75,17 +77,17 @@ class DashboardRoutes:
             raise APIError(503, f"the ResourceManager did not answer ({type(e).__name__}); try again",
                            type="server_error", code="service_unavailable") from None
         out = []
-        for j in sorted(jobs, key=lambda j: j["created"], reverse=True):
-            p = j.get("progress") or {}
-            out.append({"id": j["id"], "name": j["name"], "owner": j["owner"], "state": j["state"],
-                        "kind": j.get("kind"), "step": p.get("step"), "total_steps": j.get("total_steps"),
-                        "phase": p.get("phase"), "reward": p.get("reward_mean", p.get("loss")),
-                        "accuracy": p.get("eval/accuracy"), "created": j["created"], "error": j["error"]})
+        for j in sorted(jobs, key=lambda j: j.created, reverse=True):
+            p = j.progress
+            out.append({"id": j.id, "name": j.name, "owner": j.owner, "state": j.state.value, "kind": j.kind,
+                        "step": p.get(K.STEP), "total_steps": j.total_steps, "phase": p.get(K.PHASE),
+                        "reward": K.headline_reward(p), "accuracy": p.get(K.EVAL_ACCURACY), "created": j.created,
+                        "error": j.error})
         return out
 
     @api.get("/api/jobs/{job_id}")
     async def job(self, job_id: str, request: Request) -> dict[str, Any]:
-        return await rm_call(self._rm().status, job_id, await self._caller(request))
+        return (await rm_call(self._rm().status, job_id, await self._caller(request))).to_json()
 
     @api.get("/api/jobs/{job_id}/metrics")
     async def job_metrics(self, job_id: str, request: Request,
@@ -95,7 +97,8 @@ class DashboardRoutes:
     @api.get("/api/jobs/{job_id}/episodes")
     async def job_episodes(self, job_id: str, request: Request,
                            step: int | None = Query(None, ge=0, le=MAX_INDEX)) -> dict[str, Any]:
-        return await rm_call(self._rm().episodes, job_id, step, await self._caller(request))
+        page = await rm_call(self._rm().episodes, job_id, step, await self._caller(request))
+        return {"steps": page.steps, "episodes": page.episodes}
 
     @api.get("/api/jobs/{job_id}/checkpoints")
     async def job_checkpoints(self, job_id: str, request: Request) -> list[dict[str, Any]]:
@@ -104,4 +107,4 @@ class DashboardRoutes:
 
     @api.post("/api/jobs/{job_id}/cancel")
     async def job_cancel(self, job_id: str, request: Request) -> dict[str, Any]:
-        return await rm_call(self._rm().cancel, job_id, await self._caller(request))
+        return (await rm_call(self._rm().cancel, job_id, await self._caller(request))).to_json()

@@ -46,7 +46,7 @@ def rm_handle() -> Any:
     seconds (a lookup is a GCS round trip; requests would pay it each time)."""
     import ray
 
-    from otray.actors.resource_manager import NAME, NAMESPACE
+    from otray.actors.control.resource_manager import NAME, NAMESPACE
 
     now = time.monotonic()
     if now < _RM[1]:

@@ -228,7 +228,7 @@ class ModelServer:
     def __init__(self, model: ServeModel, cache_dir: str = ".cache/models", stream_chunk_tokens: int = 4):
         import torch
 
-        from otray.actors.rollout import make_backend
+        from otray.actors.sampling.rollout import make_backend
         from otray.models import load_tokenizer, resolve_model_path
 
         self.spec = model
@@ -262,8 +262,8 @@ class ModelServer:
         event loop). The grant is the ResourceManager's, given to the Gateway for a caller who owns the job."""
         import ray
 
-        from otray.actors.checkpoint_store import unpack_dir
-        from otray.actors.resource_manager import NAME, NAMESPACE
+        from otray.checkpoints import unpack_dir
+        from otray.actors.control.resource_manager import NAME, NAMESPACE
 
         job_id, step, grant = (model_id.removeprefix("job-").split(":") + ["", ""])[:3]
         try:
@@ -280,7 +280,7 @@ class ModelServer:
     def open_checkpoint(self, model_dir: Path, model_id: str, cleanup: str) -> Loaded | Adapter:
         """A checkpoint's ``model`` directory, unpacked under ``cleanup`` (deleted when it is dropped),
         ready to generate: an adapter on the base engine where it can be, else a backend of its own."""
-        from otray.actors.rollout import make_backend
+        from otray.actors.sampling.rollout import make_backend
 
         if (model_dir / "adapter_config.json").exists():
             if self.serves_adapters(model_dir):

@@ -19,6 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from ray import serve
 
+from otray.tinker import catalog as R
 from otray.tinker.wire import UserError
 
 APP_NAME = "otray-tinker"
@@ -102,7 +103,7 @@ class TinkerGateway:
             if isinstance(_unwrap(e), PermissionError):
                 raise UserError(str(_unwrap(e)).splitlines()[-1], 401) from None
             raise UserError("no ResourceManager answers on this cluster, so keys cannot be checked", 503) from None
-        return who["name"]
+        return who.name
 
     async def _auth_on(self) -> bool:
         from otray.serve.http import rm_handle
@@ -119,10 +120,11 @@ class TinkerGateway:
         self.auth_cache = (on, time.monotonic() + 10.0)
         return on
 
-    async def _call(self, request: Request, method: str, *args: Any) -> Any:
+    async def _call(self, request: Request, method: Any, *args: Any) -> Any:
+        """``method`` (a TinkerService actor method, e.g. ``self.service.heartbeat``) for the caller."""
         owner = await self._owner(request)
         try:
-            return await getattr(self.service, method).remote(owner, *args)
+            return await method.remote(owner, *args)
         except Exception as e:  # noqa: BLE001 - a UserError from the service, or the service failed
             inner = _unwrap(e)
             if isinstance(inner, UserError):
@@ -152,41 +154,41 @@ class TinkerGateway:
 
     @tinker_api.post("/create_session")
     async def create_session(self, request: Request) -> dict[str, Any]:
-        return {"type": "create_session", "session_id": await self._call(request, "create_session")}
+        return {"type": "create_session", "session_id": await self._call(request, self.service.create_session)}
 
     @tinker_api.post("/session_heartbeat")
     async def heartbeat(self, request: Request) -> dict[str, Any]:
         data = await _json(request, self.cfg.max_body_bytes)
         _need(data, "session_id")
-        await self._call(request, "heartbeat", data["session_id"])
+        await self._call(request, self.service.heartbeat, data["session_id"])
         return {"type": "session_heartbeat"}
 
     @tinker_api.post("/sessions/{session_id}/finish")
     async def finish(self, session_id: str, request: Request) -> Response:
-        await self._call(request, "finish_session", session_id)
+        await self._call(request, self.service.finish_session, session_id)
         return Response(status_code=204)
 
     @tinker_api.get("/get_server_capabilities")
     async def capabilities(self, request: Request) -> dict[str, Any]:
-        return await self._call(request, "capabilities")
+        return await self._call(request, self.service.capabilities)
 
     # ------------------------------------------------------------------ models and training
 
-    async def _post(self, request: Request, method: str, *required: str, extra: tuple = ()) -> Any:
+    async def _post(self, request: Request, method: Any, *required: str, extra: tuple = ()) -> Any:
         data = await _json(request, self.cfg.max_body_bytes)
         _need(data, *required)
         return await self._call(request, method, data, *extra)
 
     @tinker_api.post("/create_model")
     async def create_model(self, request: Request) -> dict[str, Any]:
-        return await self._post(request, "create_model", "session_id", "model_seq_id", "base_model",
+        return await self._post(request, self.service.create_model, "session_id", "model_seq_id", "base_model",
                                 extra=(request.headers.get("x-api-key"),))  # the lease is opened with it
 
     @tinker_api.post("/get_info")
     async def get_info(self, request: Request) -> dict[str, Any]:
         data = await _json(request, self.cfg.max_body_bytes)
         _need(data, "model_id")
-        return await self._call(request, "get_info", data["model_id"])
+        return await self._call(request, self.service.get_info, data["model_id"])
 
     @tinker_api.post("/forward_backward")
     async def forward_backward(self, request: Request) -> dict[str, Any]:
@@ -195,44 +197,44 @@ class TinkerGateway:
         body = await request.body()
         if len(body) > self.cfg.max_body_bytes:
             raise UserError(f"request body of {len(body)} bytes is over the limit of {self.cfg.max_body_bytes}", 413)
-        return await self._call(request, "forward_backward", body)
+        return await self._call(request, self.service.forward_backward, body)
 
     @tinker_api.post("/optim_step")
     async def optim_step(self, request: Request) -> dict[str, Any]:
-        return await self._post(request, "optim_step", "model_id")
+        return await self._post(request, self.service.optim_step, "model_id")
 
     @tinker_api.post("/save_weights")
     async def save_weights(self, request: Request) -> dict[str, Any]:
-        return await self._post(request, "save_weights", "model_id", extra=(False,))
+        return await self._post(request, self.service.save_weights, "model_id", extra=(False,))
 
     @tinker_api.post("/save_weights_for_sampler")
     async def save_weights_for_sampler(self, request: Request) -> dict[str, Any]:
-        return await self._post(request, "save_weights", "model_id", extra=(True,))
+        return await self._post(request, self.service.save_weights, "model_id", extra=(True,))
 
     @tinker_api.post("/load_weights")
     async def load_weights(self, request: Request) -> dict[str, Any]:
-        return await self._post(request, "load_weights", "path", extra=(request.headers.get("x-api-key"),))
+        return await self._post(request, self.service.load_weights, "path", extra=(request.headers.get("x-api-key"),))
 
     # ------------------------------------------------------------------ sampling
 
     @tinker_api.post("/create_sampling_session")
     async def create_sampling_session(self, request: Request) -> dict[str, Any]:
-        sid = await self._post(request, "create_sampling_session", "session_id", "sampling_session_seq_id")
+        sid = await self._post(request, self.service.create_sampling_session, "session_id", "sampling_session_seq_id")
         return {"type": "create_sampling_session", "sampling_session_id": sid}
 
     @tinker_api.get("/samplers/{sampler_id}")
     async def sampler(self, sampler_id: str, request: Request) -> dict[str, Any]:
-        return await self._call(request, "rest", "get_sampler", sampler_id)
+        return await self._call(request, self.service.rest, R.SamplerView(sampler_id))
 
     @tinker_api.post("/asample")
     async def asample(self, request: Request) -> dict[str, Any]:
-        return await self._post(request, "asample", "prompt", "sampling_params")
+        return await self._post(request, self.service.asample, "prompt", "sampling_params")
 
     @tinker_api.post("/retrieve_future")
     async def retrieve_future(self, request: Request) -> Response:
         data = await _json(request, self.cfg.max_body_bytes)
         _need(data, "request_id")
-        outcome = await self._call(request, "retrieve", data["request_id"])
+        outcome = await self._call(request, self.service.retrieve, data["request_id"])
         if outcome is None:
             return JSONResponse({"type": "try_again", "request_id": data["request_id"], "queue_state": "active"})
         if outcome.kind == "proto":
@@ -245,26 +247,26 @@ class TinkerGateway:
     async def training_runs(self, request: Request, limit: int = 20, offset: int = 0) -> dict[str, Any]:
         if not 1 <= limit <= 1000 or offset < 0:
             raise UserError("limit must be 1 to 1000 and offset >= 0")
-        return await self._call(request, "rest", "training_runs", limit, offset)
+        return await self._call(request, self.service.rest, R.RunsView(limit, offset))
 
     @tinker_api.get("/training_runs/{model_id}")
     async def training_run(self, model_id: str, request: Request) -> dict[str, Any]:
-        return await self._call(request, "rest", "training_run", model_id)
+        return await self._call(request, self.service.rest, R.RunView(model_id))
 
     @tinker_api.get("/training_runs/{model_id}/checkpoints")
     async def checkpoints(self, model_id: str, request: Request) -> dict[str, Any]:
-        return {"checkpoints": await self._call(request, "rest", "checkpoints", model_id)}
+        return {"checkpoints": await self._call(request, self.service.rest, R.CheckpointsView(model_id))}
 
     @tinker_api.delete("/training_runs/{model_id}/checkpoints/{checkpoint_id:path}")
     async def delete_checkpoint(self, model_id: str, checkpoint_id: str, request: Request) -> Response:
-        await self._call(request, "rest", "delete_checkpoint", model_id, checkpoint_id)
+        await self._call(request, self.service.rest, R.DeleteCheckpoint(model_id, checkpoint_id))
         return Response(status_code=204)
 
     @tinker_api.post("/weights_info")
     async def weights_info(self, request: Request) -> dict[str, Any]:
         data = await _json(request, self.cfg.max_body_bytes)
         _need(data, "tinker_path")
-        return await self._call(request, "rest", "weights_info", data["tinker_path"])
+        return await self._call(request, self.service.rest, R.WeightsInfoView(data["tinker_path"]))
 
 
 def run(cfg: Any, *, blocking: bool = False) -> Any:

@@ -5,11 +5,48 @@ one (404)."""
 from __future__ import annotations
 
 import time
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Union
 
 from otray.tinker import runs as R
 from otray.tinker.store import Checkpoint, Run, Sampler, Store, parse_path
 from otray.tinker.wire import UserError
+
+
+@dataclass(frozen=True)
+class SamplerView:
+    sampler_id: str
+
+
+@dataclass(frozen=True)
+class RunsView:
+    limit: int
+    offset: int
+
+
+@dataclass(frozen=True)
+class RunView:
+    model_id: str
+
+
+@dataclass(frozen=True)
+class CheckpointsView:
+    model_id: str
+
+
+@dataclass(frozen=True)
+class DeleteCheckpoint:
+    model_id: str
+    checkpoint_id: str
+
+
+@dataclass(frozen=True)
+class WeightsInfoView:
+    tinker_path: str
+
+
+# A read-only REST call (or a checkpoint's deletion), typed: the gateway sends one, the service answers it.
+RestQuery = Union[SamplerView, RunsView, RunView, CheckpointsView, DeleteCheckpoint, WeightsInfoView]
 
 
 class Catalog:
@@ -37,6 +74,22 @@ class Catalog:
         return s
 
     # ------------------------------------------------------------------ REST views
+
+    def answer(self, owner: str, q: RestQuery) -> Any:
+        """The REST view ``q`` asks for, as ``owner`` may see it."""
+        if isinstance(q, SamplerView):
+            return self.get_sampler(owner, q.sampler_id)
+        if isinstance(q, RunsView):
+            return self.training_runs(owner, q.limit, q.offset)
+        if isinstance(q, RunView):
+            return self.training_run(owner, q.model_id)
+        if isinstance(q, CheckpointsView):
+            return self.checkpoints(owner, q.model_id)
+        if isinstance(q, DeleteCheckpoint):
+            return self.delete_checkpoint(owner, q.model_id, q.checkpoint_id)
+        if isinstance(q, WeightsInfoView):
+            return self.weights_info(owner, q.tinker_path)
+        raise UserError(f"no REST view {type(q).__name__}", 404)
 
     def checkpoints(self, owner: str, model_id: str) -> list[dict[str, Any]]:
         self.run(owner, model_id)

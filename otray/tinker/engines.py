@@ -20,9 +20,9 @@ from typing import Any, Optional
 
 import ray
 
-from otray.actors.adapters import AdapterSpec
-from otray.actors.lora_sampler import LoraSampler, checkpoint_spec, serves
-from otray.actors.runtime import threads_env
+from otray.tinker.learner import AdapterSpec
+from otray.tinker.lora_sampler import LoraSampler, checkpoint_spec, serves
+from otray.placement import threads_env
 from otray.tinker.config import TinkerModel
 from otray.tinker.runs import cause
 
@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 
 class VllmSamplers:
     def __init__(self, models: dict[str, TinkerModel], paths: dict[str, str], name_prefix: str, namespace: str):
-        from otray.actors.backends.vllm import vllm_available
+        from otray.actors.sampling.backends.vllm import vllm_available
 
         available = vllm_available()
         self.models = {n: m for n, m in models.items() if m.sampler.engine == "vllm"

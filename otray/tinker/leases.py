@@ -18,6 +18,8 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from otray import metric_keys as K
+from otray.records import JobState
 from otray.tinker.store import Store
 
 log = logging.getLogger(__name__)
@@ -68,7 +70,7 @@ class Leases:
             return
         p = self.progress.setdefault(model_id, _Progress())
         p.step += 1
-        row = {"step": p.step, "loss": p.loss, "tokens": p.tokens, "learning_rate": lr, "phase": KIND}
+        row = {K.STEP: p.step, K.LOSS: p.loss, "tokens": p.tokens, "learning_rate": lr, K.PHASE: K.PHASE_TINKER}
         try:
             await self.rm.report.remote(held[0], row, held[1])
         except Exception as e:  # noqa: BLE001 - AuthError: the token was dropped
@@ -80,7 +82,7 @@ class Leases:
                              "`otray jobs cancel`, or the ResourceManager restarted): load its last "
                              "checkpoint with create_training_client_from_state") from None
 
-    async def close(self, model_id: str, state: str = "SUCCEEDED", error: Optional[str] = None) -> None:
+    async def close(self, model_id: str, state: JobState = JobState.SUCCEEDED, error: Optional[str] = None) -> None:
         held = self.store.leases().get(model_id)
         self.progress.pop(model_id, None)
         if held is None:
@@ -91,7 +93,7 @@ class Leases:
         except Exception as e:  # noqa: BLE001 - already cancelled, or the manager is gone
             log.info("lease %s of %s was already closed: %s", held[0], model_id, type(_cause(e)).__name__)
 
-    async def close_all(self, state: str, error: str) -> None:
+    async def close_all(self, state: JobState, error: str) -> None:
         """Close every lease the store holds (a restarted service's predecessor's)."""
         for model_id in list(self.store.leases()):
             await self.close(model_id, state, error)

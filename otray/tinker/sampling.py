@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 import ray
 
-from otray.actors.adapters import SampleJob
+from otray.tinker.learner import SampleJob
 from otray.tinker import runs as R
 from otray.tinker.engines import VllmSamplers
 from otray.tinker.futures import Futures, Outcome

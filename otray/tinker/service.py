@@ -21,12 +21,13 @@ from typing import Any, Optional
 
 import ray
 
-from otray.actors.resource_manager import get_or_create
-from otray.actors.adapters import AdapterLearner, AdapterSpec
+from otray.actors.control.resource_manager import get_or_create
+from otray.tinker.learner import AdapterLearner, AdapterSpec
 from otray.tinker.config import TinkerConfig, load_tinker
 from otray.tinker.engines import VllmSamplers
 from otray.tinker.futures import Futures, Outcome
-from otray.tinker.catalog import Catalog
+from otray.records import JobState
+from otray.tinker.catalog import Catalog, RestQuery
 from otray.tinker.leases import Leases
 from otray.tinker.sampling import SampleBatcher, SampleWait
 from otray.tinker.store import Sampler, Store
@@ -36,7 +37,6 @@ from otray.tinker import runs as R
 
 NAME = "otray-tinker"
 NAMESPACE = "otray"
-REST_VIEWS = ("checkpoints", "delete_checkpoint", "training_run", "training_runs", "weights_info", "get_sampler")
 
 
 class TinkerService:
@@ -84,7 +84,7 @@ class TinkerService:
         if not self.recovered:
             self.recovered = True
             asyncio.get_running_loop().create_task(self._sweep())
-            await self.leases.close_all("FAILED", "the Tinker service restarted; its live models are gone: "
+            await self.leases.close_all(JobState.FAILED, "the Tinker service restarted; its live models are gone: "
                                                   "load their last checkpoints with create_training_client_from_state")
 
     # ------------------------------------------------------------------ sessions and capabilities
@@ -202,12 +202,10 @@ class TinkerService:
         return await self.training.open(owner, model_id, base, req, api_key, make,
                                         {"path": req["path"], "model_id": model_id, "type": "load_weights"})
 
-    async def rest(self, owner: str, view: str, *args: Any) -> Any:
-        """The read-only REST calls (checkpoints, delete_checkpoint, training_run(s), weights_info,
-        get_sampler): :class:`~otray.tinker.catalog.Catalog`'s methods, owner-checked there."""
-        if view not in REST_VIEWS:
-            raise UserError(f"no view {view!r}", 404)
-        return getattr(self.catalog, view)(owner, *args)
+    async def rest(self, owner: str, query: RestQuery) -> Any:
+        """A read-only REST call (checkpoints, training runs, weights info, a sampler) or a checkpoint's
+        deletion: :meth:`~otray.tinker.catalog.Catalog.answer`, owner-checked there."""
+        return self.catalog.answer(owner, query)
 
     # ------------------------------------------------------------------ sampling
 

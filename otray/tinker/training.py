@@ -13,7 +13,8 @@ import time
 from dataclasses import asdict
 from typing import Any, Awaitable, Callable, Optional
 
-from otray.actors.adapters import AdamStep, AdapterSpec
+from otray.records import JobState
+from otray.tinker.learner import AdamStep, AdapterSpec
 from otray.tinker import runs as R
 from otray.tinker.catalog import Catalog
 from otray.tinker.futures import Futures, OrderedExecutor, Outcome
@@ -53,7 +54,7 @@ class Training:
                 self.futures.finish(request_id, Outcome("json", result))
         return {"request_id": request_id, "model_id": model_id}
 
-    async def unload(self, model_id: str, why: str, state: str = "SUCCEEDED") -> None:
+    async def unload(self, model_id: str, why: str, state: JobState = JobState.SUCCEEDED) -> None:
         """The model leaves its learner (its checkpoints stay) and its lease ends."""
         base = self.live.pop(model_id, None)
         self.order.forget(model_id, f"unloaded before this request ran ({why})")
@@ -110,7 +111,7 @@ class Training:
             try:
                 await self.leases.report_step(model_id, step.learning_rate)
             except LeaseEnded as e:  # cancelled: this step stands, the model goes
-                await self.unload(model_id, str(e), "CANCELLED")
+                await self.unload(model_id, str(e), JobState.CANCELLED)
             return Outcome("json", {"metrics": metrics, "type": "optim_step"})
 
         return self._queue(owner, model_id, req.get("seq_id"), run)

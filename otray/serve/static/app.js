@@ -1,6 +1,8 @@
 "use strict";
 // otray dashboard: polls the JSON API of the Gateway every 2 s. No libraries.
 const state = { key: localStorage.getItem("otray-key") || "", selected: null, step: null, auth: false };
+// metric names as the server defines them (otray/metric_keys.py), from GET /api/info
+let KEYS = { step: "step", reward: "", loss: "", accuracy: "" };
 
 function headers() { return state.key ? { Authorization: "Bearer " + state.key } : {}; }
 
@@ -99,9 +101,9 @@ async function renderDetail() {
   const [rows, checkpoints, episodes] = await Promise.all([
     api("/api/jobs/" + id + "/metrics"), api("/api/jobs/" + id + "/checkpoints"),
     api("/api/jobs/" + id + "/episodes" + (state.step == null ? "" : "?step=" + state.step))]);
-  const series = (key) => rows.filter((r) => typeof r[key] === "number" && r.step != null).map((r) => [r.step, r[key]]);
-  chart(document.getElementById("chart-reward"), series("reward_mean").length ? series("reward_mean") : series("loss"));
-  chart(document.getElementById("chart-eval"), series("eval/accuracy"));
+  const series = (key) => rows.filter((r) => typeof r[key] === "number" && r[KEYS.step] != null).map((r) => [r[KEYS.step], r[key]]);
+  chart(document.getElementById("chart-reward"), series(KEYS.reward).length ? series(KEYS.reward) : series(KEYS.loss));
+  chart(document.getElementById("chart-eval"), series(KEYS.accuracy));
   document.getElementById("checkpoints").replaceChildren(...checkpoints.map((c) =>
     el("li", {}, "step " + c.step + " — model name ", el("code", {}, c.model))));
   renderEpisodes(episodes);
@@ -119,6 +121,7 @@ async function refresh() {
 
 async function start() {
   const info = await api("/api/info");
+  KEYS = info.metric_keys;
   const link = document.getElementById("ray-link");
   if (info.ray_dashboard) link.href = info.ray_dashboard; else { link.removeAttribute("href"); link.textContent = "Ray dashboard: not running"; }
   const keyBox = document.getElementById("key-box"), key = document.getElementById("key");

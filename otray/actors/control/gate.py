@@ -1,0 +1,101 @@
+"""The ResourceManager's access checks: keys, admin rights, job tokens, checkpoint grants.
+
+Every ResourceManager method a client, a job or the Serve app calls names who is calling:
+
+- a **user's API key** (``api_key=``): what a user may see and do (their own jobs; an admin
+  everything). With auth off every caller is the admin ``local``.
+- a **job token**: a random secret the manager gives a job's driver when it starts. The
+  driver's calls (``report``, ``put_checkpoint``, ``ref_blob``...) carry it; they act on
+  that job only. Tokens live in the manager's memory (a restart fails running jobs anyway); a
+  finished job keeps its token, since the last rows its driver sent may still be queued, and a
+  cancelled job loses it.
+- a **checkpoint grant**: ``HMAC(cluster secret, "JOB_ID:STEP")``, handed to the Serve app
+  once it checked that the HTTP caller may use that checkpoint; a replica loads the
+  checkpoint with it. The secret is kept in the registry, so grants survive restarts.
+
+Auth, once on, stays on: the setting is stored in the registry and no later caller can turn
+it off (``auth_enabled=False`` from a client that recreates the manager is ignored).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+from typing import Any
+
+from otray.actors.control.registry import AuthError, JobRecord, Registry
+from otray.trust import BUNDLED_MODULES, Caller
+
+
+class Gate:
+    def __init__(self, registry: Registry, auth_requested: bool):
+        self.registry = registry
+        self.auth_enabled = bool(registry.setting("auth", False)) or auth_requested
+        if self.auth_enabled:
+            registry.set_setting("auth", True)
+        secret = registry.setting("secret")
+        if secret is None:
+            secret = secrets.token_hex(32)
+            registry.set_setting("secret", secret)
+        self._secret = bytes.fromhex(secret)
+        self._job_tokens: dict[str, str] = {}
+
+    # ------------------------------------------------------------------ users
+
+    def caller(self, api_key: str | None) -> Caller:
+        """Who holds ``api_key`` (AuthError when auth is on and the key is missing or wrong)."""
+        if not self.auth_enabled:
+            return Caller("local", True)
+        user = self.registry.authenticate(api_key)
+        return Caller(user.name, user.admin)
+
+    def admin(self, api_key: str | None, what: str) -> Caller:
+        who = self.caller(api_key)
+        if not who.admin:
+            raise AuthError(f"only an admin can {what}")
+        return who
+
+    def own(self, job_id: str, api_key: str | None) -> JobRecord:
+        """The job, when the key's user owns it or is an admin."""
+        who = self.caller(api_key)
+        job = self.registry.job(job_id)
+        if not who.admin and job.owner != who.name:
+            raise AuthError(f"job {job_id} belongs to another user; you can see and cancel only your own jobs")
+        return job
+
+    # ------------------------------------------------------------------ modules users may name
+
+    def allowed_modules(self) -> frozenset[str]:
+        return BUNDLED_MODULES | frozenset(self.registry.setting("allowed_modules", []))
+
+    def allow_modules(self, modules: list[str], api_key: str | None) -> list[str]:
+        self.admin(api_key, "allow modules")
+        bad = [m for m in modules if not all(part.isidentifier() for part in m.split("."))]
+        if bad:
+            raise ValueError(f"not module names: {bad}; give dotted names like mypkg.envs")
+        extra = sorted(set(self.registry.setting("allowed_modules", [])) | set(modules))
+        self.registry.set_setting("allowed_modules", extra)
+        return extra
+
+    # ------------------------------------------------------------------ jobs and the Serve app
+
+    def job_token(self, job_id: str) -> str:
+        """A new token for the driver of ``job_id`` (replaces any earlier one)."""
+        self._job_tokens[job_id] = secrets.token_urlsafe(32)
+        return self._job_tokens[job_id]
+
+    def check_job(self, job_id: str, token: Any) -> None:
+        want = self._job_tokens.get(job_id)
+        if want is None or not isinstance(token, str) or not hmac.compare_digest(want, token):
+            raise AuthError(f"not the job token of {job_id}: only that job's driver may report for it")
+
+    def drop_job(self, job_id: str) -> None:
+        self._job_tokens.pop(job_id, None)
+
+    def grant(self, job_id: str, step: int) -> str:
+        return hmac.new(self._secret, f"{job_id}:{step}".encode(), hashlib.sha256).hexdigest()
+
+    def check_grant(self, job_id: str, step: int, grant: Any) -> None:
+        if not isinstance(grant, str) or not hmac.compare_digest(self.grant(job_id, step), grant):
+            raise AuthError(f"no grant for checkpoint {job_id}:{step}: the Serve app gets one for callers who own it")

@@ -1,0 +1,86 @@
+"""A job's lease: the bundles it needs, whether they can ever fit, and the driver that runs in them.
+
+One placement group per job, sized from the job's ``resources`` section (bundle 0:
+learner + job driver; then the other learner ranks, if sharded; then the rollout workers). The :class:`JobDriver` runs in
+bundle 0 and reports to the ResourceManager with the job token it was given.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from otray import config as config_mod
+from otray.checkpoints import fetched_dir, pack_dir, registered_refs, unpack_dir
+
+NAMESPACE, NAME = "otray", "resource_manager"
+
+
+def bundles_for(cfg: config_mod.Config) -> list[dict[str, float]]:
+    """Per trained policy: one bundle per learner rank (the first also holds the job driver, 0 CPU), then
+    one per rollout worker; then one per frozen game policy. GPUs only where asked."""
+    res = cfg.resources
+
+    def bundle(cpus: float, gpus: float) -> dict[str, float]:
+        return {"CPU": cpus, **({"GPU": gpus} if gpus else {})}
+
+    policy = [bundle(res.learner_cpus, res.learner_gpus)] * config_mod.learner_ranks(cfg) + [
+        bundle(res.rollout_cpus, res.rollout_gpus) for _ in range(config_mod.num_rollout_workers(cfg))]
+    # a game's further trained policies: the same block each; a frozen policy: one rollout bundle each
+    return (policy * len(config_mod.trained_policies(cfg))
+            + [bundle(res.rollout_cpus, res.rollout_gpus) for _ in config_mod.frozen_policies(cfg)])
+
+
+def missing_resources(bundles: list[dict[str, float]], strategy: str) -> list[str]:
+    """Why ``bundles`` can never fit this cluster (empty when they can)."""
+    total = ray.cluster_resources()
+    need: dict[str, float] = {}
+    for b in bundles:
+        for k, v in b.items():
+            need[k] = need.get(k, 0.0) + v
+    problems = [f"{k}: needs {v:g}, the cluster has {total.get(k, 0):g}" for k, v in need.items() if v > total.get(k, 0)]
+    nodes = [n["Resources"] for n in ray.nodes() if n["Alive"]]
+    if strategy == "STRICT_PACK":
+        for k, v in need.items():
+            biggest = max((n.get(k, 0) for n in nodes), default=0)
+            if v > biggest:
+                problems.append(f"{k}: STRICT_PACK needs {v:g} on one node, the largest node has {biggest:g}")
+    elif strategy == "STRICT_SPREAD" and len(bundles) > len(nodes):
+        problems.append(f"nodes: STRICT_SPREAD needs {len(bundles)} nodes (one per bundle), the cluster has {len(nodes)}")
+    for b in bundles:  # any strategy: each bundle must fit on some node
+        if not any(all(n.get(k, 0) >= v for k, v in b.items()) for n in nodes):
+            problems.append(f"bundle {b}: no node has that much")
+            break
+    return problems
+
+
+@ray.remote(num_cpus=0)
+class JobDriver:
+    """Runs one job inside its placement group and reports rows to the ResourceManager."""
+
+    def __init__(self, cfg_dict: dict[str, Any], job_dir: str, job_id: str, token: str):
+        self.cfg, self.job_dir, self.job_id = config_mod.load(cfg_dict), Path(job_dir), job_id
+        self.token = token  # what the ResourceManager checks on every call this job makes
+
+    def ping(self) -> bool:
+        return True
+
+    def run(self) -> dict[str, Any]:
+        from ray.util import get_current_placement_group
+
+        from otray.actors.job.run import run
+
+        rm = ray.get_actor(NAME, namespace=NAMESPACE)
+        for ref in registered_refs(self.cfg):  # registered checkpoints (pinned at submit): fetch them through Ray
+            step, blob = ray.get(rm.ref_blob.remote(self.job_id, ref, self.token))
+            local = unpack_dir(blob, fetched_dir(self.job_dir, ref))
+            if ref == self.cfg.checkpoint.resume_from:
+                self.cfg.checkpoint.resume_from = str(local)
+        return run(self.cfg, self.job_dir, placement_group=get_current_placement_group(),
+                   report=lambda row: rm.report.remote(self.job_id, row, self.token),
+                   on_episodes=lambda episodes: rm.report_episodes.remote(self.job_id, episodes, self.token),
+                   on_outputs=lambda rows: ray.get(rm.report_outputs.remote(self.job_id, rows, self.token)),
+                   on_checkpoint=lambda step, path: ray.get(
+                       rm.put_checkpoint.remote(self.job_id, step, pack_dir(path), self.token)))

@@ -1,0 +1,144 @@
+"""The ResourceManager's job queue: FIFO placement, starting drivers, watching them to the end.
+
+Jobs wait in ``queue`` until their placement group (``otray.actors.lease.bundles_for``) can
+be placed; the head of the queue blocks the rest (FIFO). A started job's driver gets its
+job token from the :class:`~otray.actors.gate.Gate`; its end (success, failure, cancel,
+driver death) frees the placement group and stores the innermost error (:func:`job_error`).
+Runs on the ResourceManager's event loop; the manager owns the one instance.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from otray import config as config_mod
+from otray.actors.control.gate import Gate
+from otray.actors.control.lease import JobDriver, bundles_for
+from otray.actors.control.registry import JobState, Registry
+
+POLL_S = 0.2
+
+
+class JobQueue:
+    def __init__(self, registry: Registry, gate: Gate, output_dir: str):
+        self.registry, self.gate, self.output_dir = registry, gate, output_dir
+        self.queue: deque[str] = deque()
+        self.pending: dict[str, Any] = {}  # job id -> placement group not yet placed
+        self.running: dict[str, tuple[Any, Any]] = {}  # job id -> (driver actor, placement group)
+        self._scheduler: asyncio.Task | None = None
+        for job in registry.jobs():  # what a restarted manager finds
+            if job.state is JobState.QUEUED:
+                self.queue.append(job.id)
+            elif job.state in (JobState.STARTING, JobState.RUNNING):
+                registry.set_state(job.id, JobState.FAILED, "ResourceManagerRestarted: the resource manager "
+                                   "restarted while the job ran; resume it from its last checkpoint")
+                _remove_placement_group(job.id)  # its driver died with the old manager; its lease goes too
+
+    def add(self, job_id: str) -> None:
+        self.queue.append(job_id)
+        self.kick()
+
+    def cancel(self, job_id: str) -> None:
+        """Mark the job CANCELLED and free what it holds (queue slot, placement group, driver)."""
+        if job_id in self.queue:
+            self.queue.remove(job_id)
+        pg = self.pending.pop(job_id, None)
+        if pg is not None:
+            ray.util.remove_placement_group(pg)
+        self.registry.set_state(job_id, JobState.CANCELLED)
+        if job_id in self.running:
+            actor, pg = self.running.pop(job_id)
+            ray.kill(actor)  # its learner and workers are owned by it and die with it
+            ray.util.remove_placement_group(pg)
+        self.gate.drop_job(job_id)
+        self.kick()
+
+    def placement_group(self, job_id: str) -> Any:
+        pair = self.running.get(job_id)
+        return pair[1] if pair else self.pending.get(job_id)
+
+    def kick(self) -> None:
+        if self.queue and (self._scheduler is None or self._scheduler.done()):
+            self._scheduler = asyncio.get_running_loop().create_task(self._schedule())
+
+    async def _schedule(self) -> None:
+        """Place queued jobs in FIFO order; the head waits until its placement group fits."""
+        from ray.util.placement_group import placement_group
+
+        while self.queue:
+            job_id = self.queue[0]
+            cfg = config_mod.load(self.registry.job(job_id).config)
+            pg = self.pending.get(job_id) or placement_group(bundles_for(cfg), strategy=cfg.resources.strategy,
+                                                             name=pg_name(job_id))
+            self.pending[job_id] = pg
+            while not ray.wait([pg.ready()], timeout=0)[0]:
+                await asyncio.sleep(POLL_S)
+                if job_id not in self.pending:  # cancelled while waiting
+                    break
+            if self.pending.pop(job_id, None) is None or not self.queue or self.queue[0] != job_id:
+                continue
+            self.queue.popleft()
+            await self._start(job_id, cfg, pg)
+
+    async def _start(self, job_id: str, cfg: config_mod.Config, pg: Any) -> None:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        self.registry.set_state(job_id, JobState.STARTING)
+        job_dir = str(Path(cfg.job.output_dir if cfg.job.output_dir != "runs" else self.output_dir).absolute() / job_id)
+        driver = JobDriver.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
+            pg, placement_group_bundle_index=0)).remote(config_mod.to_dict(cfg), job_dir, job_id,
+                                                        self.gate.job_token(job_id))
+        self.running[job_id] = (driver, pg)
+        try:
+            await driver.ping.remote()
+        except Exception as e:  # noqa: BLE001
+            return self._finish(job_id, JobState.FAILED, f"JobDriverStartError: the job driver failed to start: "
+                                                         f"{job_error(e)}")
+        self.registry.set_state(job_id, JobState.RUNNING)
+        asyncio.get_running_loop().create_task(self._watch(job_id, driver.run.remote()))
+
+    async def _watch(self, job_id: str, ref: Any) -> None:
+        try:
+            await ref
+        except Exception as e:  # noqa: BLE001 - any failure ends the job as FAILED
+            if self.registry.job(job_id).state is not JobState.CANCELLED:
+                self._finish(job_id, JobState.FAILED, job_error(e))
+            return
+        self._finish(job_id, JobState.SUCCEEDED, None)
+
+    def _finish(self, job_id: str, state: JobState, error: str | None) -> None:
+        pair = self.running.pop(job_id, None)  # (its token stays: reports it sent last may still be queued)
+        if pair is not None:
+            ray.util.remove_placement_group(pair[1])
+        if not self.registry.job(job_id).state.terminal:
+            self.registry.set_state(job_id, state, error)
+        self.kick()
+
+
+def pg_name(job_id: str) -> str:
+    """A job's placement group is named after it, so a restarted manager can find and free it."""
+    return f"otray-job-{job_id}"
+
+
+def _remove_placement_group(job_id: str) -> None:
+    from ray.util.placement_group import get_placement_group
+
+    try:
+        ray.util.remove_placement_group(get_placement_group(pg_name(job_id)))
+    except Exception:  # noqa: BLE001 - none by that name (never placed, or already removed)
+        pass
+
+
+def job_error(e: BaseException, limit: int = 2000) -> str:
+    """``Type: message`` of the innermost exception of a Ray error chain (a job's stored error)."""
+    while getattr(e, "cause", None) is not None and e.cause is not e:  # RayTaskError wraps the real one
+        e = e.cause
+    text = str(e).strip()
+    if type(e).__name__.startswith("RayTaskError") or text.startswith("ray::"):
+        text = "\n".join(ln for ln in text.splitlines()[1:] if ln.strip()) or text  # drop the "ray::X.run()" line
+    return f"{type(e).__name__}: {text}"[:limit]

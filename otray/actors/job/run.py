@@ -1,0 +1,113 @@
+"""Running one job to the end: ``run(cfg, job_dir)``, what the JobDriver actor and ``python -m otray.train`` call.
+
+Prints a per-step table (step, mean reward or SFT loss, held-out accuracy, tokens/s,
+step time) and writes the same rows to ``<job dir>/metrics.jsonl``, plus
+``summary.json`` with the held-out figure at the start of the main phase (after
+the SFT warm-up, if any) and at the end: accuracy when envs are evaluated, else the
+SFT held-out loss. Inference jobs (``job.kind: infer``) go to ``otray.actors.inference.run_job``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from otray import metric_keys as K
+from otray.actors.job.train_job import TrainJob
+from otray.config import Config
+
+HEADER = f"{'step':>5} {'phase':<6} {'reward':>7} {'heldout':>8} {'tok/s':>8} {'step_s':>7}"
+
+
+def table_row(row: dict[str, Any]) -> str:
+    """One table line; SFT rows show the loss under 'reward' and the held-out loss when no accuracy exists."""
+    acc, reward = K.headline_eval(row), K.headline_reward(row)
+    return (f"{row[K.STEP]:>5} {row[K.PHASE]:<6} {'' if reward is None else f'{reward:.3f}':>7} "
+            f"{'' if acc is None else f'{acc:.3f}':>8} {row.get(K.TOKENS_PER_S, 0.0):>8.0f} "
+            f"{row.get(K.STEP_S, 0.0):>7.2f}")
+
+
+def run(cfg: Config, job_dir: Path, *, placement_group: Any = None,
+        report: Callable[[dict[str, Any]], Any] | None = None,
+        on_checkpoint: Callable[[int, str], Any] | None = None,
+        on_episodes: Callable[[list[dict[str, Any]]], Any] | None = None,
+        on_outputs: Callable[[list[dict[str, Any]]], Any] | None = None) -> dict[str, Any]:
+    """Run one job; ``report`` receives every metrics row, ``on_checkpoint`` every (step, path),
+    ``on_episodes`` the sampled episodes the job logged since the last row, ``on_outputs`` an
+    inference job's output rows."""
+    if cfg.job.kind == "infer":
+        from otray.actors.job.inference import run_job
+
+        return run_job(cfg, job_dir, placement_group=placement_group, report=report, on_episodes=on_episodes,
+                       on_outputs=on_outputs)
+
+    job = TrainJob(cfg, job_dir, placement_group=placement_group)
+    try:
+        return _train(cfg, job, job_dir, report, on_checkpoint, on_episodes)
+    finally:
+        job.close()
+
+
+def _train(cfg: Config, job: TrainJob, job_dir: Path, report: Callable[[dict[str, Any]], Any] | None,
+           on_checkpoint: Callable[[int, str], Any] | None,
+           on_episodes: Callable[[list[dict[str, Any]]], Any] | None) -> dict[str, Any]:
+    """The steps of :func:`run` for a training job, from the first evaluation to ``summary.json``."""
+    from otray.metrics_sinks import MetricSinks
+
+    sinks = MetricSinks(cfg, job_dir, job_dir.name)
+    summary: dict[str, Any] = {"startup_s": job.startup_s, "backend": job.main.info.backend, "nodes": job.main.nodes}
+
+    def emit(row: dict[str, Any]) -> None:
+        job.write_metrics(row)
+        sinks.log(row)
+        print(table_row(row), flush=True)
+        if report is not None:
+            report(row)
+        episodes = job.episodes.take()
+        if on_episodes is not None and episodes:
+            on_episodes(episodes)
+
+    t_start = time.perf_counter()
+    print(HEADER, flush=True)
+    ck, sft_job = cfg.checkpoint, cfg.job.kind == "sft"
+    if ck.resume_from:
+        job.resume(ck.resume_from)
+    elif cfg.sft.steps and not sft_job:
+        emit({K.STEP: 0, K.PHASE: K.PHASE_BASE, **job.evaluate()})
+        row = {K.STEP: 0, K.PHASE: K.PHASE_SFT, **job.sft.warmup(), **job.evaluate()}
+        emit(row)
+        summary["heldout_start"] = row.get(K.EVAL_ACCURACY)
+    else:
+        row = {K.STEP: 0, K.PHASE: K.PHASE_INIT, **job.evaluate()}
+        emit(row)
+        summary["heldout_start"] = K.headline_eval(row)
+    steps, step_fn = (cfg.sft.steps if sft_job else cfg.algo.steps), job.step_fn()
+    phase = K.PHASE_SFT if sft_job else K.PHASE_GRPO
+    while job.step < steps:
+        t_step = time.perf_counter()
+        metrics = step_fn()
+        metrics[K.STEP_WALL_S] = time.perf_counter() - t_step  # as the caller saw it (the parts should sum to it)
+        last = job.step == steps
+        if last or (cfg.eval.every and job.step % cfg.eval.every == 0):
+            metrics.update(job.evaluate())
+        emit({K.PHASE: phase, **metrics})
+        if (ck.save_every and job.step % ck.save_every == 0) or (last and ck.save_at_end):
+            summary["last_checkpoint"] = job.save_checkpoint()
+            if on_checkpoint is not None:
+                on_checkpoint(job.step, summary["last_checkpoint"])
+        if last:
+            summary["heldout_end"] = K.headline_eval(metrics)
+    if steps == 0 and ck.save_at_end and not ck.resume_from:  # an SFT warm-up only: keep its result
+        summary["last_checkpoint"] = job.save_checkpoint()
+        if on_checkpoint is not None:
+            on_checkpoint(job.step, summary["last_checkpoint"])
+    summary["total_s"] = time.perf_counter() - t_start
+    summary["first_rollout_at"] = job.first_rollout_at
+    if summary.get("heldout_end") is not None and summary.get("heldout_start") is not None:
+        summary["heldout_change"] = summary["heldout_end"] - summary["heldout_start"]
+    (job_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    sinks.close()
+    return summary

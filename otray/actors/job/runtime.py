@@ -1,0 +1,255 @@
+"""PolicyRuntime: one trained policy's actors as the job driver holds them, and how they are made.
+
+A job trains one policy (env jobs, self-play) or several (a game with ``trained:a`` and
+``trained:b`` seats). For each, :func:`build_policies` creates a PolicyLearner actor and
+its rollout workers in the job's placement group (or lets the learner sample itself,
+``rollout.colocate``), waits for them, and returns a :class:`PolicyRuntime`: the handles,
+the :class:`~otray.coordinator.fleet.RolloutFleet` over the workers, their typed
+:class:`~otray.types.WorkerInfo`, and the policy version the driver has counted.
+
+Bundle layout of a job's placement group (``otray.actors.lease.bundles_for``): policy k
+takes ``N + W`` bundles from ``k * (N + W)`` on (its N learner ranks, ``resources.learner_workers``,
+then its W rollout workers; the job driver, a game's coordinator and a sharded policy's
+LearnerGroup sit in the first bundle with no CPU of their own), then one bundle per frozen
+game policy.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from otray.config import AlgoSection, Config, learner_ranks, policy_bundles, to_dict, trained_policies
+from otray.actors.sampling.fleet import RolloutFleet
+from otray.placement import in_bundle, threads_env
+from otray.records import CheckpointMeta
+from otray.timing import StepClock
+from otray.types import Datum, LossNormalizer, RolloutError, WorkerInfo
+
+
+def actor_name(job_id: str, role: str) -> str:
+    """What a job's actor is called in the Ray dashboard's actor list: ``otray:<job id>:<role>``
+    (roles: ``learner``, ``learner-rank-1``, ``rollout-0``, ``coordinator``; a second trained policy's
+    prefixed with its name, e.g. ``b/learner``)."""
+    return f"otray:{job_id}:{role}"
+
+
+@dataclass
+class ActorFactory:
+    """Creates a job's actors in its placement group, sized by ``resources``, each named after the
+    job and its role (:func:`actor_name`) so a user finds them in the Ray dashboard; ``close`` ends them."""
+
+    cfg: Config
+    model_path: str
+    placement_group: Any = None
+    job_id: str = ""
+    made: list[Any] = field(default_factory=list)
+
+    def start(self, actor_class: Any, options: dict[str, Any], role: str, *args: Any, **kwargs: Any) -> Any:
+        """``actor_class.options(**options, name=...).remote(*args, **kwargs)``: the actor named for ``role``.
+        A name still held (an earlier run of the same job directory in this process, ending) gets a suffix."""
+        for attempt in range(20):
+            named = {"name": actor_name(self.job_id, role) + (f"~{attempt}" if attempt else "")} if self.job_id else {}
+            try:
+                handle = actor_class.options(**options, **named).remote(*args, **kwargs)
+                break
+            except ValueError as e:
+                if "already" not in str(e) and "taken" not in str(e):
+                    raise
+        else:
+            raise RuntimeError(f"no free actor name for {actor_name(self.job_id, role)!r}")
+        self.made.append(handle)
+        return handle
+
+    def close(self) -> None:
+        """End every actor this factory started (the job is over; under the ResourceManager its
+        placement group goes too, but a job run in-process would leave named actors behind)."""
+        import ray
+
+        for handle in self.made:
+            try:
+                ray.kill(handle)
+            except Exception:  # noqa: BLE001 - dead already
+                pass
+        self.made.clear()
+
+    def learner(self, bundle: int, prefix: str = "") -> Any:
+        """The policy's learner from bundle ``bundle`` on: a PolicyLearner, or with
+        ``resources.learner_workers: N > 1`` a LearnerGroup over N ranks in bundles ``bundle ..
+        bundle + N - 1`` (otray.actors.learner.group)."""
+        import ray
+
+        from otray.actors.learner.policy_learner import PolicyLearner
+
+        cfg, res = self.cfg, self.cfg.resources
+        kwargs = dict(lora=to_dict(cfg)["model"]["lora"], dtype=cfg.model.dtype, device=cfg.model.device,
+                      micro_batch_tokens=cfg.algo.micro_batch_tokens, seed=cfg.job.seed, num_threads=res.learner_threads)
+
+        def actor(cls: type) -> Any:
+            return ray.remote(num_cpus=res.learner_cpus, num_gpus=res.learner_gpus)(cls)
+
+        def where(index: int) -> dict[str, Any]:
+            return {**in_bundle(self.placement_group, index), **threads_env(res.learner_threads)}
+
+        n = res.learner_workers
+        if n == 1:
+            return self.start(actor(PolicyLearner), where(bundle), prefix + "learner", self.model_path, **kwargs)
+        from otray.actors.learner.group import LearnerGroup
+        from otray.actors.learner.rank import LearnerRank
+
+        ranks = [self.start(actor(LearnerRank), where(bundle + r), f"{prefix}learner-rank-{r}", self.model_path,
+                            rank=r, world_size=n, **kwargs) for r in range(n)]
+        return self.start(ray.remote(num_cpus=0)(LearnerGroup), in_bundle(self.placement_group, bundle),
+                          prefix + "learner", ranks, cfg.algo.micro_batch_tokens, res.collective_timeout_s)
+
+    def workers(self, first_bundle: int, n: int, model_path: str | None = None, prefix: str = "") -> list[Any]:
+        """``n`` RolloutWorkers serving ``model_path`` (default: the job's model) in bundles
+        ``first_bundle``, ``first_bundle + 1``, ...; worker i is seeded ``job.seed + i``."""
+        import ray
+
+        from otray.actors.sampling.rollout import RolloutWorker
+
+        cfg, res = self.cfg, self.cfg.resources
+        return [self.start(ray.remote(num_cpus=res.rollout_cpus, num_gpus=res.rollout_gpus)(RolloutWorker),
+            {**in_bundle(self.placement_group, first_bundle + i), **threads_env(res.rollout_threads)},
+            f"{prefix}rollout-{i}", model_path or self.model_path, cfg.rollout.backend, num_threads=res.rollout_threads,
+            dtype=cfg.model.dtype, device=cfg.model.device, max_model_len=cfg.rollout.max_model_len,
+            seed=cfg.job.seed + i, max_lora_rank=cfg.model.lora.rank, kv_cache_gb=cfg.rollout.kv_cache_gb,
+            max_batch=cfg.rollout.max_batch) for i in range(n)]
+
+
+@dataclass(frozen=True)
+class Objective:
+    """What one update minimises: a loss from ``otray.names.LOSS_NAMES``, its config, its aggregation."""
+
+    loss_fn: str
+    loss_fn_config: dict[str, float]
+    aggregation: str
+
+    @classmethod
+    def of(cls, algo: AlgoSection) -> "Objective":
+        return cls(algo.loss_fn, dict(algo.loss_fn_config), algo.aggregation)
+
+
+SUPERVISED = Objective("cross_entropy", {}, "token_mean")
+
+
+@dataclass
+class PolicyRuntime:
+    """One trained policy: its learner actor, the fleet that samples from it, and the driver's view of
+    both. ``version`` counts the learner's optimizer steps (the policy version the sampled episodes
+    carry); ``synced`` is False after updates the fleet has not been sent yet."""
+
+    name: str
+    learner: Any  # PolicyLearner actor handle
+    fleet: RolloutFleet | None  # None: an SFT job with no envs to evaluate starts no workers
+    info: WorkerInfo
+    colocated: bool
+    version: int = 0
+    synced: bool = True
+    nodes: dict[str, Any] = field(default_factory=dict)  # Ray node ids of the learner and the workers
+
+    @property
+    def workers(self) -> tuple[Any, ...]:
+        """Handles that sample this policy: the rollout workers, or the learner itself when colocated."""
+        return tuple(self.fleet.workers) if self.fleet is not None else ()
+
+    def update(self, datums: list[Datum], objective: Objective, algo: AlgoSection, learning_rate: float,
+               normalizer: LossNormalizer | None = None, clock: StepClock | None = None) -> dict[str, float]:
+        """forward_backward + optim_step on ``datums`` (nothing when there are none); returns the
+        learner's metrics of both calls and marks them on ``clock``."""
+        import ray
+
+        if not datums:
+            return {}
+        fb = ray.get(self.learner.forward_backward.remote(
+            datums, objective.loss_fn, objective.loss_fn_config, objective.aggregation, normalizer))
+        if clock is not None:
+            clock.mark("forward_backward")
+        opt = ray.get(self.learner.optim_step.remote(
+            learning_rate, tuple(algo.betas), 1e-8, algo.weight_decay, algo.grad_clip))
+        if clock is not None:
+            clock.mark("optim_step")
+        self.version += 1
+        self.synced = False
+        return {**fb, **opt}
+
+    def sync_weights(self, clock: StepClock | None = None) -> float:
+        """Push the learner's weights to the fleet through the object store (colocated: nothing to
+        send, the learner samples from the weights it trains); returns the seconds it took."""
+        t0 = time.perf_counter()
+        if self.fleet is not None and not self.colocated:
+            self.fleet.update_weights(self.learner.weights.remote())
+        self.synced = True
+        if clock is not None:
+            clock.mark("weight_sync")
+        return time.perf_counter() - t0
+
+    def check_health(self, timeout: float = 30.0) -> list[str]:
+        """Ping the fleet's workers between steps; returns a line for each worker found dead now (the
+        fleet drops it), and raises RolloutError when none is left."""
+        if self.fleet is None:
+            return []
+        before = set(self.fleet.dead)
+        self.fleet.health_check(timeout)
+        if not self.fleet.live:
+            raise RolloutError(f"policy {self.name!r}: every rollout worker failed: " +
+                               "; ".join(f"worker {i}: {why}" for i, why in self.fleet.dead.items()))
+        return [f"policy {self.name!r}: rollout worker {i} failed ({why}); {len(self.fleet.live)} left"
+                for i, why in self.fleet.dead.items() if i not in before]
+
+    def busy_s(self) -> list[float]:
+        """Busy seconds so far of the learner, then of each live worker (``otray.timing.BusyClock``)."""
+        import ray
+
+        live = [self.fleet.workers[i] for i in self.fleet.live] if self.fleet is not None else []
+        return ray.get([self.learner.busy_s.remote(), *[w.busy_s.remote() for w in live]])
+
+    def save(self, path: Path, extra_state: dict[str, Any]) -> None:
+        """Learner state (``path/state``, with ``extra_state``) and the exported model (``path/model``)."""
+        import ray
+
+        ray.get(self.learner.save_state.remote(str(path / "state"), extra_state))
+        ray.get(self.learner.export.remote(str(path / "model")))
+
+    def load(self, path: Path) -> CheckpointMeta:
+        """Load the learner state saved under ``path/state``, push the weights; returns its meta."""
+        import ray
+
+        meta = ray.get(self.learner.load_state.remote(str(path / "state")))
+        self.version = ray.get(self.learner.info.remote()).policy_version
+        self.sync_weights()
+        return meta
+
+
+def build_policies(cfg: Config, factory: ActorFactory) -> dict[str, PolicyRuntime]:
+    """Every policy the job trains (``config.trained_policies``; the first is the job's own), each with
+    its learner and rollout workers started and ready. Policies after the first push their weights to
+    their workers once, so every trained policy starts from the same weights as its sampler."""
+    import ray
+
+    from otray.actors.sampling.rollout import wait_ready
+
+    per, ranks = policy_bundles(cfg), learner_ranks(cfg)
+    colocated = cfg.rollout.colocate and (cfg.job.kind == "rl" or bool(cfg.envs))
+    prefix = [f"{name}/" if k else "" for k, name in enumerate(trained_policies(cfg))]
+    made = [(name, factory.learner(k * per, prefix[k]), factory.workers(k * per + ranks, per - ranks, prefix=prefix[k]))
+            for k, name in enumerate(trained_policies(cfg))]
+    wait_ready([h for _, learner, workers in made for h in (learner, *workers)])
+    policies = {}
+    for k, (name, learner, workers) in enumerate(made):
+        if colocated:
+            infos = [ray.get(learner.start_sampler.remote(cfg.rollout.max_model_len, cfg.rollout.max_batch))]
+        else:
+            infos = ray.get([w.info.remote() for w in workers])
+        fleet = RolloutFleet([learner] if colocated else workers) if infos else None
+        state = ray.get(learner.info.remote())
+        policy = PolicyRuntime(name, learner, fleet, infos[0] if infos else WorkerInfo(None, cfg.rollout.max_model_len),
+                               colocated, version=state.policy_version,
+                               nodes={"learner": state.node_id, "rollout": [i.node_id for i in infos]})
+        if k > 0:
+            policy.sync_weights()
+        policies[name] = policy
+    return policies

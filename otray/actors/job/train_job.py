@@ -1,0 +1,170 @@
+"""TrainJob: one training job (RL with an optional SFT warm-up, or SFT), assembled from parts.
+
+- ``policies`` (:mod:`otray.actors.job.runtime`): each trained policy's learner and rollout
+  fleet; the first is the job's own (env jobs and self-play have exactly one);
+- ``source`` (:mod:`otray.actors.job.step`): where trajectory groups come from, the env
+  mixture (:mod:`otray.actors.job.env_source`) or a game (:mod:`otray.actors.job.game_source`),
+  behind a :class:`~otray.actors.step.Prefetcher` for the off-policy pipeline;
+- ``sft`` (:mod:`otray.actors.job.sft`): supervised steps on the job's first policy;
+- ``episodes`` (:class:`~otray.actors.episodes.EpisodeLog`): a few episodes per step.
+
+The job owns the step counter and the files in its directory (``config.json``,
+``metrics.jsonl``, ``trajectories.jsonl``, ``checkpoints/step-N``); nothing below it
+calls back into it. ``otray.actors.run.run`` drives it step by step.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from otray import metric_keys as K
+from otray.actors.job.env_source import EnvGroupSource, EnvRollouts
+from otray.actors.job.episodes import EpisodeLog, load_splits
+from otray.actors.job.runtime import ActorFactory, PolicyRuntime, build_policies
+from otray.actors.job.sft import SFTTrainer
+from otray.actors.job.step import GroupSource, Prefetcher, rl_step
+from otray.config import Config, to_dict
+from otray.models import load_tokenizer, resolve_model_path
+from otray.types import ModelLoadError
+
+
+class TrainJob:
+    """Bundle layout in a job's placement group: see :mod:`otray.actors.job.runtime`."""
+
+    def __init__(self, cfg: Config, job_dir: str | Path, *, log: Callable[[str], None] = print,
+                 placement_group: Any = None):
+        self.cfg, self.log, self.dir = cfg, log, Path(job_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        (self.dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=1))
+        t0 = time.perf_counter()
+        self.model_path = resolve_model_path(cfg.model.path, cfg.model.cache_dir)
+        self.tokenizer = load_tokenizer(self.model_path)
+        self.env_splits = {name: load_splits(name, e.dataset, e.splits, cfg.job.seed, f"envs.{name}")
+                           for name, e in cfg.envs.items()}
+        # chat data: the whole of an SFT job, or an RL job's warm-up data when sft.splits.train is given
+        chat = load_splits("sft", cfg.sft.dataset, cfg.sft.splits, cfg.job.seed, "sft") if "train" in cfg.sft.splits else {}
+        self.factory = factory = ActorFactory(cfg, self.model_path, placement_group, job_id=self.dir.name)
+        self.policies: dict[str, PolicyRuntime] = build_policies(cfg, factory)
+        main = self.main
+        self.rollouts = (EnvRollouts(cfg, self.tokenizer, main.fleet.generate, main.info.max_model_len)
+                         if main.fleet is not None and cfg.envs else None)
+        self.source: GroupSource | None = None
+        if cfg.game is not None:
+            from otray.actors.job.game_source import GameGroupSource
+
+            self.source = GameGroupSource(cfg, factory, self.tokenizer, main.info.max_model_len,
+                                          {n: p.workers for n, p in self.policies.items()}, self.dir)
+        elif cfg.job.kind == "rl":
+            self.source = EnvGroupSource(cfg, self.rollouts, self.env_splits)
+        self.pipeline = Prefetcher(self.source, cfg.algo.max_steps_off_policy) if self.source is not None else None
+        self.sft = SFTTrainer(cfg, main, self.tokenizer, chat, self.env_splits, self.rollouts, log)
+        self.episodes = EpisodeLog(self.dir)
+        self.step = 0
+        self.busy_prev: list[float] = []  # the first policy's actors' busy clocks at the end of the last step
+        self.startup_s = time.perf_counter() - t0
+        log(f"job ready in {self.startup_s:.1f}s: model {self.model_path}, backend {main.info.backend}, "
+            f"{len(main.workers) if not main.colocated else 0} rollout worker(s)"
+            + (" (generating in the learner: rollout.colocate)" if main.colocated else ""))
+
+    @property
+    def main(self) -> PolicyRuntime:
+        """The job's own policy (the first trained one): SFT, checkpoints' top level, timing."""
+        return next(iter(self.policies.values()))
+
+    @property
+    def first_rollout_at(self) -> float | None:
+        """Wall clock (time.time) of the job's first rollout, for submit -> first rollout."""
+        times = [getattr(s, "first_rollout_at", None) for s in (self.rollouts, self.source)]
+        return min((t for t in times if t is not None), default=None)
+
+    # ------------------------------------------------------------------ steps
+
+    def rl_step(self) -> dict[str, Any]:
+        """One RL step (``otray.actors.step.rl_step``) after a health check of every fleet."""
+        for policy in self.policies.values():
+            for line in policy.check_health():
+                self.log(f"  {line}")
+        m = rl_step(self.pipeline, self.policies, self.cfg.algo, self.step)
+        self.step += 1
+        self.episodes.add(self.step, m.shown, m.advantage_of)
+        busy = self.main.busy_s()
+        prev = self.busy_prev if len(self.busy_prev) == len(busy) else [0.0] * len(busy)
+        delta, self.busy_prev = [b - p for b, p in zip(busy, prev)], busy
+        m.clock.mark("other")
+        return {**m.row, **m.clock.metrics(learner_busy_s=delta[0], rollout_busy_s=delta[1:], generate_s=m.generate_s)}
+
+    def sft_step(self) -> dict[str, Any]:
+        row = self.sft.step(self.step)
+        self.step += 1
+        return row
+
+    def step_fn(self) -> Callable[[], dict[str, Any]]:
+        """What one step of this job is: an SFT job's ``sft_step``, else ``rl_step``."""
+        return self.sft_step if self.cfg.job.kind == "sft" else self.rl_step
+
+    def evaluate(self) -> dict[str, float]:
+        """Held-out figures: each env's eval split (or the game's evaluation games) with the current
+        weights, and, with chat data, ``eval/sft_loss``."""
+        out: dict[str, float] = {}
+        if "eval" in self.sft.chat:
+            out[K.EVAL_SFT_LOSS] = self.sft.heldout_loss()
+        if self.main.fleet is None:
+            return out
+        for policy in self.policies.values():
+            if not policy.synced:
+                policy.sync_weights()
+        if self.cfg.game is not None:
+            out.update(self.source.evaluate(self.step, self.cfg.eval.greedy))
+        elif self.rollouts is not None:
+            out.update(self.rollouts.evaluate(self.env_splits, self.cfg.eval, self.step))
+        return out
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def save_checkpoint(self) -> str:
+        """The first policy's learner state (+ job step and data position) and exported model at the top,
+        every other trained policy's under ``policies/<name>/``."""
+        path = self.dir / "checkpoints" / f"step-{self.step:06d}"
+        for k, (name, policy) in enumerate(self.policies.items()):
+            policy.save(path if k == 0 else path / "policies" / name,
+                        {"job_step": self.step, "data": self.data_state()} if k == 0 else {})
+        self.log(f"  checkpoint: {path}")
+        return str(path)
+
+    def resume(self, path: str) -> int:
+        """Continue from a checkpoint: same step counter, same next batch, same weights."""
+        if not (Path(path) / "state" / "meta.json").exists():
+            raise ModelLoadError(f"checkpoint.resume_from={path!r} holds no learner state ({path}/state/meta.json); "
+                                 "give a directory like <job dir>/checkpoints/step-000010")
+        for k, (name, policy) in enumerate(self.policies.items()):
+            meta = policy.load(Path(path) if k == 0 else Path(path) / "policies" / name)
+            if k == 0:
+                self.step = meta.extra_state["job_step"]
+                self.load_data_state(meta.extra_state["data"])
+        self.log(f"resumed from {path} at step {self.step}")
+        return self.step
+
+    def data_state(self) -> dict[str, Any]:
+        """Where the job is in its data: the env mixture or the next game seed, the chat train split."""
+        state = dict(self.pipeline.state()) if self.pipeline is not None else {}
+        if self.cfg.job.kind == "sft":
+            state["sft_position"] = list(self.sft.chat["train"].position)
+        return state
+
+    def load_data_state(self, state: dict[str, Any]) -> None:
+        if self.source is not None:
+            self.source.load_state(state)
+        if "sft_position" in state:
+            self.sft.chat["train"].seek(tuple(state["sft_position"]))
+
+    def close(self) -> None:
+        """End the job's actors (learners, rollout workers, a game's coordinator)."""
+        self.factory.close()
+
+    def write_metrics(self, row: dict[str, Any]) -> None:
+        with (self.dir / "metrics.jsonl").open("a") as f:
+            f.write(json.dumps(row) + "\n")

@@ -1,0 +1,188 @@
+"""The learner core: what every learner does the same way, whatever holds the model.
+
+PolicyLearner, the ranks of a sharded LearnerGroup and the Tinker service's AdapterLearner all
+import these, so one call's datums are cut, padded, scored and stepped alike everywhere:
+
+- :func:`plan_micro_batches` (shortest first, cut at a token budget and at ``PAD_SPREAD``) and
+  :func:`in_order` (a call's rows back in the datums' order);
+- :func:`pad_rows`, :func:`token_logprobs` (a micro-batch's per-target-token logprobs) and
+  :func:`loss_inputs` (its mask, sampler logprobs, advantages and weights as tensors);
+- :func:`global_normalizer` (what a whole call's aggregation divides by) and :class:`LossSums`
+  (the sums its metrics are made of);
+- :func:`trainable`, :func:`new_adamw` and :func:`adamw_step` (clip, step, zero the gradients).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from otray.types import Datum, LossNormalizer
+
+
+def micro_batches(datums: Sequence[Datum], token_budget: int, max_spread: float | None = None) -> list[list[Datum]]:
+    """Consecutive chunks whose padded size (rows x longest row) stays within budget; with
+    ``max_spread``, a chunk also ends before a row longer than ``max_spread`` x its shortest row
+    (on datums sorted by length, :func:`by_length`, short rows then share a chunk of their own
+    instead of being padded to the long ones)."""
+    chunks: list[list[Datum]] = []
+    current: list[Datum] = []
+    longest, shortest = 0, 0
+    for d in datums:
+        new_longest = max(longest, len(d))
+        spread = max_spread is not None and current and new_longest > max_spread * min(shortest, len(d))
+        if current and (new_longest * (len(current) + 1) > token_budget or spread):
+            chunks.append(current)
+            current, new_longest = [], len(d)
+        shortest = len(d) if not current else min(shortest, len(d))
+        current.append(d)
+        longest = new_longest
+    if current:
+        chunks.append(current)
+    return chunks
+
+
+# A micro-batch's longest row at most this many times its shortest (rows sorted by length). Measured
+# here (tiny model, 2 cores): a batch of 16 ~12-token and 16 ~200-token rows, the OpenReward SFT
+# warm-up's mix, took 0.78 s a forward_backward as one padded micro-batch and 0.40 s as two.
+PAD_SPREAD = 2.0
+
+
+def by_length(datums: Sequence[Datum]) -> list[int]:
+    """Indices of ``datums`` shortest first (stable): micro-batches cut from this order pad short rows
+    to their own length, not to the longest of the call's. The loss is a sum over tokens divided by
+    the whole call's normalizer, so the order changes nothing but float rounding."""
+    return sorted(range(len(datums)), key=lambda i: len(datums[i]))
+
+
+def plan_micro_batches(datums: Sequence[Datum], token_budget: int) -> tuple[list[list[Datum]], list[int]]:
+    """How a learner cuts one call's datums: shortest first, at the budget and at ``PAD_SPREAD``;
+    returns the micro-batches and the datum order they hold (``order[k]``: the k-th row's index).
+    A call that fits one micro-batch keeps its own order, so its sums are added as they always were
+    (the demo's runs are reproducible across this change)."""
+    order = by_length(datums)
+    batches = micro_batches([datums[i] for i in order], token_budget, PAD_SPREAD)
+    if len(batches) == 1:
+        return [list(datums)], list(range(len(datums)))
+    return batches, order
+
+
+def in_order(rows: list[list[float]], order: list[int]) -> list[list[float]]:
+    """``rows`` (the k-th for datum ``order[k]``) back in the datums' own order."""
+    out: list[list[float]] = [[] for _ in rows]
+    for k, i in enumerate(order):
+        out[i] = rows[k]
+    return out
+
+
+def pad_rows(rows: list[list[float]] | list[list[int]], width: int, value: float, dtype: torch.dtype,
+             device: str = "cpu") -> torch.Tensor:
+    """``rows`` as one ``(len(rows), width)`` tensor, right-padded with ``value``, on ``device``."""
+    out = torch.full((len(rows), width), value, dtype=dtype)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = torch.tensor(r, dtype=dtype)
+    return out if device == "cpu" else out.to(device, non_blocking=True)
+
+
+def global_normalizer(datums: Sequence[Datum], normalizer: LossNormalizer | None) -> LossNormalizer:
+    """What the whole batch's aggregation divides by: ``datums``' own masked tokens and sequences, or
+    ``normalizer``'s where larger (datums left out of the call still count)."""
+    tokens = float(sum(sum(d.mask) for d in datums))
+    return LossNormalizer(max(tokens, normalizer.tokens if normalizer else 0.0),
+                          max(float(len(datums)), normalizer.sequences if normalizer else 0.0))
+
+
+@dataclass
+class LossSums:
+    """Sums over one ``forward_backward`` call's masked tokens, from which its metrics are made; the
+    ranks of a sharded learner each return theirs and the group adds them up (:meth:`plus`)."""
+
+    loss: float = 0.0
+    tokens: float = 0.0
+    sequences: float = 0.0
+    ratio: float = 0.0
+    clipped: float = 0.0
+    kl: float = 0.0
+    absdiff: float = 0.0
+    compute_s: float = 0.0
+
+    def plus(self, other: "LossSums") -> "LossSums":
+        """Both calls' sums; ``compute_s`` is the slower one's (ranks run side by side)."""
+        summed = {f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self) if f.name != "compute_s"}
+        return LossSums(**summed, compute_s=max(self.compute_s, other.compute_s))
+
+    def metrics(self, loss_fn: str) -> dict[str, float]:
+        if not self.sequences:
+            return {"loss": 0.0, "num_tokens": 0.0, "num_sequences": 0.0}
+        n = max(self.tokens, 1.0)
+        out = {"loss": self.loss, "num_tokens": self.tokens, "num_sequences": self.sequences,
+               "compute_s": self.compute_s}
+        if loss_fn != "cross_entropy":
+            out.update({"ratio_mean": self.ratio / n, "clip_frac": self.clipped / n, "approx_kl": self.kl / n,
+                        "sampler_learner_abs_diff": self.absdiff / n})
+        return out
+
+
+def new_adamw(params: list[torch.nn.Parameter], **kwargs: Any) -> torch.optim.AdamW:
+    """AdamW with torch's fused kernel where the parameters allow it (float tensors on CPU or CUDA),
+    else the default implementation. Measured here (2 cores, ~100M float32 parameters): fused
+    0.07-0.08 s a step, the default (per-parameter loop on CPU) 0.2-0.8 s."""
+    try:
+        return torch.optim.AdamW(params, fused=True, **kwargs)
+    except (RuntimeError, ValueError):
+        return torch.optim.AdamW(params, **kwargs)
+
+
+def token_logprobs(model: torch.nn.Module, batch: Sequence[Datum], device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """``(logprobs, valid)``: each row's logprob of its target tokens under ``model`` (fp32,
+    ``(rows, longest row)``) and a float mask of the positions that hold a token."""
+    width = max(len(d) for d in batch)
+    ids = pad_rows([d.input_ids for d in batch], width, 0, torch.long, device)
+    targets = pad_rows([d.target_ids for d in batch], width, 0, torch.long, device)
+    attn = pad_rows([[1] * len(d) for d in batch], width, 0, torch.long, device)
+    logits = model(input_ids=ids, attention_mask=attn).logits.float()
+    return -F.cross_entropy(logits.transpose(1, 2), targets, reduction="none"), attn.float()
+
+
+@dataclass
+class LossInputs:
+    """A micro-batch's loss inputs as padded tensors: what ``per_token_loss`` takes beside the logprobs."""
+
+    mask: torch.Tensor
+    sampler_logprobs: torch.Tensor
+    advantages: torch.Tensor
+    weights: torch.Tensor | None
+
+
+def loss_inputs(batch: Sequence[Datum], width: int, device: str = "cpu", *, every_token: bool = False) -> LossInputs:
+    """The padded loss inputs of ``batch``; ``every_token``: a mask of every token (the Tinker API's
+    losses weight tokens themselves) instead of the datums' own masks."""
+    f32 = torch.float32
+    masks = [[1.0] * len(d) for d in batch] if every_token else [d.mask for d in batch]
+    weights = None if batch[0].weights is None else pad_rows([d.weights or [] for d in batch], width, 0.0, f32, device)
+    return LossInputs(pad_rows(masks, width, 0.0, f32, device),
+                      pad_rows([d.sampler_logprobs for d in batch], width, 0.0, f32, device),
+                      pad_rows([d.advantages for d in batch], width, 0.0, f32, device), weights)
+
+
+def trainable(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The parameters that take gradients (a LoRA model's adapters; every one of a full model)."""
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def adamw_step(optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], *, learning_rate: float,
+               betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
+               grad_clip: float | None = 1.0) -> float:
+    """One AdamW step on the accumulated gradients of ``params`` with these settings, the gradient
+    norm clipped to ``grad_clip`` (None or 0: not clipped); zeroes the gradients. Returns the
+    gradient norm before clipping."""
+    for group in optimizer.param_groups:
+        group.update(lr=learning_rate, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip else float("inf"), foreach=True)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return float(grad_norm)

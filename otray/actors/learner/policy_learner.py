@@ -1,0 +1,270 @@
+"""PolicyLearner: one policy's torch model, optimizer and losses.
+
+A plain class: tests use it in-process, jobs wrap it with ``ray.remote``. The
+Tinker-style primitives:
+
+- ``forward(datums)``: per-target-token logprobs, no gradient.
+- ``forward_backward(datums, loss_fn, loss_fn_config, aggregation)``: adds the
+  gradient of the aggregated loss over *all* datums to the accumulated gradients.
+  Datums are cut into micro-batches whose padded size stays under
+  ``micro_batch_tokens``; normalizers are computed over the whole call, so the
+  result does not depend on the cut.
+- ``optim_step(learning_rate, ...)``: one AdamW step with gradient clipping, then
+  zeroes the gradients and bumps ``version``.
+- ``save_state`` / ``load_state``, ``export`` (PEFT adapter or full HF model),
+  ``weights()`` (a :class:`WeightUpdate` for rollout workers).
+
+``rank == 0`` trains every parameter; ``rank > 0`` trains a LoRA adapter only.
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+import time
+from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from otray.actors.learner.core import (LossSums, adamw_step, global_normalizer, in_order, loss_inputs, new_adamw,
+                                       plan_micro_batches, token_logprobs, trainable)
+from otray.actors.learner.state import load_sharded, load_whole, read_meta, restore_rng, save_whole, write_meta
+from otray.actors.sampling.backends.base import Backend
+from otray.algos.losses import aggregate, per_token_loss
+from otray.device import resolve_device, resolve_dtype
+from otray.placement import current_node_id
+from otray.records import CheckpointMeta
+from otray.timing import BusyClock, busy
+from otray.models import LoraSpec, apply_lora, load_model, load_tokenizer
+from otray.types import (Datum, GenerateResult, LearnerInfo, LossNormalizer, SamplingParams,
+                         WeightUpdate, WorkerInfo)
+
+
+class PolicyLearner:
+    whole_model_on_device = True  # a sharded rank moves only its shards (otray.actors.learner.rank)
+
+    def __init__(self, model_path: str, *, lora: LoraSpec | dict[str, Any] | None = None, dtype: str = "float32",
+                 micro_batch_tokens: int = 8192, seed: int = 0, num_threads: int | None = None, device: str = "auto"):
+        if num_threads:
+            torch.set_num_threads(num_threads)
+        torch.manual_seed(seed)
+        random.seed(seed)
+        self.model_path = model_path
+        self.lora = LoraSpec(**lora) if isinstance(lora, dict) else (lora or LoraSpec())
+        if isinstance(self.lora.target_modules, list):
+            self.lora.target_modules = tuple(self.lora.target_modules)
+        self.device = resolve_device(device)  # the GPU Ray gave this actor, else the CPU (otray.device)
+        model = load_model(model_path, resolve_dtype(dtype, self.device))
+        if self.device != "cpu" and self.whole_model_on_device:
+            model.to(self.device)
+        self.model = apply_lora(model, self.lora) if self.lora.rank > 0 else model
+        self.micro_batch_tokens = micro_batch_tokens
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.step = 0  # optimizer steps taken
+        self.version = 0  # policy version; bumped by every optim_step
+        self.extra_state: dict[str, Any] = {}  # job-level state saved with checkpoints
+        self.busy = BusyClock()  # seconds spent in forward passes, optimizer steps and weight export
+        self.sampler: Backend | None = None  # colocated generation (``start_sampler``)
+
+    def busy_s(self) -> float:
+        return self.busy.total
+
+    def ping(self) -> bool:
+        return True
+
+    def info(self) -> LearnerInfo:
+        return LearnerInfo(self.step, self.version, self.lora.rank, current_node_id())
+
+    @property
+    def is_lora(self) -> bool:
+        return self.lora.rank > 0
+
+    # ------------------------------------------------------------------ forward passes
+
+    @busy
+    def forward(self, datums: Sequence[Datum]) -> list[list[float]]:
+        """Learner logprob of each target token (one list per datum, unpadded)."""
+        batches, order = plan_micro_batches(datums, self.micro_batch_tokens)
+        return in_order([row for rows in self.logprobs_of(batches) for row in rows], order)
+
+    @torch.no_grad()
+    def logprobs_of(self, batches: Sequence[Sequence[Datum]]) -> list[list[list[float]]]:
+        """:meth:`forward` on micro-batches cut already: one list of rows per micro-batch (an empty
+        micro-batch is an idle pass and gives an empty list)."""
+        self.model.eval()
+        out: list[list[list[float]]] = []
+        for batch in batches:
+            if not batch:
+                self.idle_pass(backward=False)
+                out.append([])
+                continue
+            lp, _ = token_logprobs(self.model, list(batch), self.device)
+            out.append([lp[i, : len(d)].tolist() for i, d in enumerate(batch)])
+        return out
+
+    @busy
+    def forward_backward(self, datums: Sequence[Datum], loss_fn: str, loss_fn_config: dict[str, float] | None = None,
+                         aggregation: str = "token_mean",
+                         normalizer: LossNormalizer | None = None) -> dict[str, float]:
+        """Accumulate gradients of the aggregated loss; returns loss metrics for this call.
+
+        ``normalizer`` sets what ``token_mean`` and ``seq_mean_token_mean`` divide by, when
+        ``datums`` is part of a larger batch whose other members were left out because they
+        carry no gradient (zero advantage); by default the datums' own totals."""
+        if not datums:
+            return LossSums().metrics(loss_fn)
+        norm = global_normalizer(datums, normalizer)
+        return self.accumulate(plan_micro_batches(datums, self.micro_batch_tokens)[0], loss_fn, loss_fn_config,
+                               aggregation, norm).metrics(loss_fn)
+
+    def accumulate(self, batches: Sequence[Sequence[Datum]], loss_fn: str, loss_fn_config: dict[str, float] | None,
+                   aggregation: str, norm: LossNormalizer) -> LossSums:
+        """Backward over each micro-batch in turn, the aggregation divided by ``norm`` (the whole
+        batch's totals); returns the sums the metrics are made of. An empty micro-batch is an idle
+        pass (:meth:`idle_pass`)."""
+        t0 = time.perf_counter()
+        self.model.train()
+        cfg = dict(loss_fn_config or {})
+        sums = LossSums()
+        for batch in batches:
+            if not batch:
+                self.idle_pass(backward=True)
+                continue
+            lp, valid = token_logprobs(self.model, batch, self.device)
+            inputs = loss_inputs(batch, lp.shape[1], self.device)
+            mask, q = inputs.mask * valid, inputs.sampler_logprobs
+            tok_loss = per_token_loss(loss_fn, lp, q, inputs.advantages, inputs.weights, **cfg)
+            loss = aggregate(tok_loss, mask, aggregation, total_tokens=norm.tokens, total_sequences=norm.sequences)
+            loss.backward()
+            sums.loss += loss.item()
+            sums.tokens += float(sum(sum(d.mask) for d in batch))
+            sums.sequences += float(len(batch))
+            with torch.no_grad():
+                ratio = torch.exp(lp - q)
+                sums.ratio += (ratio * mask).sum().item()
+                if "clip_low" in cfg or loss_fn in ("ppo", "cispo"):
+                    lo, hi = cfg.get("clip_low", 0.8 if loss_fn == "ppo" else 0.0), cfg.get("clip_high", 1.2 if loss_fn == "ppo" else 4.0)
+                    sums.clipped += (((ratio < lo) | (ratio > hi)).float() * mask).sum().item()
+                sums.kl += ((q - lp) * mask).sum().item()
+                sums.absdiff += ((q - lp).abs() * mask).sum().item()
+        sums.compute_s = time.perf_counter() - t0  # inside the learner, without transport
+        return sums
+
+    def idle_pass(self, backward: bool) -> None:
+        """A forward (and backward) pass that changes nothing: a sharded rank with fewer micro-batches
+        than another runs these, so that every rank joins every collective. Here, unsharded, nothing."""
+
+    # ------------------------------------------------------------------ optimizer
+
+    @busy
+    def optim_step(self, learning_rate: float = 1e-4, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                   weight_decay: float = 0.0, grad_clip: float | None = 1.0) -> dict[str, float]:
+        """One AdamW step on the accumulated gradients; zeroes them; bumps the version."""
+        params = trainable(self.model)
+        if self.optimizer is None:
+            self.optimizer = new_adamw(params, lr=learning_rate)
+        grad_norm = adamw_step(self.optimizer, params, learning_rate=learning_rate, betas=betas, eps=eps,
+                               weight_decay=weight_decay, grad_clip=grad_clip)
+        self.step += 1
+        self.version += 1
+        return {"grad_norm": grad_norm, "learning_rate": learning_rate, "step": self.step}
+
+    # ------------------------------------------------------------------ colocated generation
+
+    def start_sampler(self, max_model_len: int | None = None, max_batch: int = 256) -> WorkerInfo:
+        """Let this learner stand in for a rollout worker (``rollout.colocate``): ``generate`` samples
+        from the model being trained, so its weights are always the current policy and no weights
+        move. Returns what ``RolloutWorker.info`` returns."""
+        from otray.actors.sampling.backends.hf import HFBackend
+
+        self.sampler = HFBackend.on_model(self.model, load_tokenizer(self.model_path),
+                                          max_model_len=max_model_len, max_batch=max_batch,
+                                          weights_version=lambda: self.version)
+        return WorkerInfo("hf-colocated", self.sampler.max_model_len, tuple(self.sampler.stop_token_ids),
+                          self.version, current_node_id())
+
+    @busy
+    def generate(self, prompts: list[list[int]], params: SamplingParams, n: int = 1) -> list[GenerateResult]:
+        if self.sampler is None:
+            raise RuntimeError("this learner does not generate: call start_sampler first (rollout.colocate)")
+        self.model.eval()
+        samples = self.sampler.generate(prompts, params, n)
+        return [GenerateResult(s, self.version) for s in samples]
+
+    def update_weights(self, update: Any = None) -> int:
+        """The rollout-worker call, colocated: the sampler already holds the current weights."""
+        return self.version
+
+    def policy_version(self) -> int:
+        return self.version
+
+    # ------------------------------------------------------------------ weights out
+
+    @busy
+    def weights(self) -> WeightUpdate:
+        """Current weights for rollout workers: the adapter (LoRA) or every parameter."""
+        if self.is_lora:
+            from peft import get_peft_model_state_dict
+
+            tensors = {k: v.detach().to("cpu", copy=True) for k, v in get_peft_model_state_dict(self.model).items()}
+            return WeightUpdate(self.version, "lora", tensors, self._lora_config_dict())
+        # Every entry, tied lm_head included: vLLM's in-place reload leaves the head
+        # stale when only embed_tokens arrives (measured: logprobs off by ~1.6).
+        tensors = {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}  # object store
+        return WeightUpdate(self.version, "full", tensors)
+
+    def _lora_config_dict(self) -> dict[str, Any]:
+        cfg = self.model.peft_config["default"].to_dict()
+        return {k: (sorted(v) if isinstance(v, set) else v) for k, v in cfg.items()}
+
+    def export(self, path: str) -> str:
+        """Write a PEFT adapter (LoRA) or a full HF model (+ tokenizer) loadable by transformers and vLLM."""
+        return self.save_pretrained(path)
+
+    def save_pretrained(self, path: str, state_dict: dict[str, torch.Tensor] | None = None) -> str:
+        """:meth:`export` from ``state_dict`` (whole tensors; default: the model's own) into ``path``."""
+        out = Path(path)
+        out.mkdir(parents=True, exist_ok=True)
+        extra = {} if state_dict is None else {"state_dict": state_dict}
+        self.model.save_pretrained(out, safe_serialization=True, **extra)
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
+            src = Path(self.model_path) / name
+            if src.exists():
+                shutil.copy(src, out / name)
+        return str(out)
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def meta(self) -> CheckpointMeta:
+        """What ``meta.json`` says of this learner (:mod:`otray.actors.learner.state`)."""
+        return CheckpointMeta(self.step, self.version, asdict(self.lora), self.model_path, self.extra_state,
+                              optimizer=self.optimizer is not None)
+
+    def save_state(self, path: str, extra_state: dict[str, Any] | None = None) -> str:
+        """Weights or adapter, optimizer, step, version, RNG, and ``extra_state`` (job data, e.g. data position)."""
+        if extra_state is not None:
+            self.extra_state = extra_state
+        out = Path(path)
+        out.mkdir(parents=True, exist_ok=True)
+        save_whole(self.model, self.optimizer, out)
+        write_meta(out, self.meta())
+        return str(out)
+
+    def load_state(self, path: str) -> CheckpointMeta:
+        """A checkpoint of this learner's kind, or a sharded group's (any number of ranks saved it)."""
+        src = Path(path)
+        meta = read_meta(src, self.lora.rank)
+        if meta.sharded:
+            self.optimizer = load_sharded(self.model, self.optimizer, src, meta)
+        else:
+            self.optimizer = load_whole(self.model, src, self.device)
+        self.restore_counters(src, meta)
+        return meta
+
+    def restore_counters(self, src: Path, meta: CheckpointMeta) -> None:
+        """RNG state, step, version and the job's ``extra_state`` from a checkpoint."""
+        restore_rng(src)
+        self.step, self.version, self.extra_state = meta.step, meta.version, meta.extra_state

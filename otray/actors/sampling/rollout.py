@@ -1,0 +1,96 @@
+"""RolloutWorker: one sampling backend behind one interface.
+
+``RolloutWorker`` is a plain class; jobs wrap it with ``ray.remote``. It owns a
+backend (``vllm``, ``hf``, or ``auto`` = vLLM when it imports, else HF) and the
+policy version of the weights it holds. Routing prompts over several workers is
+:class:`otray.coordinator.fleet.RolloutFleet`'s job, in whichever process drives
+the rollouts (the job driver's agent loop, or the ProtocolCoordinator actor).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from otray.placement import current_node_id
+from otray.actors.sampling.backends.base import Backend
+from otray.timing import BusyClock
+from otray.types import ConfigError, GenerateResult, SamplingParams, WeightUpdate, WorkerInfo
+
+BACKENDS = ("auto", "vllm", "hf")
+
+
+def make_backend(name: str, model_path: str, **kwargs: Any) -> Backend:
+    if name not in BACKENDS:
+        raise ConfigError(f"unknown rollout backend {name!r}; choose one of {', '.join(BACKENDS)}")
+    if name == "auto":
+        from otray.actors.sampling.backends.vllm import vllm_available
+
+        name = "vllm" if vllm_available() else "hf"
+    if name == "vllm":
+        from otray.actors.sampling.backends.vllm import VLLMBackend
+
+        return VLLMBackend(model_path, **kwargs)
+    from otray.actors.sampling.backends.hf import HFBackend
+
+    return HFBackend(model_path, **kwargs)
+
+
+class RolloutWorker:
+    def __init__(self, model_path: str, backend: str = "auto", *, num_threads: int | None = None, **backend_kwargs: Any):
+        if num_threads:
+            import torch
+
+            torch.set_num_threads(num_threads)
+            os.environ.setdefault("OMP_NUM_THREADS", str(num_threads))
+        self.backend: Backend = make_backend(backend, model_path, **backend_kwargs)
+        self.version = 0
+        self.busy = BusyClock()  # seconds spent generating or loading weights
+
+    def ping(self) -> bool:
+        return True
+
+    def info(self) -> WorkerInfo:
+        return WorkerInfo(self.backend.name, self.backend.max_model_len, tuple(self.backend.stop_token_ids),
+                          self.version, current_node_id())
+
+    def busy_s(self) -> float:
+        return self.busy.total
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, n: int = 1) -> list[GenerateResult]:
+        with self.busy():
+            samples = self.backend.generate(prompts, params, n)
+        return [GenerateResult(s, self.version) for s in samples]
+
+    def update_weights(self, update: WeightUpdate) -> int:
+        """Load new weights (full or LoRA); returns the worker's new policy version."""
+        with self.busy():
+            return self._update_weights(update)
+
+    def _update_weights(self, update: WeightUpdate) -> int:
+        if update.kind == "full":
+            self.backend.load_full_weights(update.tensors)
+        elif update.kind == "lora":
+            self.backend.load_lora(update.tensors, update.lora_config or {}, update.version)
+        else:
+            raise ValueError(f"unknown weight update kind {update.kind!r} (expected 'full' or 'lora')")
+        self.version = update.version
+        return self.version
+
+    def policy_version(self) -> int:
+        return self.version
+
+    def shutdown(self) -> None:
+        stop = getattr(self.backend, "shutdown", None)
+        if stop is not None:
+            stop()
+
+
+def wait_ready(handles: list[Any], timeout: float = 600.0) -> float:
+    """Block until every actor answers ``ping``; returns seconds waited."""
+    import ray
+
+    t0 = time.perf_counter()
+    ray.get([h.ping.remote() for h in handles], timeout=timeout)
+    return time.perf_counter() - t0

@@ -1,0 +1,53 @@
+"""The names of the metrics every job row carries, defined once.
+
+A job writes rows (``metrics.jsonl``, the registry, wandb, Ray gauges); the CLI's table, ``otray
+jobs``, the dashboard (served to its JavaScript by ``/api/info``, not retyped there) and the
+summaries read them back. Every key that is written in one place and read in another is named here;
+keys only one module writes and nobody reads by name (an env's own ``env/<name>/...``) stay there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+STEP = "step"  # the optimizer step the row follows (0: before training)
+PHASE = "phase"  # one of PHASES
+REWARD_MEAN = "reward_mean"  # mean episode reward of the step's training rollouts
+LOSS = "loss"  # the learner's loss (SFT steps, Tinker training clients)
+EVAL_ACCURACY = "eval/accuracy"  # the headline held-out figure: success rate over the eval split
+EVAL_SFT_LOSS = "eval/sft_loss"  # held-out loss of an SFT job without envs
+TOKENS_PER_S = "tokens_per_s"
+STEP_S = "step_s"  # the step's seconds as the job measured its parts
+STEP_WALL_S = "step_wall_s"  # as the driver's loop saw it
+POLICY_LAG = "policy_lag"
+TIME_PREFIX = "time/"  # time/<part>_s: a step's time parts (otray.timing)
+GENERATE_SHARE = "time/generate_share"
+LEARNER_IDLE_FRAC = "time/learner_idle_frac"
+ROLLOUT_IDLE_FRAC = "time/rollout_idle_frac"
+
+# base: before the SFT warm-up; sft: after it (or an SFT job's step); init: before RL without warm-up;
+# grpo: an RL step; infer: an inference job's one row; tinker: a Tinker training client's optim_step
+PHASE_BASE, PHASE_SFT, PHASE_INIT, PHASE_GRPO = "base", "sft", "init", "grpo"
+PHASE_INFER, PHASE_TINKER = "infer", "tinker"
+PHASES = (PHASE_BASE, PHASE_SFT, PHASE_INIT, PHASE_GRPO, PHASE_INFER, PHASE_TINKER)
+
+
+def time_part(part: str) -> str:
+    """The key of one time part: ``time/<part>_s``."""
+    return f"{TIME_PREFIX}{part}_s"
+
+
+def headline_reward(row: Mapping[str, Any]) -> float | None:
+    """A row's training figure: the mean reward, else (SFT, Tinker) the loss."""
+    return row.get(REWARD_MEAN, row.get(LOSS))
+
+
+def headline_eval(row: Mapping[str, Any]) -> float | None:
+    """A row's held-out figure: the eval accuracy, else (SFT without envs) the held-out loss."""
+    return row.get(EVAL_ACCURACY, row.get(EVAL_SFT_LOSS))
+
+
+def for_dashboard() -> dict[str, str]:
+    """The keys the dashboard's page plots, as ``/api/info`` serves them to it."""
+    return {"step": STEP, "reward": REWARD_MEAN, "loss": LOSS, "accuracy": EVAL_ACCURACY}

@@ -1,0 +1,321 @@
+"""AdapterLearner: one base model, many LoRA adapters, each trained on its own.
+
+The learner behind the Tinker-compatible service (:mod:`otray.tinker`): every training client
+is a named PEFT adapter on one shared base model, with its own rank, its own AdamW state and
+its own step count. A call names the adapter it is for; the learner makes that adapter the
+only active (and only trainable) one, so gradients never mix: the base is frozen, and the other
+adapters neither take part in the forward pass nor receive gradients. An adapter trained
+here among others therefore equals the one trained alone on the same data
+(tests/tinker/test_service.py, the concurrent users test).
+
+Sampling runs on the same model: a sampler checkpoint (``save_weights_for_sampler``) is loaded
+as one more adapter, read-only, and kept in a small least-recently-used cache; the base model
+samples with every adapter switched off.
+
+Losses are Tinker's: sums over every token of the datum (no mask: a token that should not
+count carries weight 0 or advantage 0), with the per-token formulas of
+:mod:`otray.algos.losses`. Each datum gets back its ``logprobs`` and ``elementwise_loss``.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import random
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from otray.actors.sampling.backends.hf import HFBackend
+from otray.actors.learner.core import adamw_step, in_order, loss_inputs, new_adamw, plan_micro_batches, token_logprobs
+from otray.algos.losses import per_token_loss
+from otray.models import load_model, load_tokenizer
+from otray.types import Datum, Sample, SamplingParams
+
+ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP = ("gate_proj", "up_proj", "down_proj")
+SAMPLER_CACHE = 4  # sampler checkpoints kept loaded as adapters
+
+
+@dataclass(frozen=True)
+class AdapterSpec:
+    """A training client's LoRA: Tinker's ``LoraConfig`` plus the scale (alpha) this service uses."""
+
+    rank: int
+    seed: Optional[int] = None
+    train_mlp: bool = True
+    train_attn: bool = True
+    train_unembed: bool = True
+    alpha: float = 32.0
+
+    def target_modules(self) -> list[str]:
+        return [*(ATTN if self.train_attn else ()), *(MLP if self.train_mlp else ()),
+                *(("lm_head",) if self.train_unembed else ())]
+
+
+@dataclass(frozen=True)
+class AdamStep:
+    """Tinker's ``AdamParams``: ``grad_clip_norm`` 0 means no clipping."""
+
+    learning_rate: float = 1e-4
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-12
+    weight_decay: float = 0.0
+    grad_clip_norm: float = 0.0
+
+
+@dataclass
+class PassResult:
+    """One forward(_backward) call: per datum, each target token's logprob and loss; the loss sum."""
+
+    logprobs: list[list[float]]
+    losses: list[list[float]]
+    loss_sum: float
+
+
+@dataclass(frozen=True)
+class SampleJob:
+    """Prompts that share a model (``adapter``: a sampler checkpoint's directory, or None for the
+    base) and sampling settings; ``prompt_logprobs`` asks for each prompt token's logprob too."""
+
+    adapter: Optional[str]
+    prompts: list[list[int]]
+    params: SamplingParams
+    n: int
+    prompt_logprobs: bool = False
+
+
+@dataclass
+class SampleOut:
+    samples: list[Sample]
+    prompt_logprobs: Optional[list[Optional[float]]] = None
+
+
+class AdapterLearner:
+    """Ray actor (one per base model) holding every training client's adapter and optimizer."""
+
+    def __init__(self, model_path: str, *, num_threads: Optional[int] = None, micro_batch_tokens: int = 8192,
+                 max_model_len: Optional[int] = None):
+        if num_threads:
+            torch.set_num_threads(num_threads)
+        self.model_path = model_path
+        self.base = load_model(model_path, "float32")
+        self.tokenizer = load_tokenizer(model_path)
+        self.model: Any = None  # the PeftModel, made with the first adapter
+        self.specs: dict[str, AdapterSpec] = {}
+        self.optimizers: dict[str, torch.optim.Optimizer] = {}
+        self.steps: dict[str, int] = {}
+        self.samplers: collections.OrderedDict[str, str] = collections.OrderedDict()  # dir -> adapter name (LRU)
+        self.sampler_specs: dict[str, AdapterSpec] = {}  # sampler adapter name -> its spec
+        self.spare: list[str] = []  # sampler adapters no dir uses now: refilled for a dir of the same shape
+        self.micro_batch_tokens = micro_batch_tokens
+        self.max_model_len = max_model_len or self.base.config.max_position_embeddings
+
+    def ping(self) -> bool:
+        return True
+
+    def adapters(self) -> list[str]:
+        return sorted(self.specs)
+
+    # ------------------------------------------------------------------ adapters
+
+    def _add(self, name: str, spec: AdapterSpec) -> None:
+        from peft import LoraConfig, get_peft_model
+
+        config = LoraConfig(r=spec.rank, lora_alpha=spec.alpha, lora_dropout=0.0,
+                            target_modules=spec.target_modules(), task_type="CAUSAL_LM")
+        # the adapter's initial values depend on its seed only, not on what else this learner holds
+        state = torch.random.get_rng_state()
+        torch.manual_seed(spec.seed if spec.seed is not None else random.randrange(2**31))
+        try:
+            if self.model is None:
+                self.model = get_peft_model(self.base, config, adapter_name=name)
+            else:
+                self.model.add_adapter(name, config)
+        finally:
+            torch.random.set_rng_state(state)
+
+    def create(self, adapter: str, spec: AdapterSpec) -> None:
+        """A new adapter (a training client), its optimizer made at its first step."""
+        if adapter in self.specs:
+            raise ValueError(f"adapter {adapter!r} exists already")
+        self._add(adapter, spec)
+        self.specs[adapter] = spec
+        self.steps[adapter] = 0
+
+    def drop(self, adapter: str) -> None:
+        """Forget an adapter and its optimizer (its saved checkpoints stay)."""
+        if self.specs.pop(adapter, None) is not None:
+            self.optimizers.pop(adapter, None)
+            self.steps.pop(adapter, None)
+            self.model.delete_adapter(adapter)
+
+    def _use(self, adapter: Optional[str]) -> None:
+        if adapter is not None:
+            if adapter not in self.specs and adapter not in self.samplers.values():
+                raise KeyError(f"no adapter {adapter!r} on this learner (it restarted, or the model was unloaded)")
+            self.model.set_adapter(adapter)  # the only active adapter; only its parameters take gradients
+
+    def _params(self, adapter: str) -> list[torch.nn.Parameter]:
+        tag = f".{adapter}."
+        return [p for n, p in self.model.named_parameters() if tag in n and "lora_" in n]
+
+    # ------------------------------------------------------------------ forward / backward
+
+    def forward_backward(self, adapter: str, datums: list[Datum], loss_fn: str,
+                         loss_fn_config: Optional[dict[str, float]] = None, backward: bool = True) -> PassResult:
+        """Add the gradient of ``sum(per-token loss)`` over every datum to ``adapter``'s gradients
+        (``backward=False``: the same numbers, no gradient)."""
+        self._use(adapter)
+        self.model.train()
+        batches, order = plan_micro_batches(datums, self.micro_batch_tokens)
+        lps, losses, total = [], [], 0.0
+        for batch in batches:
+            with torch.set_grad_enabled(backward):
+                lp, _ = token_logprobs(self.model, batch)
+                x = loss_inputs(batch, lp.shape[1], every_token=True)
+                tok = per_token_loss(loss_fn, lp, x.sampler_logprobs, x.advantages, x.weights,
+                                     **(loss_fn_config or {})) * x.mask
+                loss = tok.sum()
+                if backward:
+                    loss.backward()
+            total += loss.item()
+            lps.extend(lp[i, :len(d)].tolist() for i, d in enumerate(batch))
+            losses.extend(tok[i, :len(d)].tolist() for i, d in enumerate(batch))
+        return PassResult(in_order(lps, order), in_order(losses, order), total)
+
+    def optim_step(self, adapter: str, p: AdamStep) -> dict[str, float]:
+        """One AdamW step of ``adapter`` on its accumulated gradients; zeroes them."""
+        self._use(adapter)
+        params = self._params(adapter)
+        opt = self.optimizers.get(adapter)
+        if opt is None:
+            opt = self.optimizers[adapter] = new_adamw(params, lr=p.learning_rate)
+        grad_norm = adamw_step(opt, params, learning_rate=p.learning_rate, betas=(p.beta1, p.beta2), eps=p.eps,
+                               weight_decay=p.weight_decay, grad_clip=p.grad_clip_norm if p.grad_clip_norm > 0 else None)
+        self.steps[adapter] += 1
+        return {"grad_norm:mean": grad_norm, "learning_rate:mean": p.learning_rate,
+                "step:max": float(self.steps[adapter])}
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def adapter_tensors(self, adapter: str) -> dict[str, torch.Tensor]:
+        from peft import get_peft_model_state_dict
+
+        return {k: v.detach().clone() for k, v in get_peft_model_state_dict(self.model, adapter_name=adapter,
+                                                                              save_embedding_layers=False).items()}
+
+    def save(self, adapter: str, path: str, optimizer: bool) -> int:
+        """``adapter`` as a PEFT directory at ``path`` (loadable by transformers, vLLM and ``otray serve``),
+        with its optimizer state when ``optimizer``; returns the bytes written."""
+        out = Path(path)
+        out.mkdir(parents=True, exist_ok=True)
+        if str(out) in self.samplers:  # overwritten: what is loaded from it is stale
+            self.spare.append(self.samplers.pop(str(out)))
+        self.model.save_pretrained(str(out), selected_adapters=[adapter], safe_serialization=True,
+                                   save_embedding_layers=False)  # the base's (tied) embeddings are not trained
+        nested = out / adapter  # PEFT puts a non-default adapter in a subdirectory
+        if nested.is_dir():
+            for f in nested.iterdir():
+                f.replace(out / f.name)
+            nested.rmdir()
+        meta = {"spec": asdict(self.specs[adapter]), "step": self.steps[adapter], "base": self.model_path}
+        (out / "otray_adapter.json").write_text(json.dumps(meta))
+        if optimizer and adapter in self.optimizers:
+            torch.save(self.optimizers[adapter].state_dict(), out / "optimizer.pt")
+        return sum(f.stat().st_size for f in out.iterdir() if f.is_file())
+
+    def load(self, adapter: str, path: str, optimizer: bool, create: bool) -> AdapterSpec:
+        """Weights (and with ``optimizer`` the AdamW state and step) saved by :meth:`save` into
+        ``adapter``, made first when ``create`` (its spec is the checkpoint's)."""
+        from peft import set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        src = Path(path)
+        meta = json.loads((src / "otray_adapter.json").read_text())
+        spec = AdapterSpec(**meta["spec"])
+        if create:
+            self.create(adapter, spec)
+        elif spec.rank != self.specs[adapter].rank or spec.target_modules() != self.specs[adapter].target_modules():
+            raise ValueError(f"checkpoint {path} is a rank-{spec.rank} adapter on {spec.target_modules()}; this "
+                             f"model is rank {self.specs[adapter].rank} on {self.specs[adapter].target_modules()}")
+        set_peft_model_state_dict(self.model, load_file(str(src / "adapter_model.safetensors")), adapter_name=adapter)
+        self.optimizers.pop(adapter, None)
+        if optimizer and (src / "optimizer.pt").exists():
+            opt = self.optimizers[adapter] = new_adamw(self._params(adapter), lr=1e-4)
+            opt.load_state_dict(torch.load(src / "optimizer.pt", weights_only=True))
+            self.steps[adapter] = int(meta["step"])
+        return spec
+
+    # ------------------------------------------------------------------ sampling
+
+    def _sampler_adapter(self, path: str) -> str:
+        """The adapter name of sampler checkpoint ``path``, loading it on first use."""
+        from peft import set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        if path in self.samplers:
+            self.samplers.move_to_end(path)
+            return self.samplers[path]
+        spec = AdapterSpec(**json.loads((Path(path) / "otray_adapter.json").read_text())["spec"])
+        name = self._sampler_slot(spec)
+        set_peft_model_state_dict(self.model, load_file(str(Path(path) / "adapter_model.safetensors")), adapter_name=name)
+        self.samplers[path] = name
+        return name
+
+    def _sampler_slot(self, spec: AdapterSpec) -> str:
+        """An adapter to load a ``spec``-shaped sampler checkpoint into: a spare one of the same shape
+        (making an adapter costs ~6x loading weights into one), else a new one. At most
+        SAMPLER_CACHE sampler adapters exist; the least recently used dir gives its adapter up."""
+        from peft import LoraConfig
+
+        if len(self.samplers) >= SAMPLER_CACHE:
+            self.spare.append(self.samplers.popitem(last=False)[1])
+        shape = (spec.rank, spec.alpha, sorted(spec.target_modules()))
+        for name in self.spare:
+            s = self.sampler_specs[name]
+            if (s.rank, s.alpha, sorted(s.target_modules())) == shape:
+                self.spare.remove(name)
+                return name
+        while self.spare and len(self.spare) + len(self.samplers) >= SAMPLER_CACHE:
+            old = self.spare.pop(0)
+            self.model.delete_adapter(old)
+            del self.sampler_specs[old]
+        name = f"sampler-{len(self.sampler_specs)}-{random.randrange(10**9)}"
+        if self.model is None:
+            self._add(name, spec)
+        else:
+            self.model.add_adapter(name, LoraConfig(r=spec.rank, lora_alpha=spec.alpha, lora_dropout=0.0,
+                                                    target_modules=spec.target_modules(), task_type="CAUSAL_LM"))
+        self.sampler_specs[name] = spec
+        return name
+
+    def sample(self, jobs: list[SampleJob]) -> list[list[SampleOut]]:
+        """Each job's prompts, ``n`` samples each (one generate call per job); per prompt a
+        :class:`SampleOut`."""
+        return [self._sample_one(job) for job in jobs]
+
+    def _sample_one(self, job: SampleJob) -> list[SampleOut]:
+        from contextlib import nullcontext
+
+        if job.adapter is not None:  # loaded outside inference mode: its tensors must stay usable by autograd
+            self._use(self._sampler_adapter(job.adapter))
+        model = self.model if self.model is not None else self.base
+        off = self.model.disable_adapter() if (job.adapter is None and self.model is not None) else nullcontext()
+        model.eval()
+        with off, torch.inference_mode():
+            backend = HFBackend.on_model(model, self.tokenizer, max_model_len=self.max_model_len, packed_linears=False)
+            samples = backend.generate(job.prompts, job.params, job.n) if job.params.max_tokens > 0 else [[]] * len(job.prompts)
+            prompt_lps = [self._prompt_logprobs(model, p) for p in job.prompts] if job.prompt_logprobs else None
+        return [SampleOut(s, prompt_lps[i] if prompt_lps else None) for i, s in enumerate(samples)]
+
+    def _prompt_logprobs(self, model: Any, prompt: list[int]) -> list[Optional[float]]:
+        if len(prompt) < 2:
+            return [None] * len(prompt)
+        ids = torch.tensor([prompt])
+        logits = model(input_ids=ids).logits.float()[0, :-1]
+        lp = logits.log_softmax(-1).gather(-1, ids[0, 1:, None]).squeeze(-1)
+        return [None, *lp.tolist()]

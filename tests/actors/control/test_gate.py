@@ -1,0 +1,188 @@
+"""The security boundary on a real local Ray: ResourceManager methods refuse callers without the
+right key, job token or checkpoint grant; auth survives a restart and cannot be downgraded; keys
+are revoked at once; failures are honest (innermost error stored, a step whose rollouts all failed
+or whose only worker died fails the job without a checkpoint of it)."""
+
+import time
+from pathlib import Path
+
+import pytest
+
+from otray.actors.control.registry import AuthError
+from otray.trust import ForbiddenConfigError
+from tests.conftest import fresh_resource_manager, kill_resource_manager
+from tests.fixtures.jobs import admin_cfg, user_cfg, wait_job
+
+
+
+@pytest.fixture(scope="module")
+def keyed(ray_local, tmp_path_factory):
+    """A ResourceManager with auth on: root (admin), alice and bob; alice's finished job with a checkpoint."""
+    db = tmp_path_factory.mktemp("sec") / "registry.db"
+    rm = fresh_resource_manager(db, auth_enabled=True)
+    root = ray_local.get(rm.add_user.remote("root"))
+    alice, bob = (ray_local.get(rm.add_user.remote(n, False, root)) for n in ("alice", "bob"))
+    data = user_cfg(None, None)
+    data["checkpoint"] = {"save_at_end": True}
+    job = ray_local.get(rm.submit.remote(data, alice))
+    assert wait_job(ray_local, rm, job, alice).state == "SUCCEEDED"
+    yield {"rm": rm, "db": db, "root": root, "alice": alice, "bob": bob, "job": job}
+    kill_resource_manager()
+
+
+def test_rm_methods_refuse_callers_without_the_right_key_token_or_grant(keyed, ray_local):
+    rm, job, alice, bob, root = keyed["rm"], keyed["job"], keyed["alice"], keyed["bob"], keyed["root"]
+    metrics = ray_local.get(rm.metrics.remote(job, 0, alice))
+    steps = ray_local.get(rm.checkpoints.remote(job, alice))
+    assert steps == [2]
+    # a job's driver calls: without its token, or with a guessed one
+    for call in (rm.report.remote(job, {"step": 99}), rm.report.remote(job, {"step": 99}, "guess"),
+                 rm.report_episodes.remote(job, [{"step": 99}]), rm.report_outputs.remote(job, [{"x": 1}]),
+                 rm.put_checkpoint.remote(job, 99, b""), rm.ref_blob.remote(job, f"{job}:2")):
+        with pytest.raises(AuthError, match="not the job token"):
+            ray_local.get(call)
+    assert ray_local.get(rm.metrics.remote(job, 0, alice)) == metrics  # nothing rewritten or injected
+    assert ray_local.get(rm.checkpoints.remote(job, alice)) == steps
+    # the Serve app's checkpoint download needs a grant, which only the owner's key obtains
+    with pytest.raises(AuthError, match="no grant"):
+        ray_local.get(rm.serve_checkpoint_blob.remote(job, 2))
+    with pytest.raises(AuthError, match="belongs to another user"):
+        ray_local.get(rm.serve_grant.remote(job, 2, bob))
+    step, grant, _ = ray_local.get(rm.serve_grant.remote(job, None, alice))
+    assert step == 2 and len(ray_local.get(rm.serve_checkpoint_blob.remote(job, 2, grant))) > 1000
+    with pytest.raises(AuthError, match="no grant"):
+        ray_local.get(rm.serve_checkpoint_blob.remote(job, 1, grant))  # a grant is for one checkpoint
+    # users' methods on another user's job, and admin-only methods
+    for call in (rm.checkpoint_blob.remote(job, None, bob), rm.cancel.remote(job, bob), rm.metrics.remote(job, 0, bob)):
+        with pytest.raises(AuthError, match="belongs to another user"):
+            ray_local.get(call)
+    for call in (rm.driver.remote(job, bob), rm.placement_group_id.remote(job, bob), rm.users.remote(bob),
+                 rm.delete_user.remote("alice", bob), rm.allow_modules.remote(["mine"], bob),
+                 rm.rotate_key.remote("alice", bob)):
+        with pytest.raises(AuthError, match="only an admin"):
+            ray_local.get(call)
+    assert [u.name for u in ray_local.get(rm.users.remote(root))] == ["root", "alice", "bob"]
+
+
+def test_users_jobs_are_confined(keyed, ray_local):
+    rm, job, bob = keyed["rm"], keyed["job"], keyed["bob"]
+    area = Path(keyed["db"]).parent / "users" / "alice"
+    assert (area / "runs" / job / "metrics.jsonl").exists() and (area / "data" / "data" / "arithmetic").is_dir()
+    before = len(ray_local.get(rm.jobs.remote(keyed["root"])))
+    attack = user_cfg(None, None)
+    attack["envs"]["arithmetic"]["dataset"] = {"builder": "builtins:exec", "dir": "open('/tmp/pwned', 'w')"}
+    with pytest.raises(ForbiddenConfigError, match="envs.arithmetic.dataset.builder: 'builtins:exec'"):
+        ray_local.get(rm.submit.remote(attack, bob))
+    stolen = user_cfg(None, None)
+    stolen["checkpoint"] = {"resume_from": str(area / "runs" / job / "checkpoints" / "step-000002")}
+    with pytest.raises(ForbiddenConfigError, match="checkpoint.resume_from: .* is a directory"):
+        ray_local.get(rm.submit.remote(stolen, bob))
+    anywhere = user_cfg(None, None)
+    anywhere["job"]["output_dir"] = "/work"
+    with pytest.raises(ForbiddenConfigError, match="job.output_dir"):
+        ray_local.get(rm.submit.remote(anywhere, bob))
+    assert len(ray_local.get(rm.jobs.remote(keyed["root"]))) == before  # nothing queued
+    assert not Path("/tmp/pwned").exists()
+
+
+def test_keys_are_revoked_and_rotated_at_once(keyed, ray_local):
+    rm, root = keyed["rm"], keyed["root"]
+    carol = ray_local.get(rm.add_user.remote("carol", False, root))
+    assert ray_local.get(rm.whoami.remote(carol)).name == "carol"
+    new = ray_local.get(rm.rotate_key.remote(None, carol))  # a user rotates their own key
+    with pytest.raises(AuthError, match="wrong API key"):
+        ray_local.get(rm.whoami.remote(carol))
+    assert ray_local.get(rm.whoami.remote(new)).name == "carol"
+    ray_local.get(rm.delete_user.remote("carol", root))
+    with pytest.raises(AuthError, match="wrong API key"):
+        ray_local.get(rm.whoami.remote(new))
+
+
+def test_job_error_is_the_innermost_exception_and_the_cli_calls_it_bad_input(keyed, ray_local, tmp_path):
+    from dataclasses import replace
+
+    from otray.cli import report_failure
+
+    rm, root = keyed["rm"], keyed["root"]
+    data = admin_cfg(tmp_path)
+    data["envs"]["arithmetic"]["entry"] = "nosuchmod:Env"  # an admin's config: imported on the cluster
+    job = ray_local.get(rm.submit.remote(data, root))
+    st = wait_job(ray_local, rm, job, root)
+    assert st.state == "FAILED" and st.error.startswith("ConfigError: cannot import 'nosuchmod:Env'"), st.error
+    assert "ray::" not in st.error
+    assert report_failure(job, st) == 2
+    assert report_failure(job, replace(st, error="RolloutError: step 3: all 8 rollouts failed")) == 1
+
+
+def test_a_step_whose_rollouts_all_failed_fails_the_job_without_its_checkpoint(keyed, ray_local, tmp_path):
+    rm, root = keyed["rm"], keyed["root"]
+    data = admin_cfg(tmp_path)
+    data["envs"]["arithmetic"]["entry"] = "tests.fixtures.failing_envs:FailsAfterReset"
+    data["checkpoint"] = {"save_every": 1}
+    job = ray_local.get(rm.submit.remote(data, root))
+    st = wait_job(ray_local, rm, job, root)
+    assert st.state == "FAILED", st
+    assert st.error.startswith("RolloutError: step 1: all 4 rollouts failed (env_exception)"), st.error
+    assert ray_local.get(rm.checkpoints.remote(job, root)) == []
+
+
+def _kill_process_of(ray, class_name):
+    """SIGKILL the process of the one live actor of ``class_name`` (a crash, not a polite ray.kill)."""
+    import os
+    import signal
+
+    table = ray._private.state.actors().values()  # the state API needs the dashboard, which is off
+    pids = [a["Pid"] for a in table if a["ActorClassName"] == class_name and a["State"] == "ALIVE"]
+    assert len(pids) == 1, (class_name, pids)
+    os.kill(pids[0], signal.SIGKILL)
+    return time.time()
+
+
+def _running_job(ray, rm, root, tmp_path):
+    data = admin_cfg(tmp_path, steps=500)
+    data["checkpoint"] = {"save_every": 1}
+    job = ray.get(rm.submit.remote(data, root))
+    wait_job(ray, rm, job, root, until="step")
+    return job, ray.get(rm.placement_group_id.remote(job, root))
+
+
+@pytest.mark.parametrize("victim, says", [("RolloutWorker", "rollout worker"), ("PolicyLearner", "Actor")])
+def test_a_killed_worker_or_learner_fails_the_job_and_frees_its_lease(keyed, ray_local, victim, says, tmp_path):
+    rm, root = keyed["rm"], keyed["root"]
+    job, pg = _running_job(ray_local, rm, root, tmp_path)
+    killed_at = _kill_process_of(ray_local, victim)
+    st = wait_job(ray_local, rm, job, root, timeout=60)
+    assert st.state == "FAILED" and says in st.error, st
+    assert time.time() - killed_at < 60
+    assert ray_local.util.placement_group_table()[pg]["state"] == "REMOVED"
+    trained = max(r["step"] for r in ray_local.get(rm.metrics.remote(job, 0, root)) if r.get("phase") == "grpo")
+    assert max(ray_local.get(rm.checkpoints.remote(job, root))) <= trained  # none saved from a failed step
+
+
+def test_a_crashed_manager_restarts_fails_its_running_job_and_keeps_auth(keyed, ray_local, tmp_path):
+    from otray.actors.control.resource_manager import get_or_create
+
+    rm, db, alice, root = keyed["rm"], keyed["db"], keyed["alice"], keyed["root"]
+    job, pg = _running_job(ray_local, rm, root, tmp_path)
+    _kill_process_of(ray_local, "ResourceManager")  # the process dies; Ray restarts the manager (max_restarts)
+    deadline = time.time() + 60
+    while True:  # calls fail (ActorUnavailableError) until the new process answers
+        try:
+            st = ray_local.get(rm.status.remote(job, root), timeout=10)
+            break
+        except (ray_local.exceptions.RayActorError, ray_local.exceptions.GetTimeoutError):
+            assert time.time() < deadline, "the ResourceManager did not come back"
+            time.sleep(0.5)  # failed at once, its lease freed; resumable from a checkpoint
+    assert st.state == "FAILED" and st.error.startswith("ResourceManagerRestarted"), st
+    assert ray_local.get(rm.checkpoints.remote(job, root))
+    deadline = time.time() + 30
+    while ray_local.util.placement_group_table()[pg]["state"] != "REMOVED":
+        assert time.time() < deadline, "the crashed job's placement group was not freed"
+        time.sleep(0.5)
+    assert ray_local.get(rm.auth_required.remote())
+    with pytest.raises(AuthError, match="requires an API key"):
+        ray_local.get(rm.jobs.remote())
+    kill_resource_manager()
+    again = get_or_create(str(db), auth_enabled=False)  # a client asking for auth off
+    assert ray_local.get(again.auth_required.remote())
+    assert [j.id for j in ray_local.get(again.jobs.remote(alice))][:1] == [keyed["job"]]

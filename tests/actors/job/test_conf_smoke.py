@@ -1,0 +1,71 @@
+"""Smoke runs: every config in conf/ trains for a couple of steps on the tiny model."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from otray import config
+
+from tests.conftest import ROOT  # noqa: E402 (the repository root)
+# per config: overrides that shrink it to a couple of steps (every file in conf/ needs an entry)
+# game entries train on uniform groups too: two small steps may otherwise hold none with a gradient,
+# and the test checks that every trained policy's learner ran (games drop uniform groups like envs)
+SMOKE = {
+    "arithmetic_grpo.yaml": ["sft.steps=2", "sft.stop_at_accuracy=null", "algo.steps=2", "algo.batch_size=4",
+                             "eval.num_samples=5"],
+    "arithmetic_sft.yaml": ["sft.steps=2", "sft.eval_samples=8", "eval.num_samples=5", "checkpoint.save_every=1"],
+    "guess_number.yaml": ["sft.steps=2", "sft.stop_at_accuracy=null", "algo.steps=2", "algo.batch_size=2",
+                          "eval.num_samples=4"],
+    "bandit.yaml": ["algo.steps=2", "algo.batch_size=2", "eval.num_samples=4"],
+    "math_word.yaml": ["algo.steps=2", "algo.batch_size=2", "eval.num_samples=4"],
+    "calculator.yaml": ["algo.steps=2", "algo.batch_size=2", "eval.num_samples=4"],
+    "math_code.yaml": ["algo.steps=2", "algo.batch_size=2", "eval.num_samples=2"],
+    "multienv.yaml": ["algo.steps=2", "algo.batch_size=6", "eval.num_samples=3"],
+    "openreward.yaml": ["sft.steps=2", "sft.stop_at_accuracy=null", "sft.batch_size=4", "algo.steps=2",
+                        "algo.batch_size=2", "eval.num_samples=4"],
+    "openreward_mixed.yaml": ["algo.steps=2", "algo.batch_size=6", "eval.num_samples=3"],
+    "tictactoe_vs_random.yaml": ["algo.steps=2", "algo.batch_size=2", "game.num_rollouts=2", "game.eval_games=3",
+                                 "sft.steps=2", "sft.batch_size=4", "algo.drop_uniform_groups=false"],
+    "gomoku_selfplay.yaml": ["algo.steps=2", "algo.batch_size=2", "game.num_rollouts=2", "game.eval_games=2",
+                            "algo.drop_uniform_groups=false"],
+    "gomoku_two_policies.yaml": ["algo.steps=2", "algo.batch_size=2", "game.num_rollouts=2", "game.eval_games=2",
+                                "algo.drop_uniform_groups=false"],
+    "rps_vs_scripted.yaml": ["algo.steps=2", "algo.batch_size=2", "game.num_rollouts=2", "game.eval_games=2",
+                            "algo.drop_uniform_groups=false"],
+}
+
+
+def test_every_config_has_a_smoke_entry():
+    assert sorted(p.name for p in (ROOT / "conf").glob("*.yaml")) == sorted(SMOKE)
+
+
+@pytest.mark.parametrize("name", sorted(SMOKE))
+def test_config_runs_two_steps(ray_local, tmp_path, name):
+    from otray.actors.job.run import run
+
+    cfg = config.load(ROOT / "conf" / name, SMOKE[name] + [f"job.output_dir={tmp_path}"])
+    job_dir = tmp_path / cfg.job.name
+    summary = run(cfg, job_dir)
+    rows = [json.loads(line) for line in (job_dir / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["step"] == 2 and summary["heldout_end"] is not None
+    if cfg.game is not None:  # win/draw/loss per trained policy, role and eval opponent
+        g, last = cfg.game, rows[-1]
+        trained = config.trained_policies(cfg)
+        for name in trained:
+            prefix = "eval/" if len(trained) == 1 else f"eval/{name}/"
+            for role in g.policies:
+                for opponent in ("random", "heuristic", "always_rock"):
+                    assert (f"{prefix}{role}_vs_{opponent}/win_rate" in last) == any(
+                        o.endswith(opponent) for o in g.eval_opponents), (name, role, opponent)
+            loss = "learner/loss" if len(trained) == 1 else f"policy/{name}/learner/loss"
+            assert loss in last, sorted(last)
+        seatings = len(g.policies) if g.rotate_seats else 1
+        assert last["games"] == 2 * 2 * seatings and last["games_errored"] == 0
+    if len(cfg.envs) > 1:  # every metric per env and overall
+        for env in cfg.envs:
+            assert f"eval/{env}/reward_mean" in rows[-1] and f"eval/{env}/turns_mean" in rows[-1]
+        assert any(k.startswith("env/") and k.endswith("/reward_mean") for k in rows[-1])
+        for env in cfg.envs:  # tool envs: tool calls and their error rate
+            if env in ("calculator", "tool_addition"):
+                assert f"eval/{env}/tool_error_rate" in rows[-1], sorted(rows[-1])

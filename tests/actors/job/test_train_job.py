@@ -1,0 +1,241 @@
+"""TrainJob on a local Ray cluster with the tiny model: a short job, and bad input."""
+
+import json
+
+import pytest
+
+from otray import config
+from otray.types import ConfigError, DatasetError, ModelLoadError
+
+
+def _cfg(tmp_path, **env_over):
+    env = {"entry": "envs.arithmetic:Arithmetic",
+           "dataset": {"builder": "envs.arithmetic:make_dataset", "dir": str(tmp_path / "data"), "kwargs": {"num_eval": 40}},
+           "splits": {"train": {}, "eval": {"shuffle": False}}, "num_rollouts": 4, "max_tokens_per_turn": 4, **env_over}
+    return {"job": {"name": "t", "output_dir": str(tmp_path / "runs")},
+            "model": {"cache_dir": str(tmp_path.parent / "models")},
+            "rollout": {"backend": "hf", "max_model_len": 64},
+            "sft": {"steps": 3, "batch_size": 8, "env": "arithmetic"},
+            "algo": {"steps": 2, "batch_size": 4, "drop_uniform_groups": False},
+            "eval": {"num_samples": 10},
+            "envs": {"arithmetic": env}}
+
+
+@pytest.fixture(scope="module")
+def run_job(ray_local, tiny_path):
+    from otray.actors.job.run import run
+
+    def _run(tmp_path, data, overrides=()):
+        data["model"]["path"] = tiny_path
+        cfg = config.load(data, list(overrides))
+        job_dir = tmp_path / "runs" / "t"
+        return run(cfg, job_dir), job_dir
+
+    return _run
+
+
+def test_short_job_writes_metrics_and_trajectories(run_job, tmp_path):
+    summary, job_dir = run_job(tmp_path, _cfg(tmp_path))
+    rows = [json.loads(line) for line in (job_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["phase"] for r in rows] == ["base", "sft", "grpo", "grpo"]
+    grpo = rows[-1]
+    for key in ("reward_mean", "tokens_per_s", "step_s", "learner/grad_norm", "eval/accuracy"):
+        assert key in grpo
+    assert grpo["learner/step"] == 3 + 2  # sft steps + grpo steps share the optimizer step counter
+    trajs = [json.loads(line) for line in (job_dir / "trajectories.jsonl").read_text().splitlines()]
+    assert trajs and trajs[0]["messages"][-1]["role"] == "assistant"
+    # drop_uniform_groups is off, so every logged episode was trained on and has an advantage
+    assert all(isinstance(t["advantage"], float) for t in trajs)
+    assert summary["heldout_end"] is not None
+
+
+def test_step_breakdown_adds_up_to_the_step(run_job, tmp_path):
+    """Every RL row splits its wall time into parts (generate, env, forward_backward, ...) that sum to
+    the step's wall time as train.run measured it, within 5%; idle fractions are fractions."""
+    from otray.timing import PARTS, breakdown_table
+
+    data = _cfg(tmp_path)
+    data["sft"]["steps"] = 0
+    data["algo"]["steps"] = 3
+    _, job_dir = run_job(tmp_path, data)
+    rows = [json.loads(line) for line in (job_dir / "metrics.jsonl").read_text().splitlines()]
+    grpo = [r for r in rows if r["phase"] == "grpo"]
+    assert len(grpo) == 3
+    for r in grpo:
+        parts = {k: v for k, v in r.items() if k.startswith("time/") and k.endswith("_s")}
+        assert set(parts) <= {f"time/{p}_s" for p in PARTS} and all(v >= 0 for v in parts.values())
+        for must in ("generate", "env", "prepare", "forward_backward", "optim_step", "weight_sync"):
+            assert parts[f"time/{must}_s"] > 0, must
+        assert abs(sum(parts.values()) - r["step_wall_s"]) <= 0.05 * r["step_wall_s"], (parts, r["step_wall_s"])
+        assert 0 < r["time/generate_share"] < 1
+        assert 0 <= r["time/learner_idle_frac"] < 1 and 0 <= r["time/rollout_idle_frac"] < 1
+        assert r["policy_lag"] == 0
+    table = breakdown_table(rows).splitlines()
+    assert len(table) == 1 + 3 and "forward_backward" in table[0]
+
+
+def test_one_step_off_policy_trains_on_the_previous_weights_samples_and_resumes(run_job, tmp_path):
+    def rows_of(job_dir):
+        return [json.loads(line) for line in (job_dir / "metrics.jsonl").read_text().splitlines()]
+
+    (tmp_path / "a").mkdir()
+    a = _cfg(tmp_path / "a")
+    a["sft"]["steps"] = 0
+    a["algo"].update(steps=4, max_steps_off_policy=1)
+    a["checkpoint"] = {"save_every": 2}
+    _, a_dir = run_job(tmp_path / "a", a)
+    grpo = [r for r in rows_of(a_dir) if r["phase"] == "grpo"]
+    assert [r["policy_lag"] for r in grpo] == [0, 1, 1, 1]  # the first batch is sampled before any update
+    assert "time/generate_s" in grpo[0]  # later batches were generated while the learner trained:
+    assert all("time/generate_s" not in r and "time/rollout_wait_s" in r for r in grpo[1:])  # only the wait shows
+    assert len({r["batch"] for r in grpo}) == 4
+
+    (tmp_path / "b").mkdir()
+    b = _cfg(tmp_path / "b")
+    b["sft"]["steps"] = 0
+    b["algo"].update(steps=4, max_steps_off_policy=1)
+    b["checkpoint"] = {"resume_from": str(a_dir / "checkpoints" / "step-000002")}
+    _, b_dir = run_job(tmp_path / "b", b)
+    resumed = [r for r in rows_of(b_dir) if r["phase"] == "grpo"]
+    assert [r["batch"] for r in resumed] == [r["batch"] for r in grpo[2:]]  # the prefetched batch is not skipped
+
+
+def test_colocated_job_generates_in_the_learner(run_job, tmp_path):
+    """rollout.colocate: no rollout worker actors, every batch sampled by the current policy (lag 0,
+    no weight transfer), and the learner's busy clock covers generation too."""
+    from otray.actors.control.resource_manager import bundles_for
+
+    data = _cfg(tmp_path)
+    data["sft"]["steps"] = 2
+    data["algo"]["steps"] = 3
+    data["rollout"]["colocate"] = True
+    assert len(bundles_for(config.load(data | {"model": {"path": "tiny"}}))) == 1  # the learner's bundle only
+    summary, job_dir = run_job(tmp_path, data)
+    rows = [json.loads(line) for line in (job_dir / "metrics.jsonl").read_text().splitlines()]
+    grpo = [r for r in rows if r["phase"] == "grpo"]
+    assert len(grpo) == 3 and [r["policy_lag"] for r in grpo] == [0, 0, 0]
+    assert all(r["time/generate_s"] > 0 and r["time/weight_sync_s"] < 0.05 for r in grpo)
+    assert all(r["time/learner_idle_frac"] < 0.5 for r in grpo)  # it generates as well as trains
+    assert grpo[-1]["learner/step"] == 2 + 3 and "eval/accuracy" in grpo[-1]
+    assert summary["heldout_end"] is not None
+
+
+def test_env_exceptions_become_error_records_and_the_job_finishes(run_job, tmp_path):
+    data = _cfg(tmp_path, entry="tests.fixtures.flaky_envs:SometimesRaises", max_failing_rollouts=4)
+    data["algo"]["batch_size"] = 8  # some even answers in every step: a step whose rollouts ALL fail stops
+    summary, job_dir = run_job(tmp_path, data)  # the job (tests/actors/control/test_security.py), this one must go on
+    rows = [json.loads(line) for line in (job_dir / "metrics.jsonl").read_text().splitlines()]
+    assert sum(r.get("episode_errors", 0) for r in rows) > 0
+    trajs = [json.loads(line) for line in (job_dir / "trajectories.jsonl").read_text().splitlines()]
+    assert any(t["error"] and "odd answers" in t["error"] for t in trajs)
+    assert summary["heldout_end"] is not None
+
+
+def test_unparseable_output_gets_zero_reward(run_job, tmp_path):
+    data = _cfg(tmp_path, entry="tests.fixtures.flaky_envs:Unparseable")
+    data["sft"]["steps"] = 0
+    data["algo"]["steps"] = 1
+    _, job_dir = run_job(tmp_path, data)
+    trajs = [json.loads(line) for line in (job_dir / "trajectories.jsonl").read_text().splitlines()]
+    assert trajs and all(t["reward"] == 0.0 for t in trajs)
+
+
+def test_empty_dataset_and_missing_model_are_clear_errors(run_job, tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    data = _cfg(tmp_path, splits={"train": {"path": str(empty)}})
+    with pytest.raises(DatasetError, match="empty"):
+        run_job(tmp_path, data)
+    from otray.actors.job.run import run
+
+    bad = _cfg(tmp_path)
+    bad["model"]["path"] = str(tmp_path / "no-such-model")
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        run(config.load(bad), tmp_path / "x")
+    with pytest.raises(ConfigError, match="sft.env"):
+        config.load({**_cfg(tmp_path), "sft": {"steps": 1, "env": "nope"}})
+
+
+def test_same_seed_same_run(run_job, tmp_path):
+    def trained(sub):
+        (tmp_path / sub).mkdir()
+        data = _cfg(tmp_path / sub)
+        data["model"]["cache_dir"] = str(tmp_path.parent / "models")
+        _, job_dir = run_job(tmp_path / sub, data)
+        rows = [json.loads(line) for line in (job_dir / "metrics.jsonl").read_text().splitlines()]
+        return [(r.get("reward_mean"), r.get("eval/accuracy"), r.get("learner/loss"), r.get("learner/num_tokens"))
+                for r in rows]
+
+    first = trained("a")
+    assert first == trained("b")
+    assert all(tokens > 0 for *_, tokens in first[2:])  # both GRPO steps trained on sampled tokens
+
+
+def test_resume_continues_step_counter_and_data(run_job, tmp_path):
+    def rows_of(job_dir):
+        return [json.loads(line) for line in (job_dir / "metrics.jsonl").read_text().splitlines()]
+
+    (tmp_path / "a").mkdir()
+    a = _cfg(tmp_path / "a")
+    a["algo"]["steps"] = 4
+    a["checkpoint"] = {"save_every": 2}
+    summary, a_dir = run_job(tmp_path / "a", a)
+    assert summary["last_checkpoint"].endswith("step-000004")
+    ck = a_dir / "checkpoints" / "step-000002"
+    assert (ck / "state" / "meta.json").exists() and (ck / "model" / "config.json").exists()
+
+    (tmp_path / "b").mkdir()
+    b = _cfg(tmp_path / "b")
+    b["algo"]["steps"] = 4
+    b["checkpoint"] = {"resume_from": str(ck)}
+    _, b_dir = run_job(tmp_path / "b", b)
+    uninterrupted = {r["step"]: r for r in rows_of(a_dir) if r["phase"] == "grpo"}
+    resumed = [r for r in rows_of(b_dir) if r["phase"] == "grpo"]
+    assert [r["step"] for r in resumed] == [3, 4]
+    for r in resumed:
+        assert r["batch"] == uninterrupted[r["step"]]["batch"]
+        assert r["learner/step"] == uninterrupted[r["step"]]["learner/step"]
+    assert uninterrupted[3]["batch"] != uninterrupted[4]["batch"]
+
+
+def test_resume_from_a_missing_checkpoint_is_a_clear_error(run_job, tmp_path):
+    data = _cfg(tmp_path)
+    data["checkpoint"] = {"resume_from": str(tmp_path / "nope")}
+    with pytest.raises(ModelLoadError, match="holds no learner state"):
+        run_job(tmp_path, data)
+
+
+def test_metrics_reach_wandb_offline_and_ray_gauges(run_job, tmp_path):
+    data = _cfg(tmp_path)
+    data["sft"]["steps"] = 0
+    data["algo"]["steps"] = 1
+    data["logging"] = {"wandb": True, "wandb_mode": "offline", "ray_metrics": True}
+    _, job_dir = run_job(tmp_path, data)
+    runs = list((job_dir / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert runs and runs[0].stat().st_size > 0
+
+
+def test_actors_are_named_after_the_job_and_end_with_it(ray_local, tiny_path, tmp_path):
+    """Every actor of a job shows in the Ray dashboard's actor list as ``otray:<job id>:<role>``; the
+    job's end (``TrainJob.close``, which ``run`` calls) kills them, so a job run in-process leaves none."""
+    import time
+
+    from otray.actors.job.train_job import TrainJob
+
+    data = _cfg(tmp_path)
+    data["model"]["path"] = tiny_path
+    data["rollout"]["num_workers"] = 2
+    job = TrainJob(config.load(data), tmp_path / "runs" / "job-42")
+
+    def names():
+        return {a["name"] for a in ray_local.util.list_named_actors(all_namespaces=True)
+                if a["name"].startswith("otray:job-42:")}
+
+    try:
+        assert names() == {"otray:job-42:learner", "otray:job-42:rollout-0", "otray:job-42:rollout-1"}
+    finally:
+        job.close()
+    deadline = time.time() + 30
+    while names() and time.time() < deadline:
+        time.sleep(0.2)
+    assert not names()

@@ -1,0 +1,128 @@
+"""One suite, both backends: generation, logprob agreement with the learner, weight sync.
+
+Logprob agreement is the contract that makes importance ratios meaningful: for the
+same tokens, sampler and learner logprobs (float32, temperature 1) must agree to
+a mean absolute difference below 1e-3, before and after every kind of update.
+"""
+
+import pytest
+import torch
+
+from otray.actors.learner.policy_learner import PolicyLearner
+from otray.actors.sampling.rollout import RolloutWorker
+from otray.algos.datums import sft_datum
+from otray.models import chat_prompt_ids
+from otray.types import Datum, FinishReason, PromptTooLongError, SamplingParams
+
+BACKENDS = ["hf", pytest.param("vllm", marks=pytest.mark.vllm)]
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def worker(request, tiny_path):
+    w = RolloutWorker(tiny_path, request.param, max_model_len=256, max_lora_rank=8, seed=0)
+    yield w
+    w.shutdown()
+
+
+@pytest.fixture
+def prompts(tokenizer):
+    return [chat_prompt_ids(tokenizer, [{"role": "user", "content": q}]) for q in ("12+34=", "What is 7*8?")]
+
+
+def _mean_abs_diff(learner, prompt, sample):
+    seq = prompt + sample.token_ids
+    n = len(seq) - 1
+    d = Datum(seq[:-1], seq[1:], [0.0] * n, [0.0] * n, [0.0] * n)
+    lp = learner.forward([d])[0][len(prompt) - 1:]
+    assert len(lp) == len(sample.logprobs)
+    return sum(abs(a - b) for a, b in zip(lp, sample.logprobs)) / len(lp)
+
+
+def _assert_logprobs_match(worker, learner, prompts):
+    results = worker.generate(prompts, SamplingParams(max_tokens=12, temperature=1.0, seed=3), n=3)
+    diffs = [_mean_abs_diff(learner, p, s) for p, r in zip(prompts, results) for s in r.samples]
+    assert max(diffs) < 1e-3, diffs
+
+
+def test_generate_shapes_and_logprobs(worker, prompts):
+    results = worker.generate(prompts, SamplingParams(max_tokens=8, temperature=1.0, seed=1), n=4)
+    assert len(results) == 2
+    for r in results:
+        assert len(r.samples) == 4 and r.policy_version == worker.policy_version()
+        for s in r.samples:
+            assert 1 <= len(s.token_ids) <= 8 and len(s.logprobs) == len(s.token_ids)
+            assert all(lp <= 0.0 for lp in s.logprobs)
+            assert (s.finish_reason is FinishReason.LENGTH) == (len(s.token_ids) == 8 and s.token_ids[-1] not in worker.backend.stop_token_ids)
+    greedy = SamplingParams(max_tokens=8, temperature=0.0)
+    assert worker.generate(prompts, greedy, 1)[0].samples[0].token_ids == worker.generate(prompts, greedy, 1)[0].samples[0].token_ids
+
+
+def test_prompt_longer_than_context_is_a_clear_error(worker):
+    with pytest.raises(PromptTooLongError, match="300 tokens but the model context is 256"):
+        worker.generate([[5] * 300], SamplingParams(max_tokens=4), 1)
+
+
+def test_sampler_logprobs_match_learner_base(worker, tiny_path, prompts):
+    worker.update_weights(PolicyLearner(tiny_path).weights())  # back to base weights
+    _assert_logprobs_match(worker, PolicyLearner(tiny_path), prompts)
+
+
+def test_full_update_then_match_and_stop(worker, tiny_path, tokenizer, prompts):
+    learner = PolicyLearner(tiny_path)
+    eos = tokenizer.eos_token_id
+    target = tokenizer.encode("46", add_special_tokens=False) + [eos]
+    batch = [sft_datum(prompts[0], target)]
+    for _ in range(40):
+        learner.forward_backward(batch, "cross_entropy")
+        learner.optim_step(learning_rate=1e-2)
+    version = worker.update_weights(learner.weights())
+    assert version == learner.version == worker.policy_version()
+    out = worker.generate(prompts[:1], SamplingParams(max_tokens=8, temperature=0.0), 1)[0].samples[0]
+    assert out.token_ids == target and out.finish_reason is FinishReason.STOP
+    _assert_logprobs_match(worker, learner, prompts)
+
+
+def test_lora_update_then_match(worker, tiny_path, prompts):
+    worker.update_weights(PolicyLearner(tiny_path).weights())  # LoRA applies on top of the base
+    learner = PolicyLearner(tiny_path, lora={"rank": 8, "alpha": 16})
+    with torch.no_grad():
+        for name, p in learner.model.named_parameters():
+            if "lora_" in name:
+                p.add_(torch.randn_like(p) * 0.2)
+    learner.version = 5
+    base_lp = worker.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0), 1)[0].samples[0].logprobs
+    assert worker.update_weights(learner.weights()) == 5
+    _assert_logprobs_match(worker, learner, prompts)
+    new_lp = worker.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0), 1)[0].samples[0].logprobs
+    assert new_lp != base_lp
+
+
+def test_stop_strings_end_a_sample_at_the_token_that_completes_them(worker, tokenizer, prompts):
+    from dataclasses import replace
+
+    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    full = worker.generate(prompts[:1], greedy, 1)[0].samples[0]
+    text = tokenizer.decode(full.token_ids, skip_special_tokens=False)
+    stop = text[len(text) // 2: len(text) // 2 + 3]
+    expected = next(k for k in range(1, len(full.token_ids) + 1)
+                    if stop in tokenizer.decode(full.token_ids[:k], skip_special_tokens=False))
+    cut = worker.generate(prompts[:1], replace(greedy, stop=(stop,)), 1)[0].samples[0]
+    assert cut.finish_reason is FinishReason.STOP_STRING
+    assert cut.token_ids == full.token_ids[:expected]  # every token up to the completing one, as sampled
+    assert cut.logprobs == pytest.approx(full.logprobs[:expected], abs=1e-4)
+    never = worker.generate(prompts[:1], replace(greedy, stop=("\x01never",)), 1)[0].samples[0]
+    assert never.token_ids == full.token_ids and never.finish_reason is FinishReason.LENGTH
+
+
+def test_ignore_eos_generates_exactly_max_tokens(worker, tiny_path, tokenizer, prompts):
+    # a policy trained to stop right away still runs to max_tokens when asked to ignore eos
+    learner = PolicyLearner(tiny_path)
+    batch = [sft_datum(p, [tokenizer.eos_token_id]) for p in prompts]
+    for _ in range(30):
+        learner.forward_backward(batch, "cross_entropy")
+        learner.optim_step(learning_rate=1e-2)
+    worker.update_weights(learner.weights())
+    stops = worker.generate(prompts, SamplingParams(max_tokens=5, temperature=0.0), 1)
+    assert all(r.samples[0].token_ids == [tokenizer.eos_token_id] for r in stops)
+    full = worker.generate(prompts, SamplingParams(max_tokens=5, temperature=1.0, ignore_eos=True), 2)
+    assert all(len(s.token_ids) == 5 and s.finish_reason is FinishReason.LENGTH for r in full for s in r.samples)

@@ -1,0 +1,119 @@
+"""Agent loop on the real HF backend: masks, continuation tokens, limits, errors."""
+
+import pytest
+
+from otray.actors.sampling.rollout import RolloutWorker
+from otray.coordinator.agent_loop import AgentLoop, ChatContinuation, Limits
+from otray.env import Env, StepResult
+from otray.types import EnvStateError, SamplingParams, Task
+
+
+class Chatter(Env):
+    """Multi-turn: rewards 0.5 per turn, done after ``turns`` turns."""
+
+    system_prompt = "Be brief."
+    max_turns = 5
+
+    def __init__(self, turns=3, fail_at=None):
+        self.turns, self.fail_at, self.t = turns, fail_at, None
+
+    def reset(self, task, seed=None):
+        self.t = 0
+        return f"Start {task.id}", {"seed": seed}
+
+    def step(self, action):
+        if self.t is None:
+            raise EnvStateError("reset first")
+        self.t += 1
+        if self.fail_at == self.t:
+            raise RuntimeError("env blew up")
+        return StepResult(f"Turn {self.t} seen", 0.5, self.t >= self.turns, {"t": self.t})
+
+
+@pytest.fixture(scope="module")
+def worker(tiny_path):
+    return RolloutWorker(tiny_path, "hf", max_model_len=256)
+
+
+class Recorder:
+    """Calls the real worker and keeps what it returned."""
+
+    def __init__(self, worker):
+        self.worker, self.calls = worker, []
+
+    def __call__(self, prompts, params, n):
+        out = self.worker.generate(prompts, params, n)
+        self.calls.append((prompts, out))
+        return out
+
+
+def _run(worker, tokenizer, envs, limits, temperature=1.0):
+    rec = Recorder(worker)
+    loop = AgentLoop(tokenizer, rec, limits)
+    trajs = loop.run([(Task(str(i), "chat"), e, i) for i, e in enumerate(envs)],
+                     SamplingParams(max_tokens=limits.max_tokens_per_turn, temperature=temperature, seed=0))
+    return trajs, rec
+
+
+def test_masks_are_one_exactly_on_sampled_tokens(worker, tokenizer):
+    limits = Limits(max_turns=5, max_tokens_per_turn=6, max_tokens_per_episode=100, max_model_len=256)
+    trajs, rec = _run(worker, tokenizer, [Chatter(3), Chatter(2)], limits)
+    cont = ChatContinuation(tokenizer)
+    for i, traj in enumerate(trajs):
+        assert traj.finished and not traj.truncated and traj.error is None
+        assert traj.num_turns == len(traj.turn_rewards) == (3 if i == 0 else 2)
+        # walk the token stream: prompt, then (sampled turn, observation) pairs
+        samples = [out[j].samples[0] for prompts, out in rec.calls for j, p in enumerate(prompts)
+                   if p == traj.token_ids[: len(p)]]
+        pos = traj.prompt_len
+        assert traj.loss_mask[:pos] == [0] * pos
+        for k, s in enumerate(samples):
+            n = len(s.token_ids)
+            assert traj.token_ids[pos:pos + n] == s.token_ids, "sampled ids must be kept as sampled"
+            assert traj.loss_mask[pos:pos + n] == [1] * n
+            assert traj.logprobs[pos:pos + n] == s.logprobs
+            pos += n
+            if k < len(samples) - 1:
+                stop = s.token_ids[-1] if s.finish_reason.value == "stop" else None
+                obs = cont.ids(f"Turn {k + 1} seen", stop)
+                assert traj.token_ids[pos:pos + len(obs)] == obs
+                assert traj.loss_mask[pos:pos + len(obs)] == [0] * len(obs)
+                pos += len(obs)
+        assert pos == len(traj.token_ids)
+        assert [m["role"] for m in traj.messages[:2]] == ["system", "user"]
+
+
+def test_continuation_matches_the_chat_template(tokenizer):
+    cont = ChatContinuation(tokenizer)
+    eos = tokenizer.eos_token_id
+    msgs = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}]
+    full = tokenizer.encode(tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True),
+                            add_special_tokens=False)
+    head = tokenizer.encode(tokenizer.apply_chat_template(msgs[:1], tokenize=False, add_generation_prompt=True),
+                            add_special_tokens=False)
+    b = tokenizer.encode("b", add_special_tokens=False)
+    assert head + b + [eos] + cont.ids("c", eos) == full
+
+
+def test_limits_truncate_and_errors_are_recorded(worker, tokenizer):
+    limits = Limits(max_turns=2, max_tokens_per_turn=4, max_tokens_per_episode=100, max_model_len=256)
+    trajs, _ = _run(worker, tokenizer, [Chatter(turns=10), Chatter(turns=3, fail_at=1)], limits)
+    never_done, failing = trajs
+    assert never_done.truncated and not never_done.finished and never_done.num_turns == 2
+    assert failing.error is not None and failing.error.kind == "env_exception"
+    assert "env blew up" in failing.error.message
+    # the token budget per episode also truncates
+    tight = Limits(max_turns=5, max_tokens_per_turn=4, max_tokens_per_episode=6, max_model_len=256)
+    (t,), _ = _run(worker, tokenizer, [Chatter(turns=10)], tight)
+    assert t.truncated and t.num_sampled <= 6
+
+
+def test_prompt_longer_than_context_becomes_an_error_record(worker, tokenizer):
+    class Long(Chatter):
+        def reset(self, task, seed=None):
+            return "9" * 300, {}
+
+    limits = Limits(max_turns=1, max_tokens_per_turn=4, max_tokens_per_episode=10, max_model_len=256)
+    (bad, good), _ = _run(worker, tokenizer, [Long(), Chatter(turns=1)], limits)
+    assert bad.error.kind == "prompt_too_long" and "context is 256" in bad.error.message
+    assert good.error is None and good.finished

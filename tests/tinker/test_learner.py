@@ -1,0 +1,43 @@
+"""The AdapterLearner's sampler adapters (in-process, tiny model): a sampler checkpoint samples the
+weights saved in it, also after it is overwritten, and the learner keeps a bounded set of them."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from otray.tinker.learner import SAMPLER_CACHE, AdamStep, AdapterLearner, AdapterSpec, SampleJob
+from otray.types import Datum, SamplingParams
+
+
+def test_sampler_checkpoints_sample_what_was_saved_in_them(tiny_path, tokenizer, tmp_path):
+    learner = AdapterLearner(tiny_path)
+    learner.create("a", AdapterSpec(4, 0))
+    learner.create("b", AdapterSpec(8, 1))  # another shape: its sampler checkpoints need their own adapters
+    prompt = tokenizer.encode("What is 12 + 30? The answer is 42.")
+    n = len(prompt) - 1
+    datum = Datum(prompt[:-1], prompt[1:], [1.0] * n, [0.0] * n, [0.0] * n, [1.0] * n)
+
+    def live(adapter: str) -> list[float]:
+        return learner.forward_backward(adapter, [datum], "cross_entropy", backward=False).logprobs[0]
+
+    def sampled(where) -> list[float]:
+        out = learner.sample([SampleJob(str(where), [prompt], SamplingParams(max_tokens=1), 1, prompt_logprobs=True)])
+        return out[0][0].prompt_logprobs[1:]
+
+    seen = []
+    for step in range(SAMPLER_CACHE + 3):
+        adapter = "b" if step % 3 == 2 else "a"
+        learner.forward_backward(adapter, [datum], "cross_entropy")
+        learner.optim_step(adapter, AdamStep(learning_rate=0.05))
+        where = tmp_path / ("same" if step < 2 else f"s{step}")  # steps 0 and 1 overwrite one dir
+        learner.save(adapter, str(where), optimizer=False)
+        got = sampled(where)
+        assert np.allclose(got, live(adapter), atol=1e-5), step  # not an earlier save's weights
+        seen.append(got)
+    assert not np.allclose(seen[0], seen[1], atol=1e-3)  # the adapter moved between the two saves
+    loaded = [n for n in learner.model.peft_config if n not in ("a", "b")]
+    assert len(loaded) <= SAMPLER_CACHE, loaded
+    # the least recently used dir was given up; sampling it again loads it again, correctly
+    assert str(tmp_path / "s2") not in learner.samplers
+    learner.save("b", str(tmp_path / "b-now"), optimizer=False)
+    assert np.allclose(sampled(tmp_path / "b-now"), live("b"), atol=1e-5)

@@ -1,0 +1,333 @@
+"""The Tinker API, driven by the real ``tinker`` SDK (0.38.0) over HTTP against ``otray tinker``
+on a local Ray, with auth on (two users). Reference numbers come from an in-process
+AdapterLearner fed the same data in one call."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import concurrent.futures
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.conftest import tinker_service
+from tests.fixtures.tinker_data import problems, sft, to_otray
+
+tinker = pytest.importorskip("tinker")
+from tinker import types  # noqa: E402
+
+PORT = 8021
+URL = f"http://127.0.0.1:{PORT}"
+CHUNK = 3  # datums per forward_backward request: an 8-datum call goes out as 3 parallel chunks
+
+
+@pytest.fixture(scope="module")
+def svc(ray_local, tmp_path_factory, tiny_path):
+    keys, stop = tinker_service(ray_local, tmp_path_factory.mktemp("tinker"), PORT, tiny_path,
+                                max_chunk_datums=CHUNK)
+    yield keys
+    stop()
+
+
+BASE = "Qwen/Qwen3-8B"  # a registry name, mapped to the tiny model by the service config
+
+
+def adapter_file(store: Path, model_id: str, name: str) -> dict[str, np.ndarray]:
+    from safetensors.numpy import load_file
+
+    hits = list(store.glob(f"checkpoints/*/{model_id.replace(':', '_')}/weights/{name}/adapter_model.safetensors"))
+    assert len(hits) == 1, hits
+    return load_file(str(hits[0]))
+
+
+def reference(tiny_path: str, steps: list[list], rank: int, seed: int, lr: float):
+    """An in-process AdapterLearner trained on ``steps`` (one forward_backward call per step)."""
+    from otray.tinker.learner import AdamStep, AdapterLearner, AdapterSpec
+
+    ref = AdapterLearner(tiny_path)
+    ref.create("ref", AdapterSpec(rank, seed))
+    for data in steps:
+        ref.forward_backward("ref", [to_otray(d) for d in data], "cross_entropy")
+        ref.optim_step("ref", AdamStep(learning_rate=lr))
+    return {k: v.numpy() for k, v in ref.adapter_tensors("ref").items()}
+
+
+def max_diff(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> float:
+    def norm(k: str) -> str:  # PEFT names the adapter in its tensors' keys only in memory
+        return k.replace(".ref.", ".").replace("base_model.model.", "")
+
+    a2, b2 = {norm(k): v for k, v in a.items()}, {norm(k): v for k, v in b.items()}
+    assert sorted(a2) == sorted(b2), (sorted(a2)[:3], sorted(b2)[:3])
+    return max(float(np.abs(a2[k] - b2[k]).max()) for k in a2)
+
+
+def test_training_sampling_and_checkpoint_calls_through_the_sdk(svc, tokenizer):
+    sc = tinker.ServiceClient(base_url=URL, api_key=svc["alice"])
+    caps = tinker.RestClient(base_url=URL, api_key=svc["alice"]).get_server_capabilities().result()
+    assert [m.model_name for m in caps.supported_models] == [BASE]
+    tc = sc.create_lora_training_client(base_model=BASE, rank=4, seed=3).result()
+    assert tc.get_info().lora_rank == 4 and tc.get_tokenizer().encode("12+3") == tokenizer.encode("12+3")
+    data = [sft(p, a) for p, a in problems(tokenizer, 8)]
+    fwd = tc.forward(data, "cross_entropy").result()
+    fb = tc.forward_backward(data, "cross_entropy").result()
+    assert len(fb.loss_fn_outputs) == 8  # 3 chunks, put back in order
+    for d, out in zip(data, fb.loss_fn_outputs):
+        assert out["logprobs"].shape == [d.model_input.length]
+    # forward is the same pass without a gradient; the loss is the sum of -weight * logprob
+    assert np.allclose(fwd.loss_fn_outputs[5]["logprobs"].tolist(), fb.loss_fn_outputs[5]["logprobs"].tolist(), atol=1e-5)
+    total = sum(-np.dot(o["logprobs"].tolist(), d.loss_fn_inputs["weights"].tolist()) for d, o in zip(data, fb.loss_fn_outputs))
+    assert fb.metrics["loss:sum"] == pytest.approx(total, rel=1e-4)
+    assert tc.optim_step(types.AdamParams(learning_rate=1e-2)).result().metrics["step:max"] == 1
+    # policy losses take sampler logprobs and advantages with Tinker's names
+    rl = [types.Datum(model_input=d.model_input, loss_fn_inputs={
+        "target_tokens": d.loss_fn_inputs["target_tokens"], "logprobs": o["logprobs"],
+        "advantages": np.full(d.model_input.length, 0.5, dtype=np.float32)}) for d, o in zip(data, fb.loss_fn_outputs)]
+    for loss, config in [("importance_sampling", None), ("ppo", {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1}),
+                         ("cispo", None), ("dro", {"beta": 0.05})]:
+        assert np.isfinite(tc.forward_backward(rl, loss, config).result().metrics["loss:sum"])
+    tc.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+    # sampling: named sampler weights, n samples, stop strings and ids, prompt logprobs
+    saved = tc.save_weights_for_sampler("s1").result()
+    assert saved.path.endswith("/sampler_weights/s1")
+    sampler = sc.create_sampling_client(model_path=saved.path).result()
+    prompt = types.ModelInput.from_ints(tokenizer.encode("12+34="))
+    res = sampler.sample(prompt, num_samples=3, sampling_params=types.SamplingParams(max_tokens=6, seed=1)).result()
+    assert len(res.sequences) == 3 and all(1 <= len(s.tokens) <= 6 and len(s.logprobs) == len(s.tokens)
+                                           for s in res.sequences)
+    assert len({s.sequence_id for s in res.sequences}) == 3
+    # a fixed seed and shape repeat a sample; stopping at its (k+1)-th token keeps exactly that prefix
+    first = sampler.sample(prompt, 1, types.SamplingParams(max_tokens=8, seed=5, stop=[])).result().sequences[0].tokens
+    k = next(i for i in range(1, len(first)) if first[i] not in first[:i])
+    by_id = sampler.sample(prompt, 1, types.SamplingParams(max_tokens=8, seed=5, stop=[first[k]])).result()
+    assert by_id.sequences[0].tokens == first[:k + 1] and by_id.sequences[0].stop_reason == "stop"
+    text = tokenizer.decode(first[:k + 1])
+    by_str = sampler.sample(prompt, 1, types.SamplingParams(max_tokens=8, seed=5, stop=[text])).result()
+    assert tokenizer.decode(by_str.sequences[0].tokens).endswith(text) and by_str.sequences[0].stop_reason == "stop"
+    lps = sampler.compute_logprobs(prompt).result()
+    assert lps[0] is None and len(lps) == prompt.length and all(v < 0 for v in lps[1:])
+    # the sampled tokens' logprobs are what the trained model gives them
+    seq = res.sequences[1]
+    full = sampler.compute_logprobs(types.ModelInput.from_ints(prompt.to_ints() + seq.tokens)).result()
+    assert np.allclose(full[prompt.length:], seq.logprobs, atol=1e-4)
+    # ephemeral sampler weights, then the base model
+    eph = tc.save_weights_and_get_sampling_client().result()
+    assert len(eph.sample(prompt, 2, types.SamplingParams(max_tokens=4)).result().sequences) == 2
+    base = sc.create_sampling_client(base_model=BASE).result()
+    assert base.compute_logprobs(prompt).result() != lps
+    # checkpoints: save, list, info, delete
+    st = tc.save_state("st1").result()
+    rest = tinker.RestClient(base_url=URL, api_key=svc["alice"])
+    ids = [c.checkpoint_id for c in rest.list_checkpoints(tc.model_id).result().checkpoints]
+    assert ids == ["sampler_weights/s1", "weights/st1"]
+    run = rest.get_training_run(tc.model_id).result()
+    assert run.lora_rank == 4 and run.last_checkpoint.tinker_path == st.path and run.model_owner == "alice"
+    assert rest.get_weights_info_by_tinker_path(st.path).result().lora_rank == 4
+    assert tc.model_id in [r.training_run_id for r in rest.list_training_runs().result().training_runs]
+    handle = json.loads(base64.urlsafe_b64decode(sampler.get_sampler_handle()))
+    assert rest.get_sampler(handle["sampling_session_id"]).result().base_model == BASE
+    rest.delete_checkpoint(tc.model_id, "weights/st1").result()
+    assert [c.checkpoint_id for c in rest.list_checkpoints(tc.model_id).result().checkpoints] == ["sampler_weights/s1"]
+    with pytest.raises(Exception, match="no checkpoint"):
+        sc.create_training_client_from_state(st.path).result()
+    sc.close("success").result()
+
+
+def test_chunks_pipelining_and_resume_match_one_call_in_process(svc, tokenizer, tiny_path):
+    """8 datums go out as 3 parallel chunks; fb, optim, fb, optim are all submitted before any is
+    awaited; the adapter equals one trained in process with one call per step. A client made
+    from the saved state (with optimizer) then takes the same next step as the original."""
+    sc = tinker.ServiceClient(base_url=URL, api_key=svc["alice"])
+    tc = sc.create_lora_training_client(base_model=BASE, rank=8, seed=11).result()
+    steps = [[sft(p, a) for p, a in problems(tokenizer, 8, seed=s)] for s in range(3)]
+    futures = []
+    for data in steps[:2]:
+        futures += [tc.forward_backward(data, "cross_entropy"), tc.optim_step(types.AdamParams(learning_rate=5e-3))]
+    losses = [f.result().metrics["loss:sum"] for f in futures[::2]]
+    assert losses[1] != losses[0]
+    state = tc.save_state("two", ).result()
+    assert max_diff(adapter_file(svc["store"], tc.model_id, "two"), reference(tiny_path, steps[:2], 8, 11, 5e-3)) < 1e-5
+    # resume: the original and a client made from its state take the same third step
+    resumed = sc.create_training_client_from_state_with_optimizer(state.path).result()
+    for client, name in ((tc, "three-a"), (resumed, "three-b")):
+        client.forward_backward(steps[2], "cross_entropy")
+        client.optim_step(types.AdamParams(learning_rate=5e-3))
+        client.save_state(name).result()
+    a = adapter_file(svc["store"], tc.model_id, "three-a")
+    b = adapter_file(svc["store"], resumed.model_id, "three-b")
+    assert max_diff(a, b) == 0.0
+    # weights only (no optimizer state) is a different third step
+    fresh = sc.create_training_client_from_state(state.path).result()
+    fresh.forward_backward(steps[2], "cross_entropy")
+    fresh.optim_step(types.AdamParams(learning_rate=5e-3))
+    fresh.save_state("three-c").result()
+    assert max_diff(a, adapter_file(svc["store"], fresh.model_id, "three-c")) > 1e-4
+    sc.close("success").result()
+
+
+def test_async_calls(svc, tokenizer):
+    async def main():
+        sc = tinker.ServiceClient(base_url=URL, api_key=svc["alice"])
+        tc = await sc.create_lora_training_client(base_model=BASE, rank=2)
+        data = [sft(p, a) for p, a in problems(tokenizer, 4, seed=7)]
+        fb = await tc.forward_backward(data, "cross_entropy")
+        opt = await tc.optim_step(types.AdamParams(learning_rate=1e-3))
+        sampler = await tc.save_weights_and_get_sampling_client(name="a1")
+        prompt = types.ModelInput.from_ints(tokenizer.encode("3+4="))
+        outs = await asyncio.gather(*[sampler.sample(prompt, 2, types.SamplingParams(max_tokens=3)) for _ in range(4)])
+        lps = await sampler.compute_logprobs(prompt)
+        saved = await tc.save_state("a2")
+        loaded = await sc.create_training_client_from_state(saved.path)
+        await sc.close("success")
+        return fb, opt, outs, lps, loaded
+
+    fb, opt, outs, lps, loaded = asyncio.run(main())
+    assert len(fb.loss_fn_outputs) == 4 and opt.metrics["step:max"] == 1
+    assert [len(o.sequences) for o in outs] == [2, 2, 2, 2] and lps[0] is None and loaded.model_id.endswith(":train:1")
+
+
+def test_two_users_train_concurrently_and_each_adapter_equals_it_trained_alone(svc, tokenizer, tiny_path):
+    data = {4: [[sft(p, a) for p, a in problems(tokenizer, 4, seed=100 + s)] for s in range(5)],
+            8: [[sft(p, a) for p, a in problems(tokenizer, 4, seed=200 + s)] for s in range(5)]}
+
+    def train(key: str, rank: int) -> tuple[str, str]:
+        sc = tinker.ServiceClient(base_url=URL, api_key=key)
+        tc = sc.create_lora_training_client(base_model=BASE, rank=rank, seed=rank).result()
+        for batch in data[rank]:
+            tc.forward_backward(batch, "cross_entropy")
+            tc.optim_step(types.AdamParams(learning_rate=1e-2))
+        path = tc.save_state("five").result().path
+        tc.save_weights_for_sampler("five-s").result()
+        sc.close("success").result()  # else its heartbeat thread outlives the test
+        return tc.model_id, path
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        (ma, pa), (mb, pb) = pool.map(train, [svc["alice"], svc["bob"]], [4, 8])
+    for model_id, rank in ((ma, 4), (mb, 8)):
+        assert max_diff(adapter_file(svc["store"], model_id, "five"),
+                        reference(tiny_path, data[rank], rank, rank, 1e-2)) < 1e-5
+    # bob cannot see, sample from, load or delete alice's checkpoints
+    bob = tinker.ServiceClient(base_url=URL, api_key=svc["bob"])
+    bob_rest = tinker.RestClient(base_url=URL, api_key=svc["bob"])
+    for attempt in (lambda: bob.create_sampling_client(model_path=pa.replace("/weights/five", "/sampler_weights/five-s")).result(),
+                    lambda: bob.create_training_client_from_state(pa).result(),
+                    lambda: bob_rest.delete_checkpoint(ma, "weights/five").result(),
+                    lambda: bob_rest.list_checkpoints(ma).result()):
+        with pytest.raises(Exception, match="404|no checkpoint|no training run"):
+            attempt()
+    alice_rest = tinker.RestClient(base_url=URL, api_key=svc["alice"])
+    assert "weights/five" in [c.checkpoint_id for c in alice_rest.list_checkpoints(ma).result().checkpoints]
+    bob.close("success").result()
+
+
+def test_bad_input_gets_a_user_error_or_a_4xx_never_a_5xx_or_a_hang(svc, tokenizer):
+    import httpx
+
+    from tinker.proto import tinker_public_pb2 as pb
+
+    sc = tinker.ServiceClient(base_url=URL, api_key=svc["alice"])
+    tc = sc.create_lora_training_client(base_model=BASE, rank=2).result()
+    headers = {"X-API-Key": svc["alice"], "Content-Type": "application/x-protobuf"}
+    t0 = time.time()
+    r = httpx.post(f"{URL}/api/v1/forward_backward", content=b"\x0a\xff\xff garbage", headers=headers)
+    assert r.status_code == 400 and "protobuf" in r.json()["detail"]
+    msg = pb.ForwardBackwardRequest(model_id="s-nope:train:0", seq_id=1, loss_fn="cross_entropy")
+    r = httpx.post(f"{URL}/api/v1/forward_backward", content=msg.SerializeToString(), headers=headers)
+    assert r.status_code == 404 and "no training run" in r.json()["detail"]
+    r = httpx.post(f"{URL}/api/v1/optim_step", json={"model_id": tc.model_id, "seq_id": 1}, headers={"X-API-Key": "tml-9_wrong"})
+    assert r.status_code == 401
+    r = httpx.post(f"{URL}/api/v1/retrieve_future", json={"request_id": "x"}, headers=headers)
+    assert r.status_code == 404
+    good = sft(*problems(tokenizer, 1)[0])
+    short = types.Datum(model_input=good.model_input, loss_fn_inputs={
+        "target_tokens": good.loss_fn_inputs["target_tokens"].tolist()[:-1],
+        "weights": good.loss_fn_inputs["weights"].tolist()[:-1]})
+    with pytest.raises(Exception, match="entries for .* input tokens"):
+        tc.forward_backward([short], "cross_entropy").result()
+    tc2 = sc.create_lora_training_client(base_model=BASE, rank=2).result()
+    with pytest.raises(Exception, match="not supported by this service"):
+        tc2.forward_backward([good], "stable_reinforce").result()
+    with pytest.raises(Exception, match="not offered"):
+        sc.create_lora_training_client(base_model="nope/nope", rank=2).result()
+    assert time.time() - t0 < 60
+    sc.close("success").result()
+
+
+def lease(ray_local, key: str, model_id: str):
+    """The ResourceManager's job row for a training client, as ``key``'s user sees it (None if unseen)."""
+    from otray.actors.control.resource_manager import NAME, NAMESPACE
+
+    rm = ray_local.get_actor(NAME, namespace=NAMESPACE)
+    return next((j for j in ray_local.get(rm.jobs.remote(key)) if j.name == model_id), None)
+
+
+def test_training_clients_are_resource_manager_leases(svc, tokenizer, ray_local):
+    """Each training client is a RUNNING ``tinker`` job of its owner (``otray jobs``, the dashboard) with
+    a progress row per optim_step; only its owner (or an admin) sees and cancels it; a cancel unloads
+    the model after the step in flight; closing the session ends the lease SUCCEEDED."""
+    from otray.actors.control.resource_manager import NAME, NAMESPACE
+
+    rm = ray_local.get_actor(NAME, namespace=NAMESPACE)
+    sc = tinker.ServiceClient(base_url=URL, api_key=svc["alice"])
+    tc = sc.create_lora_training_client(base_model=BASE, rank=2, seed=1).result()
+    job = lease(ray_local, svc["alice"], tc.model_id)
+    assert job is not None and (job.state, job.kind, job.owner) == ("RUNNING", "tinker", "alice")
+    assert lease(ray_local, svc["bob"], tc.model_id) is None
+    with pytest.raises(Exception, match="cannot|not yours|no job|only"):
+        ray_local.get(rm.cancel.remote(job.id, svc["bob"]))
+    data = [sft(p, a) for p, a in problems(tokenizer, 2)]
+    for _ in range(2):
+        tc.forward_backward(data, "cross_entropy")
+        tc.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+    progress = lease(ray_local, svc["alice"], tc.model_id).progress
+    assert progress["step"] == 2 and 0 < progress["loss"] < 20 and progress["tokens"] > 0
+    assert len(ray_local.get(rm.metrics.remote(job.id, 0, svc["alice"]))) == 2
+    assert ray_local.get(rm.cancel.remote(job.id, svc["alice"])).state == "CANCELLED"
+    tc.forward_backward(data, "cross_entropy")
+    tc.optim_step(types.AdamParams(learning_rate=1e-3)).result()  # the step in flight stands
+    with pytest.raises(Exception, match="lease"):
+        tc.forward_backward(data, "cross_entropy").result()
+    assert lease(ray_local, svc["alice"], tc.model_id).state == "CANCELLED"
+    other = sc.create_lora_training_client(base_model=BASE, rank=2).result()
+    assert lease(ray_local, svc["alice"], other.model_id).state == "RUNNING"
+    sc.close("success").result()
+    assert lease(ray_local, svc["alice"], other.model_id).state == "SUCCEEDED"
+
+
+def test_a_service_restart_keeps_every_finished_checkpoint(svc, tokenizer, ray_local):
+    """The service actor is killed (Ray restarts it): checkpoints saved before are listed and load;
+    the adapter that was live is reported lost with what to do."""
+    from otray.tinker.service import NAME, NAMESPACE
+
+    sc = tinker.ServiceClient(base_url=URL, api_key=svc["alice"])
+    tc = sc.create_lora_training_client(base_model=BASE, rank=2, seed=5).result()
+    tc.forward_backward([sft(*problems(tokenizer, 1)[0])], "cross_entropy")
+    tc.optim_step(types.AdamParams(learning_rate=1e-3))
+    saved = tc.save_state("before-restart").result()
+    ray_local.kill(ray_local.get_actor(NAME, namespace=NAMESPACE), no_restart=False)
+    rest = tinker.RestClient(base_url=URL, api_key=svc["alice"])
+    deadline = time.time() + 120
+    while True:
+        try:
+            listed = [c.tinker_path for c in rest.list_checkpoints(tc.model_id).result().checkpoints]
+            break
+        except Exception:  # noqa: BLE001 - the actor is restarting
+            assert time.time() < deadline, "the service did not come back"
+            time.sleep(1)
+    assert saved.path in listed
+    fresh = tinker.ServiceClient(base_url=URL, api_key=svc["alice"])
+    again = fresh.create_training_client_from_state_with_optimizer(saved.path).result()
+    again.save_state("after-restart").result()
+    assert max_diff(adapter_file(svc["store"], tc.model_id, "before-restart"),
+                    adapter_file(svc["store"], again.model_id, "after-restart")) == 0.0
+    lost = lease(ray_local, svc["alice"], tc.model_id)  # its lease was ended by the restarted service
+    assert lost.state == "FAILED" and "restarted" in lost.error, lost
+    assert lease(ray_local, svc["alice"], again.model_id).state == "RUNNING"
+    with pytest.raises(Exception, match="not loaded"):
+        tc.forward_backward([sft(*problems(tokenizer, 1)[0])], "cross_entropy").result()
+    fresh.close("success").result()
+    with pytest.raises(Exception):  # its session went with the restart: finishing it is a 404
+        sc.close("success").result()
