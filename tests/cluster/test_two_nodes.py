@@ -15,7 +15,7 @@ from tests.conftest import ROOT  # noqa: E402 (the repository root)
 @pytest.fixture(scope="module")
 def seen(tmp_path_factory, tiny_path):
     tmp = tmp_path_factory.mktemp("two_nodes")
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "two_nodes.py"), str(tmp), tiny_path],
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "fixtures" / "two_nodes.py"), str(tmp), tiny_path],
                           capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
