@@ -8,7 +8,7 @@ export VLLM_CPU_KVCACHE_SPACE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 export RAY_USAGE_STATS_ENABLED ?= 0
 
-.PHONY: demo test test-fast test-pure bench bench-trl clean venv browser sandbox openreward-sdk tinker-cookbook
+.PHONY: demo test test-fast test-pure gpu-check bench bench-trl clean venv browser sandbox openreward-sdk tinker-cookbook
 
 venv: $(STAMP)
 
@@ -65,6 +65,15 @@ test-pure: $(STAMP) browser sandbox
 # the suite without the vLLM engine tests (about a minute faster)
 test-fast: $(STAMP) browser sandbox
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not vllm"
+
+# On a machine with a CUDA GPU (NOTES.md, "GPU check"): the GPU tests and the engine's probes, one JSON.
+# No venv here: a lent GPU machine has its own CUDA torch and no registry (PY=python3 there).
+GPU_OUT ?= benchmarks/results
+gpu-check:
+	mkdir -p $(GPU_OUT)
+	$(PY) -m pytest -q -p no:cacheprovider tests/test_gpu.py -m gpu -rs > $(GPU_OUT)/gpu_tests.log 2>&1; \
+	  status=$$?; cat $(GPU_OUT)/gpu_tests.log; \
+	  $(PY) benchmarks/gpu_check.py --out $(GPU_OUT)/gpu_check.json && exit $$status
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/rollout_throughput.py

@@ -54,7 +54,10 @@ class LoraSection:
 @dataclass
 class ModelSection:
     path: str = "tiny"  # local HF dir, hub id, or tiny[:SEED] (built by otray)
-    dtype: str = "float32"  # float32 | bfloat16 | float16 | auto (bf16 on a GPU, float32 on the CPU)
+    # the precision the model computes in: auto (bf16 on a GPU, float32 on the CPU) | float32 | bfloat16 |
+    # float16; a full-parameter learner in bf16/fp16 keeps float32 master weights (otray.actors.learner.precision)
+    dtype: str = "auto"
+    gradient_checkpointing: bool = False  # the learner recomputes activations in backward: less memory, ~1/3 slower
     device: str = "auto"  # auto (the actor's GPU if Ray gave it one, else the CPU) | cpu | cuda
     cache_dir: str = ".cache/models"
     lora: LoraSection = field(default_factory=LoraSection)
@@ -72,6 +75,10 @@ class RolloutSection:
     # weights. Pays off where generation and training cannot run at the same time anyway
     # (a small CPU machine, one GPU); rollout.num_workers is then ignored.
     colocate: bool = False
+    # vLLM on a GPU: the share of the card its weights and KV cache may take (null: vLLM's 0.9; set it
+    # lower when a learner shares the card), and eager mode (null: eager on the CPU, CUDA graphs on a GPU)
+    gpu_memory_utilization: Optional[float] = None
+    enforce_eager: Optional[bool] = None
 
 
 @dataclass
@@ -319,6 +326,11 @@ def _check_values(cfg: Config) -> None:
         if cfg.algo.max_steps_off_policy:
             raise ConfigError("rollout.colocate=true runs generation and training in one actor, one after the "
                               "other: algo.max_steps_off_policy must be 0")
+    res = cfg.resources
+    if res.learner_workers > 1 and 0 < res.learner_gpus < 1:
+        raise ConfigError(f"resources.learner_workers={res.learner_workers} with learner_gpus={res.learner_gpus}: "
+                          "NCCL refuses two ranks on one GPU, so each rank needs a whole GPU (learner_gpus: 1), "
+                          "or set learner_gpus: 0 to shard over CPU ranks (gloo)")
     if cfg.resources.learner_workers > 1 and cfg.rollout.colocate:
         raise ConfigError("rollout.colocate=true samples with the learner's own model, which a sharded learner "
                           "(resources.learner_workers > 1) does not hold whole: set one of them back")

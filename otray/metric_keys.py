@@ -21,6 +21,11 @@ TOKENS_PER_S = "tokens_per_s"
 STEP_S = "step_s"  # the step's seconds as the job measured its parts
 STEP_WALL_S = "step_wall_s"  # as the driver's loop saw it
 POLICY_LAG = "policy_lag"
+# the sampler/learner logprob gap on the step's trained tokens (the learner's forward vs the sampler's)
+LOGPROB_DIFF_MAX = "rollout/logprob_diff_max"
+LOGPROB_DIFF_MEAN = "rollout/logprob_diff_mean"
+LOGPROB_KL = "rollout/logprob_kl"
+PEAK_GPU_GB = "learner/peak_gpu_gb"  # the learner's peak GPU memory in the step (GPU learners only)
 TIME_PREFIX = "time/"  # time/<part>_s: a step's time parts (otray.timing)
 GENERATE_SHARE = "time/generate_share"
 LEARNER_IDLE_FRAC = "time/learner_idle_frac"

@@ -41,7 +41,9 @@ RANGES: dict[str, tuple[Any, Any]] = {
     "resources.learner_threads": (1, None), "resources.rollout_threads": (1, None),
     "resources.learner_workers": (1, None), "resources.collective_timeout_s": (GT(0), None),
     "algo.learning_rate": (0, None), "algo.weight_decay": (0, None), "algo.grad_clip": (0, None),
-    "algo.steps": (0, None), "algo.batch_size": (1, None), "algo.micro_batch_tokens": (1, None),
+    "algo.steps": (0, None), "algo.batch_size": (1, None),
+    "algo.micro_batch_tokens": (0, None),  # 0: derived from the free GPU memory (8192 on the CPU)
+    "rollout.gpu_memory_utilization": (GT(0), 1),
     "algo.max_steps_off_policy": (0, 1),  # 0: on-policy; 1: the next batch is sampled while the learner trains
     "eval.every": (0, None), "eval.num_samples": (1, None),
     "sft.steps": (0, None), "sft.batch_size": (1, None), "sft.learning_rate": (0, None),

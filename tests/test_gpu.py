@@ -1,12 +1,13 @@
-"""On a GPU (marked ``gpu``; skipped without CUDA): learner and sampler on CUDA, their logprob gap in bf16
-and float32, full and LoRA weight updates reaching the sampler. Run on a lent GPU machine with
-``python -m pytest -q tests/test_gpu.py`` (see NOTES.md, issue 18)."""
+"""The GPU engine. On a GPU (marked ``gpu``; skipped without CUDA): learner and sampler on CUDA, their
+logprob gap in bf16 and float32, full and LoRA weight updates reaching the sampler, ``dtype: auto``,
+float32 master weights and Adam state that an lr-1e-6 step moves, a left-padded batch with stop
+strings, checkpoints (CUDA RNG included) saved and loaded on CUDA, colocated sampling, Ray actors
+holding GPU memory. Run on a lent GPU machine with ``make gpu-check`` (NOTES.md, "GPU check").
+
+Without a GPU only the smoke run of ``benchmarks/gpu_check.py`` on the CPU runs here."""
 
 import pytest
 import torch
-
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
-
 
 def _gap(learner, sampler, tokenizer) -> float:
     from otray.algos.datums import sft_datum
@@ -19,26 +20,129 @@ def _gap(learner, sampler, tokenizer) -> float:
     return max(abs(a - b) for a, b in zip(lp, sample.logprobs))
 
 
+def _push(learner, sampler, rank):
+    update = learner.weights()
+    (sampler.load_lora(update.tensors, update.lora_config, update.version) if rank
+     else sampler.load_full_weights(update.tensors))
+
+
 @pytest.mark.parametrize("dtype, bound", [("bfloat16", 2e-2), ("float32", 1e-3)])
 @pytest.mark.parametrize("rank", [0, 8])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_learner_and_sampler_on_cuda_agree_before_and_after_an_update(tiny_path, tokenizer, dtype, bound, rank):
-    from otray.actors.sampling.backends.hf import HFBackend
     from otray.actors.learner.policy_learner import PolicyLearner
+    from otray.actors.sampling.backends.hf import HFBackend
     from otray.algos.datums import sft_datum
 
     learner = PolicyLearner(tiny_path, device="cuda", dtype=dtype, lora={"rank": rank, "alpha": 16})
     sampler = HFBackend(tiny_path, device="cuda", dtype=dtype)
     assert next(learner.model.parameters()).device.type == "cuda" and sampler.model.device.type == "cuda"
-    update = learner.weights()
-    (sampler.load_lora(update.tensors, update.lora_config, update.version) if rank
-     else sampler.load_full_weights(update.tensors))
+    _push(learner, sampler, rank)
     assert _gap(learner, sampler, tokenizer) < bound
     batch = [sft_datum([5, 6, 7, 8], [9, 10, 11])] * 4
     for _ in range(3):
         learner.forward_backward(batch, "cross_entropy")
         learner.optim_step(learning_rate=1e-2)
     moved = _gap(learner, sampler, tokenizer)
-    update = learner.weights()
-    (sampler.load_lora(update.tensors, update.lora_config, update.version) if rank
-     else sampler.load_full_weights(update.tensors))
+    _push(learner, sampler, rank)
     assert _gap(learner, sampler, tokenizer) < bound < moved  # the update reached the sampler
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_auto_dtype_keeps_fp32_master_weights_that_a_tiny_step_moves(tiny_path, tokenizer):
+    from otray.actors.learner.policy_learner import PolicyLearner
+    from otray.algos.datums import sft_datum
+
+    learner = PolicyLearner(tiny_path, device="cuda", dtype="auto")
+    assert (learner.precision.storage, learner.precision.compute) == ("float32", "bfloat16")
+    before = [p.detach().clone() for p in learner.model.parameters()]
+    learner.forward_backward([sft_datum([5, 6, 7, 8], [9, 10, 11])] * 4, "cross_entropy")
+    learner.optim_step(learning_rate=1e-6, grad_clip=None)
+    assert {s["exp_avg"].dtype for s in learner.optimizer.state.values()} == {torch.float32}
+    moved = sum(int((p.detach() != b).sum()) for p, b in zip(learner.model.parameters(), before))
+    assert moved / sum(b.numel() for b in before) > 0.9
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_left_padded_batch_with_stop_strings_and_colocated_sampling(tiny_path, tokenizer):
+    from otray.actors.learner.policy_learner import PolicyLearner
+    from otray.algos.datums import sft_datum
+    from otray.types import SamplingParams
+
+    learner = PolicyLearner(tiny_path, device="cuda", dtype="auto")
+    learner.start_sampler(max_model_len=128)
+    prompts = [tokenizer.encode("1+2="), tokenizer.encode("12+34=56, 7+8=")]  # different lengths: left padding
+    out = learner.generate(prompts, SamplingParams(max_tokens=12, temperature=1.0, seed=3, stop=("5",)), 2)
+    for prompt, result in zip([p for p in prompts for _ in range(2)], out):
+        s = result.sample
+        assert len(s.token_ids) == len(s.logprobs) <= 12
+        if s.finish_reason.value == "stop_string":
+            assert "5" in tokenizer.decode(s.token_ids)
+        lp = learner.forward([sft_datum(prompt, s.token_ids)])[0][-len(s.token_ids):] if s.token_ids else []
+        assert all(abs(a - b) < 3e-2 for a, b in zip(lp, s.logprobs))  # bf16 autocast on both sides
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_checkpoints_round_trip_on_cuda_with_the_cuda_rng(tiny_path, tmp_path):
+    from otray.actors.learner.policy_learner import PolicyLearner
+    from otray.algos.datums import sft_datum
+
+    batch = [sft_datum([5, 6, 7, 8], [9, 10, 11])] * 4
+    a = PolicyLearner(tiny_path, device="cuda", dtype="auto")
+    a.forward_backward(batch, "cross_entropy")
+    a.optim_step(learning_rate=1e-3)
+    a.save_state(str(tmp_path / "ck"))
+    expected_rng = torch.cuda.get_rng_state()
+    torch.cuda.manual_seed(1234)
+    b = PolicyLearner(tiny_path, device="cuda", dtype="auto")
+    meta = b.load_state(str(tmp_path / "ck"))
+    assert meta.step == 1 and torch.equal(torch.cuda.get_rng_state(), expected_rng)
+    for x, y in zip(a.forward(batch), b.forward(batch)):
+        assert max(abs(p - q) for p, q in zip(x, y)) < 1e-6
+    a.forward_backward(batch, "cross_entropy")
+    b.forward_backward(batch, "cross_entropy")
+    ga, gb = a.optim_step(learning_rate=1e-3), b.optim_step(learning_rate=1e-3)
+    assert abs(ga["grad_norm"] - gb["grad_norm"]) < 1e-5  # the optimizer state came back too
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_ray_actors_hold_gpu_memory(tiny_path):
+    """Two actors at 0.5 GPU each (a learner and a rollout worker) both see the GPU and hold memory on it."""
+    ray = pytest.importorskip("ray")
+    from otray.actors.learner.policy_learner import PolicyLearner
+    from otray.actors.sampling.rollout import RolloutWorker
+
+    ray.init(num_gpus=1, num_cpus=4, include_dashboard=False, log_to_driver=False)
+    try:
+        learner = ray.remote(num_gpus=0.5)(PolicyLearner).remote(tiny_path, device="cuda", dtype="auto")
+        worker = ray.remote(num_gpus=0.5)(RolloutWorker).remote(tiny_path, "hf", device="cuda", dtype="auto")
+        ray.get([learner.ping.remote(), worker.ping.remote()])
+        held = ray.get([a.__ray_call__.remote(lambda _: torch.cuda.memory_allocated()) for a in (learner, worker)])
+        assert all(h > 0 for h in held), held  # each actor's model is on the GPU Ray gave it
+        assert ray.get(worker.update_weights.remote(learner.weights.remote())) >= 0
+    finally:
+        ray.shutdown()
+
+
+def test_the_gpu_check_runs_on_the_cpu(tmp_path):
+    """``benchmarks/gpu_check.py --device cpu --shape tiny``: every probe runs and is saved."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    out = tmp_path / "gpu_check.json"
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--device", "cpu", "--shape",
+                          "tiny", "--rows", "4", "--new", "8", "--repeats", "2", "--out", str(out)],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(out.read_text())
+    assert got["learner"]["step_s"] > 0 and got["sampler"]["sampled_tokens"] == 4 * 8
+    assert got["precision"]["moved_fraction_at_lr_1e-6"] > 0.9
+    assert got["sampler"]["logprob_gap_max"] < 1e-3  # fp32 on the CPU, after the sync

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from otray.device import DTYPES
 from otray.ranges import TINKER_RANGES, check_ranges
 from otray.structured import load_structured, one_of
 from otray.types import ConfigError
@@ -48,7 +49,8 @@ class TinkerModel:
     name: str = "tiny"  # the base_model clients send
     path: str = "tiny"  # local dir, hub id, or tiny[-shape][:seed]
     learner_cpus: float = 1.0  # the AdapterLearner actor's CPUs (it trains and samples)
-    learner_gpus: float = 0.0
+    learner_gpus: float = 0.0  # > 0: the learner on that GPU, its base in `dtype` (adapters stay float32)
+    dtype: str = "auto"  # the frozen base's precision: auto (bf16 on a GPU, float32 on the CPU) | float32 | bfloat16
     num_threads: Optional[int] = None  # torch threads in the learner (default: its CPUs)
     max_context_length: Optional[int] = None  # default: the model's max_position_embeddings
     lora_alpha: float = 32.0  # the LoRA scale is alpha / rank
@@ -88,6 +90,7 @@ def load_tinker(source: str | Path | dict[str, Any] | TinkerConfig | None = None
         raise ConfigError(f"models must list at least one base model, each name once; got {names}")
     for i, m in enumerate(cfg.models):
         one_of(m.sampler.engine, ("auto", "vllm", "learner"), f"models[{i}].sampler.engine")
+        one_of(m.dtype, DTYPES, f"models[{i}].dtype")
         if m.sampler.engine == "vllm":
             from otray.actors.sampling.backends.vllm import vllm_available
 

@@ -31,6 +31,7 @@ import torch
 from otray.actors.sampling.backends.hf import HFBackend
 from otray.actors.learner.core import adamw_step, in_order, loss_inputs, new_adamw, plan_micro_batches, token_logprobs
 from otray.algos.losses import per_token_loss
+from otray.device import resolve_device, resolve_dtype
 from otray.models import load_model, load_tokenizer
 from otray.types import Datum, Sample, SamplingParams
 
@@ -95,14 +96,21 @@ class SampleOut:
 
 
 class AdapterLearner:
-    """Ray actor (one per base model) holding every training client's adapter and optimizer."""
+    """Ray actor (one per base model) holding every training client's adapter and optimizer.
+
+    On the GPU Ray gave it (``models[i].learner_gpus``), else the CPU; the frozen base in ``dtype``
+    (``auto``: bf16 on a GPU, float32 on the CPU), the adapters and their AdamW state in float32
+    (PEFT keeps adapter weights in float32), so adapter updates are exact in either case."""
 
     def __init__(self, model_path: str, *, num_threads: Optional[int] = None, micro_batch_tokens: int = 8192,
-                 max_model_len: Optional[int] = None):
+                 max_model_len: Optional[int] = None, dtype: str = "auto", device: str = "auto"):
         if num_threads:
             torch.set_num_threads(num_threads)
         self.model_path = model_path
-        self.base = load_model(model_path, "float32")
+        self.device = resolve_device(device)
+        self.base = load_model(model_path, resolve_dtype(dtype, self.device))
+        if self.device != "cpu":
+            self.base.to(self.device)
         self.tokenizer = load_tokenizer(model_path)
         self.model: Any = None  # the PeftModel, made with the first adapter
         self.specs: dict[str, AdapterSpec] = {}
@@ -175,14 +183,15 @@ class AdapterLearner:
         lps, losses, total = [], [], 0.0
         for batch in batches:
             with torch.set_grad_enabled(backward):
-                lp, _ = token_logprobs(self.model, batch)
-                x = loss_inputs(batch, lp.shape[1], every_token=True)
+                lp, _ = token_logprobs(self.model, batch, self.device)
+                x = loss_inputs(batch, lp.shape[1], self.device, every_token=True)
                 tok = per_token_loss(loss_fn, lp, x.sampler_logprobs, x.advantages, x.weights,
                                      **(loss_fn_config or {})) * x.mask
                 loss = tok.sum()
                 if backward:
                     loss.backward()
             total += loss.item()
+            lp, tok = lp.detach().cpu(), tok.detach().cpu()  # one host copy per micro-batch
             lps.extend(lp[i, :len(d)].tolist() for i, d in enumerate(batch))
             losses.extend(tok[i, :len(d)].tolist() for i, d in enumerate(batch))
         return PassResult(in_order(lps, order), in_order(losses, order), total)
@@ -246,7 +255,7 @@ class AdapterLearner:
         self.optimizers.pop(adapter, None)
         if optimizer and (src / "optimizer.pt").exists():
             opt = self.optimizers[adapter] = new_adamw(self._params(adapter), lr=1e-4)
-            opt.load_state_dict(torch.load(src / "optimizer.pt", weights_only=True))
+            opt.load_state_dict(torch.load(src / "optimizer.pt", weights_only=True, map_location=self.device))
             self.steps[adapter] = int(meta["step"])
         return spec
 
@@ -315,7 +324,7 @@ class AdapterLearner:
     def _prompt_logprobs(self, model: Any, prompt: list[int]) -> list[Optional[float]]:
         if len(prompt) < 2:
             return [None] * len(prompt)
-        ids = torch.tensor([prompt])
+        ids = torch.tensor([prompt], device=self.device)
         logits = model(input_ids=ids).logits.float()[0, :-1]
         lp = logits.log_softmax(-1).gather(-1, ids[0, 1:, None]).squeeze(-1)
         return [None, *lp.tolist()]

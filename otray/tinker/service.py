@@ -57,7 +57,7 @@ class TinkerService:
                 num_cpus=m.learner_cpus, num_gpus=m.learner_gpus,
                 runtime_env={"env_vars": {"OMP_NUM_THREADS": str(m.num_threads or max(1, int(m.learner_cpus)))}})
             self.learners[m.name] = remote.remote(self.paths[m.name], num_threads=m.num_threads or max(1, int(m.learner_cpus)),
-                                                  max_model_len=m.max_context_length)
+                                                  max_model_len=m.max_context_length, dtype=m.dtype)
         self.leases = Leases(self.store, get_or_create())
         self.training = Training(self.learners, self.store, self.catalog, self.futures, self.leases,
                                  self.cfg.gap_timeout_s, self._vocab)

@@ -85,7 +85,8 @@ class ActorFactory:
 
         cfg, res = self.cfg, self.cfg.resources
         kwargs = dict(lora=to_dict(cfg)["model"]["lora"], dtype=cfg.model.dtype, device=cfg.model.device,
-                      micro_batch_tokens=cfg.algo.micro_batch_tokens, seed=cfg.job.seed, num_threads=res.learner_threads)
+                      micro_batch_tokens=cfg.algo.micro_batch_tokens, seed=cfg.job.seed, num_threads=res.learner_threads,
+                      gradient_checkpointing=cfg.model.gradient_checkpointing)
 
         def actor(cls: type) -> Any:
             return ray.remote(num_cpus=res.learner_cpus, num_gpus=res.learner_gpus)(cls)
@@ -117,7 +118,8 @@ class ActorFactory:
             f"{prefix}rollout-{i}", model_path or self.model_path, cfg.rollout.backend, num_threads=res.rollout_threads,
             dtype=cfg.model.dtype, device=cfg.model.device, max_model_len=cfg.rollout.max_model_len,
             seed=cfg.job.seed + i, max_lora_rank=cfg.model.lora.rank, kv_cache_gb=cfg.rollout.kv_cache_gb,
-            max_batch=cfg.rollout.max_batch) for i in range(n)]
+            max_batch=cfg.rollout.max_batch, gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
+            enforce_eager=cfg.rollout.enforce_eager) for i in range(n)]
 
 
 @dataclass(frozen=True)

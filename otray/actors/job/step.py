@@ -118,6 +118,14 @@ def check_batch(batch: Batch, step: int) -> None:
                        f"{first}. Nothing to train on, so the job stops here without a checkpoint of this step")
 
 
+def logprob_gap(learner_metrics: dict[str, Any]) -> dict[str, float]:
+    """The sampler/learner logprob gap of a step (what the learner's forward_backward measured)."""
+    if "logprob_diff_max" not in learner_metrics:
+        return {}
+    return {K.LOGPROB_DIFF_MAX: learner_metrics["logprob_diff_max"],
+            K.LOGPROB_DIFF_MEAN: learner_metrics["logprob_diff_mean"], K.LOGPROB_KL: learner_metrics["approx_kl"]}
+
+
 def rl_step(pipeline: Prefetcher, policies: dict[str, PolicyRuntime], algo: AlgoSection, step: int) -> StepMetrics:
     """One RL step: the batch, then for every trained policy groups -> advantages -> datums -> update,
     then weights pushed. ``step`` counts the steps done before this one."""
@@ -134,7 +142,8 @@ def rl_step(pipeline: Prefetcher, policies: dict[str, PolicyRuntime], algo: Algo
         t0 = time.perf_counter()
         out = policy.update(prepared[name].datums, objective, algo, algo.learning_rate,
                             prepared[name].normalizer, clock)
-        learned[name] = {"learn_s": time.perf_counter() - t0, **{f"learner/{k}": v for k, v in out.items()}}
+        learned[name] = {"learn_s": time.perf_counter() - t0, **{f"learner/{k}": v for k, v in out.items()},
+                         **logprob_gap(out)}
     pipeline.wait(clock)                                                            # 7. push weights (off-policy:
     for name, policy in policies.items():                                           #    once the next batch is
         learned[name]["sync_s"] = 0.0 if policy.synced else policy.sync_weights(clock)  # done: one version old)

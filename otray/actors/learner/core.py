@@ -108,12 +108,23 @@ class LossSums:
     clipped: float = 0.0
     kl: float = 0.0
     absdiff: float = 0.0
+    absdiff_max: float = 0.0  # the largest |sampler - learner| logprob gap of one token
     compute_s: float = 0.0
 
-    def plus(self, other: "LossSums") -> "LossSums":
-        """Both calls' sums; ``compute_s`` is the slower one's (ranks run side by side)."""
-        summed = {f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self) if f.name != "compute_s"}
-        return LossSums(**summed, compute_s=max(self.compute_s, other.compute_s))
+    @classmethod
+    def of(cls, stats: list[torch.Tensor], tokens: float, sequences: float) -> LossSums:
+        """The sums of :func:`batch_stats` rows (one per micro-batch, on the device): one host copy."""
+        if not stats:
+            return cls(tokens=tokens, sequences=sequences)
+        rows = torch.stack(stats).double().cpu()
+        loss, ratio, clipped, kl, absdiff = rows[:, :5].sum(0).tolist()
+        return cls(loss, tokens, sequences, ratio, clipped, kl, absdiff, float(rows[:, 5].max()))
+
+    def plus(self, other: LossSums) -> LossSums:
+        """Both calls' sums; ``compute_s`` and ``absdiff_max`` are the larger one's (ranks run side by side)."""
+        larger = ("compute_s", "absdiff_max")
+        summed = {f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self) if f.name not in larger}
+        return LossSums(**summed, **{k: max(getattr(self, k), getattr(other, k)) for k in larger})
 
     def metrics(self, loss_fn: str) -> dict[str, float]:
         if not self.sequences:
@@ -123,8 +134,25 @@ class LossSums:
                "compute_s": self.compute_s}
         if loss_fn != "cross_entropy":
             out.update({"ratio_mean": self.ratio / n, "clip_frac": self.clipped / n, "approx_kl": self.kl / n,
-                        "sampler_learner_abs_diff": self.absdiff / n})
+                        "logprob_diff_mean": self.absdiff / n, "logprob_diff_max": self.absdiff_max})
         return out
+
+
+def batch_stats(loss: torch.Tensor, lp: torch.Tensor, q: torch.Tensor, mask: torch.Tensor, loss_fn: str,
+                cfg: dict[str, float]) -> torch.Tensor:
+    """One micro-batch's ``[loss, ratio sum, clipped tokens, KL sum, |diff| sum, |diff| max]`` over its
+    masked tokens, as one tensor on the device (no host sync: :meth:`LossSums.of` copies them once)."""
+    with torch.no_grad():
+        ratio = torch.exp(lp - q)
+        if "clip_low" in cfg or loss_fn in ("ppo", "cispo"):
+            lo = cfg.get("clip_low", 0.8 if loss_fn == "ppo" else 0.0)
+            hi = cfg.get("clip_high", 1.2 if loss_fn == "ppo" else 4.0)
+            clipped = (((ratio < lo) | (ratio > hi)).float() * mask).sum()
+        else:
+            clipped = torch.zeros((), device=lp.device)
+        gap = (q - lp) * mask
+        return torch.stack([loss.detach().float(), (ratio * mask).sum(), clipped, gap.sum(), gap.abs().sum(),
+                            gap.abs().max()])
 
 
 def new_adamw(params: list[torch.nn.Parameter], **kwargs: Any) -> torch.optim.AdamW:

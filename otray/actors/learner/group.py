@@ -76,6 +76,8 @@ class LearnerGroup:
         self.nodes = [i.node_id for i in self._all([r.info.remote() for r in self.ranks])]
         address = self._all([self.ranks[0].address.remote()])[0]
         self._all([r.join.remote(address, timeout_s) for r in self.ranks])
+        if self.micro_batch_tokens <= 0:  # auto: what the tightest rank can hold (precision.budget_for)
+            self.micro_batch_tokens = min(self._all([r.token_budget.remote() for r in self.ranks]))
 
     # ------------------------------------------------------------------ waiting on every rank
 

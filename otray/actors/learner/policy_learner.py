@@ -14,7 +14,10 @@ Tinker-style primitives:
 - ``save_state`` / ``load_state``, ``export`` (PEFT adapter or full HF model),
   ``weights()`` (a :class:`WeightUpdate` for rollout workers).
 
-``rank == 0`` trains every parameter; ``rank > 0`` trains a LoRA adapter only.
+``rank == 0`` trains every parameter; ``rank > 0`` trains a LoRA adapter only. ``dtype`` is the
+precision it computes in; what it stores is :mod:`otray.actors.learner.precision`'s call (full
+bf16 training keeps float32 master weights). ``micro_batch_tokens=0`` derives the budget from the
+free GPU memory; ``gradient_checkpointing`` recomputes each layer's activations in the backward pass.
 """
 
 from __future__ import annotations
@@ -29,8 +32,9 @@ from typing import Any
 
 import torch
 
-from otray.actors.learner.core import (LossSums, adamw_step, global_normalizer, in_order, loss_inputs, new_adamw,
-                                       plan_micro_batches, token_logprobs, trainable)
+from otray.actors.learner.core import (LossSums, adamw_step, batch_stats, global_normalizer, in_order, loss_inputs,
+                                       new_adamw, plan_micro_batches, token_logprobs, trainable)
+from otray.actors.learner.precision import budget_for, learner_precision
 from otray.actors.learner.state import load_sharded, load_whole, read_meta, restore_rng, save_whole, write_meta
 from otray.actors.sampling.backends.base import Backend
 from otray.algos.losses import aggregate, per_token_loss
@@ -47,7 +51,8 @@ class PolicyLearner:
     whole_model_on_device = True  # a sharded rank moves only its shards (otray.actors.learner.rank)
 
     def __init__(self, model_path: str, *, lora: LoraSpec | dict[str, Any] | None = None, dtype: str = "float32",
-                 micro_batch_tokens: int = 8192, seed: int = 0, num_threads: int | None = None, device: str = "auto"):
+                 micro_batch_tokens: int = 8192, seed: int = 0, num_threads: int | None = None, device: str = "auto",
+                 gradient_checkpointing: bool = False):
         if num_threads:
             torch.set_num_threads(num_threads)
         torch.manual_seed(seed)
@@ -57,11 +62,16 @@ class PolicyLearner:
         if isinstance(self.lora.target_modules, list):
             self.lora.target_modules = tuple(self.lora.target_modules)
         self.device = resolve_device(device)  # the GPU Ray gave this actor, else the CPU (otray.device)
-        model = load_model(model_path, resolve_dtype(dtype, self.device))
+        self.precision = learner_precision(dtype, self.device, self.lora.rank > 0)
+        model = load_model(model_path, self.precision.storage)
         if self.device != "cpu" and self.whole_model_on_device:
             model.to(self.device)
+        self.checkpointing = gradient_checkpointing
+        if gradient_checkpointing:
+            model.config.use_cache = False
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model = apply_lora(model, self.lora) if self.lora.rank > 0 else model
-        self.micro_batch_tokens = micro_batch_tokens
+        self.budget_setting = micro_batch_tokens  # 0: auto (precision.budget_for), set at the first call
         self.optimizer: torch.optim.Optimizer | None = None
         self.step = 0  # optimizer steps taken
         self.version = 0  # policy version; bumped by every optim_step
@@ -71,6 +81,16 @@ class PolicyLearner:
 
     def busy_s(self) -> float:
         return self.busy.total
+
+    @property
+    def micro_batch_tokens(self) -> int:
+        if self.budget_setting <= 0:
+            self.budget_setting = budget_for(self.model, self.device, self.precision, self.checkpointing)
+        return self.budget_setting
+
+    def token_budget(self) -> int:
+        """The padded tokens one micro-batch may take (``algo.micro_batch_tokens``, resolved)."""
+        return self.micro_batch_tokens
 
     def ping(self) -> bool:
         return True
@@ -101,7 +121,9 @@ class PolicyLearner:
                 self.idle_pass(backward=False)
                 out.append([])
                 continue
-            lp, _ = token_logprobs(self.model, list(batch), self.device)
+            with self.precision.autocast(self.device):
+                lp, _ = token_logprobs(self.model, list(batch), self.device)
+            lp = lp.cpu()  # one host copy per micro-batch
             out.append([lp[i, : len(d)].tolist() for i, d in enumerate(batch)])
         return out
 
@@ -128,28 +150,22 @@ class PolicyLearner:
         t0 = time.perf_counter()
         self.model.train()
         cfg = dict(loss_fn_config or {})
-        sums = LossSums()
+        stats, tokens, sequences = [], 0.0, 0.0
         for batch in batches:
             if not batch:
                 self.idle_pass(backward=True)
                 continue
-            lp, valid = token_logprobs(self.model, batch, self.device)
+            with self.precision.autocast(self.device):
+                lp, valid = token_logprobs(self.model, batch, self.device)
             inputs = loss_inputs(batch, lp.shape[1], self.device)
             mask, q = inputs.mask * valid, inputs.sampler_logprobs
             tok_loss = per_token_loss(loss_fn, lp, q, inputs.advantages, inputs.weights, **cfg)
             loss = aggregate(tok_loss, mask, aggregation, total_tokens=norm.tokens, total_sequences=norm.sequences)
             loss.backward()
-            sums.loss += loss.item()
-            sums.tokens += float(sum(sum(d.mask) for d in batch))
-            sums.sequences += float(len(batch))
-            with torch.no_grad():
-                ratio = torch.exp(lp - q)
-                sums.ratio += (ratio * mask).sum().item()
-                if "clip_low" in cfg or loss_fn in ("ppo", "cispo"):
-                    lo, hi = cfg.get("clip_low", 0.8 if loss_fn == "ppo" else 0.0), cfg.get("clip_high", 1.2 if loss_fn == "ppo" else 4.0)
-                    sums.clipped += (((ratio < lo) | (ratio > hi)).float() * mask).sum().item()
-                sums.kl += ((q - lp) * mask).sum().item()
-                sums.absdiff += ((q - lp).abs() * mask).sum().item()
+            stats.append(batch_stats(loss, lp, q, mask, loss_fn, cfg))  # stays on the device
+            tokens += float(sum(sum(d.mask) for d in batch))
+            sequences += float(len(batch))
+        sums = LossSums.of(stats, tokens, sequences)  # one host copy for the whole call
         sums.compute_s = time.perf_counter() - t0  # inside the learner, without transport
         return sums
 
@@ -170,7 +186,11 @@ class PolicyLearner:
                                weight_decay=weight_decay, grad_clip=grad_clip)
         self.step += 1
         self.version += 1
-        return {"grad_norm": grad_norm, "learning_rate": learning_rate, "step": self.step}
+        out = {"grad_norm": grad_norm, "learning_rate": learning_rate, "step": self.step}
+        if self.device.startswith("cuda"):  # since the last optim_step: forward_backward and this step
+            out["peak_gpu_gb"] = torch.cuda.max_memory_allocated() / 2**30
+            torch.cuda.reset_peak_memory_stats()
+        return out
 
     # ------------------------------------------------------------------ colocated generation
 
@@ -191,7 +211,10 @@ class PolicyLearner:
         if self.sampler is None:
             raise RuntimeError("this learner does not generate: call start_sampler first (rollout.colocate)")
         self.model.eval()
-        samples = self.sampler.generate(prompts, params, n)
+        with self.precision.autocast(self.device):
+            samples = self.sampler.generate(prompts, params, n)
+        if self.device.startswith("cuda"):  # the KV cache's blocks go back before the update needs them
+            torch.cuda.empty_cache()
         return [GenerateResult(s, self.version) for s in samples]
 
     def update_weights(self, update: Any = None) -> int:

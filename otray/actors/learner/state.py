@@ -35,9 +35,17 @@ def read_meta(src: Path, lora_rank: int) -> CheckpointMeta:
     return meta
 
 
+def rng_state() -> dict[str, Any]:
+    """This process's RNG states: torch's CPU generator, Python's, and every visible GPU's."""
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
 def write_meta(out: Path, meta: CheckpointMeta) -> None:
-    """``meta.json`` and ``rng.pt`` (this process's RNG state) into ``out``."""
-    torch.save({"torch": torch.get_rng_state(), "python": random.getstate()}, out / "rng.pt")
+    """``meta.json`` and ``rng.pt`` (this process's RNG state, :func:`rng_state`) into ``out``."""
+    torch.save(rng_state(), out / "rng.pt")
     (out / "meta.json").write_text(json.dumps(meta.to_json(), indent=1, default=list))
 
 
@@ -69,6 +77,8 @@ def restore_rng(src: Path) -> None:
     rng = torch.load(src / "rng.pt", weights_only=False)
     torch.set_rng_state(rng["torch"])
     random.setstate(rng["python"])
+    if "cuda" in rng and torch.cuda.is_available() and len(rng["cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(rng["cuda"])
 
 
 def training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:

@@ -69,3 +69,14 @@ def test_config_runs_two_steps(ray_local, tmp_path, name):
         for env in cfg.envs:  # tool envs: tool calls and their error rate
             if env in ("calculator", "tool_addition"):
                 assert f"eval/{env}/tool_error_rate" in rows[-1], sorted(rows[-1])
+
+
+def test_gpu_configs_load():
+    """conf/gpu/ (one GPU: colocated, split 0.5/0.5, the 0.5B-shape throughput run, a real hub model)
+    load and ask for a GPU; they run on a GPU machine (NOTES.md, `make gpu-check`)."""
+    found = sorted((ROOT / "conf" / "gpu").glob("*.yaml"))
+    assert len(found) == 4
+    for path in found:
+        cfg = config.load(path)
+        assert cfg.resources.learner_gpus > 0 and cfg.model.dtype == "auto", path.name
+        assert cfg.rollout.colocate or cfg.resources.rollout_gpus > 0, path.name

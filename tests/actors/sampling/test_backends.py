@@ -126,3 +126,33 @@ def test_ignore_eos_generates_exactly_max_tokens(worker, tiny_path, tokenizer, p
     assert all(r.samples[0].token_ids == [tokenizer.eos_token_id] for r in stops)
     full = worker.generate(prompts, SamplingParams(max_tokens=5, temperature=1.0, ignore_eos=True), 2)
     assert all(len(s.token_ids) == 5 and s.finish_reason is FinishReason.LENGTH for r in full for s in r.samples)
+
+
+def test_chosen_logprobs_hold_one_step_and_equal_the_raw_log_softmax():
+    """The HF sampler records each chosen token's raw logprob step by step (the processor sees the
+    scores before temperature/top-k/top-p), holding one step's log-softmax, never every step's logits."""
+    import torch
+
+    from otray.actors.sampling.backends.hf import ChosenLogprobs
+
+    torch.manual_seed(0)
+    steps = [torch.randn(3, 11) for _ in range(4)]
+    chosen = torch.randint(0, 11, (3, 4))
+    rec = ChosenLogprobs()
+    prompt = torch.zeros(3, 2, dtype=torch.long)
+    for k, scores in enumerate(steps):
+        ids = torch.cat([prompt, chosen[:, :k]], dim=1)
+        assert rec(ids, scores) is scores  # the scores pass on unchanged
+        assert len(rec.chosen) == max(0, k)  # only the steps decided so far, one log-softmax held
+    got = rec.finish(chosen)
+    want = torch.stack([s.log_softmax(-1).gather(-1, chosen[:, k:k + 1]).squeeze(-1) for k, s in enumerate(steps)], 1)
+    assert torch.allclose(got, want)
+
+
+def test_vllm_engine_settings_follow_the_device():
+    """dtype ``auto`` and eager mode resolved where the engine runs: here (no GPU) float32 and eager;
+    an explicit choice is kept."""
+    from otray.actors.sampling.backends.vllm import engine_settings
+
+    assert engine_settings("auto", None) == {"dtype": "float32", "enforce_eager": True}
+    assert engine_settings("bfloat16", False) == {"dtype": "bfloat16", "enforce_eager": False}

@@ -2,9 +2,12 @@
 
 Prompts are left-padded into batches of at most ``max_batch`` rows. Logprobs come
 from the raw logits of each step (before temperature / top-p processing), i.e.
-the temperature-1 distribution the learner also computes. On CPU the linear layers
-sample through oneDNN's prepacked kernels (``packed.py``; ``packed_linears=False`` turns
-that off).
+the temperature-1 distribution the learner also computes. They are taken step by step
+(:class:`ChosenLogprobs`, first in the logits processors; temperature, top-k, top-p and the
+minimum length come after it): one step's log-softmax is held at a time, never every step's
+full-vocabulary logits (at a 151,936-token vocabulary, 256 rows x 512 steps of fp32 logits are
+~80 GB). On CPU the linear layers sample through oneDNN's prepacked kernels (``packed.py``;
+``packed_linears=False`` turns that off).
 """
 
 from __future__ import annotations
@@ -19,6 +22,52 @@ from otray.actors.sampling.backends.packed import PackedLinears
 from otray.device import resolve_device, resolve_dtype
 from otray.models import end_of_turn_ids, load_model, load_tokenizer
 from otray.types import FinishReason, Sample, SamplingParams
+
+
+class ChosenLogprobs:
+    """A logits processor that records the raw log-probability of each sampled token.
+
+    ``generate`` calls it before every step's choice with the ids so far: the last id is the token
+    chosen at the step before, whose log-softmax this holds; :meth:`finish` adds the last step's."""
+
+    def __init__(self) -> None:
+        self.previous: torch.Tensor | None = None
+        self.chosen: list[torch.Tensor] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.previous is not None:
+            self.chosen.append(self.previous.gather(-1, input_ids[:, -1:]).squeeze(-1))
+        self.previous = scores.float().log_softmax(-1)
+        return scores
+
+    def finish(self, new_tokens: torch.Tensor) -> torch.Tensor:
+        """``(rows, steps)`` logprobs of ``new_tokens`` (the generated ids, padded after a row's end)."""
+        steps = list(self.chosen)
+        if self.previous is not None and len(steps) < new_tokens.shape[1]:
+            steps.append(self.previous.gather(-1, new_tokens[:, len(steps):len(steps) + 1]).squeeze(-1))
+        self.previous = None
+        if not steps:
+            return torch.zeros(new_tokens.shape, dtype=torch.float32)
+        return torch.stack(steps, dim=1)
+
+
+def processors(params: SamplingParams, recorder: ChosenLogprobs, prompt_width: int, min_new: int,
+               eos: list[int]) -> Any:
+    """The recorder first, then what shapes the sampling distribution (after the raw logprobs are taken)."""
+    from transformers import (LogitsProcessorList, MinNewTokensLengthLogitsProcessor, TemperatureLogitsWarper,
+                              TopKLogitsWarper, TopPLogitsWarper)
+
+    out = LogitsProcessorList([recorder])
+    if min_new:
+        out.append(MinNewTokensLengthLogitsProcessor(prompt_width, min_new, eos))
+    if not params.greedy:
+        if params.temperature != 1.0:
+            out.append(TemperatureLogitsWarper(params.temperature))
+        if params.top_k > 0:
+            out.append(TopKLogitsWarper(params.top_k))
+        if params.top_p < 1.0:
+            out.append(TopPLogitsWarper(params.top_p))
+    return out
 
 
 class HFBackend:
@@ -78,21 +127,22 @@ class HFBackend:
         if self.model.device.type != "cpu":
             ids, attn = ids.to(self.model.device), attn.to(self.model.device)
         budget = min(params.max_tokens, self.max_model_len - min(len(r) for r in rows))
-        sampling = {"do_sample": False} if params.greedy else {
-            "do_sample": True, "temperature": params.temperature, "top_p": params.top_p,
-            "top_k": params.top_k if params.top_k > 0 else 0}
-        if params.ignore_eos:
-            sampling["min_new_tokens"] = budget
+        # the model's own generation defaults (a hub model's temperature, top_k, repetition penalty) are
+        # overridden: what shapes sampling is ``processors``', after the raw logprobs are recorded
+        sampling = {"do_sample": False, "repetition_penalty": 1.0} if params.greedy else {
+            "do_sample": True, "temperature": 1.0, "top_p": 1.0, "top_k": 0, "repetition_penalty": 1.0}
         if params.stop:  # end rows early at a stop string (the exact cut is made below)
             sampling.update(stop_strings=list(params.stop), tokenizer=self.tokenizer)
+        eos = list(params.stop_token_ids or self.stop_token_ids)
+        recorder = ChosenLogprobs()
         with self.packed.active(self.model) if self.packed else nullcontext():
             out = self.model.generate(
-                input_ids=ids, attention_mask=attn, max_new_tokens=budget,
-                eos_token_id=list(params.stop_token_ids or self.stop_token_ids), pad_token_id=self.pad_id,
-                return_dict_in_generate=True, output_logits=True, **sampling)
+                input_ids=ids, attention_mask=attn, max_new_tokens=budget, eos_token_id=eos, pad_token_id=self.pad_id,
+                logits_processor=processors(params, recorder, width, budget if params.ignore_eos else 0, eos),
+                return_dict_in_generate=True, **sampling)
         new = out.sequences[:, width:]
-        logps = torch.stack(out.logits, dim=1).float().log_softmax(-1)
-        chosen = logps.gather(-1, new.unsqueeze(-1)).squeeze(-1)
+        chosen = recorder.finish(new).cpu()
+        new = new.cpu()  # one host copy of each
         stops = set(params.stop_token_ids)
         result = []
         for i, r in enumerate(rows):

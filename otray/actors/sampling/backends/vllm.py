@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from otray.actors.sampling.backends.base import apply_stop_strings, check_prompt_lengths, effective_params
+from otray.device import resolve_dtype
 from otray.models import end_of_turn_ids, load_tokenizer
 from otray.types import FinishReason, Sample, SamplingParams
 
@@ -52,12 +53,26 @@ def vllm_available() -> bool:
     return True
 
 
+def engine_settings(dtype: str, enforce_eager: bool | None) -> dict[str, Any]:
+    """The engine's dtype and eager mode in this process: on the GPU Ray gave it (if any), ``auto``
+    is bfloat16 and CUDA graphs are on; on the CPU float32, eager (vLLM's CPU build)."""
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return {"dtype": resolve_dtype(dtype, device),
+            "enforce_eager": (device == "cpu") if enforce_eager is None else bool(enforce_eager)}
+
+
 class VLLMBackend:
     name = "vllm"
 
     def __init__(self, model_path: str, *, dtype: str = "float32", max_model_len: int | None = None,
                  seed: int = 0, max_lora_rank: int = 0, kv_cache_gb: int = 1, max_num_seqs: int = 256,
-                 max_loras: int = 1, gpu_memory_utilization: float | None = None, **_: Any):
+                 max_loras: int = 1, gpu_memory_utilization: float | None = None, enforce_eager: bool | None = None,
+                 **_: Any):
+        """``dtype`` as ``model.dtype`` (``auto``: bf16 on a GPU, float32 on the CPU, resolved here like
+        ``otray.device``); ``enforce_eager`` None: eager on the CPU, CUDA graphs on a GPU;
+        ``gpu_memory_utilization`` None: vLLM's own share (0.9), lower it when a learner shares the card."""
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(kv_cache_gb))))
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         from vllm import LLM
@@ -69,8 +84,9 @@ class VLLMBackend:
             if max_lora_rank > 0 else {}
         if gpu_memory_utilization is not None:  # a GPU shared with a learner: vLLM takes 0.9 of it by default
             lora["gpu_memory_utilization"] = gpu_memory_utilization
-        self.llm = LLM(model=model_path, dtype=dtype, max_model_len=max_model_len, seed=seed,
-                       enforce_eager=True, max_num_seqs=max_num_seqs,
+        settings = engine_settings(dtype, enforce_eager)
+        self.llm = LLM(model=model_path, dtype=settings["dtype"], max_model_len=max_model_len, seed=seed,
+                       enforce_eager=settings["enforce_eager"], max_num_seqs=max_num_seqs,
                        worker_extension_cls=f"{__name__}.WeightSyncExtension", **lora)
         self.max_model_len = self.llm.llm_engine.model_config.max_model_len
         self._lora_request = None
