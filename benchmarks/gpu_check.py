@@ -22,7 +22,6 @@ Targets (issue 31) are on one H100 for the 0.5B shape: sampler <= 2 s for 64 x 2
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -30,6 +29,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from benchmarks.results_io import save  # noqa: E402
 
 
 def _sync(device: str) -> None:
@@ -130,9 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "gpu_check.json"))
     args = ap.parse_args(argv)
     result = probe(args)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1))
-    print(f"saved {args.out}")
+    save(result, args.out)
     return 0
 
 

@@ -79,6 +79,9 @@ class RolloutSection:
     # lower when a learner shares the card), and eager mode (null: eager on the CPU, CUDA graphs on a GPU)
     gpu_memory_utilization: Optional[float] = None
     enforce_eager: Optional[bool] = None
+    # how weights reach the rollout workers after each update: auto (shared memory when the learner and
+    # every worker share a node, else the object store) | object_store | shm (otray.actors.sampling.transport)
+    weight_sync: str = "auto"
 
 
 @dataclass
@@ -309,6 +312,7 @@ class Config:
 def _check_values(cfg: Config) -> None:
     one_of(cfg.job.kind, ("rl", "sft", "infer"), "job.kind")
     one_of(cfg.rollout.backend, ("auto", "vllm", "hf"), "rollout.backend")
+    one_of(cfg.rollout.weight_sync, ("auto", "object_store", "shm"), "rollout.weight_sync")
     one_of(cfg.model.device, DEVICES, "model.device")
     one_of(cfg.model.dtype, DTYPES, "model.dtype")
     one_of(cfg.logging.wandb_mode, ("offline", "online"), "logging.wandb_mode")

@@ -25,6 +25,7 @@ POLICY_LAG = "policy_lag"
 LOGPROB_DIFF_MAX = "rollout/logprob_diff_max"
 LOGPROB_DIFF_MEAN = "rollout/logprob_diff_mean"
 LOGPROB_KL = "rollout/logprob_kl"
+WEIGHT_SYNC = "weight_sync"  # the transport that took the step's weights to the workers (its time: sync_s)
 PEAK_GPU_GB = "learner/peak_gpu_gb"  # the learner's peak GPU memory in the step (GPU learners only)
 TIME_PREFIX = "time/"  # time/<part>_s: a step's time parts (otray.timing)
 GENERATE_SHARE = "time/generate_share"

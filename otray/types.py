@@ -130,13 +130,26 @@ class WeightUpdate:
     ``kind == "full"``: ``tensors`` are the full model's parameters under Hugging
     Face names. ``kind == "lora"``: ``tensors`` are a PEFT adapter's weights and
     ``lora_config`` the adapter config as a dict. Passed by Ray object reference,
-    so it reaches workers on other nodes through the object store.
+    so it reaches workers on other nodes through the object store; with
+    ``rollout.weight_sync: shm`` ``tensors`` is a :class:`SharedTensors` handle instead
+    (``otray.actors.sampling.transport``).
     """
 
     version: int
     kind: str  # "full" | "lora"
-    tensors: dict[str, Any]
+    tensors: dict[str, Any] | SharedTensors
     lora_config: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class SharedTensors:
+    """Tensors written once into a shared-memory file on one node: where, and each one's
+    ``(name, dtype, shape, byte offset, bytes)`` in it."""
+
+    path: str
+    node_id: str | None
+    layout: tuple[tuple[str, str, tuple[int, ...], int, int], ...]
+    size: int
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ from typing import Any
 
 from otray.config import AlgoSection, Config, learner_ranks, policy_bundles, to_dict, trained_policies
 from otray.actors.sampling.fleet import RolloutFleet
+from otray.actors.sampling.transport import choose
 from otray.placement import in_bundle, threads_env
 from otray.records import CheckpointMeta
 from otray.timing import StepClock
@@ -152,6 +153,7 @@ class PolicyRuntime:
     version: int = 0
     synced: bool = True
     nodes: dict[str, Any] = field(default_factory=dict)  # Ray node ids of the learner and the workers
+    weight_sync: str = "object_store"  # how weights reach the workers (otray.actors.sampling.transport)
 
     @property
     def workers(self) -> tuple[Any, ...]:
@@ -179,11 +181,11 @@ class PolicyRuntime:
         return {**fb, **opt}
 
     def sync_weights(self, clock: StepClock | None = None) -> float:
-        """Push the learner's weights to the fleet through the object store (colocated: nothing to
-        send, the learner samples from the weights it trains); returns the seconds it took."""
+        """Push the learner's weights to the fleet over ``weight_sync`` (colocated: nothing to send, the
+        learner samples from the weights it trains); returns the seconds it took."""
         t0 = time.perf_counter()
         if self.fleet is not None and not self.colocated:
-            self.fleet.update_weights(self.learner.weights.remote())
+            self.fleet.update_weights(self.learner.weights.remote(self.weight_sync))
         self.synced = True
         if clock is not None:
             clock.mark("weight_sync")
@@ -248,9 +250,11 @@ def build_policies(cfg: Config, factory: ActorFactory) -> dict[str, PolicyRuntim
             infos = ray.get([w.info.remote() for w in workers])
         fleet = RolloutFleet([learner] if colocated else workers) if infos else None
         state = ray.get(learner.info.remote())
+        nodes = {"learner": state.node_id, "rollout": [i.node_id for i in infos]}
         policy = PolicyRuntime(name, learner, fleet, infos[0] if infos else WorkerInfo(None, cfg.rollout.max_model_len),
-                               colocated, version=state.policy_version,
-                               nodes={"learner": state.node_id, "rollout": [i.node_id for i in infos]})
+                               colocated, version=state.policy_version, nodes=nodes,
+                               weight_sync="none" if colocated else choose(cfg.rollout.weight_sync, nodes["learner"],
+                                                                           nodes["rollout"]))
         if k > 0:
             policy.sync_weights()
         policies[name] = policy

@@ -147,6 +147,7 @@ def rl_step(pipeline: Prefetcher, policies: dict[str, PolicyRuntime], algo: Algo
     pipeline.wait(clock)                                                            # 7. push weights (off-policy:
     for name, policy in policies.items():                                           #    once the next batch is
         learned[name]["sync_s"] = 0.0 if policy.synced else policy.sync_weights(clock)  # done: one version old)
+        learned[name][K.WEIGHT_SYNC] = policy.weight_sync
     row: dict[str, Any] = {"step": step + 1, "batch": batch.digest, **batch.metrics}  # 8. metrics
     for name, policy in policies.items():
         prefix = "" if len(policies) == 1 else f"policy/{name}/"

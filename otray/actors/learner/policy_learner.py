@@ -37,6 +37,7 @@ from otray.actors.learner.core import (LossSums, adamw_step, batch_stats, global
 from otray.actors.learner.precision import budget_for, learner_precision
 from otray.actors.learner.state import load_sharded, load_whole, read_meta, restore_rng, save_whole, write_meta
 from otray.actors.sampling.backends.base import Backend
+from otray.actors.sampling.transport import SharedFiles
 from otray.algos.losses import aggregate, per_token_loss
 from otray.device import resolve_device, resolve_dtype
 from otray.placement import current_node_id
@@ -78,6 +79,7 @@ class PolicyLearner:
         self.extra_state: dict[str, Any] = {}  # job-level state saved with checkpoints
         self.busy = BusyClock()  # seconds spent in forward passes, optimizer steps and weight export
         self.sampler: Backend | None = None  # colocated generation (``start_sampler``)
+        self.shared = SharedFiles()  # weights published to shared memory (weight_sync: shm)
 
     def busy_s(self) -> float:
         return self.busy.total
@@ -227,17 +229,18 @@ class PolicyLearner:
     # ------------------------------------------------------------------ weights out
 
     @busy
-    def weights(self) -> WeightUpdate:
-        """Current weights for rollout workers: the adapter (LoRA) or every parameter."""
+    def weights(self, transport: str = "object_store") -> WeightUpdate:
+        """Current weights for rollout workers: the adapter (LoRA) or every parameter, as tensors for the
+        object store or (``transport="shm"``) written once to shared memory (``sampling.transport``)."""
         if self.is_lora:
             from peft import get_peft_model_state_dict
 
-            tensors = {k: v.detach().to("cpu", copy=True) for k, v in get_peft_model_state_dict(self.model).items()}
-            return WeightUpdate(self.version, "lora", tensors, self._lora_config_dict())
-        # Every entry, tied lm_head included: vLLM's in-place reload leaves the head
-        # stale when only embed_tokens arrives (measured: logprobs off by ~1.6).
-        tensors = {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}  # object store
-        return WeightUpdate(self.version, "full", tensors)
+            state, kind, lora = get_peft_model_state_dict(self.model), "lora", self._lora_config_dict()
+        else:
+            # Every entry, tied lm_head included: vLLM's in-place reload leaves the head
+            # stale when only embed_tokens arrives (measured: logprobs off by ~1.6).
+            state, kind, lora = self.model.state_dict(), "full", None
+        return self.shared.update(state, self.version, kind, lora, transport)
 
     def _lora_config_dict(self) -> dict[str, Any]:
         cfg = self.model.peft_config["default"].to_dict()

@@ -122,17 +122,18 @@ class LearnerRank(PolicyLearner):
     # ------------------------------------------------------------------ weights out
 
     @busy
-    def weights(self) -> WeightUpdate | None:
+    def weights(self, transport: str = "object_store") -> WeightUpdate | None:
         """The current weights (adapter or every entry, as PolicyLearner's), gathered tensor by tensor;
-        rank 0 returns them, the others None."""
+        rank 0 returns them (over ``transport``), the others None."""
         keep = self.rank == 0
         if self.is_lora:
             from peft import get_peft_model_state_dict
 
             tensors = dict(full_tensors(get_peft_model_state_dict(self.model), keep))
-            return WeightUpdate(self.version, "lora", tensors, self._lora_config_dict()) if keep else None
+            return self.shared.update(tensors, self.version, "lora", self._lora_config_dict(), transport) \
+                if keep else None
         tensors = dict(full_tensors(self.model.state_dict(), keep))
-        return WeightUpdate(self.version, "full", tensors) if keep else None
+        return self.shared.update(tensors, self.version, "full", None, transport) if keep else None
 
     def export(self, path: str) -> str:
         """Rank 0 writes the HF model (or PEFT adapter) from the gathered state (see PolicyLearner.export)."""

@@ -15,8 +15,9 @@ from typing import Any
 
 from otray.placement import current_node_id
 from otray.actors.sampling.backends.base import Backend
+from otray.actors.sampling.transport import from_shared
 from otray.timing import BusyClock
-from otray.types import ConfigError, GenerateResult, SamplingParams, WeightUpdate, WorkerInfo
+from otray.types import ConfigError, GenerateResult, SamplingParams, SharedTensors, WeightUpdate, WorkerInfo
 
 BACKENDS = ("auto", "vllm", "hf")
 
@@ -69,10 +70,11 @@ class RolloutWorker:
             return self._update_weights(update)
 
     def _update_weights(self, update: WeightUpdate) -> int:
+        tensors = from_shared(update.tensors) if isinstance(update.tensors, SharedTensors) else update.tensors
         if update.kind == "full":
-            self.backend.load_full_weights(update.tensors)
+            self.backend.load_full_weights(tensors)
         elif update.kind == "lora":
-            self.backend.load_lora(update.tensors, update.lora_config or {}, update.version)
+            self.backend.load_lora(tensors, update.lora_config or {}, update.version)
         else:
             raise ValueError(f"unknown weight update kind {update.kind!r} (expected 'full' or 'lora')")
         self.version = update.version

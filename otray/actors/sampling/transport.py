@@ -1,0 +1,121 @@
+"""How new weights travel from a learner to its rollout workers (``rollout.weight_sync``).
+
+- ``object_store``: the learner returns its tensors in a :class:`~otray.types.WeightUpdate`; Ray pickles
+  them into the object store and every worker reads a copy (works across nodes).
+- ``shm``: the learner writes every tensor once into one file in shared memory (``/dev/shm``) and sends
+  only a :class:`~otray.types.SharedTensors` handle (names, dtypes, shapes, offsets); each worker on the
+  same node maps the file and copies straight from it into its model. No pickling, no object-store
+  copy; the file is replaced by the next version's (the learner keeps the latest two).
+- ``auto``: ``shm`` when the learner and every rollout worker run on one node, else ``object_store``.
+
+``tests/actors/sampling/test_transport.py`` checks that ``shm`` delivers the object store's tensors bit for
+bit; ``benchmarks/weight_sync.py`` times both between two Ray actors.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from otray.placement import current_node_id
+from otray.types import ConfigError, SharedTensors, WeightUpdate
+
+TRANSPORTS = ("auto", "object_store", "shm")
+ALIGN = 64  # every tensor starts on a 64-byte boundary of the shared file
+SHM_DIR = Path(os.environ.get("OTRAY_SHM_DIR", "/dev/shm"))
+
+
+def choose(setting: str, learner_node: str | None, worker_nodes: list[str | None]) -> str:
+    """The transport a policy uses: ``setting`` unless ``auto`` (see the module docstring)."""
+    if setting not in TRANSPORTS:
+        raise ConfigError(f"rollout.weight_sync={setting!r}: choose one of {', '.join(TRANSPORTS)}")
+    if setting != "auto":
+        return setting
+    same = learner_node is not None and all(n == learner_node for n in worker_nodes)
+    return "shm" if same and worker_nodes and shm_free_bytes() > MIN_FREE else "object_store"
+
+
+MIN_FREE = 1 << 30  # auto picks shm only with at least this much shared memory free (a container's may be 64 MiB)
+
+
+def shm_free_bytes() -> int:
+    try:
+        st = os.statvfs(SHM_DIR)
+    except OSError:
+        return 0
+    return st.f_bavail * st.f_frsize
+
+
+def to_shared(tensors: dict[str, Any], tag: str) -> SharedTensors:
+    """Write ``tensors`` (on any device) into one shared-memory file named by ``tag``; its handle."""
+    import torch
+
+    layout, offset = [], 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        layout.append((name, str(t.dtype).removeprefix("torch."), tuple(t.shape), offset, nbytes))
+        offset += -(-nbytes // ALIGN) * ALIGN
+    path = SHM_DIR / f"otray-weights-{tag}.bin"
+    tmp = path.with_suffix(".partial")
+    with open(tmp, "wb") as f:
+        f.truncate(max(offset, 1))
+    buf = torch.from_file(str(tmp), shared=True, size=max(offset, 1), dtype=torch.uint8)
+    for (name, _, _, start, nbytes), t in zip(layout, tensors.values()):
+        if nbytes:
+            buf[start:start + nbytes].view(t.dtype).view(t.shape).copy_(t.detach())
+    del buf
+    os.replace(tmp, path)  # a reader never sees a half-written file
+    return SharedTensors(str(path), current_node_id(), tuple(layout), offset)
+
+
+def from_shared(ref: SharedTensors) -> dict[str, Any]:
+    """The tensors of a :func:`to_shared` file, as views of its mapping (copy them before it is replaced)."""
+    import torch
+
+    if ref.node_id is not None and current_node_id() is not None and ref.node_id != current_node_id():
+        raise ConfigError(f"weights in shared memory on node {ref.node_id} reached a worker on node "
+                          f"{current_node_id()}: shared memory works on one node; set rollout.weight_sync: "
+                          "object_store (or auto)")
+    if not Path(ref.path).exists():
+        raise FileNotFoundError(f"the shared weights file {ref.path} is gone (the learner replaced it, or died)")
+    buf = torch.from_file(ref.path, shared=False, size=max(ref.size, 1), dtype=torch.uint8)
+    out = {}
+    for name, dtype, shape, start, nbytes in ref.layout:
+        out[name] = buf[start:start + nbytes].view(getattr(torch, dtype)).view(shape)
+    return out
+
+
+class SharedFiles:
+    """The learner's side: the shared files it wrote, the latest ``keep`` kept, the rest removed."""
+
+    def __init__(self, keep: int = 2):
+        self.keep, self.paths = keep, []
+
+    def publish(self, tensors: dict[str, Any], tag: str) -> SharedTensors:
+        ref = to_shared(tensors, tag)
+        self.paths.append(ref.path)
+        while len(self.paths) > self.keep:
+            Path(self.paths.pop(0)).unlink(missing_ok=True)
+        return ref
+
+    def update(self, state: dict[str, Any], version: int, kind: str, lora: dict[str, Any] | None,
+               transport: str) -> WeightUpdate:
+        """A learner's ``state`` as a :class:`~otray.types.WeightUpdate` over ``transport``: CPU copies for the
+        object store, or one shared-memory file (no copy but the write into it). Shared memory that is
+        full sends this update through the object store instead (and says so)."""
+        if transport == "shm":
+            try:
+                return WeightUpdate(version, kind, self.publish({k: v.detach() for k, v in state.items()},
+                                                                f"{os.getpid()}-v{version}"), lora)
+            except OSError as e:
+                print(f"weight_sync shm failed ({e}); sending version {version} through the object store", flush=True)
+        return WeightUpdate(version, kind, {k: v.detach().to("cpu", copy=True) for k, v in state.items()}, lora)
+
+    def close(self) -> None:
+        for p in self.paths:
+            Path(p).unlink(missing_ok=True)
+        self.paths.clear()
+
+    def __del__(self) -> None:
+        self.close()
