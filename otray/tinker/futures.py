@@ -130,6 +130,19 @@ class OrderedExecutor:
             asyncio.get_running_loop().create_task(self._drain(q))
         return request_id
 
+    def refuse(self, model_id: str, seq_id: int, owner: str, message: str) -> None:
+        """Request ``seq_id`` was refused before it was queued (bad input): it takes its place in the order
+        as a request that fails with ``message``, so the requests after it run at once instead of waiting
+        ``gap_timeout_s`` for it."""
+        q = self.queues.get(model_id)
+        if q is None or seq_id in q.seen or seq_id < q.next_seq:
+            return
+
+        async def refused() -> Outcome:
+            return Outcome.error(message)
+
+        self.submit(model_id, seq_id, owner, refused)
+
     async def _drain(self, q: _Queue) -> None:
         try:
             while q.next_seq in q.pending:

@@ -10,6 +10,8 @@ ResourceManager lease (:mod:`otray.tinker.leases`) open while it lives.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict
 from typing import Any, Awaitable, Callable, Optional
 
@@ -22,6 +24,19 @@ from otray.tinker.leases import LeaseEnded, Leases, LeaseSpec
 from otray.tinker.store import Checkpoint, Sampler, Store
 from otray.tinker.wire import TrainCall, UserError, parse_train_call, train_output
 
+
+
+def adam_step(raw: dict[str, Any]) -> AdamStep:
+    """An optim_step's ``adam_params`` checked: AdamW only, numbers in range."""
+    if "type" in raw and raw["type"] != "adamw":
+        raise UserError(f"optimizer step of type {raw['type']!r}: this service's models use adamw")
+    try:
+        step = AdamStep(**{k: float(v) for k, v in raw.items() if k != "type"})
+    except (TypeError, ValueError) as e:
+        raise UserError(f"adam_params: {e}") from None
+    if step.learning_rate < 0 or not 0 <= step.beta1 < 1 or not 0 <= step.beta2 < 1:
+        raise UserError(f"adam_params out of range: {raw}")
+    return step
 
 class Training:
     def __init__(self, learners: dict[str, Any], store: Store, catalog: Catalog, futures: Futures,
@@ -70,6 +85,20 @@ class Training:
                             "create_training_client_from_state", 404)
         return self.learners[self.live[model_id]]
 
+    @contextmanager
+    def refused(self, owner: str, model_id: Any, seq_id: Any) -> Iterator[None]:
+        """A request of ``owner``'s own live model that fails its checks before it is queued still uses up
+        its ``seq_id`` (the order advances past it), so the same client's next request runs at once."""
+        try:
+            yield
+        except UserError as e:
+            model_id = e.model_id or model_id
+            seq_id = e.seq_id if e.seq_id is not None else seq_id
+            run = self.store.run(model_id) if isinstance(model_id, str) else None
+            if run is not None and run.owner == owner and isinstance(seq_id, int) and seq_id >= 1:
+                self.order.refuse(model_id, seq_id, owner, str(e))
+            raise
+
     def _queue(self, owner: str, model_id: str, seq_id: Any, run: Callable[[], Awaitable[Outcome]]) -> dict[str, Any]:
         self.catalog.run(owner, model_id)
         self.store.touch(model_id)
@@ -80,7 +109,8 @@ class Training:
     # ------------------------------------------------------------------ requests
 
     def forward_backward(self, owner: str, body: bytes) -> dict[str, Any]:
-        call: TrainCall = parse_train_call(body, lambda m: self.vocab(owner, m))
+        with self.refused(owner, None, None):
+            call: TrainCall = parse_train_call(body, lambda m: self.vocab(owner, m))
         learner = self.learner_of(call.model_id)
 
         async def run() -> Outcome:
@@ -96,15 +126,8 @@ class Training:
         model_id = req["model_id"]
         self.catalog.run(owner, model_id)
         learner = self.learner_of(model_id)
-        raw = req.get("adam_params") or req.get("optim_params") or {}
-        if "type" in raw and raw["type"] != "adamw":
-            raise UserError(f"optimizer step of type {raw['type']!r}: this service's models use adamw")
-        try:
-            step = AdamStep(**{k: float(v) for k, v in raw.items() if k != "type"})
-        except TypeError as e:
-            raise UserError(f"adam_params: {e}") from None
-        if step.learning_rate < 0 or not 0 <= step.beta1 < 1 or not 0 <= step.beta2 < 1:
-            raise UserError(f"adam_params out of range: {raw}")
+        with self.refused(owner, model_id, req.get("seq_id")):
+            step = adam_step(req.get("adam_params") or req.get("optim_params") or {})
 
         async def run() -> Outcome:
             metrics = await learner.optim_step.remote(model_id, step)
@@ -126,7 +149,8 @@ class Training:
         ephemeral = sampler and not name
         if ephemeral:
             name = f"ephemeral-{req.get('seq_id')}"
-        R.check_name(name)
+        with self.refused(owner, model_id, req.get("seq_id")):
+            R.check_name(name)
         kind = "sampler" if sampler else "training"
         ttl = req.get("ttl_seconds")
         overwrite = bool(req.get("overwrite", False))

@@ -40,11 +40,15 @@ MAX_TOKENS_PER_DATUM = 1 << 20
 
 
 class UserError(ValueError):
-    """A request the caller has to change; ``status`` is the HTTP status when it is refused at once."""
+    """A request the caller has to change; ``status`` is the HTTP status when it is refused at once.
+    ``model_id`` / ``seq_id``: the ordered request it refused, where known (its seq_id is then used up,
+    so the model's next request does not wait for it: ``Training.refused``)."""
 
     def __init__(self, message: str, status: int = 400):
         super().__init__(message)
         self.status = status
+        self.model_id: str | None = None
+        self.seq_id: int | None = None
 
 
 def pb():
@@ -132,7 +136,15 @@ def parse_train_call(body: bytes, vocab_of: Any) -> TrainCall:
                         "(send it with the tinker SDK, Content-Type: application/x-protobuf)") from None
     if not msg.model_id:
         raise UserError("forward_backward: model_id is missing")
-    vocab = vocab_of(msg.model_id)
+    try:
+        return _train_call(msg, vocab_of(msg.model_id))
+    except UserError as e:
+        e.model_id, e.seq_id = msg.model_id, int(msg.seq_id)
+        raise
+
+
+def _train_call(msg: Any, vocab: int) -> TrainCall:
+    """A parsed ForwardBackwardRequest checked against the model's vocabulary."""
     loss = msg.loss_fn
     if loss not in LOSSES:
         raise UserError(f"loss_fn {loss!r} is not supported by this service; choose one of {', '.join(LOSSES)} "

@@ -256,6 +256,38 @@ def test_bad_input_gets_a_user_error_or_a_4xx_never_a_5xx_or_a_hang(svc, tokeniz
     sc.close("success").result()
 
 
+def test_a_refused_request_does_not_stall_the_clients_next_one(svc, tokenizer):
+    """A request refused at submit (an unknown loss, tensors of the wrong length, bad Adam parameters, a
+    bad checkpoint name) still uses up its seq_id: the same client's next forward_backward and
+    optim_step are served at once, not after the 120 s gap timeout. Sampling is not ordered, so a
+    refused sample request leaves the next one alone too."""
+    sc = tinker.ServiceClient(base_url=URL, api_key=svc["alice"])
+    tc = sc.create_lora_training_client(base_model=BASE, rank=2).result()
+    good = sft(*problems(tokenizer, 1)[0])
+    short = types.Datum(model_input=good.model_input, loss_fn_inputs={
+        "target_tokens": good.loss_fn_inputs["target_tokens"].tolist()[:-1],
+        "weights": good.loss_fn_inputs["weights"].tolist()[:-1]})
+    refusals = [lambda: tc.forward_backward([good], "no_such_loss").result(),
+                lambda: tc.forward_backward([short], "cross_entropy").result(),
+                lambda: tc.optim_step(types.AdamParams(learning_rate=1e-3, beta1=1.5)).result(),
+                lambda: tc.save_weights_for_sampler(name="../escape").result()]
+    for refuse in refusals:
+        with pytest.raises(Exception):
+            refuse()
+        t0 = time.time()
+        tc.forward_backward([good], "cross_entropy").result(timeout=30)
+        tc.optim_step(types.AdamParams(learning_rate=1e-3)).result(timeout=30)
+        assert time.time() - t0 < 10, "the next request waited for the refused one's seq_id"
+    sampler = tc.save_weights_and_get_sampling_client().result()
+    prompt = types.ModelInput.from_ints(good.model_input.to_ints()[:4])
+    with pytest.raises(Exception):
+        sampler.sample(prompt, 1, types.SamplingParams(max_tokens=4, stop=["a", 5])).result(timeout=30)
+    t0 = time.time()
+    assert len(sampler.sample(prompt, 1, types.SamplingParams(max_tokens=4)).result(timeout=30).sequences) == 1
+    assert time.time() - t0 < 10
+    sc.close("success").result()
+
+
 def lease(ray_local, key: str, model_id: str):
     """The ResourceManager's job row for a training client, as ``key``'s user sees it (None if unseen)."""
     from otray.actors.control.resource_manager import NAME, NAMESPACE
