@@ -71,5 +71,6 @@ def test_a_handle_from_another_node_or_a_removed_file_is_a_clear_error(monkeypat
     with pytest.raises(ConfigError, match="shared memory works on one node.*object_store"):
         from_shared(SharedTensors(ref.path, "learner-node", ref.layout, ref.size))
     files.close()
+    monkeypatch.undo()
     with pytest.raises(FileNotFoundError, match="is gone"):
         from_shared(ref)
