@@ -93,8 +93,10 @@ class SharedFiles:
         self.keep, self.paths = keep, []
 
     def publish(self, tensors: dict[str, Any], tag: str) -> SharedTensors:
+        """Write ``tensors`` under ``tag`` (a tag sent again, the same version resent, replaces its file
+        atomically: a reader of the old one keeps what it mapped); remove files past the latest ``keep``."""
         ref = to_shared(tensors, tag)
-        self.paths.append(ref.path)
+        self.paths = [p for p in self.paths if p != ref.path] + [ref.path]
         while len(self.paths) > self.keep:
             Path(self.paths.pop(0)).unlink(missing_ok=True)
         return ref

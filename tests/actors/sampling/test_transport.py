@@ -45,7 +45,11 @@ def test_shm_gives_the_sampler_the_object_stores_weights(tiny_path, tokenizer, r
     by_shm.update_weights(shared)
     a, b = by_store.backend.model.state_dict(), by_shm.backend.model.state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    for _ in range(3):  # the learner keeps its latest two files and removes the rest
+    again = learner.weights("shm")  # the same version resent: its file is replaced, not removed
+    assert again.tensors.path == shared.tensors.path and Path(again.tensors.path).exists()
+    by_shm.update_weights(again)
+    for _ in range(3):  # new versions: the learner keeps its latest two files and removes the rest
+        learner.version += 1
         learner.weights("shm")
     assert not Path(shared.tensors.path).exists() and len(learner.shared.paths) == 2
     kept = list(learner.shared.paths)
