@@ -58,9 +58,9 @@ sandbox:
 test: $(STAMP) browser sandbox
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
-# the tests that need neither Ray nor vLLM (tests/conftest.py marks Ray tests; about a minute here)
+# the in-process tests: no Ray, no vLLM, no servers in other processes (markers: tests/conftest.py)
 test-pure: $(STAMP) browser sandbox
-	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not ray and not cluster and not vllm"
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not ray and not cluster and not vllm and not service"
 
 # the suite without the vLLM engine tests (about a minute faster)
 test-fast: $(STAMP) browser sandbox

@@ -5,7 +5,9 @@ for the two services' configs. Each maps a dotted key (``*`` for any env name or
 (lowest, highest), either end ``None`` for open; ``GT`` marks a strict lower bound (``> 0``).
 Optional fields may be null.
 A value outside its range is a ConfigError naming the key, the value and the range, before
-anything reaches the cluster (a negative temperature used to pass submit and fail 30 s in).
+anything reaches the cluster (a negative temperature used to pass submit and fail 30 s in). Counts
+have upper bounds too, far above any real job, so that a typo (``algo.steps=1e8``, ``num_rollouts=1e5``,
+``max_model_len=1e8``) is named at submit instead of holding a cluster for days or exhausting memory.
 """
 
 from __future__ import annotations
@@ -21,32 +23,32 @@ class GT(float):
 
 
 _ENV = {  # one env's sampling and episode limits (envs.*) ...
-    "num_rollouts": (1, None), "max_failing_rollouts": (0, None), "temperature": (0, None),
-    "top_p": (GT(0), 1), "weight": (0, None), "max_turns": (1, None), "max_tokens_per_turn": (1, None),
-    "max_tokens_per_episode": (1, None), "max_concurrency": (1, None), "timeout_s": (GT(0), None),
-    "episode_timeout_s": (GT(0), None), "max_rollout_retries": (0, None),
+    "num_rollouts": (1, 4096), "max_failing_rollouts": (0, None), "temperature": (0, None),
+    "top_p": (GT(0), 1), "weight": (0, None), "max_turns": (1, 100_000), "max_tokens_per_turn": (1, 1 << 20),
+    "max_tokens_per_episode": (1, 1 << 22), "max_concurrency": (1, 4096), "timeout_s": (GT(0), None),
+    "episode_timeout_s": (GT(0), None), "max_rollout_retries": (0, 100),
 }
 _GAME = {  # ... and a game's
-    "num_rollouts": (1, None), "max_failing_rollouts": (0, None), "max_retries": (0, None),
-    "temperature": (0, None), "max_tokens_per_turn": (1, None), "max_tokens_per_episode": (1, None),
-    "eval_games": (1, None),
+    "num_rollouts": (1, 4096), "max_failing_rollouts": (0, None), "max_retries": (0, 100),
+    "temperature": (0, None), "max_tokens_per_turn": (1, 1 << 20), "max_tokens_per_episode": (1, 1 << 22),
+    "eval_games": (1, 1_000_000),
 }
 
 RANGES: dict[str, tuple[Any, Any]] = {
     "model.lora.rank": (0, None), "model.lora.alpha": (GT(0), None), "model.lora.dropout": (0, 1),
-    "rollout.num_workers": (1, None), "rollout.max_model_len": (8, None), "rollout.kv_cache_gb": (1, None),
-    "rollout.max_batch": (1, None),
+    "rollout.num_workers": (1, 1024), "rollout.max_model_len": (8, 1 << 20), "rollout.kv_cache_gb": (1, 4096),
+    "rollout.max_batch": (1, 1 << 16),
     "resources.learner_cpus": (0, None), "resources.rollout_cpus": (0, None),
     "resources.learner_gpus": (0, None), "resources.rollout_gpus": (0, None),
     "resources.learner_threads": (1, None), "resources.rollout_threads": (1, None),
-    "resources.learner_workers": (1, None), "resources.collective_timeout_s": (GT(0), None),
+    "resources.learner_workers": (1, 1024), "resources.collective_timeout_s": (GT(0), None),
     "algo.learning_rate": (0, None), "algo.weight_decay": (0, None), "algo.grad_clip": (0, None),
-    "algo.steps": (0, None), "algo.batch_size": (1, None),
-    "algo.micro_batch_tokens": (0, None),  # 0: derived from the free GPU memory (8192 on the CPU)
+    "algo.steps": (0, 1_000_000), "algo.batch_size": (1, 1 << 16),
+    "algo.micro_batch_tokens": (0, 1 << 24),  # 0: derived from the free GPU memory (8192 on the CPU)
     "rollout.gpu_memory_utilization": (GT(0), 1),
     "algo.max_steps_off_policy": (0, 1),  # 0: on-policy; 1: the next batch is sampled while the learner trains
-    "eval.every": (0, None), "eval.num_samples": (1, None),
-    "sft.steps": (0, None), "sft.batch_size": (1, None), "sft.learning_rate": (0, None),
+    "eval.every": (0, None), "eval.num_samples": (1, 1_000_000),
+    "sft.steps": (0, 1_000_000), "sft.batch_size": (1, 1 << 16), "sft.learning_rate": (0, None),
     "sft.warmup_steps": (0, None), "sft.stop_at_accuracy": (0, 1), "sft.check_every": (1, None),
     "sft.check_samples": (1, None), "sft.eval_samples": (1, None),
     "checkpoint.save_every": (0, None), "infer.limit": (1, None),
@@ -86,6 +88,11 @@ def _values(obj: Any, parts: list[str], key: str) -> list[tuple[str, Any]]:
     return [] if child is None else _values(child, rest, f"{key}.{head}" if key else head)
 
 
+def _num(x: float) -> str:
+    """A bound as written: 1048576, not 1.04858e+06; 0.5 as 0.5."""
+    return str(int(x)) if float(x).is_integer() else f"{float(x):g}"
+
+
 def check_ranges(cfg: Any, table: dict[str, tuple[Any, Any]] | None = None) -> None:
     """Raise ConfigError for the first numeric field outside its range in ``table`` (default: the
     job table, ``RANGES``); nulls pass."""
@@ -97,6 +104,6 @@ def check_ranges(cfg: Any, table: dict[str, tuple[Any, Any]] | None = None) -> N
             bad = (not math.isfinite(value) or (low is not None and (value <= low if strict else value < low))
                    or (high is not None and value > high))
             if bad:
-                lo = "" if low is None else (f"> {float(low):g}" if strict else f">= {low:g}")
-                hi = "" if high is None else f"<= {high:g}"
+                lo = "" if low is None else (f"> {_num(low)}" if strict else f">= {_num(low)}")
+                hi = "" if high is None else f"<= {_num(high)}"
                 raise ConfigError(f"{key} must be {' and '.join(x for x in (lo, hi) if x)}, got {value!r}")

@@ -2,8 +2,9 @@
 
 Markers are applied here, so a test cannot forget one: ``ray`` to every test that uses the shared
 local Ray (``ray_local``, directly or through another fixture), ``cluster`` to ``tests/cluster/``
-(tests that start clusters of their own: two nodes, ``ray job submit``), which run last. So
-``pytest -m "not ray and not cluster"`` is the pure suite (no Ray at all), in well under a minute.
+(tests that start clusters of their own: two nodes, ``ray job submit``), which run last, ``service``
+to tests that talk to servers they start in other processes (the OpenReward env servers: the
+``servers`` fixture). ``make test-pure`` runs the rest, in-process only, without vLLM either.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.cluster)
         elif "ray_local" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.ray)
+        if "servers" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.service)
     items.sort(key=lambda item: item.get_closest_marker("cluster") is not None)  # stable: order kept otherwise
 
 

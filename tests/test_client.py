@@ -79,6 +79,7 @@ def test_bad_config_fails_at_submit_naming_the_key(cluster, tmp_path, tiny_path)
         admin.submit(bad)
 
 
+@pytest.mark.service  # three `otray` processes
 def test_cli_exit_codes(tmp_path):
     otray = [sys.executable, "-m", "otray.cli"]
     bad = subprocess.run([*otray, "train", str(ROOT / "conf" / "arithmetic_grpo.yaml"), "algo.stepz=3"],

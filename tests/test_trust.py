@@ -107,8 +107,11 @@ def test_bundled_modules_are_the_shipped_envs():
 
 
 @pytest.mark.parametrize("override,message", [
-    ("sft.batch_size=-1", "sft.batch_size must be >= 1, got -1"),
-    ("algo.micro_batch_tokens=0", "algo.micro_batch_tokens must be >= 1"),
+    ("sft.batch_size=-1", "sft.batch_size must be >= 1 and <= 65536, got -1"),
+    ("algo.micro_batch_tokens=-1", "algo.micro_batch_tokens must be >= 0 and <= 16777216"),  # 0: derived
+    ("algo.steps=100000000", "algo.steps must be >= 0 and <= 1000000, got 100000000"),  # upper bounds too
+    ("envs.arithmetic.num_rollouts=100000", "envs.arithmetic.num_rollouts must be >= 1 and <= 4096"),
+    ("rollout.max_model_len=100000000", "rollout.max_model_len must be >= 8 and <= 1048576"),
     ("eval.num_samples=-3", "eval.num_samples must be >= 1"),
     ("envs.arithmetic.temperature=-0.5", "envs.arithmetic.temperature must be >= 0"),
     ("envs.arithmetic.max_tokens_per_turn=0", "envs.arithmetic.max_tokens_per_turn must be >= 1"),

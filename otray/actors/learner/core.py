@@ -7,8 +7,9 @@ import these, so one call's datums are cut, padded, scored and stepped alike eve
   :func:`in_order` (a call's rows back in the datums' order);
 - :func:`pad_rows`, :func:`token_logprobs` (a micro-batch's per-target-token logprobs) and
   :func:`loss_inputs` (its mask, sampler logprobs, advantages and weights as tensors);
-- :func:`global_normalizer` (what a whole call's aggregation divides by) and :class:`LossSums`
-  (the sums its metrics are made of);
+- :func:`global_normalizer` (what a whole call's aggregation divides by), :func:`batch_stats` (a
+  micro-batch's loss statistics, kept on the device) and :class:`LossSums` (their sums, copied to the
+  host once per call: the metrics);
 - :func:`trainable`, :func:`new_adamw` and :func:`adamw_step` (clip, step, zero the gradients).
 """
 
