@@ -30,6 +30,26 @@ from otray.types import ConfigError, OtrayError
 INPUT_ERRORS = ("ConfigError", "ForbiddenConfigError", "DatasetError", "ModelLoadError", "AuthError")
 
 
+def innermost(e: BaseException) -> BaseException:
+    """The exception an actor raised, out of Ray's wrapper (``cause``) or a chain of re-raises."""
+    seen = set()
+    while id(e) not in seen:
+        seen.add(id(e))
+        inner = getattr(e, "cause", None)
+        if isinstance(inner, BaseException) and inner is not e:
+            e = inner
+        else:
+            break
+    return e
+
+
+def error_line(e: BaseException) -> str:
+    """One line saying what was wrong: the message's last line (Ray puts the remote traceback first)."""
+    text = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
+    lines = [line for line in str(text).strip().splitlines() if line.strip()]
+    return lines[-1].strip() if lines else type(e).__name__
+
+
 def report_failure(job_id: str, st: JobStatus) -> int:
     """Print why a job ended unsuccessfully; its exit code: 2 for bad input (config, data, model, key), else 1."""
     print(f"job {job_id} {st.state.value}: {st.error}", file=sys.stderr)
@@ -327,11 +347,11 @@ def main(argv: list[str] | None = None) -> int:
             args.config, args.overrides = config_and_overrides(args.config, args.overrides,
                                                                required=args.cmd in ("train", "infer"))
         return args.fn(args)
-    except OtrayError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except KeyError as e:
-        print(f"error: {e.args[0] if e.args else e}", file=sys.stderr)
+    except Exception as e:  # noqa: BLE001 - bad input and refused keys get one line; anything else is a bug
+        inner = innermost(e)
+        if not isinstance(inner, (OtrayError, KeyError, PermissionError)):
+            raise
+        print(f"error: {error_line(inner)}", file=sys.stderr)
         return 2
 
 

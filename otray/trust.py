@@ -9,8 +9,9 @@ or touch something the caller does not own:
   ``game.entry`` / ``game.text``, ``scripted:module:fn`` policies, and import-path
   strings inside ``kwargs`` such as the gymnasium adapter's ``env`` or an OpenReward
   env's ``base_url: local:MODULE``) must name a module of :data:`BUNDLED_MODULES` or one an
-  admin allowed (``otray modules allow``), and an attribute defined in that module or its
-  package (not one it imported from elsewhere: ``envs.x:os`` is refused).
+  admin allowed (``otray modules allow``), and an attribute defined in that module (its
+  ``__module__``; not one it imported: ``envs.x:os`` and ``otray.env:import_object`` are refused),
+  or one of the :data:`REEXPORTS`.
 - **Checkpoints** (``checkpoint.resume_from``, ``infer.checkpoint``, ``frozen:`` policies)
   must be ``JOB_ID[:STEP]`` references, which the ResourceManager checks are the
   caller's; a directory path is refused.
@@ -45,6 +46,16 @@ BUNDLED_MODULES = frozenset({
     "otray.env", "otray.games",
     "pettingzoo.classic.tictactoe_v3", "pettingzoo.classic.connect_four_v3",  # PettingZoo's own games, unmodified
 })
+
+# Attributes a bundled module re-exports from another module on purpose (PettingZoo's versioned game
+# modules export their game's factory): named one by one. Anything else must be defined in the module
+# a config names (its ``__module__``), not merely imported there (``otray.env:import_object`` is refused).
+# otray's own modules that configs may name hold library code too (``otray.env:make`` builds any env
+# from a string): users may name only these attributes of them.
+OTRAY_ATTRIBUTES = {"otray.env": frozenset({"seed_task"}),
+                    "otray.games": frozenset({"GameText", "generic_parse", "generic_render", "legal_actions"})}
+REEXPORTS = frozenset({"pettingzoo.classic.tictactoe_v3:env", "pettingzoo.classic.tictactoe_v3:raw_env",
+                       "pettingzoo.classic.connect_four_v3:env", "pettingzoo.classic.connect_four_v3:raw_env"})
 
 _IMPORT_PATH = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
@@ -146,6 +157,9 @@ def check_import(key: str, ref: str, allowed: frozenset[str]) -> None:
         return
     if attr.startswith("_"):
         raise ForbiddenConfigError(f"{key}: {ref!r} names a private attribute; name a public env, builder or function")
+    if module in OTRAY_ATTRIBUTES and attr not in OTRAY_ATTRIBUTES[module]:
+        raise ForbiddenConfigError(f"{key}: {ref!r} is otray's own machinery, not something a config names; "
+                                   f"from {module} a config may name {', '.join(sorted(OTRAY_ATTRIBUTES[module]))}")
     try:
         obj = getattr(importlib.import_module(module), attr)
     except (ImportError, AttributeError):
@@ -154,8 +168,7 @@ def check_import(key: str, ref: str, allowed: frozenset[str]) -> None:
         raise ForbiddenConfigError(f"{key}: {ref!r} is the module {obj.__name__}, which {module} imported; "
                                    "name what the module itself defines")
     home_module = getattr(obj, "__module__", None) or module
-    package = module.rpartition(".")[0]
-    own = home_module == module or (package and home_module.startswith(package + "."))  # or its package's
+    own = home_module == module or ref in REEXPORTS
     if (inspect.isclass(obj) or inspect.isroutine(obj)) and not own:
         raise ForbiddenConfigError(f"{key}: {ref!r} is not defined in {module} (it is {home_module}:{attr}); "
                                    "name what the module itself defines")

@@ -145,3 +145,19 @@ def test_resume_from_job_id_and_step(cluster, tmp_path, tiny_path):
     bad["checkpoint"] = {"resume_from": f"{first.id}:7"}
     with pytest.raises(ConfigError, match="no checkpoint at step 7"):
         dave.submit(bad)
+
+
+def test_cli_auth_errors_are_one_line_and_exit_2(cluster, capsys):
+    """``otray jobs`` with a wrong or deleted key and ``otray users add`` without an admin key print one
+    ``error:`` line naming the problem and exit 2 (they ended in Ray tracebacks)."""
+    from otray.cli import main
+
+    admin, _ = cluster
+    gone = admin.add_user("temp")
+    import ray
+
+    ray.get(admin.rm.delete_user.remote("temp", api_key=admin.api_key))
+    for argv in (["--api-key", "otr_1_wrong", "jobs"], ["--api-key", gone, "jobs"], ["users", "add", "mallory"]):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err, (argv, err)

@@ -54,7 +54,10 @@ def test_allowed_modules_still_check_the_attribute(tmp_path):
     for entry, why in (("envs.arithmetic:random", "the module random"),  # a module it imported
                        ("envs.arithmetic:Path", "not defined in envs.arithmetic"),  # a class it imported
                        ("envs.arithmetic:register", "it is otray.env:register"),  # a function it imported
-                       ("envs.arithmetic:_problems_cache", "private attribute")):
+                       ("envs.arithmetic:_problems_cache", "private attribute"),
+                       ("otray.env:import_object", "otray's own machinery"),  # imported from otray.structured
+                       ("otray.env:make", "otray's own machinery"),  # builds any env from a string
+                       ("envs.calculator:ExactAnswer", "it is envs.answers:ExactAnswer")):  # a sibling module's
         with pytest.raises(ForbiddenConfigError, match=why):
             confine(config.load(_env_cfg(entry=entry)), ALICE, BUNDLED_MODULES, tmp_path)
     with pytest.raises(ForbiddenConfigError, match="'planted'"):  # an OpenReward server module to import
