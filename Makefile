@@ -56,7 +56,7 @@ sandbox:
 	  || echo "could not install bubblewrap (needs root or sudo): the code tool and its tests will refuse to run"
 
 test: $(STAMP) browser sandbox
-	$(BIN)/python -m pytest -q -p no:cacheprovider
+	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=20
 
 # the in-process tests: no Ray, no vLLM, no servers in other processes (markers: tests/conftest.py)
 test-pure: $(STAMP) browser sandbox

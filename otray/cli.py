@@ -44,10 +44,10 @@ def innermost(e: BaseException) -> BaseException:
 
 
 def error_line(e: BaseException) -> str:
-    """One line saying what was wrong: the message's last line (Ray puts the remote traceback first)."""
+    """What was wrong, on one line (a multi-line message's lines joined; ``e`` is the actor's own
+    exception, :func:`innermost`, so no remote traceback comes with it)."""
     text = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
-    lines = [line for line in str(text).strip().splitlines() if line.strip()]
-    return lines[-1].strip() if lines else type(e).__name__
+    return " ".join(line.strip() for line in str(text).splitlines() if line.strip()) or type(e).__name__
 
 
 def report_failure(job_id: str, st: JobStatus) -> int:

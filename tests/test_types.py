@@ -17,6 +17,9 @@ def _examples():
         T.GenerateResult([T.Sample([1], [-0.1], T.FinishReason.LENGTH)], policy_version=3),
         T.WeightUpdate(2, "full", {"w": torch.ones(2, 2)}),
         T.WeightUpdate(2, "lora", {"a": torch.zeros(1)}, {"r": 8}),
+        T.WeightUpdate(3, "full", T.SharedTensors("/dev/shm/otray-weights-1-v3.bin", "node",
+                                                  (("w", "float32", (2, 2), 0, 16),), 64)),
+        T.SharedTensors("/dev/shm/otray-weights-1-v4.bin", None, (), 0),
         task,
         T.ErrorRecord("prompt_too_long", "too long", 0),
         traj,
@@ -34,7 +37,10 @@ def test_pickle_round_trip(value):
     back = pickle.loads(pickle.dumps(value))
     if isinstance(value, T.WeightUpdate):
         assert back.version == value.version and back.kind == value.kind and back.lora_config == value.lora_config
-        assert all(torch.equal(back.tensors[k], value.tensors[k]) for k in value.tensors)
+        if isinstance(value.tensors, T.SharedTensors):
+            assert back.tensors == value.tensors
+        else:
+            assert all(torch.equal(back.tensors[k], value.tensors[k]) for k in value.tensors)
     else:
         assert back == value
 
