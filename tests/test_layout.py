@@ -181,6 +181,7 @@ def test_every_actor_class_lives_in_the_folder_of_its_role():
 
 @pytest.mark.parametrize("module, forbidden", [
     ("config.py", ("otray.algos", "otray.actors", "otray.coordinator", "torch")),
+    ("config_checks.py", ("otray.algos", "otray.actors", "otray.coordinator", "torch")),
     ("env.py", ("otray.config", "otray.actors", "otray.coordinator")),
     ("games.py", ("otray.",)),
     ("names.py", ("otray.algos", "otray.config", "torch")),
