@@ -1,9 +1,10 @@
 """PolicyRuntime: one trained policy's actors as the job driver holds them, and how they are made.
 
 A job trains one policy (env jobs, self-play) or several (a game with ``trained:a`` and
-``trained:b`` seats). For each, :func:`build_policies` creates a PolicyLearner actor and
+``trained:b`` seats). For each, :func:`start_policies` creates a PolicyLearner actor and
 its rollout workers in the job's placement group (or lets the learner sample itself,
-``rollout.colocate``), waits for them, and returns a :class:`PolicyRuntime`: the handles,
+``rollout.colocate``) without waiting, so the driver loads its tokenizer and data while they
+start; :func:`ready_policies` waits for them and returns a :class:`PolicyRuntime`: the handles,
 the :class:`~otray.coordinator.fleet.RolloutFleet` over the workers, their typed
 :class:`~otray.types.WorkerInfo`, and the policy version the driver has counted.
 
@@ -228,19 +229,35 @@ class PolicyRuntime:
         return meta
 
 
-def build_policies(cfg: Config, factory: ActorFactory) -> dict[str, PolicyRuntime]:
-    """Every policy the job trains (``config.trained_policies``; the first is the job's own), each with
-    its learner and rollout workers started and ready. Policies after the first push their weights to
-    their workers once, so every trained policy starts from the same weights as its sampler."""
+@dataclass
+class StartingPolicy:
+    """A trained policy whose actors were created but may still be starting (importing torch, loading
+    the model): what :func:`start_policies` hands to :func:`ready_policies`."""
+
+    name: str
+    learner: Any
+    workers: list[Any]
+
+
+def start_policies(cfg: Config, factory: ActorFactory) -> list[StartingPolicy]:
+    """Create every policy's learner and rollout workers (``config.trained_policies``; the first is the
+    job's own) without waiting for them: a caller loads its tokenizer and data while they start."""
+    per, ranks = policy_bundles(cfg), learner_ranks(cfg)
+    prefix = [f"{name}/" if k else "" for k, name in enumerate(trained_policies(cfg))]
+    return [StartingPolicy(name, factory.learner(k * per, prefix[k]),
+                           factory.workers(k * per + ranks, per - ranks, prefix=prefix[k]))
+            for k, name in enumerate(trained_policies(cfg))]
+
+
+def ready_policies(cfg: Config, starting: list[StartingPolicy]) -> dict[str, PolicyRuntime]:
+    """Every started policy, its learner and rollout workers ready. Policies after the first push their
+    weights to their workers once, so every trained policy starts from the same weights as its sampler."""
     import ray
 
     from otray.actors.sampling.rollout import wait_ready
 
-    per, ranks = policy_bundles(cfg), learner_ranks(cfg)
     colocated = cfg.rollout.colocate and (cfg.job.kind == "rl" or bool(cfg.envs))
-    prefix = [f"{name}/" if k else "" for k, name in enumerate(trained_policies(cfg))]
-    made = [(name, factory.learner(k * per, prefix[k]), factory.workers(k * per + ranks, per - ranks, prefix=prefix[k]))
-            for k, name in enumerate(trained_policies(cfg))]
+    made = [(p.name, p.learner, p.workers) for p in starting]
     wait_ready([h for _, learner, workers in made for h in (learner, *workers)])
     policies = {}
     for k, (name, learner, workers) in enumerate(made):

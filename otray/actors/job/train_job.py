@@ -24,7 +24,7 @@ from typing import Any
 from otray import metric_keys as K
 from otray.actors.job.env_source import EnvGroupSource, EnvRollouts
 from otray.actors.job.episodes import EpisodeLog, load_splits
-from otray.actors.job.runtime import ActorFactory, PolicyRuntime, build_policies
+from otray.actors.job.runtime import ActorFactory, PolicyRuntime, ready_policies, start_policies
 from otray.actors.job.sft import SFTTrainer
 from otray.actors.job.step import GroupSource, Prefetcher, rl_step
 from otray.config import Config, to_dict
@@ -42,13 +42,19 @@ class TrainJob:
         (self.dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=1))
         t0 = time.perf_counter()
         self.model_path = resolve_model_path(cfg.model.path, cfg.model.cache_dir)
-        self.tokenizer = load_tokenizer(self.model_path)
-        self.env_splits = {name: load_splits(name, e.dataset, e.splits, cfg.job.seed, f"envs.{name}")
-                           for name, e in cfg.envs.items()}
-        # chat data: the whole of an SFT job, or an RL job's warm-up data when sft.splits.train is given
-        chat = load_splits("sft", cfg.sft.dataset, cfg.sft.splits, cfg.job.seed, "sft") if "train" in cfg.sft.splits else {}
         self.factory = factory = ActorFactory(cfg, self.model_path, placement_group, job_id=self.dir.name)
-        self.policies: dict[str, PolicyRuntime] = build_policies(cfg, factory)
+        starting = start_policies(cfg, factory)  # the actors import torch and load the model meanwhile
+        try:
+            self.tokenizer = load_tokenizer(self.model_path)
+            self.env_splits = {name: load_splits(name, e.dataset, e.splits, cfg.job.seed, f"envs.{name}")
+                               for name, e in cfg.envs.items()}
+            # chat data: the whole of an SFT job, or an RL job's warm-up data when sft.splits.train is given
+            chat = (load_splits("sft", cfg.sft.dataset, cfg.sft.splits, cfg.job.seed, "sft")
+                    if "train" in cfg.sft.splits else {})
+            self.policies: dict[str, PolicyRuntime] = ready_policies(cfg, starting)
+        except BaseException:
+            factory.close()  # a bad dataset or tokenizer: the started actors end with the error
+            raise
         main = self.main
         self.rollouts = (EnvRollouts(cfg, self.tokenizer, main.fleet.generate, main.info.max_model_len)
                          if main.fleet is not None and cfg.envs else None)
