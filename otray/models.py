@@ -31,6 +31,15 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 TINY_SPEC = "tiny"
+HUB_ONLY = "hub:"  # model.path "hub:org/name": a hub id that is never read from a local directory
+
+
+def is_tiny_spec(spec: str) -> bool:
+    """``tiny``, ``tiny:SEED``, ``tiny-SHAPE`` or ``tiny-SHAPE:SEED`` with a shape of :data:`SHAPES`."""
+    name, colon, seed = spec.partition(":")
+    shape = name.removeprefix(TINY_SPEC).removeprefix("-") or "tiny"
+    return (name.startswith(TINY_SPEC) and (name == TINY_SPEC or name[len(TINY_SPEC)] == "-") and shape in SHAPES
+            and (not colon or (seed.isdigit() and seed.isascii() and len(seed) <= 9)))
 
 
 @dataclass
@@ -151,9 +160,17 @@ def build_tiny_model(path: str | os.PathLike, seed: int = 0, shape: str | TinySh
 def resolve_model_path(spec: str, cache_dir: str | os.PathLike = ".cache/models") -> str:
     """Turn a config's ``model.path`` into a loadable path or hub id.
 
-    ``tiny`` / ``tiny:SEED`` / ``tiny-100m:SEED`` build (once) into ``cache_dir``;
-    anything else is returned unchanged (a local directory or a hub id).
+    ``tiny`` / ``tiny:SEED`` / ``tiny-100m:SEED`` build (once) into ``cache_dir``; ``hub:ORG/NAME``
+    (what :mod:`otray.trust` makes of a user's hub id) is the hub id, refused when a local path of
+    that name exists; anything else is returned unchanged (a local directory or a hub id).
     """
+    if spec.startswith(HUB_ONLY):
+        hub_id = spec.removeprefix(HUB_ONLY)
+        if Path(hub_id).exists():
+            raise ModelLoadError(f"model.path {hub_id!r} is a hub id, and a local path of that name exists here: "
+                                 "a user's hub id is never loaded from a local directory; name another model, or "
+                                 "ask an admin (whose paths load as given)")
+        return hub_id
     if not spec.startswith(TINY_SPEC):
         return spec
     name, _, seed = spec.partition(":")
@@ -193,18 +210,36 @@ def _looks_like_hub_id(path: str) -> bool:
     return len(parts) == 2 and all(parts) and not Path(path).exists() and not path.startswith((".", "/"))
 
 
-def load_tokenizer(path: str):
-    """Load a tokenizer from a local HF directory or hub id, with a clear error if absent."""
-    from transformers import AutoTokenizer
+# tokenizer classes that are transformers' plain fast tokenizer (v5 spells it TokenizersBackend)
+_PLAIN_FAST = frozenset({"TokenizersBackend", "PreTrainedTokenizerFast"})
 
+
+def load_tokenizer(path: str):
+    """Load a tokenizer from a local HF directory or hub id, with a clear error if absent.
+
+    A local directory whose ``tokenizer_config.json`` names the plain fast tokenizer (otray's tiny
+    models do) loads through that class: ``AutoTokenizer``'s import alone takes 2-3 s on a small CPU
+    (it pulls every model's configuration), paid by every job driver; anything else goes through it."""
     _check_source(path)
     try:
-        tok = AutoTokenizer.from_pretrained(path)
+        if _tokenizer_class(path) in _PLAIN_FAST:
+            from transformers import PreTrainedTokenizerFast as loader
+        else:
+            from transformers import AutoTokenizer as loader
+        tok = loader.from_pretrained(path)
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"could not load a tokenizer from {path!r}: {e}") from e
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return tok
+
+
+def _tokenizer_class(path: str) -> str | None:
+    """The ``tokenizer_class`` a local model directory's ``tokenizer_config.json`` names, if any."""
+    try:
+        return json.loads((Path(path) / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def load_model(path: str, dtype: str = "float32"):
