@@ -7,6 +7,7 @@ import datetime as dt
 import math
 import re
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -69,31 +70,69 @@ def remove_dir(path: str) -> None:
     shutil.rmtree(Path(path), ignore_errors=True)
 
 
-def sample_wait(req: dict[str, Any], key: str, adapter: Optional[str], cfg: Any, cls: type) -> Any:
-    """A checked ``asample`` body as the service's wait record (``cls``)."""
-    prompt = [t for chunk in (req.get("prompt") or {}).get("chunks", []) for t in _chunk_tokens(chunk)]
+@dataclass(frozen=True)
+class ModelLimits:
+    """What a base model accepts: token ids in ``[0, vocab)``, prompt plus new tokens within ``context``."""
+
+    vocab: int
+    context: int
+
+
+def sample_wait(req: dict[str, Any], key: str, adapter: Optional[str], cfg: Any, cls: type,
+                limits: ModelLimits) -> Any:
+    """A checked ``asample`` body as the service's wait record (``cls``). Everything a sampler could
+    fail on is checked here, against the model the request targets (``limits``): a request that
+    reached a batch shared with other users' requests and failed there would fail theirs too."""
+    chunks = (req.get("prompt") or {}).get("chunks", []) if isinstance(req.get("prompt") or {}, dict) else None
+    if not isinstance(chunks, list):
+        raise UserError("asample: prompt must be a ModelInput, {\"chunks\": [{\"tokens\": [...]}, ...]}")
+    prompt = [t for chunk in chunks for t in _chunk_tokens(chunk)]
     if not prompt:
         raise UserError("asample: the prompt has no tokens")
-    n = int(req.get("num_samples", 1))
+    n = _int(req.get("num_samples", 1), "num_samples")
     if not 1 <= n <= cfg.max_samples:
         raise UserError(f"num_samples={n}: send 1 to {cfg.max_samples}")
     params = sampling_params(req.get("sampling_params") or {})
     if params.max_tokens > cfg.max_tokens:
         raise UserError(f"max_tokens={params.max_tokens} is over this service's limit of {cfg.max_tokens}")
+    _check_ids(prompt, limits.vocab, "the prompt")
+    _check_ids(list(params.stop_token_ids), limits.vocab, "sampling_params.stop")
+    if len(prompt) + params.max_tokens > limits.context:
+        raise UserError(f"asample: a prompt of {len(prompt)} tokens plus max_tokens={params.max_tokens} is over the "
+                        f"model's context of {limits.context} tokens; shorten the prompt or lower max_tokens")
     unsupported = [k for k in ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k")
                    if req.get(k)] + [k for k in ("target_prompt_logprobs",) if req.get(k) is not None]
     if unsupported:
         raise UserError(f"asample: {unsupported} are not offered by this service; leave them unset")
     last_n = req.get("prompt_logprobs_last_n")
-    if last_n is not None and not 1 <= int(last_n) <= len(prompt) - 1:
+    if last_n is not None and not 1 <= _int(last_n, "prompt_logprobs_last_n") <= len(prompt) - 1:
         raise UserError(f"prompt_logprobs_last_n={last_n}: send 1 to len(prompt) - 1 = {len(prompt) - 1}")
     return cls(f"sample:{key}", adapter, prompt, params, n, bool(req.get("prompt_logprobs")), last_n)
 
 
+def _int(value: Any, name: str) -> int:
+    """``value`` as an int, or a UserError naming the field (not a server error from ``int("abc")``)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise UserError(f"asample: {name} must be an integer, got {value!r}")
+    try:
+        return int(value)
+    except (ValueError, OverflowError):
+        raise UserError(f"asample: {name} must be an integer, got {value!r}") from None
+
+
+def _check_ids(ids: list[int], vocab: int, what: str) -> None:
+    bad = next((t for t in ids if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise UserError(f"asample: {what} holds token id {bad}, outside the model's vocabulary [0, {vocab})")
+
+
 def _chunk_tokens(chunk: dict[str, Any]) -> list[int]:
-    if chunk.get("type", "encoded_text") != "encoded_text" or not isinstance(chunk.get("tokens"), list):
+    if (not isinstance(chunk, dict) or chunk.get("type", "encoded_text") != "encoded_text"
+            or not isinstance(chunk.get("tokens"), list)):
         raise UserError("asample: the prompt holds a non-text chunk; this service samples from token chunks only")
-    return [int(t) for t in chunk["tokens"]]
+    if any(isinstance(t, bool) or not isinstance(t, int) for t in chunk["tokens"]):
+        raise UserError("asample: a prompt chunk's tokens must be integers (token ids)")
+    return chunk["tokens"]
 
 
 def last_n(logprobs: Optional[list[Optional[float]]], n: Optional[int]) -> Optional[list[Optional[float]]]:

@@ -43,6 +43,7 @@ class SampleBatcher:
         self.busy: dict[str, bool] = {m: False for m in learners}
         self.calls: list[int] = []  # prompts per batch, the latest 1,000 (batching, for benchmarks)
         self.prompts = {"learner": 0, "vllm": 0}  # prompts sampled by each engine
+        self.split_batches = 0  # shared calls that failed and were sent again one request at a time
 
     def submit(self, base: str, wait: SampleWait) -> None:
         self.waiting[base].append(wait)
@@ -88,6 +89,8 @@ class SampleBatcher:
             self._fail(groups, f"the {name} sampler died ({R.cause(e)}){again}")
             return True
         except Exception as e:  # noqa: BLE001 - every waiting request learns why
+            if sum(len(ws) for ws in groups.values()) > 1:
+                return await self._one_by_one(sampler, name, groups)
             self._fail(groups, R.cause(e))
             return False
         self.prompts[name] += sum(len(j.prompts) for j in jobs)
@@ -95,6 +98,17 @@ class SampleBatcher:
             for w, out in zip(ws, outs):
                 lps = R.last_n(out.prompt_logprobs, w.last_n)
                 self.futures.finish(w.request_id, Outcome("proto", sample_output(out.samples, lps)))
+        return False
+
+    async def _one_by_one(self, sampler: Any, name: str, groups: dict[tuple, list[SampleWait]]) -> bool:
+        """A shared call failed: each of its requests again, alone, so a request that fails the sampler
+        fails by itself and the other users' requests in its batch are served (the checks at submit
+        should leave nothing that fails; this is the guard for what they missed)."""
+        self.split_batches += 1
+        for key, ws in groups.items():
+            for w in ws:
+                if await self._run(sampler, name, {key: [w]}):
+                    return True
         return False
 
     def _fail(self, groups: dict[tuple, list[SampleWait]], why: str) -> None:

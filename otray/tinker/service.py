@@ -49,7 +49,7 @@ class TinkerService:
         self.futures = Futures(self.cfg.result_ttl_s)
         self.paths = {m.name: resolve_model_path(m.path, self.cfg.cache_dir) for m in self.cfg.models}
         self.models = {m.name: m for m in self.cfg.models}
-        self.vocab: dict[str, int] = {}
+        self.limits: dict[str, R.ModelLimits] = {}
         self.learners: dict[str, Any] = {}
         for m in self.cfg.models:
             remote = ray.remote(AdapterLearner).options(
@@ -132,13 +132,19 @@ class TinkerService:
 
     # ------------------------------------------------------------------ runs
 
-    def _vocab(self, owner: str, model_id: str) -> int:
-        base = self.catalog.run(owner, model_id).base_model
-        if base not in self.vocab:
+    def _limits(self, base: str) -> R.ModelLimits:
+        """The vocabulary and context length of a base model: what every request for it is checked
+        against before it can reach a learner or a batch shared with other users."""
+        if base not in self.limits:
             from transformers import AutoConfig
 
-            self.vocab[base] = int(AutoConfig.from_pretrained(self.paths[base]).vocab_size)
-        return self.vocab[base]
+            text = AutoConfig.from_pretrained(self.paths[base]).get_text_config()
+            self.limits[base] = R.ModelLimits(int(text.vocab_size), int(self.models[base].max_context_length
+                                                                        or text.max_position_embeddings))
+        return self.limits[base]
+
+    def _vocab(self, owner: str, model_id: str) -> int:
+        return self._limits(self.catalog.run(owner, model_id).base_model).vocab
 
     def _base(self, name: Optional[str]) -> str:
         if name not in self.learners:
@@ -231,7 +237,7 @@ class TinkerService:
             base, adapter, key = self.store.run(ckpt.model_id).base_model, ckpt.path, uuid.uuid4().hex
         else:
             base, adapter, key = self._base(req.get("base_model")), None, uuid.uuid4().hex
-        wait = R.sample_wait(req, key, adapter, self.cfg, SampleWait)
+        wait = R.sample_wait(req, key, adapter, self.cfg, SampleWait, self._limits(base))
         ids = [f"{wait.request_id}:{i}" for i in range(wait.n)]
         if self.futures.new(wait.request_id, owner):
             self.batcher.submit(base, wait)

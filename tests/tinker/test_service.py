@@ -288,6 +288,65 @@ def test_a_refused_request_does_not_stall_the_clients_next_one(svc, tokenizer):
     sc.close("success").result()
 
 
+def test_a_poisoned_sample_request_fails_alone_and_the_other_users_request_is_served(svc, tokenizer):
+    """Token ids outside the vocabulary (1e12, -5, a stop id), a prompt over the context, a non-integer
+    token: each refused at submit with a 4xx naming the problem, while another user's request sent in
+    the same batching window is sampled."""
+    import httpx
+
+    prompt = problems(tokenizer, 1)[0][0][:4]
+    good = tinker.ServiceClient(base_url=URL, api_key=svc["bob"]).create_sampling_client(base_model=BASE).result()
+    headers = {"X-API-Key": svc["alice"]}
+
+    def body(tokens, **params):
+        return {"base_model": BASE, "num_samples": 1, "prompt": {"chunks": [{"type": "encoded_text", "tokens": tokens}]},
+                "sampling_params": {"max_tokens": 4, **params}}
+
+    bad = [(body([*prompt, 10**12]), "token id 1000000000000, outside the model's vocabulary"),
+           (body([-5, *prompt]), "token id -5, outside"),
+           (body(prompt, stop=[10**9]), "sampling_params.stop holds token id 1000000000"),
+           (body(prompt * 200), "over the model's context"),
+           (body([*prompt, "x"]), "must be integers"),
+           ({**body(prompt), "prompt": [1, 2]}, "prompt must be a ModelInput"),
+           ({**body(prompt), "num_samples": "abc"}, "num_samples must be an integer")]
+    with concurrent.futures.ThreadPoolExecutor(len(bad)) as pool:
+        served = good.sample(types.ModelInput.from_ints(prompt), 1, types.SamplingParams(max_tokens=4))
+        answers = list(pool.map(lambda b: httpx.post(f"{URL}/api/v1/asample", json=b[0], headers=headers), bad))
+        assert len(served.result(timeout=60).sequences[0].tokens) >= 1
+    for (_, says), r in zip(bad, answers):
+        assert r.status_code == 400 and says in r.json()["detail"], (says, r.status_code, r.text)
+
+
+def test_a_batch_that_fails_is_sent_again_one_request_at_a_time(svc, tokenizer, ray_local):
+    """What the checks at submit miss (here: a sampler checkpoint deleted while its request waited)
+    fails the shared learner call; the batcher then sends each request alone, so only that one fails."""
+    from otray.tinker.engines import VllmSamplers
+    from otray.tinker.futures import Futures
+    from otray.tinker.sampling import SampleBatcher, SampleWait
+    from otray.tinker.service import NAME, NAMESPACE
+    from otray.types import SamplingParams
+
+    learner = ray_local.get_actor(f"{NAME}-learner-{BASE}", namespace=NAMESPACE)  # the running service's own
+    prompt = problems(tokenizer, 1)[0][0][:4]
+    params = SamplingParams(max_tokens=3, seed=1)
+
+    async def batch() -> list:
+        futures = Futures(60)
+        batcher = SampleBatcher({BASE: learner}, VllmSamplers({}, {}, NAME, NAMESPACE), futures, 0.05)
+        waits = [SampleWait(f"r{i}", adapter, prompt, params, 1, False, None)
+                 for i, adapter in enumerate([None, "/nonexistent/sampler-checkpoint", None])]
+        for w in waits:
+            futures.new(w.request_id, "alice")
+            batcher.submit(BASE, w)
+        outcomes = [await futures.wait(w.request_id, "alice", 60) for w in waits]
+        return outcomes, batcher.split_batches, batcher.calls
+
+    outcomes, splits, calls = asyncio.run(batch())
+    assert calls == [3] and splits == 1  # one shared call for the three; it failed and was split
+    assert [o.kind for o in outcomes] == ["proto", "error", "proto"]
+    assert "nonexistent" in outcomes[1].body["error"] or "No such file" in outcomes[1].body["error"], outcomes[1]
+
+
 def lease(ray_local, key: str, model_id: str):
     """The ResourceManager's job row for a training client, as ``key``'s user sees it (None if unseen)."""
     from otray.actors.control.resource_manager import NAME, NAMESPACE
