@@ -4,6 +4,7 @@
     otray jobs | status JOB | metrics JOB | cancel JOB
     otray users add NAME [--admin] | delete NAME | rotate [NAME] | list   (keys are printed once)
     otray modules allow MODULE ... | list  the code users' configs may name besides the bundled envs
+    otray urls allow URL ... | list        the addresses users' envs may reach (an OpenReward server)
     otray tiny-model DIR [--seed N]
     otray serve [CONFIG] [key=value ...]  the OpenAI-compatible app (+ dashboard), until Ctrl-C
     otray tinker [CONFIG] [key=value ...] the Tinker-compatible training API (tinker SDK), until Ctrl-C
@@ -181,13 +182,18 @@ def cmd_users(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_modules(args: argparse.Namespace) -> int:
+def cmd_allow(args: argparse.Namespace) -> int:
+    """``otray modules ...`` / ``otray urls ...``: list what users' configs may name besides the bundled
+    code (modules) or reach (addresses), or, as an admin, add to it."""
     import ray
 
     client = _connect(args)
-    if args.modules_cmd == "allow":
-        ray.get(client.rm.allow_modules.remote(args.modules, api_key=client.api_key))
-    print("\n".join(ray.get(client.rm.allowed_modules.remote())))
+    rm = client.rm
+    allow, allowed = ((rm.allow_modules, rm.allowed_modules) if args.allow_what == "modules"
+                      else (rm.allow_urls, rm.allowed_urls))
+    if args.allow_cmd == "allow":
+        ray.get(allow.remote(args.items, api_key=client.api_key))
+    print("\n".join(ray.get(allowed.remote())))
     return 0
 
 
@@ -292,11 +298,13 @@ def parser() -> argparse.ArgumentParser:
     users_sub.add_parser("rotate").add_argument("name", nargs="?", default=None, help="default: yourself")
     users_sub.add_parser("list")
     users.set_defaults(fn=cmd_users)
-    mods = sub.add_parser("modules", help="code users may name in configs (admin)")
-    mods_sub = mods.add_subparsers(dest="modules_cmd", required=True)
-    mods_sub.add_parser("allow").add_argument("modules", nargs="+")
-    mods_sub.add_parser("list")
-    mods.set_defaults(fn=cmd_modules)
+    for what, helps in (("modules", "code users may name in configs (admin)"),
+                        ("urls", "addresses users' envs may reach, e.g. an OpenReward server (admin)")):
+        allow = sub.add_parser(what, help=helps)
+        allow_sub = allow.add_subparsers(dest="allow_cmd", required=True)
+        allow_sub.add_parser("allow").add_argument("items", nargs="+", metavar=what[:-1].upper())
+        allow_sub.add_parser("list")
+        allow.set_defaults(fn=cmd_allow, allow_what=what)
     v = sub.add_parser("serve", help="serve base models and trained checkpoints over an OpenAI-compatible API")
     v.add_argument("config", nargs="?", default=None, help="serve config YAML (default: the tiny model)")
     v.add_argument("overrides", nargs="*", help="dotted key=value overrides")

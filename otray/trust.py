@@ -15,8 +15,9 @@ or touch something the caller does not own:
 - **Checkpoints** (``checkpoint.resume_from``, ``infer.checkpoint``, ``frozen:`` policies)
   must be ``JOB_ID[:STEP]`` references, which the ResourceManager checks are the
   caller's; a directory path is refused.
-- **Models**: ``model.path`` is ``tiny[...]`` or a hub id (``org/name``), never a local path;
-  ``model.cache_dir`` stays the default.
+- **Models**: ``model.path`` is ``tiny[-SHAPE][:SEED]`` or a hub id (``org/name``), rewritten to
+  ``hub:org/name``, which the loader refuses when a local path of that name exists (so a hub id never
+  reads a directory on the node); ``model.cache_dir`` stays the default.
 - **Files**: ``job.output_dir`` and ``infer.out`` stay the default (the job goes to the caller's area);
   dataset ``dir``\\ s and split ``path``\\ s must be relative, without ``..``, and are
   rewritten into the caller's own area (``users/<name>/`` next to the registry).
@@ -35,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from otray.models import HUB_ONLY, is_tiny_spec
 from otray.types import OtrayError
 
 # The modules shipped with otray whose attributes a non-admin may name. Fixed here, not
@@ -59,6 +61,7 @@ REEXPORTS = frozenset({"pettingzoo.classic.tictactoe_v3:env", "pettingzoo.classi
 
 _IMPORT_PATH = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
+_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
 
 
 class ForbiddenConfigError(OtrayError, PermissionError):
@@ -99,6 +102,28 @@ def _kwarg_strings(value: Any, key: str) -> Iterator[tuple[str, str]]:
             yield from _kwarg_strings(v, f"{key}[{i}]")
 
 
+def _kwarg_sections(cfg: Any) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(config key, kwargs) of every kwargs mapping a config hands to code: envs, datasets, the game."""
+    for prefix, ds, _ in _dataset_sections(cfg):
+        yield f"{prefix}.dataset.kwargs", ds.kwargs
+    for name, env in cfg.envs.items():
+        yield f"envs.{name}.kwargs", env.kwargs
+    if cfg.game is not None:
+        yield "game.kwargs", cfg.game.kwargs
+
+
+def url_refs(cfg: Any) -> list[tuple[str, str]]:
+    """(config key, URL) of every network address in the config's kwargs (an OpenReward env's
+    ``base_url``, and any other ``scheme://`` string code could connect to)."""
+    return [(k, text) for key, kwargs in _kwarg_sections(cfg) for k, text in _kwarg_strings(kwargs, key)
+            if _URL.match(text)]
+
+
+def normal_url(url: str) -> str:
+    """A URL as allow-lists hold it: without a trailing slash."""
+    return url.strip().rstrip("/")
+
+
 def import_refs(cfg: Any) -> list[tuple[str, str]]:
     """(config key, ``module:attr`` or ``module``) of everything in ``cfg`` that imports code."""
     from otray.env import BUNDLED
@@ -110,10 +135,10 @@ def import_refs(cfg: Any) -> list[tuple[str, str]]:
     for name, env in cfg.envs.items():
         if env.entry != "gymnasium":  # the adapter itself is bundled; its kwargs are checked below
             refs.append((f"envs.{name}.entry", BUNDLED.get(env.entry, env.entry)))
-        refs += _kwarg_refs(env.kwargs, f"envs.{name}.kwargs")
+    for key, kwargs in _kwarg_sections(cfg):
+        refs += _kwarg_refs(kwargs, key)
     if cfg.game is not None:
         refs += [("game.entry", cfg.game.entry), ("game.text", cfg.game.text)]
-        refs += _kwarg_refs(cfg.game.kwargs, "game.kwargs")
         specs = [(f"game.policies.{a}", p) for a, p in cfg.game.policies.items()]
         specs += [(f"game.eval_opponents[{i}]", p) for i, p in enumerate(cfg.game.eval_opponents)]
         refs += [(key, PolicySpec.parse(p).arg) for key, p in specs if PolicySpec.parse(p).kind == "scripted"]
@@ -182,8 +207,9 @@ def _relative(key: str, value: str) -> PurePosixPath:
     return path
 
 
-def confine(cfg: Any, caller: Caller, allowed: frozenset[str], area: Path) -> Any:
+def confine(cfg: Any, caller: Caller, allowed: frozenset[str], area: Path, urls: frozenset[str] = frozenset()) -> Any:
     """Check (and, for file paths, rewrite in place) a non-admin's config; admins pass unchanged.
+    ``allowed``: the modules users may name; ``urls``: the network addresses (``otray urls allow``).
     ``area`` is the caller's own directory (the ResourceManager's ``users/<name>``): dataset files
     go under ``area/data``. Raises :class:`ForbiddenConfigError` naming the key and what to do instead."""
     from otray.config import JobSection, ModelSection
@@ -193,14 +219,22 @@ def confine(cfg: Any, caller: Caller, allowed: frozenset[str], area: Path) -> An
         return cfg
     for key, ref in import_refs(cfg):
         check_import(key, ref, allowed)
+    for key, url in url_refs(cfg):
+        if normal_url(url) not in urls:
+            raise ForbiddenConfigError(
+                f"{key}: {url!r} is not an address an admin allowed; a user's env reaches the OpenReward service "
+                "(leave base_url unset), a bundled server (base_url: local:MODULE), or an address an admin allowed "
+                "with `otray urls allow URL` (the cluster's OpenReward key goes only to those)")
     for key, value in checkpoint_refs(cfg):
         if parse_ref(value.removeprefix("frozen:")) is None:
             raise ForbiddenConfigError(f"{key}: {value!r} is a directory; only an admin may load checkpoints by "
                                        "path. Name one of your jobs' checkpoints as JOB_ID or JOB_ID:STEP")
-    model = cfg.model.path
-    if not (model.split(":")[0].startswith("tiny") or _HUB_ID.fullmatch(model)) or ".." in model:
-        raise ForbiddenConfigError(f"model.path: {model!r} is a local path; users name a hub model ('org/name') "
-                                   "or tiny; an admin can load models from directories")
+    model = cfg.model.path.removeprefix(HUB_ONLY)
+    if _HUB_ID.fullmatch(model) and ".." not in model:  # (a tiny spec has no slash)
+        cfg.model.path = HUB_ONLY + model  # loaded from the hub only, never from a local dir of that name
+    elif not is_tiny_spec(model):
+        raise ForbiddenConfigError(f"model.path: {model!r} is neither a hub model id ('org/name') nor tiny "
+                                   f"('tiny', 'tiny:SEED', 'tiny-100m:SEED'); an admin can load models from directories")
     for key, value, default in (("model.cache_dir", cfg.model.cache_dir, ModelSection.cache_dir),
                                 ("job.output_dir", cfg.job.output_dir, JobSection.output_dir),
                                 ("infer.out", cfg.infer.out, None)):

@@ -93,7 +93,31 @@ def test_paths_are_confined_to_the_users_area(tmp_path):
         confine(config.load(data), ADMIN, BUNDLED_MODULES, tmp_path)  # an admin may
     ok = confine(config.load({**_env_cfg(), "model": {"path": "Qwen/Qwen3-8B"},
                               "checkpoint": {"resume_from": "20261123-101010-abcdef:3"}}), ALICE, BUNDLED_MODULES, tmp_path)
-    assert ok.model.path == "Qwen/Qwen3-8B"
+    assert ok.model.path == "hub:Qwen/Qwen3-8B"  # a hub id the loader never reads from a local dir
+
+
+def test_a_users_model_is_tiny_or_a_hub_id_never_read_from_a_local_path(tmp_path, monkeypatch):
+    from otray.models import resolve_model_path
+    from otray.types import ModelLoadError
+
+    for spec in ("tiny:/etc", "tiny:../x", "tinyx", "tiny-nope", "tiny-100m:1e9", "runs/../etc", "/etc/x", "./x",
+                 "hub:/etc/x"):
+        with pytest.raises(ForbiddenConfigError, match="model.path"):
+            confine(config.load({**_env_cfg(), "model": {"path": spec}}), ALICE, BUNDLED_MODULES, tmp_path)
+    for spec in ("tiny", "tiny:3", "tiny-100m:7"):
+        assert confine(config.load({**_env_cfg(), "model": {"path": spec}}), ALICE, BUNDLED_MODULES,
+                       tmp_path).model.path == spec
+    # 'runs/x' reads as a hub id; a directory of that name where the job runs is never loaded for a user
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs" / "x").mkdir(parents=True)
+    cfg = confine(config.load({**_env_cfg(), "model": {"path": "runs/x"}}), ALICE, BUNDLED_MODULES, tmp_path)
+    with pytest.raises(ModelLoadError, match="a local path of that name exists here"):
+        resolve_model_path(cfg.model.path)
+    assert resolve_model_path("hub:org/model") == "org/model"
+    assert confine(config.load({**_env_cfg(), "model": {"path": "tinyllama/TinyLlama-1.1B"}}), ALICE, BUNDLED_MODULES,
+                   tmp_path).model.path == "hub:tinyllama/TinyLlama-1.1B"
+    admin = confine(config.load({**_env_cfg(), "model": {"path": "runs/x"}}), ADMIN, BUNDLED_MODULES, tmp_path)
+    assert resolve_model_path(admin.model.path) == "runs/x"  # an admin's path loads as given
 
 
 @pytest.mark.parametrize("path", sorted(p.name for p in (ROOT / "conf").glob("*.yaml")))
@@ -138,3 +162,28 @@ def test_malformed_and_non_mapping_yaml_name_file_and_line(tmp_path):
         config.load(listed)
     with pytest.raises(ConfigError, match="not a list"):
         config.load(["job"])  # type: ignore[arg-type]
+
+
+def test_a_users_env_reaches_only_addresses_an_admin_allowed(tmp_path):
+    """An OpenReward env's base_url (env or dataset kwargs) and any other URL in kwargs: refused for a
+    user unless allowed (so the cluster's OpenReward key goes nowhere else); local:MODULE and the
+    default service stay open; an admin passes."""
+    def cfg(url, where="env"):
+        kwargs = {"environment": "ToolAddition", "variant": "ToolAddition", "base_url": url}
+        env = {"entry": "envs.openreward:OpenRewardEnv", "kwargs": kwargs if where == "env" else {"environment": "x"},
+               "dataset": {"builder": "envs.openreward:make_dataset",
+                           "kwargs": kwargs if where == "dataset" else {"environment": "x"}},
+               "splits": {"train": {}}}
+        return config.load({"envs": {"orw": env}})
+
+    for url, where, key in (("http://127.0.0.1:6379", "env", "envs.orw.kwargs.base_url"),
+                            ("http://127.0.0.1:6379/", "dataset", "envs.orw.dataset.kwargs.base_url"),
+                            ("https://evil.example/x", "env", "envs.orw.kwargs.base_url")):
+        with pytest.raises(ForbiddenConfigError, match=f"{key}: .* not an address an admin allowed"):
+            confine(cfg(url, where), ALICE, BUNDLED_MODULES, tmp_path)
+        confine(cfg(url, where), ADMIN, BUNDLED_MODULES, tmp_path)
+    allowed = frozenset({"http://10.0.0.5:8090"})
+    confine(cfg("http://10.0.0.5:8090/", "env"), ALICE, BUNDLED_MODULES, tmp_path, allowed)  # trailing slash: same
+    confine(cfg("local:envs.openreward_examples", "dataset"), ALICE, BUNDLED_MODULES, tmp_path)
+    with pytest.raises(ForbiddenConfigError, match="'planted'"):  # a dataset's local: server is code too
+        confine(cfg("local:planted", "dataset"), ALICE, BUNDLED_MODULES, tmp_path)

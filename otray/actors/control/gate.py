@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import re
 import secrets
 from typing import Any
 
-from otray.actors.control.registry import AuthError, JobRecord, Registry
-from otray.trust import BUNDLED_MODULES, Caller
+from otray.actors.control.registry import AuthError, JobRecord, Registry, unknown_job
+from otray.trust import BUNDLED_MODULES, Caller, normal_url
 
 
 class Gate:
@@ -57,11 +58,15 @@ class Gate:
         return who
 
     def own(self, job_id: str, api_key: str | None) -> JobRecord:
-        """The job, when the key's user owns it or is an admin."""
+        """The job, when the key's user owns it or is an admin. Another user's job is answered exactly
+        like one that does not exist (the registry's KeyError), so job ids cannot be probed."""
         who = self.caller(api_key)
-        job = self.registry.job(job_id)
-        if not who.admin and job.owner != who.name:
-            raise AuthError(f"job {job_id} belongs to another user; you can see and cancel only your own jobs")
+        try:
+            job = self.registry.job(job_id)
+        except KeyError:
+            job = None
+        if job is None or (not who.admin and job.owner != who.name):
+            raise KeyError(unknown_job(job_id))
         return job
 
     # ------------------------------------------------------------------ modules users may name
@@ -76,6 +81,20 @@ class Gate:
             raise ValueError(f"not module names: {bad}; give dotted names like mypkg.envs")
         extra = sorted(set(self.registry.setting("allowed_modules", [])) | set(modules))
         self.registry.set_setting("allowed_modules", extra)
+        return extra
+
+    # ------------------------------------------------------------------ addresses users' envs may reach
+
+    def allowed_urls(self) -> frozenset[str]:
+        return frozenset(self.registry.setting("allowed_urls", []))
+
+    def allow_urls(self, urls: list[str], api_key: str | None) -> list[str]:
+        self.admin(api_key, "allow URLs")
+        bad = [u for u in urls if not re.fullmatch(r"https?://[^\s/]+(/\S*)?", u.strip())]
+        if bad:
+            raise ValueError(f"not http(s) URLs: {bad}; give them as http://HOST:PORT or https://HOST/PATH")
+        extra = sorted(self.allowed_urls() | {normal_url(u) for u in urls})
+        self.registry.set_setting("allowed_urls", extra)
         return extra
 
     # ------------------------------------------------------------------ jobs and the Serve app

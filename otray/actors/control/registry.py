@@ -30,6 +30,11 @@ from otray.records import JobState, JobStatus
 from otray.types import OtrayError
 
 
+def unknown_job(job_id: str) -> str:
+    """The one answer for a job id that does not exist or is not the caller's."""
+    return f"no job {job_id!r} of yours (list yours with `otray jobs`)"
+
+
 class AuthError(OtrayError, PermissionError):
     """A missing, malformed or wrong API key, or an action on another user's job."""
 
@@ -192,7 +197,7 @@ class Registry:
     def job(self, job_id: str) -> JobRecord:
         row = self.db.execute("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchone()
         if row is None:
-            raise KeyError(f"no job {job_id!r} (list jobs with `otray jobs`)")
+            raise KeyError(unknown_job(job_id))
         return self._record(row)
 
     def jobs(self, owner: str | None = None) -> list[JobRecord]:

@@ -62,7 +62,7 @@ class ResourceManager:
         ``cwd``: the submitter's directory, against which an admin's relative ``job.output_dir`` counts."""
         caller = self.gate.caller(api_key)
         area = self.users_root / caller.name
-        cfg = trust.confine(config_mod.load(cfg_dict), caller, self.gate.allowed_modules(), area)
+        cfg = trust.confine(config_mod.load(cfg_dict), caller, self.gate.allowed_modules(), area, self.gate.allowed_urls())
         if not caller.admin:
             cfg.job.output_dir = str(area / "runs")
         elif cwd and not Path(cfg.job.output_dir).is_absolute():
@@ -245,6 +245,13 @@ class ResourceManager:
 
     async def allowed_modules(self) -> list[str]:
         return sorted(self.gate.allowed_modules())
+
+    async def allow_urls(self, urls: list[str], api_key: str | None = None) -> list[str]:
+        """Let users' envs reach these addresses too (an OpenReward env server's ``base_url``)."""
+        return self.gate.allow_urls(urls, api_key)
+
+    async def allowed_urls(self) -> list[str]:
+        return sorted(self.gate.allowed_urls())
 
     async def placement_group_id(self, job_id: str, api_key: str | None = None) -> str | None:
         self.gate.admin(api_key, "see placement groups")
