@@ -58,9 +58,11 @@ sandbox:
 test: $(STAMP) browser sandbox
 	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=20
 
-# the in-process tests: no Ray, no vLLM, no servers in other processes (markers: tests/conftest.py)
+# the in-process tests: no Ray, no vLLM, no servers in other processes (markers: tests/conftest.py),
+# in two pytest-xdist workers (a file's tests stay together), one torch thread each: no spin-waiting
 test-pure: $(STAMP) browser sandbox
-	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not ray and not cluster and not vllm and not service"
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile \
+	  -m "not ray and not cluster and not vllm and not service"
 
 # the suite without the vLLM engine tests (about a minute faster)
 test-fast: $(STAMP) browser sandbox

@@ -54,27 +54,22 @@ def rm(ray_local, tmp_path_factory):
     kill_resource_manager()
 
 
-def test_submit_runs_to_success_and_frees_the_lease(rm, ray_local, tmp_path, tiny_path):
-    handle, _ = rm
-    job_id = ray_local.get(handle.submit.remote(_job(tmp_path, tiny_path)))
-    _wait(handle, ray_local, job_id, {"RUNNING"})
-    pg_id = ray_local.get(handle.placement_group_id.remote(job_id))
-    st = _wait(handle, ray_local, job_id, {"SUCCEEDED", "FAILED"})
-    assert st.state == "SUCCEEDED", st.error
-    assert st.progress["step"] == 2 and st.started <= st.finished
-    assert _pg_state(ray_local, pg_id) == "REMOVED"
-    assert (tmp_path / "runs" / job_id / "metrics.jsonl").exists()
-
-
-def test_second_job_waits_queued_then_runs(rm, ray_local, tmp_path, tiny_path):
+def test_jobs_run_to_success_one_at_a_time_and_free_their_leases(rm, ray_local, tmp_path, tiny_path):
+    """Two jobs that fit the cluster only one at a time: the second waits QUEUED while the first runs,
+    each then runs to SUCCEEDED with its placement group removed and its rows on disk."""
     handle, _ = rm
     big = _job(tmp_path, tiny_path, learner_cpus=2, rollout_cpus=1)  # 3 of 4 CPUs: one at a time
     first = ray_local.get(handle.submit.remote(big))
     second = ray_local.get(handle.submit.remote(big))
     _wait(handle, ray_local, first, {"RUNNING"})
+    pg_id = ray_local.get(handle.placement_group_id.remote(first))
     assert ray_local.get(handle.status.remote(second)).state == "QUEUED"
-    assert _wait(handle, ray_local, first, {"SUCCEEDED", "FAILED"}).state == "SUCCEEDED"
-    assert _wait(handle, ray_local, second, {"SUCCEEDED", "FAILED"}).state == "SUCCEEDED"
+    for job_id in (first, second):
+        st = _wait(handle, ray_local, job_id, {"SUCCEEDED", "FAILED"})
+        assert st.state == "SUCCEEDED", st.error
+        assert st.progress["step"] == 2 and st.started <= st.finished
+        assert (tmp_path / "runs" / job_id / "metrics.jsonl").exists()
+    assert _pg_state(ray_local, pg_id) == "REMOVED"
 
 
 def test_impossible_job_is_rejected_at_submit(rm, ray_local, tmp_path, tiny_path):

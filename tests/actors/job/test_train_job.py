@@ -34,8 +34,21 @@ def run_job(ray_local, tiny_path):
     return _run
 
 
-def test_short_job_writes_metrics_and_trajectories(run_job, tmp_path):
-    summary, job_dir = run_job(tmp_path, _cfg(tmp_path))
+@pytest.fixture(scope="module")
+def default_job(run_job, tmp_path_factory):
+    """The default job (3 SFT steps, 2 GRPO steps), run once for the tests that read it."""
+    tmp = tmp_path_factory.mktemp("default")
+    return run_job(tmp, _cfg(tmp))
+
+
+def _replay(job_dir):
+    rows = [json.loads(line) for line in (job_dir / "metrics.jsonl").read_text().splitlines()]
+    return [(r.get("reward_mean"), r.get("eval/accuracy"), r.get("learner/loss"), r.get("learner/num_tokens"))
+            for r in rows]
+
+
+def test_short_job_writes_metrics_and_trajectories(default_job):
+    summary, job_dir = default_job
     rows = [json.loads(line) for line in (job_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["phase"] for r in rows] == ["base", "sft", "grpo", "grpo"]
     grpo = rows[-1]
@@ -49,15 +62,19 @@ def test_short_job_writes_metrics_and_trajectories(run_job, tmp_path):
     assert summary["heldout_end"] is not None
 
 
-def test_step_breakdown_adds_up_to_the_step(run_job, tmp_path):
+def test_step_breakdown_adds_up_to_the_step_and_rows_reach_wandb(run_job, tmp_path):
     """Every RL row splits its wall time into parts (generate, env, forward_backward, ...) that sum to
-    the step's wall time as train.run measured it, within 5%; idle fractions are fractions."""
+    the step's wall time as train.run measured it, within 5%; idle fractions are fractions. The same
+    job logs to wandb (offline) and Ray's metrics, as ``logging`` asks."""
     from otray.timing import PARTS, breakdown_table
 
     data = _cfg(tmp_path)
     data["sft"]["steps"] = 0
     data["algo"]["steps"] = 3
+    data["logging"] = {"wandb": True, "wandb_mode": "offline", "ray_metrics": True}  # the sinks' time counts too
     _, job_dir = run_job(tmp_path, data)
+    runs = list((job_dir / "wandb").glob("offline-run-*/run-*.wandb"))  # the rows reached wandb (offline)
+    assert runs and runs[0].stat().st_size > 0
     rows = [json.loads(line) for line in (job_dir / "metrics.jsonl").read_text().splitlines()]
     grpo = [r for r in rows if r["phase"] == "grpo"]
     assert len(grpo) == 3
@@ -156,18 +173,11 @@ def test_empty_dataset_and_missing_model_are_clear_errors(run_job, tmp_path):
         config.load({**_cfg(tmp_path), "sft": {"steps": 1, "env": "nope"}})
 
 
-def test_same_seed_same_run(run_job, tmp_path):
-    def trained(sub):
-        (tmp_path / sub).mkdir()
-        data = _cfg(tmp_path / sub)
-        data["model"]["cache_dir"] = str(tmp_path.parent / "models")
-        _, job_dir = run_job(tmp_path / sub, data)
-        rows = [json.loads(line) for line in (job_dir / "metrics.jsonl").read_text().splitlines()]
-        return [(r.get("reward_mean"), r.get("eval/accuracy"), r.get("learner/loss"), r.get("learner/num_tokens"))
-                for r in rows]
-
-    first = trained("a")
-    assert first == trained("b")
+def test_same_seed_same_run(run_job, default_job, tmp_path):
+    """The default job again, in another directory: the same rewards, accuracy, losses and tokens."""
+    _, job_dir = run_job(tmp_path, _cfg(tmp_path))
+    first = _replay(default_job[1])
+    assert first == _replay(job_dir)
     assert all(tokens > 0 for *_, tokens in first[2:])  # both GRPO steps trained on sampled tokens
 
 
@@ -203,16 +213,6 @@ def test_resume_from_a_missing_checkpoint_is_a_clear_error(run_job, tmp_path):
     data["checkpoint"] = {"resume_from": str(tmp_path / "nope")}
     with pytest.raises(ModelLoadError, match="holds no learner state"):
         run_job(tmp_path, data)
-
-
-def test_metrics_reach_wandb_offline_and_ray_gauges(run_job, tmp_path):
-    data = _cfg(tmp_path)
-    data["sft"]["steps"] = 0
-    data["algo"]["steps"] = 1
-    data["logging"] = {"wandb": True, "wandb_mode": "offline", "ray_metrics": True}
-    _, job_dir = run_job(tmp_path, data)
-    runs = list((job_dir / "wandb").glob("offline-run-*/run-*.wandb"))
-    assert runs and runs[0].stat().st_size > 0
 
 
 def test_actors_are_named_after_the_job_and_end_with_it(ray_local, tiny_path, tmp_path):
