@@ -111,7 +111,7 @@ def main() -> int:
                     bad.append({**r, "content": repr(r["content"])[:300], "status": "hang"})
                     continue
                 statuses[str(resp.status_code)] += 1
-                shaped = resp.status_code < 400 or "error" in _json(resp)
+                shaped = resp.status_code < 400 or "error" in json_body(resp)
                 if resp.status_code >= 500 or not shaped:
                     bad.append({"method": r["method"], "url": r["url"], "params": r["params"],
                                 "content": repr(r["content"])[:300], "status": resp.status_code,
@@ -134,7 +134,8 @@ def main() -> int:
     return 0 if not bad else 1
 
 
-def _json(resp: Any) -> dict[str, Any]:
+def json_body(resp: Any) -> dict[str, Any]:
+    """A response's JSON object, or {} when it is not one."""
     try:
         body = resp.json()
     except ValueError:

@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, Response
 from ray import serve
 
 from otray.tinker import catalog as R
-from otray.tinker.wire import UserError
+from otray.tinker.wire import UserError, check_request_fields
 
 APP_NAME = "otray-tinker"
 tinker_api = FastAPI(title="otray tinker", docs_url=None, redoc_url=None)
@@ -62,8 +62,11 @@ async def _json(request: Request, limit: int) -> dict[str, Any]:
         data = json.loads(body or b"{}")
     except ValueError:
         raise UserError("the request body is not JSON") from None
+    except RecursionError:
+        raise UserError("the request body nests too deeply; send a flat JSON object") from None
     if not isinstance(data, dict):
         raise UserError("the request body must be a JSON object")
+    check_request_fields(data)
     return data
 
 

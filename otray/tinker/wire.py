@@ -15,6 +15,7 @@ losses. Every tensor has one entry per input token.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -49,6 +50,39 @@ class UserError(ValueError):
         self.status = status
         self.model_id: str | None = None
         self.seq_id: int | None = None
+
+
+# the JSON fields the service reads, and their types: checked at the route, before any reaches SQLite,
+# a dict lookup or a string method (a list as model_id used to be a 500); ints are within SQLite's range
+REQUEST_FIELDS: dict[str, type | tuple[type, ...]] = {
+    **dict.fromkeys(("model_id", "session_id", "sampling_session_id", "request_id", "tinker_path", "path",
+                     "model_path", "base_model", "name", "loss_fn"), str),
+    **dict.fromkeys(("seq_id", "model_seq_id", "sampling_session_seq_id", "num_samples",
+                     "prompt_logprobs_last_n"), int),
+    **dict.fromkeys(("lora_config", "sampling_params", "prompt", "adam_params", "optim_params",
+                     "optimizer_config", "user_metadata"), dict),
+    **dict.fromkeys(("prompt_logprobs", "overwrite", "optimizer"), bool),
+    "ttl_seconds": (int, float),
+}
+_INT_RANGE = (-(1 << 63), (1 << 63) - 1)
+
+
+def check_request_fields(data: dict[str, Any]) -> None:
+    """Each field of :data:`REQUEST_FIELDS` present in ``data`` has its type (null = absent), or a
+    :class:`UserError` naming the field, what it must be and what came."""
+    for key, want in REQUEST_FIELDS.items():
+        value = data.get(key)
+        if value is None:
+            continue
+        kinds = want if isinstance(want, tuple) else (want,)
+        if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
+            names = " or ".join({str: "a string", int: "an integer", float: "a number", dict: "an object",
+                                 bool: "true or false"}[k] for k in kinds)
+            raise UserError(f"{key} must be {names}, got {json.dumps(value)[:80]}")
+        if isinstance(value, int) and not isinstance(value, bool) and not _INT_RANGE[0] <= value <= _INT_RANGE[1]:
+            raise UserError(f"{key}={value} is out of range")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise UserError(f"{key} must be a finite number, got {value}")
 
 
 def pb():

@@ -241,6 +241,17 @@ def test_bad_input_gets_a_user_error_or_a_4xx_never_a_5xx_or_a_hang(svc, tokeniz
     assert r.status_code == 401
     r = httpx.post(f"{URL}/api/v1/retrieve_future", json={"request_id": "x"}, headers=headers)
     assert r.status_code == 404
+    # wrong JSON types and shapes are named at the route (they used to reach SQLite or str methods: 500s)
+    for route, body, says in (("get_info", {"model_id": [1]}, "model_id must be a string"),
+                              ("weights_info", {"tinker_path": {}}, "tinker_path must be a string"),
+                              ("save_weights_for_sampler", {"model_id": tc.model_id, "seq_id": 2**70},
+                               "seq_id=1180591620717411303424 is out of range"),
+                              ("retrieve_future", {"request_id": {"a": 1}}, "request_id must be a string"),
+                              ("asample", {"num_samples": "abc"}, "num_samples must be an integer")):
+        r = httpx.post(f"{URL}/api/v1/{route}", json=body, headers=headers)
+        assert r.status_code == 400 and says in r.json()["detail"], (route, r.status_code, r.text)
+    r = httpx.post(f"{URL}/api/v1/get_info", content=b"[" * 100_000 + b"]" * 100_000, headers=headers)
+    assert r.status_code == 400 and "nests too deeply" in r.json()["detail"], r.text
     good = sft(*problems(tokenizer, 1)[0])
     short = types.Datum(model_input=good.model_input, loss_fn_inputs={
         "target_tokens": good.loss_fn_inputs["target_tokens"].tolist()[:-1],
@@ -307,7 +318,7 @@ def test_a_poisoned_sample_request_fails_alone_and_the_other_users_request_is_se
            (body(prompt, stop=[10**9]), "sampling_params.stop holds token id 1000000000"),
            (body(prompt * 200), "over the model's context"),
            (body([*prompt, "x"]), "must be integers"),
-           ({**body(prompt), "prompt": [1, 2]}, "prompt must be a ModelInput"),
+           ({**body(prompt), "prompt": [1, 2]}, "prompt must be an object"),
            ({**body(prompt), "num_samples": "abc"}, "num_samples must be an integer")]
     with concurrent.futures.ThreadPoolExecutor(len(bad)) as pool:
         served = good.sample(types.ModelInput.from_ints(prompt), 1, types.SamplingParams(max_tokens=4))
