@@ -71,7 +71,9 @@ class TinkerConfig:
     long_poll_s: float = 20.0  # retrieve_future waits this long before answering try_again
     result_ttl_s: float = 3600.0  # a finished request's result is kept this long
     gap_timeout_s: float = 120.0  # a training request whose predecessor never arrives fails after this
-    session_timeout_s: float = 600.0  # a session without heartbeats for this long is closed
+    # a session without heartbeats for this long is closed and its training clients' leases end; the SDK
+    # heartbeats every 10 s and itself warns after 120 s without one (a client that exited: 120 s, not 600)
+    session_timeout_s: float = 120.0
     max_body_bytes: int = 64_000_000
     sample_batch_wait_ms: float = 30.0  # sample requests arriving within this window share one learner call
     max_chunk_datums: int = 1024  # the SDK splits a forward_backward into requests of at most this many datums
