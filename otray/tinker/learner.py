@@ -312,8 +312,11 @@ class AdapterLearner:
 
         if job.adapter is not None:  # loaded outside inference mode: its tensors must stay usable by autograd
             self._use(self._sampler_adapter(job.adapter))
-        model = self.model if self.model is not None else self.base
-        off = self.model.disable_adapter() if (job.adapter is None and self.model is not None) else nullcontext()
+        # with no adapter left (the last client dropped its own) the PEFT wrapper still names the deleted one
+        # active and fails with a KeyError: the base model itself then (its LoRA layers hold nothing)
+        held = self.model is not None and bool(self.model.peft_config)
+        model = self.model if held else self.base
+        off = self.model.disable_adapter() if (job.adapter is None and held) else nullcontext()
         model.eval()
         with off, torch.inference_mode():
             backend = HFBackend.on_model(model, self.tokenizer, max_model_len=self.max_model_len, packed_linears=False)

@@ -41,3 +41,22 @@ def test_sampler_checkpoints_sample_what_was_saved_in_them(tiny_path, tokenizer,
     assert str(tmp_path / "s2") not in learner.samplers
     learner.save("b", str(tmp_path / "b-now"), optimizer=False)
     assert np.allclose(sampled(tmp_path / "b-now"), live("b"), atol=1e-5)
+
+
+def test_the_base_samples_after_every_client_dropped_its_adapter(tiny_path):
+    """The last training client leaving (its session closed) leaves the learner with no adapter; the
+    base model still samples, the same tokens as before any adapter existed (PEFT kept the deleted
+    adapter's name active, and base sampling failed with a KeyError for every other user)."""
+    from otray.tinker.learner import AdapterLearner, AdapterSpec, SampleJob
+    from otray.types import SamplingParams
+
+    learner = AdapterLearner(tiny_path)
+    job = SampleJob(None, [[1, 2, 3]], SamplingParams(max_tokens=6, seed=5, ignore_eos=True), 1)
+    before = learner.sample([job])[0][0].samples[0].token_ids
+    for name in ("a", "b"):
+        learner.create(name, AdapterSpec(2, 1, True, True, True, 32))
+    learner._use("b")
+    learner.drop("b")
+    assert learner.sample([job])[0][0].samples[0].token_ids == before  # "a" left, the base still the base
+    learner.drop("a")
+    assert learner.sample([job])[0][0].samples[0].token_ids == before
