@@ -63,6 +63,24 @@ class Leases:
         p = self.progress.setdefault(model_id, _Progress())
         p.loss, p.tokens = (loss_sum / tokens if tokens else loss_sum), p.tokens + tokens
 
+    async def check(self, model_id: str) -> None:
+        """Raises LeaseEnded when the model's lease was cancelled; a manager that does not answer
+        (restarting) is not a cancel, and the request goes on."""
+        held = self.store.leases().get(model_id)
+        if held is None:
+            return
+        try:
+            await self.rm.check_lease.remote(held[0], held[1])
+        except Exception as e:  # noqa: BLE001 - AuthError: the token was dropped
+            if isinstance(_cause(e), PermissionError):
+                self._ended(model_id, held[0])
+
+    def _ended(self, model_id: str, job_id: str) -> None:
+        self.store.drop_lease(model_id)
+        raise LeaseEnded(f"training client {model_id}'s lease {job_id} ended (cancelled with `otray jobs cancel`, "
+                         "or the ResourceManager restarted): load its last checkpoint with "
+                         "create_training_client_from_state")
+
     async def report_step(self, model_id: str, lr: float) -> None:
         """One optim_step done: a progress row. Raises LeaseEnded when the lease is gone."""
         held = self.store.leases().get(model_id)
@@ -77,10 +95,7 @@ class Leases:
             if not isinstance(_cause(e), PermissionError):  # the manager is restarting: a lost row, not a failed step
                 log.warning("progress row of %s not recorded: %s", model_id, type(_cause(e)).__name__)
                 return
-            self.store.drop_lease(model_id)
-            raise LeaseEnded(f"training client {model_id}'s lease {held[0]} ended (cancelled with "
-                             "`otray jobs cancel`, or the ResourceManager restarted): load its last "
-                             "checkpoint with create_training_client_from_state") from None
+            self._ended(model_id, held[0])
 
     async def close(self, model_id: str, state: JobState = JobState.SUCCEEDED, error: Optional[str] = None) -> None:
         held = self.store.leases().get(model_id)

@@ -99,6 +99,14 @@ class Training:
                 self.order.refuse(model_id, seq_id, owner, str(e))
             raise
 
+    async def _lease_holds(self, model_id: str) -> None:
+        """Before a training request runs: a cancelled lease unloads the model and refuses the request."""
+        try:
+            await self.leases.check(model_id)
+        except LeaseEnded as e:
+            await self.unload(model_id, str(e), JobState.CANCELLED)
+            raise UserError(str(e)) from None
+
     def _queue(self, owner: str, model_id: str, seq_id: Any, run: Callable[[], Awaitable[Outcome]]) -> dict[str, Any]:
         self.catalog.run(owner, model_id)
         self.store.touch(model_id)
@@ -114,6 +122,7 @@ class Training:
         learner = self.learner_of(call.model_id)
 
         async def run() -> Outcome:
+            await self._lease_holds(call.model_id)
             res = await learner.forward_backward.remote(call.model_id, call.datums, call.loss_fn, call.loss_fn_config,
                                                         not call.forward_only)
             if not call.forward_only:
@@ -130,6 +139,7 @@ class Training:
             step = adam_step(req.get("adam_params") or req.get("optim_params") or {})
 
         async def run() -> Outcome:
+            await self._lease_holds(model_id)
             metrics = await learner.optim_step.remote(model_id, step)
             try:
                 await self.leases.report_step(model_id, step.learning_rate)

@@ -368,8 +368,9 @@ def lease(ray_local, key: str, model_id: str):
 
 def test_training_clients_are_resource_manager_leases(svc, tokenizer, ray_local):
     """Each training client is a RUNNING ``tinker`` job of its owner (``otray jobs``, the dashboard) with
-    a progress row per optim_step; only its owner (or an admin) sees and cancels it; a cancel unloads
-    the model after the step in flight; closing the session ends the lease SUCCEEDED."""
+    a progress row per optim_step; only its owner (or an admin) sees and cancels it; after a cancel the
+    client's next request is refused before it runs and the model is unloaded; closing the session
+    ends the lease SUCCEEDED."""
     from otray.actors.control.resource_manager import NAME, NAMESPACE
 
     rm = ray_local.get_actor(NAME, namespace=NAMESPACE)
@@ -388,10 +389,11 @@ def test_training_clients_are_resource_manager_leases(svc, tokenizer, ray_local)
     assert progress["step"] == 2 and 0 < progress["loss"] < 20 and progress["tokens"] > 0
     assert len(ray_local.get(rm.metrics.remote(job.id, 0, svc["alice"]))) == 2
     assert ray_local.get(rm.cancel.remote(job.id, svc["alice"])).state == "CANCELLED"
-    tc.forward_backward(data, "cross_entropy")
-    tc.optim_step(types.AdamParams(learning_rate=1e-3)).result()  # the step in flight stands
-    with pytest.raises(Exception, match="lease"):
+    with pytest.raises(Exception, match="lease"):  # refused before it runs: no step after the cancel
         tc.forward_backward(data, "cross_entropy").result()
+    with pytest.raises(Exception, match="not loaded .*lease"):
+        tc.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+    assert len(ray_local.get(rm.metrics.remote(job.id, 0, svc["alice"]))) == 2
     assert lease(ray_local, svc["alice"], tc.model_id).state == "CANCELLED"
     other = sc.create_lora_training_client(base_model=BASE, rank=2).result()
     assert lease(ray_local, svc["alice"], other.model_id).state == "RUNNING"

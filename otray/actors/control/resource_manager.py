@@ -171,6 +171,11 @@ class ResourceManager:
         self.registry.set_state(job_id, JobState.RUNNING)
         return job_id, self.gate.job_token(job_id)
 
+    async def check_lease(self, job_id: str, token: str | None = None) -> None:
+        """Whether a lease still holds: AuthError once it was cancelled (its token dropped), so the
+        service refuses a cancelled client's next request before it runs."""
+        self.gate.check_job(job_id, token)
+
     async def close_lease(self, job_id: str, state: JobState, error: str | None = None,
                           token: str | None = None) -> None:
         """End a lease (SUCCEEDED or FAILED; an already ended one stays as it is)."""
