@@ -68,6 +68,8 @@ TINKER_RANGES: dict[str, tuple[Any, Any]] = {  # ``otray tinker`` (otray.tinker.
     "result_ttl_s": (GT(0), None), "gap_timeout_s": (GT(0), None), "session_timeout_s": (GT(0), None),
     "max_body_bytes": (1, None), "sample_batch_wait_ms": (0, None), "max_chunk_datums": (1, None),
     "max_samples": (1, None), "max_tokens": (1, None),
+    "quota.training_clients": (0, None), "quota.lora_rank": (0, None),
+    "user_quotas.*.training_clients": (0, None), "user_quotas.*.lora_rank": (0, None),
     "models.*.learner_cpus": (GT(0), None), "models.*.max_rank": (1, None), "models.*.lora_alpha": (GT(0), None),
     "models.*.sampler.cpus": (GT(0), None), "models.*.sampler.max_lora_rank": (1, None),
     "models.*.sampler.max_loras": (1, None), "models.*.sampler.start_timeout_s": (GT(0), None),

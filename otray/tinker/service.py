@@ -23,7 +23,7 @@ import ray
 
 from otray.actors.control.resource_manager import get_or_create
 from otray.tinker.learner import AdapterLearner, AdapterSpec
-from otray.tinker.config import TinkerConfig, load_tinker
+from otray.tinker.config import TinkerConfig, load_tinker, quota_of
 from otray.tinker.engines import VllmSamplers
 from otray.tinker.futures import Futures, Outcome
 from otray.records import JobState
@@ -172,7 +172,7 @@ class TinkerService:
             return spec
 
         return await self.training.open(owner, model_id, base, req, api_key, make,
-                                        {"model_id": model_id, "type": "create_model"})
+                                        {"model_id": model_id, "type": "create_model"}, rank, quota_of(self.cfg, owner))
 
     async def get_info(self, owner: str, model_id: str) -> dict[str, Any]:
         run = self.catalog.run(owner, model_id)
@@ -206,7 +206,8 @@ class TinkerService:
             return await learner.load.remote(model_id, ckpt.path, optimizer, True)
 
         return await self.training.open(owner, model_id, base, req, api_key, make,
-                                        {"path": req["path"], "model_id": model_id, "type": "load_weights"})
+                                        {"path": req["path"], "model_id": model_id, "type": "load_weights"},
+                                        int(source.spec["rank"]), quota_of(self.cfg, owner))
 
     async def rest(self, owner: str, query: RestQuery) -> Any:
         """A read-only REST call (checkpoints, training runs, weights info, a sampler) or a checkpoint's

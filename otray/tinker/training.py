@@ -46,20 +46,39 @@ class Training:
         self.vocab = vocab
         self.live: dict[str, str] = {}  # model id -> base model, for adapters on a learner now
         self.ended: dict[str, str] = {}  # model id -> why it is no longer live (for the error message)
+        self.holding: dict[str, tuple[str, int]] = {}  # model id -> (owner, LoRA rank): live or being made (quotas)
 
     # ------------------------------------------------------------------ live models
 
+    def check_quota(self, owner: str, rank: int, quota: Any) -> None:
+        """Refuse a new live model that would take ``owner`` over ``quota`` (a :class:`TinkerQuota`):
+        counted over the models live or being made, so concurrent creates cannot slip past it."""
+        mine = [r for m, (who, r) in self.holding.items() if who == owner]
+        if len(mine) + 1 > quota.training_clients:
+            raise UserError(f"quota: {owner} holds {len(mine)} live training clients, the limit is "
+                            f"{quota.training_clients} (quota.training_clients); close one (its ServiceClient's "
+                            "session) or ask an admin for more", 403)
+        if sum(mine) + rank > quota.lora_rank:
+            raise UserError(f"quota: {owner}'s live training clients hold LoRA rank {sum(mine)} in all; rank {rank} "
+                            f"more is over the limit of {quota.lora_rank} (quota.lora_rank); close one, use a "
+                            "smaller rank, or ask an admin for more", 403)
+
     async def open(self, owner: str, model_id: str, base: str, req: dict[str, Any], api_key: Optional[str],
-                   make: Callable[[], Awaitable[AdapterSpec]], result: dict[str, Any]) -> dict[str, Any]:
+                   make: Callable[[], Awaitable[AdapterSpec]], result: dict[str, Any],
+                   rank: int = 0, quota: Any = None) -> dict[str, Any]:
         """A new live model (create_model, create-via-load): ``make()`` (makes its adapter on the learner,
         returns its spec) runs once per model id, then its lease opens; a resubmission gets the same
-        request ``<model>:req:0``."""
+        request ``<model>:req:0``. Within the owner's ``quota`` (checked first, counting ``rank``)."""
         request_id = f"{model_id}:req:0"
+        if model_id not in self.holding and quota is not None:
+            self.check_quota(owner, rank, quota)
         if self.futures.new(request_id, owner):
+            self.holding[model_id] = (owner, rank)
             try:
                 spec = await make()
                 await self.leases.open(LeaseSpec(model_id, base, spec.rank, req["session_id"]), api_key)
             except Exception as e:  # noqa: BLE001
+                self.holding.pop(model_id, None)
                 self.learners[base].drop.remote(model_id)
                 self.futures.finish(request_id, Outcome.error(R.cause(e), "server"))
             else:
@@ -72,6 +91,7 @@ class Training:
     async def unload(self, model_id: str, why: str, state: JobState = JobState.SUCCEEDED) -> None:
         """The model leaves its learner (its checkpoints stay) and its lease ends."""
         base = self.live.pop(model_id, None)
+        self.holding.pop(model_id, None)
         self.order.forget(model_id, f"unloaded before this request ran ({why})")
         if base is not None:
             self.ended[model_id] = why

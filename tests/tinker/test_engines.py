@@ -147,3 +147,14 @@ def test_sampler_config_errors_name_the_key_and_the_shipped_configs_load():
         load_tinker({"models": [{"sampler": {"engine": "gpu"}}]})
     with pytest.raises(ConfigError, match=r"models\[0\].sampler.max_loras must be >= 1, got 0"):
         load_tinker({"models": [{"sampler": {"max_loras": 0}}]})
+
+
+def test_quotas_load_with_per_user_exceptions_and_bad_values_are_named():
+    from otray.tinker.config import load_tinker, quota_of
+    from otray.types import ConfigError
+
+    cfg = load_tinker({"quota": {"training_clients": 4}, "user_quotas": {"bob": {"lora_rank": 64}}})
+    assert (quota_of(cfg, "alice").training_clients, quota_of(cfg, "alice").lora_rank) == (4, 1024)
+    assert (quota_of(cfg, "bob").training_clients, quota_of(cfg, "bob").lora_rank) == (16, 64)  # his own, whole
+    with pytest.raises(ConfigError, match=r"user_quotas.bob.training_clients must be >= 0, got -1"):
+        load_tinker({"user_quotas": {"bob": {"training_clients": -1}}})

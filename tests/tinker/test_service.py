@@ -23,12 +23,13 @@ from tinker import types  # noqa: E402
 PORT = 8021
 URL = f"http://127.0.0.1:{PORT}"
 CHUNK = 3  # datums per forward_backward request: an 8-datum call goes out as 3 parallel chunks
+BOB_QUOTA = {"training_clients": 2, "lora_rank": 10}  # an admin's exception for bob (alice: the default)
 
 
 @pytest.fixture(scope="module")
 def svc(ray_local, tmp_path_factory, tiny_path):
     keys, stop = tinker_service(ray_local, tmp_path_factory.mktemp("tinker"), PORT, tiny_path,
-                                max_chunk_datums=CHUNK)
+                                max_chunk_datums=CHUNK, user_quotas={"bob": BOB_QUOTA})
     yield keys
     stop()
 
@@ -356,6 +357,29 @@ def test_a_batch_that_fails_is_sent_again_one_request_at_a_time(svc, tokenizer, 
     assert calls == [3] and splits == 1  # one shared call for the three; it failed and was split
     assert [o.kind for o in outcomes] == ["proto", "error", "proto"]
     assert "nonexistent" in outcomes[1].body["error"] or "No such file" in outcomes[1].body["error"], outcomes[1]
+
+
+def test_quotas_refuse_a_users_clients_past_the_limit_and_free_with_the_session(svc):
+    """bob may hold 2 live training clients of LoRA rank 10 in all: past either limit a create is a 403
+    naming the quota, at once (not retried like a 429); closing his session frees them; alice, on the
+    service's default quota, is not limited by bob's."""
+    bob = tinker.ServiceClient(base_url=URL, api_key=svc["bob"])
+    bob.create_lora_training_client(base_model=BASE, rank=2).result()
+    t0 = time.time()
+    with pytest.raises(Exception, match="quota.lora_rank"):
+        bob.create_lora_training_client(base_model=BASE, rank=9).result()
+    bob.create_lora_training_client(base_model=BASE, rank=2).result()
+    with pytest.raises(Exception, match="holds 2 live training clients, the limit is 2"):
+        bob.create_lora_training_client(base_model=BASE, rank=1).result()
+    assert time.time() - t0 < 20
+    alice = tinker.ServiceClient(base_url=URL, api_key=svc["alice"])
+    for _ in range(3):
+        alice.create_lora_training_client(base_model=BASE, rank=2).result()
+    alice.close("success").result()
+    bob.close("success").result()
+    again = tinker.ServiceClient(base_url=URL, api_key=svc["bob"])
+    again.create_lora_training_client(base_model=BASE, rank=8).result()  # the closed session's clients freed
+    again.close("success").result()
 
 
 def lease(ray_local, key: str, model_id: str):
