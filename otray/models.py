@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import random
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,15 +32,14 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 TINY_SPEC = "tiny"
+_TINY = re.compile(r"tiny(?:-([\w.]+))?(?::\d{1,9})?")
 HUB_ONLY = "hub:"  # model.path "hub:org/name": a hub id that is never read from a local directory
 
 
 def is_tiny_spec(spec: str) -> bool:
     """``tiny``, ``tiny:SEED``, ``tiny-SHAPE`` or ``tiny-SHAPE:SEED`` with a shape of :data:`SHAPES`."""
-    name, colon, seed = spec.partition(":")
-    shape = name.removeprefix(TINY_SPEC).removeprefix("-") or "tiny"
-    return (name.startswith(TINY_SPEC) and (name == TINY_SPEC or name[len(TINY_SPEC)] == "-") and shape in SHAPES
-            and (not colon or (seed.isdigit() and seed.isascii() and len(seed) <= 9)))
+    m = _TINY.fullmatch(spec)
+    return m is not None and (m.group(1) or "tiny") in SHAPES
 
 
 @dataclass

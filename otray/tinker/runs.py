@@ -83,13 +83,13 @@ def sample_wait(req: dict[str, Any], key: str, adapter: Optional[str], cfg: Any,
     """A checked ``asample`` body as the service's wait record (``cls``). Everything a sampler could
     fail on is checked here, against the model the request targets (``limits``): a request that
     reached a batch shared with other users' requests and failed there would fail theirs too."""
-    chunks = (req.get("prompt") or {}).get("chunks", []) if isinstance(req.get("prompt") or {}, dict) else None
+    chunks = (req.get("prompt") or {}).get("chunks", [])  # field types: checked at the route (REQUEST_FIELDS)
     if not isinstance(chunks, list):
         raise UserError("asample: prompt must be a ModelInput, {\"chunks\": [{\"tokens\": [...]}, ...]}")
     prompt = [t for chunk in chunks for t in _chunk_tokens(chunk)]
     if not prompt:
         raise UserError("asample: the prompt has no tokens")
-    n = _int(req.get("num_samples", 1), "num_samples")
+    n = req.get("num_samples", 1)
     if not 1 <= n <= cfg.max_samples:
         raise UserError(f"num_samples={n}: send 1 to {cfg.max_samples}")
     params = sampling_params(req.get("sampling_params") or {})
@@ -105,19 +105,9 @@ def sample_wait(req: dict[str, Any], key: str, adapter: Optional[str], cfg: Any,
     if unsupported:
         raise UserError(f"asample: {unsupported} are not offered by this service; leave them unset")
     last_n = req.get("prompt_logprobs_last_n")
-    if last_n is not None and not 1 <= _int(last_n, "prompt_logprobs_last_n") <= len(prompt) - 1:
+    if last_n is not None and not 1 <= last_n <= len(prompt) - 1:
         raise UserError(f"prompt_logprobs_last_n={last_n}: send 1 to len(prompt) - 1 = {len(prompt) - 1}")
     return cls(f"sample:{key}", adapter, prompt, params, n, bool(req.get("prompt_logprobs")), last_n)
-
-
-def _int(value: Any, name: str) -> int:
-    """``value`` as an int, or a UserError naming the field (not a server error from ``int("abc")``)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-        raise UserError(f"asample: {name} must be an integer, got {value!r}")
-    try:
-        return int(value)
-    except (ValueError, OverflowError):
-        raise UserError(f"asample: {name} must be an integer, got {value!r}") from None
 
 
 def _check_ids(ids: list[int], vocab: int, what: str) -> None:

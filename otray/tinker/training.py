@@ -65,12 +65,12 @@ class Training:
 
     async def open(self, owner: str, model_id: str, base: str, req: dict[str, Any], api_key: Optional[str],
                    make: Callable[[], Awaitable[AdapterSpec]], result: dict[str, Any],
-                   rank: int = 0, quota: Any = None) -> dict[str, Any]:
+                   rank: int, quota: Any) -> dict[str, Any]:
         """A new live model (create_model, create-via-load): ``make()`` (makes its adapter on the learner,
         returns its spec) runs once per model id, then its lease opens; a resubmission gets the same
         request ``<model>:req:0``. Within the owner's ``quota`` (checked first, counting ``rank``)."""
         request_id = f"{model_id}:req:0"
-        if model_id not in self.holding and quota is not None:
+        if model_id not in self.holding:
             self.check_quota(owner, rank, quota)
         if self.futures.new(request_id, owner):
             self.holding[model_id] = (owner, rank)
