@@ -29,6 +29,7 @@ from typing import Any, Optional
 import torch
 
 from otray.actors.sampling.backends.hf import HFBackend
+from otray.tinker.adapter_switch import AdapterSwitch
 from otray.actors.learner.core import adamw_step, in_order, loss_inputs, new_adamw, plan_micro_batches, token_logprobs
 from otray.algos.losses import per_token_loss
 from otray.device import resolve_device, resolve_dtype
@@ -96,7 +97,8 @@ class SampleOut:
 
 
 class AdapterLearner:
-    """Ray actor (one per base model) holding every training client's adapter and optimizer.
+    """One base model holding every training client's adapter and optimizer (the Tinker service runs it
+    inside a :class:`~otray.tinker.shared_learner.SharedLearner` actor, which takes users' calls in turns).
 
     On the GPU Ray gave it (``models[i].learner_gpus``), else the CPU; the frozen base in ``dtype``
     (``auto``: bf16 on a GPU, float32 on the CPU), the adapters and their AdamW state in float32
@@ -121,6 +123,8 @@ class AdapterLearner:
         self.spare: list[str] = []  # sampler adapters no dir uses now: refilled for a dir of the same shape
         self.micro_batch_tokens = micro_batch_tokens
         self.max_model_len = max_model_len or self.base.config.max_position_embeddings
+        self.switch = AdapterSwitch()  # which adapter the LoRA layers use
+        self.training = False  # the model is in train mode (not switched to eval by a sample since)
 
     def ping(self) -> bool:
         return True
@@ -145,6 +149,7 @@ class AdapterLearner:
                 self.model.add_adapter(name, config)
         finally:
             torch.random.set_rng_state(state)
+            self.switch.changed()
 
     def create(self, adapter: str, spec: AdapterSpec) -> None:
         """A new adapter (a training client), its optimizer made at its first step."""
@@ -160,16 +165,22 @@ class AdapterLearner:
             self.optimizers.pop(adapter, None)
             self.steps.pop(adapter, None)
             self.model.delete_adapter(adapter)
+            self.switch.changed()
 
     def _use(self, adapter: Optional[str]) -> None:
-        if adapter is not None:
+        """Make ``adapter`` the only active one: only it takes part in the pass, so only it gets gradients."""
+        if adapter is not None and adapter != self.switch.active:
             if adapter not in self.specs and adapter not in self.samplers.values():
                 raise KeyError(f"no adapter {adapter!r} on this learner (it restarted, or the model was unloaded)")
-            self.model.set_adapter(adapter)  # the only active adapter; only its parameters take gradients
+            self.switch.use(self.model, adapter)
+
+    def _train_mode(self) -> None:
+        if not self.training:  # model.train() walks every module: only after a sample switched to eval
+            self.model.train()
+            self.training = True
 
     def _params(self, adapter: str) -> list[torch.nn.Parameter]:
-        tag = f".{adapter}."
-        return [p for n, p in self.model.named_parameters() if tag in n and "lora_" in n]
+        return self.switch.params(self.model, adapter)
 
     # ------------------------------------------------------------------ forward / backward
 
@@ -178,7 +189,7 @@ class AdapterLearner:
         """Add the gradient of ``sum(per-token loss)`` over every datum to ``adapter``'s gradients
         (``backward=False``: the same numbers, no gradient)."""
         self._use(adapter)
-        self.model.train()
+        self._train_mode()
         batches, order = plan_micro_batches(datums, self.micro_batch_tokens)
         lps, losses, total = [], [], 0.0
         for batch in batches:
@@ -292,6 +303,7 @@ class AdapterLearner:
         while self.spare and len(self.spare) + len(self.samplers) >= SAMPLER_CACHE:
             old = self.spare.pop(0)
             self.model.delete_adapter(old)
+            self.switch.changed()
             del self.sampler_specs[old]
         name = f"sampler-{len(self.sampler_specs)}-{random.randrange(10**9)}"
         if self.model is None:
@@ -299,6 +311,7 @@ class AdapterLearner:
         else:
             self.model.add_adapter(name, LoraConfig(r=spec.rank, lora_alpha=spec.alpha, lora_dropout=0.0,
                                                     target_modules=spec.target_modules(), task_type="CAUSAL_LM"))
+            self.switch.changed()
         self.sampler_specs[name] = spec
         return name
 
@@ -318,6 +331,7 @@ class AdapterLearner:
         model = self.model if held else self.base
         off = self.model.disable_adapter() if (job.adapter is None and held) else nullcontext()
         model.eval()
+        self.training = False
         with off, torch.inference_mode():
             backend = HFBackend.on_model(model, self.tokenizer, max_model_len=self.max_model_len, packed_linears=False)
             samples = backend.generate(job.prompts, job.params, job.n) if job.params.max_tokens > 0 else [[]] * len(job.prompts)
