@@ -169,6 +169,10 @@ def cmd_users(args: argparse.Namespace) -> int:
     if args.users_cmd == "list":
         for u in ray.get(rm.users.remote(api_key=key)):
             print(f"{u.name}{'  (admin)' if u.admin else ''}")
+    elif args.users_cmd == "quota":
+        if args.jobs is not None:
+            ray.get(rm.set_job_quota.remote(args.name, args.jobs, api_key=key))
+        print(f"{args.name}: {ray.get(rm.job_quota.remote(args.name, api_key=key))} jobs queued or running at once")
     elif args.users_cmd == "delete":
         ray.get(rm.delete_user.remote(args.name, api_key=key))
         print(f"deleted {args.name}; their key no longer works")
@@ -289,7 +293,7 @@ def parser() -> argparse.ArgumentParser:
             s.add_argument("--breakdown", action="store_true",
                            help="a table of each RL step's time parts and the actors' idle fractions")
         s.set_defaults(fn=fn)
-    users = sub.add_parser("users", help="API keys (auth on): add, delete, rotate, list")
+    users = sub.add_parser("users", help="API keys (auth on): add, delete, rotate, list; job quotas")
     users_sub = users.add_subparsers(dest="users_cmd", required=True)
     u = users_sub.add_parser("add")
     u.add_argument("name")
@@ -297,6 +301,9 @@ def parser() -> argparse.ArgumentParser:
     users_sub.add_parser("delete").add_argument("name")
     users_sub.add_parser("rotate").add_argument("name", nargs="?", default=None, help="default: yourself")
     users_sub.add_parser("list")
+    q = users_sub.add_parser("quota", help="a user's jobs queued or running at once (admin: set it)")
+    q.add_argument("name", help="a user, or * for everyone's default")
+    q.add_argument("--jobs", type=int, default=None)
     users.set_defaults(fn=cmd_users)
     for what, helps in (("modules", "code users may name in configs (admin)"),
                         ("urls", "addresses users' envs may reach, e.g. an OpenReward server (admin)")):

@@ -68,8 +68,10 @@ TINKER_RANGES: dict[str, tuple[Any, Any]] = {  # ``otray tinker`` (otray.tinker.
     "result_ttl_s": (GT(0), None), "gap_timeout_s": (GT(0), None), "session_timeout_s": (GT(0), None),
     "max_body_bytes": (1, None), "sample_batch_wait_ms": (0, None), "max_chunk_datums": (1, None),
     "max_samples": (1, None), "max_tokens": (1, None),
-    "quota.training_clients": (0, None), "quota.lora_rank": (0, None),
-    "user_quotas.*.training_clients": (0, None), "user_quotas.*.lora_rank": (0, None),
+    **{f"{where}.{k}": (0, None) for where in ("quota", "user_quotas.*")
+       for k in ("training_clients", "lora_rank", "samplers", "concurrent_requests", "storage_gb")},
+    "scheduling.slice_tokens": (1, None), "scheduling.follow_ms": (0, 10_000),
+    "scheduling.users.*.weight": (GT(0), 1e6), "scheduling.users.*.priority": (-1000, 1000),
     "models.*.learner_cpus": (GT(0), None), "models.*.max_rank": (1, None), "models.*.lora_alpha": (GT(0), None),
     "models.*.sampler.cpus": (GT(0), None), "models.*.sampler.max_lora_rank": (1, None),
     "models.*.sampler.max_loras": (1, None), "models.*.sampler.start_timeout_s": (GT(0), None),

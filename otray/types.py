@@ -27,6 +27,10 @@ class ConfigError(OtrayError, ValueError):
     """A config file or override is invalid (unknown key, wrong type, bad value)."""
 
 
+class QuotaError(OtrayError, PermissionError):
+    """A request would take its user past a quota an admin set; the message names the quota."""
+
+
 class ModelLoadError(OtrayError, FileNotFoundError):
     """A model or tokenizer could not be loaded from the given path or hub id."""
 

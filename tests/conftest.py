@@ -156,7 +156,7 @@ def no_resource_manager_left_behind(request):
 
 
 def tinker_service(ray_local, tmp: Path, port: int, tiny_path: str, **overrides):
-    """Start ``otray tinker`` on ``port`` with auth on and users alice and bob (bob created by alice).
+    """Start ``otray tinker`` on ``port`` with auth on and users alice, bob and carol (made by alice, an admin).
 
     The base model is offered as ``Qwen/Qwen3-8B`` (a cookbook registry name) mapped to the tiny
     model, sampled by its learner (tests/tinker/test_engines.py passes ``models`` with vLLM samplers). Returns ``(keys, stop)``: the users' ``tml-`` keys and a function that stops it all.
@@ -171,6 +171,7 @@ def tinker_service(ray_local, tmp: Path, port: int, tiny_path: str, **overrides)
     rm = fresh_resource_manager(tmp / "registry.db", auth_enabled=True)
     alice = ray_local.get(rm.add_user.remote("alice"))
     bob = ray_local.get(rm.add_user.remote("bob", False, alice))
+    carol = ray_local.get(rm.add_user.remote("carol", False, alice))
     models = [{"name": "Qwen/Qwen3-8B", "path": tiny_path, "sampler": {"engine": "learner"}}]
     run(load_tinker({"port": port, "storage": str(tmp / "store"), "long_poll_s": 5, "models": models, **overrides}))
 
@@ -182,4 +183,4 @@ def tinker_service(ray_local, tmp: Path, port: int, tiny_path: str, **overrides)
             pass
         kill_resource_manager()
 
-    return {"alice": tinker_key(alice), "bob": tinker_key(bob), "store": tmp / "store"}, stop
+    return {"alice": tinker_key(alice), "bob": tinker_key(bob), "carol": tinker_key(carol), "store": tmp / "store"}, stop

@@ -44,7 +44,7 @@ ACTOR_ROLES = {
     "PolicyLearner": "learner", "LearnerGroup": "learner", "LearnerRank": "learner",
     "RolloutWorker": "sampling",
     "ProtocolCoordinator": "coordinator",
-    "TinkerService": "tinker", "AdapterLearner": "tinker", "LoraSampler": "tinker", "TinkerGateway": "tinker",
+    "TinkerService": "tinker", "SharedLearner": "tinker", "LoraSampler": "tinker", "TinkerGateway": "tinker",
     "Gateway": "serve",
 }
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from otray.device import DTYPES
+from otray.tinker.fair import POLICIES, Share
 from otray.ranges import TINKER_RANGES, check_ranges
 from otray.structured import load_structured, one_of
 from otray.types import ConfigError
@@ -48,7 +49,7 @@ class TinkerModel:
 
     name: str = "tiny"  # the base_model clients send
     path: str = "tiny"  # local dir, hub id, or tiny[-shape][:seed]
-    learner_cpus: float = 1.0  # the AdapterLearner actor's CPUs (it trains and samples)
+    learner_cpus: float = 1.0  # the SharedLearner actor's CPUs (it trains and samples)
     learner_gpus: float = 0.0  # > 0: the learner on that GPU, its base in `dtype` (adapters stay float32)
     dtype: str = "auto"  # the frozen base's precision: auto (bf16 on a GPU, float32 on the CPU) | float32 | bfloat16
     num_threads: Optional[int] = None  # torch threads in the learner (default: its CPUs)
@@ -60,11 +61,39 @@ class TinkerModel:
 
 @dataclass
 class TinkerQuota:
-    """What one user may hold at once on this service: live training clients (adapters on the learners)
-    and their LoRA ranks summed. ``quota`` is everyone's; ``user_quotas.<name>`` replaces it for one user."""
+    """What one user may hold at once on this service. ``quota`` is everyone's; ``user_quotas.<name>``
+    replaces it for one user. Past a holding (clients, rank, samplers, storage) a request is a 403
+    naming the quota; past ``concurrent_requests`` a 429 (the SDK waits and sends it again)."""
 
-    training_clients: int = 16
-    lora_rank: int = 1024
+    training_clients: int = 16  # live training clients (adapters on the learners)
+    lora_rank: int = 1024  # their LoRA ranks summed
+    samplers: int = 64  # sampling clients made with create_sampling_client in the user's open sessions
+    concurrent_requests: int = 2048  # requests sent and not finished
+    storage_gb: float = 100.0  # checkpoint files (named and ephemeral) under the service's storage
+
+
+@dataclass
+class UserShare:
+    """An admin's share of the learners for one user (``scheduling.users.<name>``)."""
+
+    weight: float = 1.0  # learner time in proportion to it while users compete
+    priority: int = 0  # a higher one is served first while it has calls waiting
+
+
+@dataclass
+class TinkerScheduling:
+    """How the users of one base model's learner share it (:mod:`otray.tinker.fair`).
+
+    ``fair``: the learner runs one step at a time, the next chosen by start-time fair queueing over
+    users (learner seconds used / weight; priorities first); a forward_backward is one step per
+    slice of at most ``slice_tokens`` tokens, so a small step waits for about one slice of another
+    user's work. ``fifo``: calls whole, in arrival order (no isolation: the baseline
+    ``benchmarks/tinker_fairness.py`` measures)."""
+
+    policy: str = "fair"  # fair | fifo
+    slice_tokens: int = 2048  # about what the learner passes in the time of a small step (see docs/tinker.md)
+    follow_ms: float = 50.0  # a turn kept this long for a forward_backward's optim_step (if that user is owed it)
+    users: dict[str, UserShare] = field(default_factory=dict)  # default: weight 1, priority 0
 
 
 @dataclass
@@ -90,6 +119,7 @@ class TinkerConfig:
     max_tokens: int = 4096  # per sample
     quota: TinkerQuota = field(default_factory=TinkerQuota)  # per user (an over-quota request: 403 naming it)
     user_quotas: dict[str, TinkerQuota] = field(default_factory=dict)  # an admin's per-user exceptions
+    scheduling: TinkerScheduling = field(default_factory=TinkerScheduling)  # fair shares of each learner
 
 
 def load_tinker(source: str | Path | dict[str, Any] | TinkerConfig | None = None,
@@ -98,6 +128,7 @@ def load_tinker(source: str | Path | dict[str, Any] | TinkerConfig | None = None
     check_ranges(cfg, TINKER_RANGES)
     cfg.auth = {"True": "on", "False": "off"}.get(str(cfg.auth), str(cfg.auth))  # YAML reads on/off as booleans
     one_of(cfg.auth, ("auto", "on", "off"), "auth")
+    one_of(cfg.scheduling.policy, POLICIES, "scheduling.policy")
     names = [m.name for m in cfg.models]
     if not names or len(set(names)) != len(names):
         raise ConfigError(f"models must list at least one base model, each name once; got {names}")
@@ -115,3 +146,14 @@ def load_tinker(source: str | Path | dict[str, Any] | TinkerConfig | None = None
 
 def quota_of(cfg: TinkerConfig, user: str) -> TinkerQuota:
     return cfg.user_quotas.get(user, cfg.quota)
+
+
+def share_of(cfg: TinkerConfig, user: str) -> Share:
+    """``user``'s share of a learner (:class:`otray.tinker.fair.Share`), as ``scheduling.users`` sets it."""
+    u = cfg.scheduling.users.get(user)
+    return Share(u.weight, u.priority) if u is not None else Share()
+
+
+def shares_of(cfg: TinkerConfig) -> dict[str, Share]:
+    """Every user's share an admin set (the others get :class:`Share`'s defaults)."""
+    return {user: share_of(cfg, user) for user in cfg.scheduling.users}

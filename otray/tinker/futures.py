@@ -46,6 +46,7 @@ class Futures:
     def __init__(self, ttl_s: float):
         self.ttl_s = ttl_s
         self.items: dict[str, _Entry] = {}
+        self.open: dict[str, int] = {}  # owner -> requests not finished (quota.concurrent_requests)
 
     def new(self, request_id: str, owner: str) -> bool:
         """Register a request; False when it exists already (a resubmission)."""
@@ -53,12 +54,21 @@ class Futures:
         if request_id in self.items:
             return False
         self.items[request_id] = _Entry(owner)
+        self.open[owner] = self.open.get(owner, 0) + 1
         return True
+
+    def room(self, owner: str, limit: int) -> None:
+        """Refuse a new request of ``owner``, who has ``limit`` unfinished ones already: a 429 (the SDK
+        waits and sends it again, so only this user's client slows down)."""
+        if self.open.get(owner, 0) >= limit:
+            raise UserError(f"quota: {owner} has {self.open[owner]} requests not finished yet, the limit is {limit} "
+                            "(quota.concurrent_requests); wait for results before sending more, or ask an admin", 429)
 
     def finish(self, request_id: str, outcome: Outcome) -> None:
         entry = self.items.get(request_id)
         if entry is not None and entry.outcome is None:
             entry.outcome, entry.finished = outcome, time.monotonic()
+            self.open[entry.owner] -= 1
             entry.done.set()
 
     def owner(self, request_id: str) -> Optional[str]:
@@ -129,6 +139,13 @@ class OrderedExecutor:
             q.running = True
             asyncio.get_running_loop().create_task(self._drain(q))
         return request_id
+
+    def counts_against_quota(self, model_id: str, seq_id: int) -> bool:
+        """Whether request ``seq_id`` of ``model_id`` is a new one that is not the model's next: a
+        resubmission is the same request, and the next one is always let in (the requests waiting
+        for it hold their owner's quota: refusing it would leave them waiting for ever)."""
+        q = self.queues.get(model_id)
+        return q is not None and seq_id not in q.seen and seq_id != q.next_seq
 
     def refuse(self, model_id: str, seq_id: int, owner: str, message: str) -> None:
         """Request ``seq_id`` was refused before it was queued (bad input): it takes its place in the order

@@ -4,7 +4,8 @@ A training client (``create_model`` or create-via-load) opens a lease with the c
 so the ResourceManager records it as a RUNNING job of kind ``tinker`` owned by that user; every
 ``optim_step`` reports a progress row (step, last loss, tokens); the lease ends SUCCEEDED when the
 client's session closes or expires, FAILED when the service restarts (the live adapter is gone;
-the run's checkpoints stay). ``otray jobs cancel`` (the owner or an admin) drops the lease's
+the run's checkpoints stay), FAILED at once when the service actor dies (the manager watches it:
+:mod:`otray.actors.control.lease_watch`). ``otray jobs cancel`` (the owner or an admin) drops the lease's
 token: the service's next report fails, and the model is unloaded, so the client's next call is
 a user error that says so.
 
@@ -47,13 +48,15 @@ class _Progress:
 
 
 class Leases:
-    def __init__(self, store: Store, rm: Any):
-        self.store, self.rm = store, rm
+    """``holder``: the service's own actor handle and id; the manager fails its leases at once if it dies."""
+
+    def __init__(self, store: Store, rm: Any, holder: tuple[Any, str] = (None, "")):
+        self.store, self.rm, self.holder = store, rm, holder
         self.progress: dict[str, _Progress] = {}
 
     async def open(self, spec: LeaseSpec, api_key: Optional[str]) -> str:
         """Open the lease for a new live model; returns its job id."""
-        job_id, token = await self.rm.open_lease.remote(KIND, spec.model_id, vars(spec), api_key)
+        job_id, token = await self.rm.open_lease.remote(KIND, spec.model_id, vars(spec), api_key, *self.holder)
         self.store.add_lease(spec.model_id, job_id, token)
         self.progress[spec.model_id] = _Progress()
         return job_id

@@ -1,7 +1,7 @@
 """LoraSampler: a vLLM engine that samples from many LoRA sampler checkpoints of one base model.
 
 The Tinker service's fast sampling path (:mod:`otray.tinker.sampling` routes to it). Where the
-:class:`~otray.actors.adapters.AdapterLearner` samples with HF ``generate`` between training calls,
+:class:`~otray.tinker.learner.AdapterLearner` samples with HF ``generate`` between training calls,
 this actor runs one vLLM engine beside it: each sampler checkpoint (a PEFT directory written by
 ``AdapterLearner.save``) becomes a vLLM LoRA adapter, and one engine call serves prompts of several
 adapters and of the base model at once (vLLM's multi-LoRA batching).

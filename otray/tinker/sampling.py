@@ -3,13 +3,19 @@ one call each: the vLLM engine takes what it can serve (:class:`~otray.tinker.en
 the learner the rest (one ``generate`` per (sampler, settings) group there), and each request's
 promise is finished with its own protobuf result. A batch first waits ``sample_batch_wait_ms`` for the rest of the requests
 a client sent together: without it the first of 8 concurrent requests went alone and the other 7
-in a second call (benchmarks/tinker_api.py, RL step)."""
+in a second call (benchmarks/tinker_api.py, RL step).
+
+On the learner each user's part of a batch is its own call, in that user's turn
+(:class:`~otray.tinker.shared_learner.SharedLearner`, with the training calls): one user's many
+samples delay another's step by one call, not all of them, and cannot fail another user's requests.
+The vLLM engine takes every user's requests together (its own scheduler interleaves them token by
+token)."""
 
 from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Awaitable, Optional
 
 import ray
 
@@ -33,20 +39,23 @@ class SampleWait:
     last_n: Optional[int]
 
 
+Groups = dict[tuple, list[SampleWait]]  # (owner, adapter, params, n, prompt_logprobs) -> its requests
+
+
 class SampleBatcher:
     def __init__(self, learners: dict[str, Any], engines: VllmSamplers, futures: Futures, wait_s: float):
         self.learners = learners
         self.engines = engines  # the vLLM samplers, and which requests they take
         self.wait_s = wait_s  # a batch waits this long for requests sent together (the SDK sends one per prompt)
         self.futures = futures
-        self.waiting: dict[str, list[SampleWait]] = {m: [] for m in learners}
+        self.waiting: dict[str, list[tuple[str, SampleWait]]] = {m: [] for m in learners}  # (owner, request)
         self.busy: dict[str, bool] = {m: False for m in learners}
         self.calls: list[int] = []  # prompts per batch, the latest 1,000 (batching, for benchmarks)
         self.prompts = {"learner": 0, "vllm": 0}  # prompts sampled by each engine
         self.split_batches = 0  # shared calls that failed and were sent again one request at a time
 
-    def submit(self, base: str, wait: SampleWait) -> None:
-        self.waiting[base].append(wait)
+    def submit(self, base: str, owner: str, wait: SampleWait) -> None:
+        self.waiting[base].append((owner, wait))
         if not self.busy[base]:
             self.busy[base] = True
             asyncio.get_running_loop().create_task(self._drain(base))
@@ -57,10 +66,10 @@ class SampleBatcher:
                 await asyncio.sleep(self.wait_s)
                 batch, self.waiting[base] = self.waiting[base], []
                 self.calls = [*self.calls[-999:], len(batch)]
-                groups: dict[tuple, list[SampleWait]] = {}
-                for w in batch:
-                    groups.setdefault((w.adapter, w.params, w.n, w.prompt_logprobs), []).append(w)
-                engine, fast = None, {k: ws for k, ws in groups.items() if self.engines.serves(base, k[0])}
+                groups: Groups = {}
+                for owner, w in batch:
+                    groups.setdefault((owner, w.adapter, w.params, w.n, w.prompt_logprobs), []).append(w)
+                engine, fast = None, {k: ws for k, ws in groups.items() if self.engines.serves(base, k[1])}
                 if fast:
                     try:
                         engine = await self.engines.actor(base)
@@ -69,28 +78,34 @@ class SampleBatcher:
                         groups = {k: ws for k, ws in groups.items() if k not in fast}
                     fast = fast if engine is not None else {}  # auto without an engine: the learner's
                 slow = {k: ws for k, ws in groups.items() if k not in fast}
-                died = await asyncio.gather(self._run(engine, "vllm", fast),
-                                            self._run(self.learners[base], "learner", slow))
+                died = await asyncio.gather(self._run(engine, "vllm", fast), *self._learner_turns(base, slow))
                 if died[0]:  # the vLLM engine's process is gone: the next request starts a new one
                     self.engines.forget(base)
         finally:
             self.busy[base] = False
 
-    async def _run(self, sampler: Any, name: str, groups: dict[tuple, list[SampleWait]]) -> bool:
+    def _learner_turns(self, base: str, groups: Groups) -> list[Awaitable[bool]]:
+        """One learner call per user (each taken in that user's turn there)."""
+        mine: dict[str, Groups] = {}
+        for k, ws in groups.items():
+            mine.setdefault(k[0], {})[k] = ws
+        return [self._run(self.learners[base], "learner", part, owner) for owner, part in mine.items()]
+
+    async def _run(self, sampler: Any, name: str, groups: Groups, owner: str = "") -> bool:
         """One ``sample`` call of ``sampler`` (a learner or a vLLM engine) for ``groups``; each request's
         promise gets its result, or the call's error. True when the sampler's actor died."""
         if not groups:
             return False
-        jobs = [SampleJob(k[0], [w.prompt for w in ws], k[1], k[2], k[3]) for k, ws in groups.items()]
+        jobs = [SampleJob(k[1], [w.prompt for w in ws], k[2], k[3], k[4]) for k, ws in groups.items()]
         try:
-            results = await sampler.sample.remote(jobs)
+            results = await (sampler.sample.remote(jobs, owner) if name == "learner" else sampler.sample.remote(jobs))
         except ray.exceptions.RayActorError as e:
             again = "; send the request again: a new engine is started" if name == "vllm" else ""
             self._fail(groups, f"the {name} sampler died ({R.cause(e)}){again}")
             return True
         except Exception as e:  # noqa: BLE001 - every waiting request learns why
             if sum(len(ws) for ws in groups.values()) > 1:
-                return await self._one_by_one(sampler, name, groups)
+                return await self._one_by_one(sampler, name, groups, owner)
             self._fail(groups, R.cause(e))
             return False
         self.prompts[name] += sum(len(j.prompts) for j in jobs)
@@ -100,18 +115,18 @@ class SampleBatcher:
                 self.futures.finish(w.request_id, Outcome("proto", sample_output(out.samples, lps)))
         return False
 
-    async def _one_by_one(self, sampler: Any, name: str, groups: dict[tuple, list[SampleWait]]) -> bool:
+    async def _one_by_one(self, sampler: Any, name: str, groups: Groups, owner: str) -> bool:
         """A shared call failed: each of its requests again, alone, so a request that fails the sampler
         fails by itself and the other users' requests in its batch are served (the checks at submit
         should leave nothing that fails; this is the guard for what they missed)."""
         self.split_batches += 1
         for key, ws in groups.items():
             for w in ws:
-                if await self._run(sampler, name, {key: [w]}):
+                if await self._run(sampler, name, {key: [w]}, owner):
                     return True
         return False
 
-    def _fail(self, groups: dict[tuple, list[SampleWait]], why: str) -> None:
+    def _fail(self, groups: Groups, why: str) -> None:
         for ws in groups.values():
             for w in ws:
                 self.futures.finish(w.request_id, Outcome.error(why, "server"))

@@ -1,7 +1,7 @@
 """TinkerService: the Ray actor that owns the Tinker API's state.
 
-It holds the sessions, the training runs (one LoRA adapter each, on the :class:`AdapterLearner`
-of their base model), the promises (:mod:`otray.tinker.futures`) and the checkpoint index
+It holds the sessions (:mod:`otray.tinker.sessions`), the training runs (one LoRA adapter each, on
+the :class:`~otray.tinker.shared_learner.SharedLearner` of their base model), the promises (:mod:`otray.tinker.futures`) and the checkpoint index
 (:mod:`otray.tinker.store`). The HTTP app (:mod:`otray.tinker.app`) is a thin layer in front of
 it: it checks keys, decodes bodies and passes the caller's user name (``owner``) with every
 call; every lookup here checks that owner, so a caller sees only their own runs, checkpoints,
@@ -15,15 +15,17 @@ busy go out together, to the base model's vLLM engine where it can serve them (m
 from __future__ import annotations
 
 import asyncio
-import time
 import uuid
+from pathlib import Path
 from typing import Any, Optional
 
 import ray
 
 from otray.actors.control.resource_manager import get_or_create
-from otray.tinker.learner import AdapterLearner, AdapterSpec
-from otray.tinker.config import TinkerConfig, load_tinker, quota_of
+from otray.tinker.learner import AdapterSpec
+from otray.tinker.config import TinkerConfig, load_tinker, quota_of, shares_of
+from otray.tinker.sessions import Sessions
+from otray.tinker.shared_learner import SharedLearner
 from otray.tinker.engines import VllmSamplers
 from otray.tinker.futures import Futures, Outcome
 from otray.records import JobState
@@ -31,7 +33,7 @@ from otray.tinker.catalog import Catalog, RestQuery
 from otray.tinker.leases import Leases
 from otray.tinker.sampling import SampleBatcher, SampleWait
 from otray.tinker.store import Sampler, Store
-from otray.tinker.training import Training
+from otray.tinker.training import EPHEMERAL_KEEP, Training
 from otray.tinker.wire import UserError
 from otray.tinker import runs as R
 
@@ -52,23 +54,38 @@ class TinkerService:
         self.limits: dict[str, R.ModelLimits] = {}
         self.learners: dict[str, Any] = {}
         for m in self.cfg.models:
-            remote = ray.remote(AdapterLearner).options(
-                name=f"{NAME}-learner-{m.name}", namespace=NAMESPACE, get_if_exists=True,
+            remote = ray.remote(SharedLearner).options(  # restarted if its process dies (its adapters are lost)
+                name=f"{NAME}-learner-{m.name}", namespace=NAMESPACE, get_if_exists=True, max_restarts=-1,
                 num_cpus=m.learner_cpus, num_gpus=m.learner_gpus,
                 runtime_env={"env_vars": {"OMP_NUM_THREADS": str(m.num_threads or max(1, int(m.learner_cpus)))}})
+            fair = self.cfg.scheduling
             self.learners[m.name] = remote.remote(self.paths[m.name], num_threads=m.num_threads or max(1, int(m.learner_cpus)),
-                                                  max_model_len=m.max_context_length, dtype=m.dtype)
-        self.leases = Leases(self.store, get_or_create())
+                                                  max_model_len=m.max_context_length, dtype=m.dtype, policy=fair.policy,
+                                                  slice_tokens=fair.slice_tokens, follow_s=fair.follow_ms / 1000,
+                                                  shares=shares_of(self.cfg))
+        me = ray.get_runtime_context()
+        self.leases = Leases(self.store, get_or_create(), (me.current_actor, me.get_actor_id()))
         self.training = Training(self.learners, self.store, self.catalog, self.futures, self.leases,
-                                 self.cfg.gap_timeout_s, self._vocab)
-        self.sessions: dict[str, tuple[str, float]] = {}  # session id -> (owner, last heartbeat)
+                                 self.cfg.gap_timeout_s, self._vocab, lambda user: quota_of(self.cfg, user))
+        self.sessions = Sessions(self.store, self.cfg.session_timeout_s, self._session_closed)
         self.recovered = False  # leases a predecessor left open are closed on the first call
+        self.tasks: list[asyncio.Task] = []  # the session sweep and the learners' watches
         self.engines = VllmSamplers(self.models, self.paths, NAME, NAMESPACE)
         self.batcher = SampleBatcher(self.learners, self.engines, self.futures, self.cfg.sample_batch_wait_ms / 1000)
+
+    async def until_gone(self) -> None:
+        """Never answers: the ResourceManager holds this call and fails this service's leases when it
+        fails (the actor died or restarted)."""
+        await asyncio.Event().wait()
 
     async def sample_calls(self) -> list[int]:
         """Requests per sample batch, latest last (how well requests were batched)."""
         return list(self.batcher.calls)
+
+    async def learner_use(self) -> dict[str, dict[str, Any]]:
+        """Per base model: learner seconds and steps by user (:meth:`SharedLearner.usage`)."""
+        names = sorted(self.learners)
+        return dict(zip(names, await asyncio.gather(*[self.learners[n].usage.remote() for n in names])))
 
     async def sample_engines(self) -> dict[str, Any]:
         """Prompts sampled by each engine (``learner``, ``vllm``), and why a vLLM engine is not used."""
@@ -83,7 +100,9 @@ class TinkerService:
         """A restarted service's live models died with it: end the leases it left open."""
         if not self.recovered:
             self.recovered = True
-            asyncio.get_running_loop().create_task(self._sweep())
+            loop = asyncio.get_running_loop()  # the tasks are kept: the loop holds only weak references
+            self.tasks = [loop.create_task(self.sessions.sweep()),
+                          *(loop.create_task(self._watch_learner(b)) for b in self.learners)]
             await self.leases.close_all(JobState.FAILED, "the Tinker service restarted; its live models are gone: "
                                                   "load their last checkpoints with create_training_client_from_state")
 
@@ -95,40 +114,31 @@ class TinkerService:
 
     async def create_session(self, owner: str) -> str:
         await self._recover()
-        await self._expire_sessions()
-        sid = f"s-{uuid.uuid4().hex[:16]}"
-        self.sessions[sid] = (owner, time.monotonic())
-        return sid
+        await self.sessions.expire()
+        return self.sessions.new(owner)
 
     async def heartbeat(self, owner: str, session_id: str) -> None:
-        self._session(owner, session_id)
-        self.sessions[session_id] = (owner, time.monotonic())
+        self.sessions.heartbeat(owner, session_id)
 
     async def finish_session(self, owner: str, session_id: str) -> None:
         """The SDK's ``close()``: the session's adapters leave the learner (their checkpoints stay)."""
-        self._session(owner, session_id)
-        self.sessions[session_id] = (owner, float("-inf"))
-        await self._expire_sessions()
+        await self.sessions.finish(owner, session_id)
 
-    async def _sweep(self) -> None:
-        """Expire silent sessions (and end their models' leases) even when no new session comes."""
+    async def _session_closed(self, session_id: str) -> None:
+        for model_id in [m for m in self.training.live if m.startswith(f"{session_id}:")]:
+            await self.training.unload(model_id, "its session was closed or expired")
+
+    async def _watch_learner(self, base: str) -> None:
+        """When ``base``'s learner dies (Ray starts a new one, without adapters) its live models end
+        FAILED at once, with the reason, instead of failing each client's next request obscurely."""
         while True:
-            await asyncio.sleep(max(1.0, self.cfg.session_timeout_s / 4))
-            await self._expire_sessions()
-
-    async def _expire_sessions(self) -> None:
-        """Sessions whose client stopped sending heartbeats are closed like ``finish_session``."""
-        cutoff = time.monotonic() - self.cfg.session_timeout_s
-        for sid in [s for s, (_, seen) in self.sessions.items() if seen < cutoff]:
-            del self.sessions[sid]
-            for model_id in [m for m in self.training.live if m.startswith(f"{sid}:")]:
-                await self.training.unload(model_id, "its session was closed or expired")
-
-    def _session(self, owner: str, session_id: str) -> None:
-        s = self.sessions.get(session_id)
-        if s is None or s[0] != owner:
-            raise UserError(f"no session {session_id!r} (it was closed, expired after "
-                            f"{self.cfg.session_timeout_s:.0f} s without heartbeats, or is another user's)", 404)
+            try:
+                await self.learners[base].until_gone.remote()
+            except Exception as e:  # noqa: BLE001 - it died
+                why = f"the learner of {base} died ({type(e).__name__}); a new one was started"
+                for model_id in [m for m, b in self.training.live.items() if b == base]:
+                    await self.training.unload(model_id, why, JobState.FAILED)
+            await asyncio.sleep(1.0)
 
     # ------------------------------------------------------------------ runs
 
@@ -153,7 +163,7 @@ class TinkerService:
 
     async def create_model(self, owner: str, req: dict[str, Any], api_key: Optional[str] = None) -> dict[str, Any]:
         """``create_model``: a new LoRA adapter; the promise resolves to ``{model_id}``."""
-        self._session(owner, req["session_id"])
+        self.sessions.check(owner, req["session_id"])
         base = self._base(req.get("base_model"))
         lora = req.get("lora_config") or {}
         rank = int(lora.get("rank", 32))
@@ -168,11 +178,18 @@ class TinkerService:
             raise UserError("lora_config trains nothing: set one of train_mlp, train_attn, train_unembed")
         model_id = f"{req['session_id']}:train:{int(req['model_seq_id'])}"
         async def make() -> AdapterSpec:
-            await self.learners[base].create.remote(model_id, spec)
+            await self.learners[base].create.remote(owner, model_id, spec)
             return spec
 
-        return await self.training.open(owner, model_id, base, req, api_key, make,
-                                        {"model_id": model_id, "type": "create_model"}, rank, quota_of(self.cfg, owner))
+        return await self._opened(req["session_id"], await self.training.open(
+            owner, model_id, base, req, api_key, make, {"model_id": model_id, "type": "create_model"}, rank))
+
+    async def _opened(self, session_id: str, answer: dict[str, Any]) -> dict[str, Any]:
+        """A model made for a session that closed or expired meanwhile is unloaded at once (else it
+        would hold its adapter and lease with nobody to end them)."""
+        if session_id not in self.sessions.open:
+            await self.training.unload(answer["model_id"], "its session was closed or expired")
+        return answer
 
     async def get_info(self, owner: str, model_id: str) -> dict[str, Any]:
         run = self.catalog.run(owner, model_id)
@@ -197,17 +214,17 @@ class TinkerService:
         optimizer = bool(req.get("optimizer", False))
         if not req.get("session_id"):
             return self.training.load_into(owner, req, ckpt, optimizer)
-        self._session(owner, req["session_id"])
+        self.sessions.check(owner, req["session_id"])
         model_id = f"{req['session_id']}:train:{int(req['model_seq_id'])}"
         base = self._base(req.get("base_model") or source.base_model)
         learner = self.learners[base]
 
         async def make() -> AdapterSpec:
-            return await learner.load.remote(model_id, ckpt.path, optimizer, True)
+            return await learner.load.remote(owner, model_id, ckpt.path, optimizer, True)
 
-        return await self.training.open(owner, model_id, base, req, api_key, make,
-                                        {"path": req["path"], "model_id": model_id, "type": "load_weights"},
-                                        int(source.spec["rank"]), quota_of(self.cfg, owner))
+        return await self._opened(req["session_id"], await self.training.open(
+            owner, model_id, base, req, api_key, make, {"path": req["path"], "model_id": model_id, "type": "load_weights"},
+            int(source.spec["rank"])))
 
     async def rest(self, owner: str, query: RestQuery) -> Any:
         """A read-only REST call (checkpoints, training runs, weights info, a sampler) or a checkpoint's
@@ -217,8 +234,9 @@ class TinkerService:
     # ------------------------------------------------------------------ sampling
 
     async def create_sampling_session(self, owner: str, req: dict[str, Any]) -> str:
-        self._session(owner, req["session_id"])
+        self.sessions.check(owner, req["session_id"])
         sid = f"{req['session_id']}:sampler:{int(req['sampling_session_seq_id'])}"
+        self.sessions.add_sampler(owner, req["session_id"], sid, quota_of(self.cfg, owner).samplers)
         if req.get("model_path"):
             ckpt = self.catalog.checkpoint(owner, req["model_path"])
             sampler = Sampler(sid, owner, self.store.run(ckpt.model_id).base_model, req["model_path"], ckpt.path)
@@ -238,10 +256,16 @@ class TinkerService:
             base, adapter, key = self.store.run(ckpt.model_id).base_model, ckpt.path, uuid.uuid4().hex
         else:
             base, adapter, key = self._base(req.get("base_model")), None, uuid.uuid4().hex
+        if adapter is not None and not Path(adapter).is_dir():
+            raise UserError(f"the sampler weights at {adapter} were deleted: a training client keeps its latest "
+                            f"{EPHEMERAL_KEEP} unnamed (ephemeral) sampler weights; name them "
+                            "(save_weights_for_sampler(name)) to keep them", 404)
         wait = R.sample_wait(req, key, adapter, self.cfg, SampleWait, self._limits(base))
         ids = [f"{wait.request_id}:{i}" for i in range(wait.n)]
+        if wait.request_id not in self.futures.items:
+            self.futures.room(owner, quota_of(self.cfg, owner).concurrent_requests)
         if self.futures.new(wait.request_id, owner):
-            self.batcher.submit(base, wait)
+            self.batcher.submit(base, owner, wait)
         return {"request_id": wait.request_id, "sample_sequence_ids": ids}
 
     # ------------------------------------------------------------------ promises

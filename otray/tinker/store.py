@@ -6,6 +6,7 @@ written only after its files are complete, so a restart never lists a half-writt
 from __future__ import annotations
 
 import json
+import shutil
 import sqlite3
 import time
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ CREATE TABLE IF NOT EXISTS checkpoints (model_id TEXT, kind TEXT, name TEXT, pat
 CREATE TABLE IF NOT EXISTS samplers (sampler_id TEXT PRIMARY KEY, owner TEXT, base_model TEXT,
     model_path TEXT, adapter_dir TEXT);
 CREATE TABLE IF NOT EXISTS leases (model_id TEXT PRIMARY KEY, job_id TEXT, token TEXT);
+CREATE TABLE IF NOT EXISTS sessions (session_id TEXT PRIMARY KEY, owner TEXT);
 """
 SEGMENT = {"training": "weights", "sampler": "sampler_weights"}  # checkpoint kind -> tinker path segment
 
@@ -88,6 +90,20 @@ class Store:
         safe = model_id.replace(":", "_").replace("/", "_")
         return self.root / "checkpoints" / owner / safe / SEGMENT[kind] / name
 
+    def usage(self, owner: str) -> int:
+        """Bytes of ``owner``'s checkpoint files (named and ephemeral)."""
+        top = self.root / "checkpoints" / owner
+        return sum(f.stat().st_size for f in top.rglob("*") if f.is_file()) if top.is_dir() else 0
+
+    def prune_ephemeral(self, owner: str, model_id: str, keep: int) -> None:
+        """Delete all but the newest ``keep`` ephemeral sampler weights of ``model_id`` (every RL step
+        saves one; kept, they filled the disk)."""
+        top = self.checkpoint_dir(owner, model_id, "sampler", "x").parent
+        dirs = sorted((d for d in top.glob("ephemeral-*") if d.name.removeprefix("ephemeral-").isdigit()),
+                      key=lambda d: int(d.name.removeprefix("ephemeral-")))
+        for d in dirs[:-keep] if keep else dirs:
+            shutil.rmtree(d, ignore_errors=True)
+
     # ------------------------------------------------------------------ runs
 
     def add_run(self, model_id: str, owner: str, base_model: str, spec: dict[str, Any],
@@ -141,6 +157,18 @@ class Store:
     def sampler(self, sampler_id: str) -> Optional[Sampler]:
         row = self.db.execute("SELECT * FROM samplers WHERE sampler_id = ?", (sampler_id,)).fetchone()
         return None if row is None else Sampler(*row)
+
+    # ------------------------------------------------------------------ sessions open when the service stopped
+
+    def add_session(self, session_id: str, owner: str) -> None:
+        self.db.execute("INSERT OR REPLACE INTO sessions VALUES (?, ?)", (session_id, owner))
+
+    def drop_session(self, session_id: str) -> None:
+        self.db.execute("DELETE FROM sessions WHERE session_id = ?", (session_id,))
+
+    def session_owner(self, session_id: str) -> Optional[str]:
+        row = self.db.execute("SELECT owner FROM sessions WHERE session_id = ?", (session_id,)).fetchone()
+        return None if row is None else row[0]
 
     # ------------------------------------------------------------------ ResourceManager leases
 

@@ -2,13 +2,14 @@
 
 :class:`Training` is owned by :class:`~otray.tinker.service.TinkerService` (all its state lives
 in that actor). It knows which models are live (a LoRA adapter on their base model's
-:class:`~otray.actors.adapters.AdapterLearner`), runs each model's mutating requests in
+:class:`~otray.tinker.shared_learner.SharedLearner`), runs each model's mutating requests in
 ``seq_id`` order (:class:`~otray.tinker.futures.OrderedExecutor`), and keeps each live model's
 ResourceManager lease (:mod:`otray.tinker.leases`) open while it lives.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -26,6 +27,9 @@ from otray.tinker.wire import TrainCall, UserError, parse_train_call, train_outp
 
 
 
+EPHEMERAL_KEEP = 8  # a training client's latest ephemeral sampler weights kept; older ones are deleted
+
+
 def adam_step(raw: dict[str, Any]) -> AdamStep:
     """An optim_step's ``adam_params`` checked: AdamW only, numbers in range."""
     if "type" in raw and raw["type"] != "adamw":
@@ -39,9 +43,13 @@ def adam_step(raw: dict[str, Any]) -> AdamStep:
     return step
 
 class Training:
+    """``learners``: each base model's :class:`~otray.tinker.shared_learner.SharedLearner`, every call
+    naming the user it is for (their turns are taken fairly there)."""
+
     def __init__(self, learners: dict[str, Any], store: Store, catalog: Catalog, futures: Futures,
-                 leases: Leases, gap_timeout_s: float, vocab: Callable[[str, str], int]):
+                 leases: Leases, gap_timeout_s: float, vocab: Callable[[str, str], int], quotas: Callable[[str], Any]):
         self.learners, self.store, self.catalog, self.futures, self.leases = learners, store, catalog, futures, leases
+        self.quotas = quotas  # user -> their TinkerQuota
         self.order = OrderedExecutor(futures, gap_timeout_s)
         self.vocab = vocab
         self.live: dict[str, str] = {}  # model id -> base model, for adapters on a learner now
@@ -50,9 +58,10 @@ class Training:
 
     # ------------------------------------------------------------------ live models
 
-    def check_quota(self, owner: str, rank: int, quota: Any) -> None:
-        """Refuse a new live model that would take ``owner`` over ``quota`` (a :class:`TinkerQuota`):
+    def check_quota(self, owner: str, rank: int) -> None:
+        """Refuse a new live model that would take ``owner`` over their quota (a :class:`TinkerQuota`):
         counted over the models live or being made, so concurrent creates cannot slip past it."""
+        quota = self.quotas(owner)
         mine = [r for m, (who, r) in self.holding.items() if who == owner]
         if len(mine) + 1 > quota.training_clients:
             raise UserError(f"quota: {owner} holds {len(mine)} live training clients, the limit is "
@@ -64,14 +73,14 @@ class Training:
                             "smaller rank, or ask an admin for more", 403)
 
     async def open(self, owner: str, model_id: str, base: str, req: dict[str, Any], api_key: Optional[str],
-                   make: Callable[[], Awaitable[AdapterSpec]], result: dict[str, Any],
-                   rank: int, quota: Any) -> dict[str, Any]:
+                   make: Callable[[], Awaitable[AdapterSpec]], result: dict[str, Any], rank: int) -> dict[str, Any]:
         """A new live model (create_model, create-via-load): ``make()`` (makes its adapter on the learner,
         returns its spec) runs once per model id, then its lease opens; a resubmission gets the same
         request ``<model>:req:0``. Within the owner's ``quota`` (checked first, counting ``rank``)."""
         request_id = f"{model_id}:req:0"
         if model_id not in self.holding:
-            self.check_quota(owner, rank, quota)
+            self.check_quota(owner, rank)
+            self.futures.room(owner, self.quotas(owner).concurrent_requests)
         if self.futures.new(request_id, owner):
             self.holding[model_id] = (owner, rank)
             try:
@@ -79,7 +88,7 @@ class Training:
                 await self.leases.open(LeaseSpec(model_id, base, spec.rank, req["session_id"]), api_key)
             except Exception as e:  # noqa: BLE001
                 self.holding.pop(model_id, None)
-                self.learners[base].drop.remote(model_id)
+                self.learners[base].drop.remote(owner, model_id)
                 self.futures.finish(request_id, Outcome.error(R.cause(e), "server"))
             else:
                 self.store.add_run(model_id, owner, base, asdict(spec), req.get("user_metadata"))
@@ -89,21 +98,39 @@ class Training:
         return {"request_id": request_id, "model_id": model_id}
 
     async def unload(self, model_id: str, why: str, state: JobState = JobState.SUCCEEDED) -> None:
-        """The model leaves its learner (its checkpoints stay) and its lease ends."""
+        """The model leaves its learner (its checkpoints stay) and its lease ends (FAILED: with ``why``)."""
         base = self.live.pop(model_id, None)
-        self.holding.pop(model_id, None)
+        owner = self.holding.pop(model_id, ("", 0))[0]
         self.order.forget(model_id, f"unloaded before this request ran ({why})")
         if base is not None:
             self.ended[model_id] = why
-            self.learners[base].drop.remote(model_id)
-            await self.leases.close(model_id, state)
+            self.learners[base].drop.remote(owner, model_id)
+            await self.leases.close(model_id, state, why if state == JobState.FAILED else None)
 
     def learner_of(self, model_id: str) -> Any:
         if model_id not in self.live:
-            why = self.ended.get(model_id, "its session ended or the service restarted")
+            why = self.ended.get(model_id, "the service restarted, or its session ended")
             raise UserError(f"model {model_id!r} is not loaded ({why}): load its last checkpoint with "
-                            "create_training_client_from_state", 404)
+                            "create_training_client_from_state (your ServiceClient goes on after a restart; after "
+                            "its session ended or expired, make a new one)", 404)
         return self.learners[self.live[model_id]]
+
+    def _lease_check(self, model_id: str) -> asyncio.Future:
+        """:meth:`_lease_holds`, started as the request arrives and awaited in its turn on the learner: a
+        cancel refuses every request sent after it, and a pipelined request (the SDK sends optim_step with
+        its forward_backward) takes its place in the learner's queue the moment its predecessor ends;
+        waiting for the manager's answer then would give that turn to another user's call, and the
+        learner would idle while the answer comes."""
+        check = asyncio.ensure_future(self._lease_holds(model_id))
+        check.add_done_callback(lambda t: t.cancelled() or t.exception())  # read even if the request ended first
+        return check
+
+    async def _send(self, model_id: str, send: Callable[[Any], Awaitable[Any]],
+                    check: Optional[asyncio.Future] = None) -> Any:
+        """``send(learner)``: one call of ``model_id``'s learner, once ``check`` (its lease check) passed."""
+        if check is not None:
+            await check
+        return await send(self.learner_of(model_id))  # raises if the model left while the request waited
 
     @contextmanager
     def refused(self, owner: str, model_id: Any, seq_id: Any) -> Iterator[None]:
@@ -132,6 +159,8 @@ class Training:
         self.store.touch(model_id)
         if not isinstance(seq_id, int) or seq_id < 1:
             raise UserError(f"{model_id}: seq_id must be an integer >= 1, got {seq_id!r}")
+        if self.order.counts_against_quota(model_id, seq_id):
+            self.futures.room(owner, self.quotas(owner).concurrent_requests)
         return {"request_id": self.order.submit(model_id, seq_id, owner, run), "model_id": model_id}
 
     # ------------------------------------------------------------------ requests
@@ -139,12 +168,13 @@ class Training:
     def forward_backward(self, owner: str, body: bytes) -> dict[str, Any]:
         with self.refused(owner, None, None):
             call: TrainCall = parse_train_call(body, lambda m: self.vocab(owner, m))
-        learner = self.learner_of(call.model_id)
+        self.learner_of(call.model_id)
+
+        check = self._lease_check(call.model_id)
 
         async def run() -> Outcome:
-            await self._lease_holds(call.model_id)
-            res = await learner.forward_backward.remote(call.model_id, call.datums, call.loss_fn, call.loss_fn_config,
-                                                        not call.forward_only)
+            res = await self._send(call.model_id, lambda learner: learner.forward_backward.remote(
+                owner, call.model_id, call.datums, call.loss_fn, call.loss_fn_config, not call.forward_only), check)
             if not call.forward_only:
                 self.leases.note_pass(call.model_id, res.loss_sum, sum(len(lp) for lp in res.logprobs))
             return Outcome("proto", train_output(res.logprobs, res.losses, res.loss_sum))
@@ -154,13 +184,14 @@ class Training:
     def optim_step(self, owner: str, req: dict[str, Any]) -> dict[str, Any]:
         model_id = req["model_id"]
         self.catalog.run(owner, model_id)
-        learner = self.learner_of(model_id)
+        self.learner_of(model_id)
         with self.refused(owner, model_id, req.get("seq_id")):
             step = adam_step(req.get("adam_params") or req.get("optim_params") or {})
 
+        check = self._lease_check(model_id)
+
         async def run() -> Outcome:
-            await self._lease_holds(model_id)
-            metrics = await learner.optim_step.remote(model_id, step)
+            metrics = await self._send(model_id, lambda learner: learner.optim_step.remote(owner, model_id, step), check)
             try:
                 await self.leases.report_step(model_id, step.learning_rate)
             except LeaseEnded as e:  # cancelled: this step stands, the model goes
@@ -174,7 +205,7 @@ class Training:
         a name an ephemeral one, and the promise names a new sampling session)."""
         model_id = req["model_id"]
         self.catalog.run(owner, model_id)
-        learner = self.learner_of(model_id)
+        self.learner_of(model_id)
         name = req.get("path")
         ephemeral = sampler and not name
         if ephemeral:
@@ -188,26 +219,35 @@ class Training:
         async def run() -> Outcome:
             if self.store.checkpoint(model_id, kind, name) and not overwrite and not ephemeral:
                 raise UserError(f"checkpoint {name!r} exists for {model_id}; pick another name or pass overwrite")
+            self._storage_room(owner)
             where = self.store.checkpoint_dir(owner, model_id, kind, name)
-            size = await learner.save.remote(model_id, str(where), not sampler)
+            size = await self._send(model_id, lambda learner: learner.save.remote(owner, model_id, str(where), not sampler))
             ckpt = Checkpoint(model_id, kind, name, str(where), time.time(), int(size),
                               time.time() + ttl if ttl else None, req.get("user_metadata"))
             if ephemeral:
                 sid = f"{model_id}:sampler:{req.get('sampling_session_seq_id')}"
                 self.store.add_sampler(Sampler(sid, owner, self.live[model_id], None, str(where)))
+                self.store.prune_ephemeral(owner, model_id, EPHEMERAL_KEEP)
                 return Outcome("json", {"sampling_session_id": sid, "type": "save_weights_for_sampler"})
             self.store.add_checkpoint(ckpt)
             return Outcome("json", {"path": ckpt.tinker_path, "type": "save_weights_for_sampler" if sampler else "save_weights"})
 
         return self._queue(owner, model_id, req.get("seq_id"), run)
 
+    def _storage_room(self, owner: str) -> None:
+        """Refuse a save while ``owner``'s checkpoint files take their storage quota or more."""
+        limit, used = self.quotas(owner).storage_gb, self.store.usage(owner) / 1e9
+        if used >= limit:
+            raise UserError(f"quota: {owner}'s checkpoints take {used:.2f} GB, the limit is {limit:g} GB "
+                            "(quota.storage_gb); delete some (RestClient.delete_checkpoint) or ask an admin", 403)
+
     def load_into(self, owner: str, req: dict[str, Any], ckpt: Checkpoint, optimizer: bool) -> dict[str, Any]:
         """``load_weights`` into a live model, in its order."""
         model_id = req["model_id"]
-        learner = self.learner_of(model_id)
+        self.learner_of(model_id)
 
         async def run() -> Outcome:
-            await learner.load.remote(model_id, ckpt.path, optimizer, False)
+            await self._send(model_id, lambda learner: learner.load.remote(owner, model_id, ckpt.path, optimizer, False))
             return Outcome("json", {"path": req["path"], "model_id": model_id, "type": "load_weights"})
 
         return self._queue(owner, model_id, req.get("seq_id"), run)

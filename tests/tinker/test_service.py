@@ -11,6 +11,7 @@ import json
 import time
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 
@@ -23,13 +24,16 @@ from tinker import types  # noqa: E402
 PORT = 8021
 URL = f"http://127.0.0.1:{PORT}"
 CHUNK = 3  # datums per forward_backward request: an 8-datum call goes out as 3 parallel chunks
-BOB_QUOTA = {"training_clients": 2, "lora_rank": 10}  # an admin's exception for bob (alice: the default)
+SLICE = 16  # tokens per learner call (scheduling.slice_tokens): a 3-datum chunk of ~8-token datums is 2 slices
+BOB_QUOTA = {"training_clients": 2, "lora_rank": 10}  # an admin's exceptions (alice: the default)
+CAROL_QUOTA = {"samplers": 1, "concurrent_requests": 3, "storage_gb": 1e-6}
 
 
 @pytest.fixture(scope="module")
 def svc(ray_local, tmp_path_factory, tiny_path):
     keys, stop = tinker_service(ray_local, tmp_path_factory.mktemp("tinker"), PORT, tiny_path,
-                                max_chunk_datums=CHUNK, user_quotas={"bob": BOB_QUOTA})
+                                max_chunk_datums=CHUNK, user_quotas={"bob": BOB_QUOTA, "carol": CAROL_QUOTA},
+                                scheduling={"slice_tokens": SLICE})
     yield keys
     stop()
 
@@ -138,8 +142,8 @@ def test_training_sampling_and_checkpoint_calls_through_the_sdk(svc, tokenizer):
 
 
 def test_chunks_pipelining_and_resume_match_one_call_in_process(svc, tokenizer, tiny_path):
-    """8 datums go out as 3 parallel chunks; fb, optim, fb, optim are all submitted before any is
-    awaited; the adapter equals one trained in process with one call per step. A client made
+    """8 datums go out as 3 parallel chunks, each in 2 learner slices; fb, optim, fb, optim are all submitted
+    before any is awaited; the adapter equals one trained in process with one call per step. A client made
     from the saved state (with optimizer) then takes the same next step as the original."""
     sc = tinker.ServiceClient(base_url=URL, api_key=svc["alice"])
     tc = sc.create_lora_training_client(base_model=BASE, rank=8, seed=11).result()
@@ -167,6 +171,25 @@ def test_chunks_pipelining_and_resume_match_one_call_in_process(svc, tokenizer, 
     fresh.save_state("three-c").result()
     assert max_diff(a, adapter_file(svc["store"], fresh.model_id, "three-c")) > 1e-4
     sc.close("success").result()
+
+
+def test_a_forward_backward_reaches_the_learner_as_slices_in_the_users_turns(svc, tokenizer, ray_local):
+    """A 3-datum request of 8-token datums is two learner steps at SLICE=16 tokens, counted as alice's
+    (the adapter equality above shows the slices add up to one call)."""
+    from otray.tinker.service import NAME, NAMESPACE
+
+    actor = ray_local.get_actor(NAME, namespace=NAMESPACE)
+
+    def steps(user: str) -> int:
+        return ray_local.get(actor.learner_use.remote())[BASE]["steps"].get(user, 0)
+
+    tc = tinker.ServiceClient(base_url=URL, api_key=svc["alice"]).create_lora_training_client(base_model=BASE, rank=2)
+    tc = tc.result()
+    data = [sft(p, a) for p, a in problems(tokenizer, 3, seed=9)]
+    assert [d.model_input.length for d in data] == [8, 8, 8]
+    before, bob = steps("alice"), steps("bob")
+    assert len(tc.forward_backward(data, "cross_entropy").result().loss_fn_outputs) == 3
+    assert steps("alice") - before == 2 and steps("bob") == bob
 
 
 def test_async_calls(svc, tokenizer):
@@ -349,7 +372,7 @@ def test_a_batch_that_fails_is_sent_again_one_request_at_a_time(svc, tokenizer, 
                  for i, adapter in enumerate([None, "/nonexistent/sampler-checkpoint", None])]
         for w in waits:
             futures.new(w.request_id, "alice")
-            batcher.submit(BASE, w)
+            batcher.submit(BASE, "alice", w)
         outcomes = [await futures.wait(w.request_id, "alice", 60) for w in waits]
         return outcomes, batcher.split_batches, batcher.calls
 
@@ -380,6 +403,43 @@ def test_quotas_refuse_a_users_clients_past_the_limit_and_free_with_the_session(
     again = tinker.ServiceClient(base_url=URL, api_key=svc["bob"])
     again.create_lora_training_client(base_model=BASE, rank=8).result()  # the closed session's clients freed
     again.close("success").result()
+
+
+def test_quotas_on_samplers_requests_waiting_and_checkpoint_storage(svc, tokenizer):
+    """carol may hold 1 sampling client, 3 unfinished requests and 1 KB of checkpoints: past the first and
+    the last a 403 naming the quota; past the requests a 429 (the SDK would wait and resend), and the
+    requests already in finish once their missing predecessor comes."""
+    carol = tinker.ServiceClient(base_url=URL, api_key=svc["carol"])
+    carol.create_sampling_client(base_model=BASE).result()
+    with pytest.raises(Exception, match="quota.samplers"):
+        carol.create_sampling_client(base_model=BASE).result()
+    tc = carol.create_lora_training_client(base_model=BASE, rank=2).result()
+
+    def optim(seq: int) -> httpx.Response:
+        return httpx.post(f"{URL}/api/v1/optim_step", headers={"X-API-Key": svc["carol"]},
+                          json={"model_id": tc.model_id, "seq_id": seq, "adam_params": {"learning_rate": 1e-4}})
+
+    waiting = [optim(seq) for seq in (2, 3, 4)]  # seq 1 not sent: they wait for it, unfinished
+    assert all(r.status_code == 200 for r in waiting), [r.text for r in waiting]
+    over = optim(5)
+    assert over.status_code == 429 and "quota.concurrent_requests" in over.json()["detail"], over.text
+    assert optim(1).status_code == 200
+    for r in waiting:
+        assert "metrics" in retrieve(svc["carol"], r.json()["request_id"]), r.text
+    # storage: the first save fits under 1 KB used (none yet); then her files are over it
+    tc = carol.create_lora_training_client(base_model=BASE, rank=2).result()
+    tc.save_state("first").result()
+    with pytest.raises(Exception, match="quota.storage_gb"):
+        tc.save_state("second").result()
+    carol.close("success").result()
+
+
+def retrieve(key: str, request_id: str) -> dict:
+    while True:
+        out = httpx.post(f"{URL}/api/v1/retrieve_future", json={"request_id": request_id},
+                         headers={"X-API-Key": key}, timeout=30).json()
+        if out.get("type") != "try_again":
+            return out
 
 
 def lease(ray_local, key: str, model_id: str):
@@ -426,8 +486,8 @@ def test_training_clients_are_resource_manager_leases(svc, tokenizer, ray_local)
 
 
 def test_a_service_restart_keeps_every_finished_checkpoint(svc, tokenizer, ray_local):
-    """The service actor is killed (Ray restarts it): checkpoints saved before are listed and load;
-    the adapter that was live is reported lost with what to do."""
+    """The service actor is killed (Ray restarts it): checkpoints saved before are listed and load; the
+    adapter that was live is reported lost with what to do, and doing it on the same ServiceClient works."""
     from otray.tinker.service import NAME, NAMESPACE
 
     sc = tinker.ServiceClient(base_url=URL, api_key=svc["alice"])
@@ -446,16 +506,15 @@ def test_a_service_restart_keeps_every_finished_checkpoint(svc, tokenizer, ray_l
             assert time.time() < deadline, "the service did not come back"
             time.sleep(1)
     assert saved.path in listed
-    fresh = tinker.ServiceClient(base_url=URL, api_key=svc["alice"])
-    again = fresh.create_training_client_from_state_with_optimizer(saved.path).result()
+    lost = lease(ray_local, svc["alice"], tc.model_id)  # ended at once by the manager, or by the new service
+    assert lost.state == "FAILED" and ("lost" in lost.error or "restarted" in lost.error), lost
+    with pytest.raises(Exception, match="not loaded .*create_training_client_from_state"):
+        tc.forward_backward([sft(*problems(tokenizer, 1)[0])], "cross_entropy").result()
+    # the same ServiceClient goes on: its session was open when the service stopped
+    again = sc.create_training_client_from_state_with_optimizer(saved.path).result()
     again.save_state("after-restart").result()
     assert max_diff(adapter_file(svc["store"], tc.model_id, "before-restart"),
                     adapter_file(svc["store"], again.model_id, "after-restart")) == 0.0
-    lost = lease(ray_local, svc["alice"], tc.model_id)  # its lease was ended by the restarted service
-    assert lost.state == "FAILED" and "restarted" in lost.error, lost
     assert lease(ray_local, svc["alice"], again.model_id).state == "RUNNING"
-    with pytest.raises(Exception, match="not loaded"):
-        tc.forward_backward([sft(*problems(tokenizer, 1)[0])], "cross_entropy").result()
-    fresh.close("success").result()
-    with pytest.raises(Exception):  # its session went with the restart: finishing it is a 404
-        sc.close("success").result()
+    sc.close("success").result()
+    assert lease(ray_local, svc["alice"], again.model_id).state == "SUCCEEDED"

@@ -26,7 +26,10 @@ import secrets
 from typing import Any
 
 from otray.actors.control.registry import AuthError, JobRecord, Registry, unknown_job
+from otray.types import QuotaError
 from otray.trust import BUNDLED_MODULES, Caller, normal_url
+
+DEFAULT_JOB_QUOTA = 16  # a user's jobs queued, starting or running at once, unless an admin set another
 
 
 class Gate:
@@ -96,6 +99,29 @@ class Gate:
         extra = sorted(self.allowed_urls() | {normal_url(u) for u in urls})
         self.registry.set_setting("allowed_urls", extra)
         return extra
+
+    # ------------------------------------------------------------------ jobs per user
+
+    def job_quota(self, user: str) -> int:
+        """How many jobs ``user`` may have queued, starting or running at once (``*``: everyone's default)."""
+        quotas = self.registry.setting("job_quota", {})
+        return int(quotas.get(user, quotas.get("*", DEFAULT_JOB_QUOTA)))
+
+    def set_job_quota(self, user: str, jobs: int, api_key: str | None) -> int:
+        self.admin(api_key, "set job quotas")
+        if isinstance(jobs, bool) or not isinstance(jobs, int) or not 0 <= jobs <= 100_000:
+            raise ValueError(f"a job quota is a count from 0 to 100000, got {jobs!r}")
+        if user != "*" and user not in {u.name for u in self.registry.users()}:
+            raise KeyError(f"no user {user!r} (list users with `otray users list`; `*` sets everyone's default)")
+        self.registry.set_setting("job_quota", {**self.registry.setting("job_quota", {}), user: jobs})
+        return jobs
+
+    def check_job_quota(self, user: str, active: int) -> None:
+        """QuotaError when ``user``, holding ``active`` unfinished jobs, may not queue another."""
+        limit = self.job_quota(user)
+        if active >= limit:
+            raise QuotaError(f"quota: {user} has {active} jobs queued or running, the limit is {limit}; wait for one "
+                             "to finish, cancel one (`otray cancel JOB`), or ask an admin (`otray users quota`)")
 
     # ------------------------------------------------------------------ jobs and the Serve app
 

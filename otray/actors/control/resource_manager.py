@@ -32,6 +32,7 @@ from otray.actors.control.checkpoint_store import CheckpointStore
 from otray.checkpoints import pin_refs, registered_refs
 from otray.names import parse_ref
 from otray.actors.control.gate import Gate
+from otray.actors.control.lease_watch import LeaseWatch
 from otray.actors.control.lease import NAME, NAMESPACE, JobDriver, bundles_for, missing_resources  # noqa: F401 (re-exported)
 from otray.actors.control.registry import AuthError, Registry
 from otray.actors.control.scheduler import JobQueue, job_error  # noqa: F401 (re-exported)
@@ -50,6 +51,7 @@ class ResourceManager:
         self.store = CheckpointStore(store_dir or Path(db_path).parent / "checkpoints")
         self.users_root = Path(db_path).parent / "users"  # users' own areas: <users_root>/<name>/{runs,data}
         self.jobs_ = JobQueue(self.registry, self.gate, output_dir)
+        self.lease_watch = LeaseWatch(self.registry, self.gate)
 
     async def ping(self) -> bool:
         self.jobs_.kick()  # a restarted manager picks its queue up again
@@ -61,6 +63,8 @@ class ResourceManager:
         """Queue a job for the key's user; a non-admin's config is confined first (``otray.trust``).
         ``cwd``: the submitter's directory, against which an admin's relative ``job.output_dir`` counts."""
         caller = self.gate.caller(api_key)
+        self.gate.check_job_quota(caller.name, sum(1 for j in self.registry.jobs(caller.name)
+                                                   if not j.state.terminal and j.config.get("job", {}).get("kind") != "tinker"))
         area = self.users_root / caller.name
         cfg = trust.confine(config_mod.load(cfg_dict), caller, self.gate.allowed_modules(), area, self.gate.allowed_urls())
         if not caller.admin:
@@ -160,16 +164,21 @@ class ResourceManager:
 
     # ------------------------------------------------------------------ leases for work run elsewhere
 
-    async def open_lease(self, kind: str, name: str, spec: dict[str, Any], api_key: str | None = None) -> tuple[str, str]:
+    async def open_lease(self, kind: str, name: str, spec: dict[str, Any], api_key: str | None = None,
+                         holder: Any = None, holder_id: str | None = None) -> tuple[str, str]:
         """A RUNNING job record for work another service runs on the key's behalf (a Tinker training
         client: ``kind`` "tinker"), so it shows in ``otray jobs`` and on the dashboard and its owner
         can cancel it. Returns (job id, token): the service reports progress with ``report`` and ends
-        it with ``close_lease``; a cancel drops the token, so the service's next report fails."""
+        it with ``close_lease``; a cancel drops the token, so the service's next report fails.
+        ``holder`` (that service's actor, ``holder_id`` its id): the lease fails at once if it dies."""
         caller = self.gate.caller(api_key)
         job_id = self.registry.create_job(caller.name, name, {"job": {"kind": kind, "name": name}, kind: spec})
         self.registry.set_state(job_id, JobState.STARTING)
         self.registry.set_state(job_id, JobState.RUNNING)
-        return job_id, self.gate.job_token(job_id)
+        token = self.gate.job_token(job_id)
+        if holder is not None and holder_id:
+            self.lease_watch.add(holder, holder_id, job_id)
+        return job_id, token
 
     async def check_lease(self, job_id: str, token: str | None = None) -> None:
         """Whether a lease still holds: AuthError once it was cancelled (its token dropped), so the
@@ -250,6 +259,14 @@ class ResourceManager:
 
     async def allowed_modules(self) -> list[str]:
         return sorted(self.gate.allowed_modules())
+
+    async def set_job_quota(self, user: str, jobs: int, api_key: str | None = None) -> int:
+        """(Admin) how many jobs ``user`` (``*``: everyone without their own) may have queued or running."""
+        return self.gate.set_job_quota(user, jobs, api_key)
+
+    async def job_quota(self, user: str | None = None, api_key: str | None = None) -> int:
+        """``user``'s job quota (default: the caller's)."""
+        return self.gate.job_quota(user or self.gate.caller(api_key).name)
 
     async def allow_urls(self, urls: list[str], api_key: str | None = None) -> list[str]:
         """Let users' envs reach these addresses too (an OpenReward env server's ``base_url``)."""

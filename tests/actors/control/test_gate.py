@@ -211,3 +211,28 @@ def test_an_admin_allows_urls_through_the_cli_and_a_user_cannot(keyed, monkeypat
     assert "only an admin can allow URLs" in capsys.readouterr().err
     assert main(["urls", "list"]) == 0
     assert "http://10.0.0.7:9000" not in capsys.readouterr().out
+
+
+def test_an_admin_sets_job_quotas_and_a_submit_past_one_is_refused_naming_it(keyed, ray_local, monkeypatch, capsys):
+    """``otray users quota bob --jobs 0`` (admin): bob's next submit is refused naming the quota, before
+    anything is queued; a user cannot set quotas; everyone else keeps the default of 16."""
+    from otray.actors.control.resource_manager import NAME, NAMESPACE
+    from otray.cli import main
+
+    monkeypatch.setenv("OTRAY_DB", str(keyed["db"]))
+    monkeypatch.setenv("OTRAY_API_KEY", keyed["root"])
+    assert main(["users", "quota", "bob", "--jobs", "0"]) == 0
+    assert "bob: 0 jobs" in capsys.readouterr().out
+    rm = ray_local.get_actor(NAME, namespace=NAMESPACE)
+    before = len(ray_local.get(rm.jobs.remote(keyed["bob"])))
+    with pytest.raises(Exception, match="quota: bob has 0 jobs queued or running, the limit is 0"):
+        ray_local.get(rm.submit.remote(user_cfg(None, None), keyed["bob"]))
+    assert len(ray_local.get(rm.jobs.remote(keyed["bob"]))) == before
+    monkeypatch.setenv("OTRAY_API_KEY", keyed["bob"])
+    assert main(["users", "quota", "bob", "--jobs", "9"]) == 2
+    assert "only an admin can set job quotas" in capsys.readouterr().err
+    assert main(["users", "quota", "alice"]) == 0
+    assert "alice: 16 jobs" in capsys.readouterr().out
+    monkeypatch.setenv("OTRAY_API_KEY", keyed["root"])
+    assert main(["users", "quota", "nobody", "--jobs", "1"]) == 2
+    assert "no user 'nobody'" in capsys.readouterr().err

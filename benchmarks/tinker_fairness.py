@@ -1,0 +1,193 @@
+"""Fair shares of one learner: a user who saturates it must not slow another user's small step.
+
+Two users of one ``otray tinker`` service (auth on, the tiny model, its learner on one CPU):
+
+- alice: ``--clients`` training clients (rank 32), each in its own thread, stepping in a loop:
+  ``forward_backward`` of ``--batch`` datums of ``--tokens`` tokens, then ``optim_step`` (sent
+  together, as the SDK pipelines them). Her throughput is datums per second over all clients.
+- bob: one client stepping with one datum of about 16 tokens (forward_backward + optim_step), each
+  step timed.
+
+For each ``scheduling.policy`` side by side, on a fresh service: ``fifo`` (calls in arrival order,
+unsliced: what the service did before) and ``fair`` (:mod:`otray.tinker.fair`), three phases:
+bob alone, alice alone, both. Reported: bob's median step with alice saturating / alone (target
+<= 2x; it was 257x when found) and alice's throughput with bob stepping / alone (target >= 0.9),
+plus what ``fair`` costs alice against ``fifo`` when she is alone (slicing).
+
+    python benchmarks/tinker_fairness.py [--seconds 20] [--slice-tokens 512]
+
+Prints a table and writes ``benchmarks/results/tinker_fairness.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.results_io import save  # noqa: E402
+
+PORT = 8495
+BASE = "tiny"
+
+
+def datum(tokens: list[int]) -> Any:
+    from tinker import types
+
+    return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                       loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)})
+
+
+class Stepper(threading.Thread):
+    """A training client stepping on ``data`` until ``stop`` is set; ``steps``: (start, seconds) each."""
+
+    def __init__(self, client: Any, data: list[Any], stop: threading.Event, pause: float = 0.0):
+        super().__init__(daemon=True)
+        self.client, self.data, self.stop, self.pause, self.steps = client, data, stop, pause, []
+
+    def run(self) -> None:
+        from tinker import types
+
+        while not self.stop.is_set():
+            t0 = time.perf_counter()
+            fb = self.client.forward_backward(self.data, "cross_entropy")
+            opt = self.client.optim_step(types.AdamParams(learning_rate=1e-5))
+            fb.result(), opt.result()
+            self.steps.append((t0, time.perf_counter() - t0))
+            self.stop.wait(self.pause)
+
+
+def phase(service: dict[str, Any], args, alice_on: bool, bob_on: bool, bob_pause: float = 0.0) -> dict[str, Any]:
+    """One phase of ``args.seconds`` (after ``args.warmup`` s not counted): bob's step times (``bob_pause``
+    s between his steps) and alice's datums per second."""
+    stop = threading.Event()
+    alice = [Stepper(c, service["alice_data"], stop) for c in service["alice_clients"]] if alice_on else []
+    bob = [Stepper(service["bob_client"], service["bob_data"], stop, bob_pause)] if bob_on else []
+    for t in alice + bob:
+        t.start()
+    start = time.perf_counter() + args.warmup
+    time.sleep(args.warmup + args.seconds)
+    stop.set()
+    for t in alice + bob:
+        t.join()
+    end = start + args.seconds
+    # alice: steps that ended in the window (unbiased for a long window: each client's ends are a renewal
+    # process); bob: steps that began and ended in it
+    counted = [[s for s in t.steps if start <= s[0] + s[1] < end] for t in alice]
+    out: dict[str, Any] = {}
+    if alice_on:
+        out["alice_datums_per_s"] = sum(len(c) for c in counted) * args.batch / args.seconds
+        out["alice_steps"] = sum(len(c) for c in counted)
+    if bob_on:
+        times = [d for s, d in bob[0].steps if s >= start and s + d <= end]
+        out.update(bob_median_s=statistics.median(times), bob_p90_s=sorted(times)[int(0.9 * (len(times) - 1))],
+                   bob_steps=len(times))
+    return out
+
+
+def run_policy(policy: str, args, tmp: Path, keys: dict[str, str]) -> dict[str, Any]:
+    import ray
+    import tinker
+    from ray import serve
+
+    from otray.models import load_tokenizer, resolve_model_path
+    from otray.tinker.app import run
+    from otray.tinker.config import load_tinker
+    from otray.tinker.service import NAME, NAMESPACE
+
+    path = resolve_model_path(BASE, ROOT / ".cache" / "models")
+    run(load_tinker({"port": PORT, "storage": str(tmp / f"store-{policy}"), "long_poll_s": 5,
+                     "scheduling": {"policy": policy, "slice_tokens": args.slice_tokens},
+                     "models": [{"name": BASE, "path": path, "learner_cpus": 1, "num_threads": 1,
+                                 "sampler": {"engine": "learner"}}]}))
+    tok = load_tokenizer(path)
+    text = tok.encode("the answer is the sum of the number you are a helpful assistant " * 40)
+    url = f"http://127.0.0.1:{PORT}"
+    service = {"alice": tinker.ServiceClient(base_url=url, api_key=keys["alice"]),
+               "bob": tinker.ServiceClient(base_url=url, api_key=keys["bob"]),
+               "alice_data": [datum(text[i:i + args.tokens + 1]) for i in range(args.batch)],
+               "bob_data": [datum(tok.encode("12 plus 30 is 42, so the answer is 42."))]}
+    service["alice_clients"] = [service["alice"].create_lora_training_client(base_model=BASE, rank=32).result()
+                                for _ in range(args.clients)]
+    service["bob_client"] = service["bob"].create_lora_training_client(base_model=BASE, rank=32).result()
+    actor = ray.get_actor(NAME, namespace=NAMESPACE)
+    rows: dict[str, Any] = {}
+    for name, alice_on, bob_on, pause in (("bob_alone", False, True, 0.0), ("alice_alone", True, False, 0.0),
+                                          ("both", True, True, args.bob_pause), ("both_bob_back_to_back", True, True, 0.0)):
+        before = ray.get(actor.learner_use.remote())[BASE]
+        t0 = time.perf_counter()
+        rows[name] = phase(service, args, alice_on, bob_on, pause)
+        wall = time.perf_counter() - t0
+        now = ray.get(actor.learner_use.remote())[BASE]
+        spent = {u: s - before["seconds"].get(u, 0.0) for u, s in now["seconds"].items()}
+        rows[name].update(learner_busy=sum(spent.values()) / wall, learner_held=(now["held_s"] - before["held_s"]) / wall)
+        if bob_on:
+            rows[name].update(bob_pause_s=pause, bob_learner_share=spent.get("bob", 0.0) / max(sum(spent.values()), 1e-9))
+        if alice_on:  # learner seconds per datum of hers: the same unless something else slows the learner (the CPU)
+            steps = {u: s - before["steps"].get(u, 0) for u, s in now["steps"].items()}
+            rows[name]["alice_learner_s_per_slice"] = spent.get("alice", 0.0) / max(steps.get("alice", 0), 1)
+    for who in ("alice", "bob"):
+        service[who].close("success").result()
+    serve.shutdown()
+    ray.kill(actor)
+    ray.kill(ray.get_actor(f"{NAME}-learner-{BASE}", namespace=NAMESPACE))
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--clients", type=int, default=10)
+    ap.add_argument("--batch", type=int, default=8, help="alice's datums per forward_backward")
+    ap.add_argument("--tokens", type=int, default=128, help="tokens per datum of alice's")
+    ap.add_argument("--seconds", type=float, default=30.0)
+    ap.add_argument("--warmup", type=float, default=5.0)
+    ap.add_argument("--slice-tokens", type=int, default=256, help="the fair policy's scheduling.slice_tokens")
+    ap.add_argument("--policies", default="fifo,fair")
+    ap.add_argument("--bob-pause", type=float, default=0.5,
+                    help="seconds bob spends between steps (sampling, his env) in the main phase")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "tinker_fairness.json"))
+    args = ap.parse_args()
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import ray
+
+    from otray.actors.control.registry import tinker_key
+    from otray.actors.control.resource_manager import get_or_create
+
+    tmp = Path(tempfile.mkdtemp(prefix="otray-fairness-"))
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    rm = get_or_create(str(tmp / "registry.db"), auth_enabled=True)
+    alice = ray.get(rm.add_user.remote("alice"))
+    keys = {"alice": tinker_key(alice), "bob": tinker_key(ray.get(rm.add_user.remote("bob", False, alice)))}
+    results = {}
+    for policy in args.policies.split(","):
+        r = results[policy] = run_policy(policy, args, tmp, keys)
+        for name in ("both", "both_bob_back_to_back"):
+            b = r[name]
+            b["bob_slowdown"] = b["bob_median_s"] / r["bob_alone"]["bob_median_s"]
+            b["alice_throughput_kept"] = b["alice_datums_per_s"] / r["alice_alone"]["alice_datums_per_s"]
+            print(f"{policy:5} bob pausing {b['bob_pause_s']:.1f} s: bob alone {r['bob_alone']['bob_median_s']:.3f} s, "
+                  f"with alice {b['bob_median_s']:.3f} s ({b['bob_slowdown']:.2f}x); alice alone "
+                  f"{r['alice_alone']['alice_datums_per_s']:.1f} datums/s, with bob {b['alice_datums_per_s']:.1f} "
+                  f"({100 * b['alice_throughput_kept']:.0f}%; bob's learner share "
+                  f"{100 * b['bob_learner_share']:.0f}%; learner busy {100 * b['learner_busy']:.0f}%, kept for a "
+                  f"follower {100 * b['learner_held']:.1f}%)", flush=True)
+    summary: dict[str, Any] = {"targets": {"bob_slowdown_max": 2.0, "alice_throughput_kept_min": 0.9}}
+    if "fair" in results and "fifo" in results:
+        summary["fair_vs_fifo_alice_alone"] = (results["fair"]["alice_alone"]["alice_datums_per_s"]
+                                               / results["fifo"]["alice_alone"]["alice_datums_per_s"])
+        print(f"fair/fifo, alice alone: {summary['fair_vs_fifo_alice_alone']:.2f}")
+    save({"args": vars(args), "model": BASE, "learner_threads": 1, "results": results, **summary}, args.out)
+    ray.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,77 @@
+"""The Tinker service's sessions: one per ``ServiceClient``, kept open by its heartbeats.
+
+:class:`Sessions` is owned by :class:`~otray.tinker.service.TinkerService`. A session whose client
+stops heartbeating for ``timeout_s`` is closed like one the SDK finished: its training clients leave
+the learner and their leases end (``on_close``). Session ids are kept in the service's SQLite store
+while open, so after a restart the same ``ServiceClient`` goes on: its owner's next call takes the
+session up again (its live models are gone; it loads their checkpoints). It also counts each
+user's sampling clients in open sessions (``quota.samplers``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from typing import Awaitable, Callable
+
+from otray.tinker.store import Store
+from otray.tinker.wire import UserError
+
+
+class Sessions:
+    def __init__(self, store: Store, timeout_s: float, on_close: Callable[[str], Awaitable[None]]):
+        self.store, self.timeout_s, self.on_close = store, timeout_s, on_close
+        self.open: dict[str, tuple[str, float]] = {}  # session id -> (owner, last heartbeat)
+        self.samplers: dict[str, tuple[str, str]] = {}  # sampling client id -> (owner, session)
+
+    def new(self, owner: str) -> str:
+        sid = f"s-{uuid.uuid4().hex[:16]}"
+        self.open[sid] = (owner, time.monotonic())
+        self.store.add_session(sid, owner)
+        return sid
+
+    def check(self, owner: str, session_id: str) -> None:
+        """``owner``'s open session, or a 404. One open when the service stopped (in the store) is
+        taken up again by its owner's call."""
+        if session_id not in self.open and isinstance(session_id, str) and self.store.session_owner(session_id) == owner:
+            self.open[session_id] = (owner, time.monotonic())
+        s = self.open.get(session_id)
+        if s is None or s[0] != owner:
+            raise UserError(f"no session {session_id!r} (it was closed, expired after {self.timeout_s:.0f} s "
+                            "without heartbeats, or is another user's)", 404)
+
+    def heartbeat(self, owner: str, session_id: str) -> None:
+        self.check(owner, session_id)
+        self.open[session_id] = (owner, time.monotonic())
+
+    async def finish(self, owner: str, session_id: str) -> None:
+        """The SDK's ``close()``."""
+        self.check(owner, session_id)
+        self.open[session_id] = (owner, float("-inf"))
+        await self.expire()
+
+    def add_sampler(self, owner: str, session_id: str, sampler_id: str, limit: int) -> None:
+        """A sampling client of ``owner``'s, refused past ``limit`` in their open sessions (403)."""
+        if sampler_id not in self.samplers:
+            mine = sum(1 for who, s in self.samplers.values() if who == owner and s in self.open)
+            if mine >= limit:
+                raise UserError(f"quota: {owner} holds {mine} sampling clients in open sessions, the limit is {limit} "
+                                "(quota.samplers); close a session (ServiceClient) or ask an admin for more", 403)
+        self.samplers[sampler_id] = (owner, session_id)
+
+    async def sweep(self) -> None:
+        """Expire silent sessions even when no new session comes (a task for the service's life)."""
+        while True:
+            await asyncio.sleep(max(1.0, self.timeout_s / 4))
+            await self.expire()
+
+    async def expire(self) -> None:
+        """Close the sessions whose client stopped heartbeating (or finished)."""
+        cutoff = time.monotonic() - self.timeout_s
+        for sid in [s for s, (_, seen) in self.open.items() if seen < cutoff]:
+            del self.open[sid]
+            self.store.drop_session(sid)
+            for sampler in [k for k, (_, s) in self.samplers.items() if s == sid]:
+                del self.samplers[sampler]
+            await self.on_close(sid)

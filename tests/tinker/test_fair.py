@@ -1,0 +1,136 @@
+"""The learner's fair queue (otray.tinker.fair) on its own: whose step runs next.
+
+Steps here are timed waits standing in for learner calls (what the queue measures is their
+duration, whatever they do); the SharedLearner's use of it with the real model is in
+tests/tinker/test_service.py and benchmarks/tinker_fairness.py."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from otray.tinker.fair import FairQueue, Share, slices
+
+
+def step(ran: list[str], label: str, seconds: float):
+    async def go() -> str:
+        ran.append(label)
+        await asyncio.sleep(seconds)
+        return label
+
+    return go
+
+
+def run_jobs(queue: FairQueue, plan: list[tuple[float, str, str, int, float]]) -> list[str]:
+    """Submit each (at seconds, user, client, steps, step seconds) of ``plan`` as one job; the users in
+    the order their steps ran."""
+    ran: list[str] = []
+
+    async def one(at: float, user: str, client: str, n: int, cost: float) -> None:
+        await asyncio.sleep(at)
+        await queue.run(user, client, [step(ran, user, cost) for _ in range(n)])
+
+    async def main() -> None:
+        await asyncio.gather(*(one(*p) for p in plan))
+
+    asyncio.run(main())
+    return ran
+
+
+def test_a_small_job_waits_for_one_step_of_a_user_with_many_clients_not_all():
+    """alice's ten clients each send a job of 3 slices; bob's one-step job, sent just after hers began,
+    runs second: after the one slice on the learner, not after all thirty. fifo: last."""
+    plan = [(0.0, "alice", f"a{i}", 3, 0.01) for i in range(10)] + [(0.005, "bob", "b", 1, 0.001)]
+    assert run_jobs(FairQueue(), plan).index("bob") == 1
+    assert run_jobs(FairQueue(policy="fifo"), plan).index("bob") == 30
+
+
+def test_a_clients_jobs_run_in_order_and_its_next_job_keeps_the_turn_it_is_owed():
+    """bob's forward_backward (follow=True) ends; his optim_step arrives 20 ms later: the turn is kept
+    for it (he is owed it), so alice's waiting slices do not go first."""
+    async def main() -> list[str]:
+        queue, ran = FairQueue(follow_s=0.2), []
+
+        async def alice() -> None:
+            await asyncio.gather(*(queue.run("alice", f"a{i}", [step(ran, "alice", 0.02)] * 3) for i in range(3)))
+
+        async def bob() -> None:
+            await asyncio.sleep(0.005)
+            await queue.run("bob", "b", [step(ran, "bob-fb", 0.005)], follow=True)
+            await asyncio.sleep(0.02)  # the round trip to the service and back
+            await queue.run("bob", "b", [step(ran, "bob-optim", 0.001)])
+
+        await asyncio.gather(alice(), bob())
+        return ran
+
+    ran = asyncio.run(main())
+    assert ran.index("bob-optim") == ran.index("bob-fb") + 1 == 2, ran
+
+
+def test_a_turn_is_not_kept_for_a_user_who_is_not_owed_it_or_past_follow_time():
+    async def main(follow_s: float) -> list[str]:
+        queue, ran = FairQueue(follow_s=follow_s), []
+
+        async def bob() -> None:
+            await queue.run("bob", "b", [step(ran, "bob-fb", 0.005)], follow=True)
+            await asyncio.sleep(0.05)
+            await queue.run("bob", "b", [step(ran, "bob-optim", 0.001)])
+
+        async def alice() -> None:
+            await asyncio.sleep(0.001)
+            await queue.run("alice", "a", [step(ran, "alice", 0.01)] * 3)
+
+        await asyncio.gather(alice(), bob())
+        return ran
+
+    assert asyncio.run(main(0.01))[:3] == ["bob-fb", "alice", "alice"]  # the follower came too late
+
+
+def test_two_busy_users_share_the_learner_by_time_in_proportion_to_weight():
+    """alice's steps cost twice bob's: equal time means bob runs twice as often; with weight 2 alice
+    gets twice bob's time."""
+    even = run_jobs(FairQueue(), [(0.0, "alice", "a", 12, 0.02), (0.0, "bob", "b", 24, 0.01)])
+    first = even[:18]  # while both are busy
+    assert 0.6 <= first.count("bob") / first.count("alice") / 2 <= 1.5, first
+    weighted = run_jobs(FairQueue({"alice": Share(weight=2.0)}), [(0.0, "alice", "a", 20, 0.01),
+                                                                  (0.0, "bob", "b", 20, 0.01)])
+    first = weighted[:24]
+    assert first.count("alice") >= 1.5 * first.count("bob"), first
+
+
+def test_a_higher_priority_goes_first_while_it_has_work():
+    ran = run_jobs(FairQueue({"ops": Share(priority=1)}), [(0.0, "alice", "a", 5, 0.01), (0.005, "ops", "o", 3, 0.01)])
+    assert ran[:4] == ["alice", "ops", "ops", "ops"]
+
+
+def test_a_user_idle_for_a_while_gets_no_credit_to_hold_the_learner():
+    """bob was idle while alice used the learner; when he comes back with many steps they alternate
+    with alice's instead of all running first."""
+    ran = run_jobs(FairQueue(), [(0.0, "alice", "a", 30, 0.01), (0.15, "bob", "b", 10, 0.01)])
+    start = ran.index("bob")
+    assert ran[start:start + 8].count("alice") >= 3, ran
+
+
+def test_a_failing_step_ends_its_job_with_the_error_and_the_queue_goes_on():
+    async def main() -> list[str]:
+        queue, ran = FairQueue(), []
+
+        async def bad() -> None:
+            ran.append("bad")
+            raise ValueError("no adapter")
+
+        failing = asyncio.ensure_future(queue.run("alice", "a", [bad, step(ran, "never", 0)]))
+        ok = await asyncio.wait_for(queue.run("bob", "b", [step(ran, "bob", 0)]), 1)
+        with pytest.raises(ValueError, match="no adapter"):
+            await failing
+        return ran + ok
+
+    assert asyncio.run(main()) == ["bad", "bob", "bob"]
+
+
+def test_slices_cut_a_request_at_the_token_budget_and_keep_a_long_datum_whole():
+    assert slices([10, 10, 10, 10], 25) == [range(0, 2), range(2, 4)]
+    assert slices([30, 5, 5], 25) == [range(0, 1), range(1, 3)]
+    assert slices([5] * 3, 100) == [range(0, 3)]
+    assert slices([], 10) == []
