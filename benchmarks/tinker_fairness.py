@@ -29,7 +29,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -48,50 +48,121 @@ def datum(tokens: list[int]) -> Any:
 
 
 class Stepper(threading.Thread):
-    """A training client stepping on ``data`` until ``stop`` is set; ``steps``: (start, seconds) each."""
+    """Calls ``step()`` (one training step of a client) until ``stop`` is set, ``pause`` s apart;
+    ``steps``: (start, seconds) of each."""
 
-    def __init__(self, client: Any, data: list[Any], stop: threading.Event, pause: float = 0.0):
+    def __init__(self, step: Callable[[], None], stop: threading.Event, pause: float = 0.0):
         super().__init__(daemon=True)
-        self.client, self.data, self.stop, self.pause, self.steps = client, data, stop, pause, []
+        self.step, self.stop, self.pause, self.steps = step, stop, pause, []
 
     def run(self) -> None:
-        from tinker import types
-
         while not self.stop.is_set():
             t0 = time.perf_counter()
-            fb = self.client.forward_backward(self.data, "cross_entropy")
-            opt = self.client.optim_step(types.AdamParams(learning_rate=1e-5))
-            fb.result(), opt.result()
+            self.step()
             self.steps.append((t0, time.perf_counter() - t0))
             self.stop.wait(self.pause)
 
 
-def phase(service: dict[str, Any], args, alice_on: bool, bob_on: bool, bob_pause: float = 0.0) -> dict[str, Any]:
-    """One phase of ``args.seconds`` (after ``args.warmup`` s not counted): bob's step times (``bob_pause``
-    s between his steps) and alice's datums per second."""
+def sdk_step(client: Any, data: list[Any]) -> Callable[[], None]:
+    """A tinker SDK client's step: forward_backward and optim_step sent together, then both awaited."""
+    from tinker import types
+
+    def step() -> None:
+        fb = client.forward_backward(data, "cross_entropy")
+        opt = client.optim_step(types.AdamParams(learning_rate=1e-5))
+        fb.result(), opt.result()
+
+    return step
+
+
+def phase(alice: list[Callable[[], None]], bob: Optional[Callable[[], None]], args, bob_pause: float = 0.0) -> dict[str, Any]:
+    """One phase of ``args.seconds`` (after ``args.warmup`` s not counted) with alice's clients' steps and
+    bob's (``bob_pause`` s between his; None: bob idle): bob's step times and alice's datums per second."""
     stop = threading.Event()
-    alice = [Stepper(c, service["alice_data"], stop) for c in service["alice_clients"]] if alice_on else []
-    bob = [Stepper(service["bob_client"], service["bob_data"], stop, bob_pause)] if bob_on else []
-    for t in alice + bob:
+    alices = [Stepper(step, stop) for step in alice]
+    bobs = [Stepper(bob, stop, bob_pause)] if bob is not None else []
+    for t in alices + bobs:
         t.start()
     start = time.perf_counter() + args.warmup
     time.sleep(args.warmup + args.seconds)
     stop.set()
-    for t in alice + bob:
+    for t in alices + bobs:
         t.join()
     end = start + args.seconds
     # alice: steps that ended in the window (unbiased for a long window: each client's ends are a renewal
     # process); bob: steps that began and ended in it
-    counted = [[s for s in t.steps if start <= s[0] + s[1] < end] for t in alice]
+    counted = [[s for s in t.steps if start <= s[0] + s[1] < end] for t in alices]
     out: dict[str, Any] = {}
-    if alice_on:
+    if alices:
         out["alice_datums_per_s"] = sum(len(c) for c in counted) * args.batch / args.seconds
         out["alice_steps"] = sum(len(c) for c in counted)
-    if bob_on:
-        times = [d for s, d in bob[0].steps if s >= start and s + d <= end]
+    if bobs:
+        times = [d for s, d in bobs[0].steps if s >= start and s + d <= end]
         out.update(bob_median_s=statistics.median(times), bob_p90_s=sorted(times)[int(0.9 * (len(times) - 1))],
                    bob_steps=len(times))
     return out
+
+
+def phases(alice: list[Callable[[], None]], bob: Callable[[], None], args, usage: Callable[[], dict]) -> dict[str, Any]:
+    """bob alone, alice alone, both (bob pausing ``args.bob_pause`` s, then back to back), alice alone
+    again (runs drift by ~10% over minutes on a shared machine: her throughput alone is the mean of the
+    first and last phases); with the learner's use in each (``usage()``: :meth:`SharedLearner.usage`)."""
+    rows: dict[str, Any] = {}
+    for name, a, b, pause in (("bob_alone", [], bob, 0.0), ("alice_alone", alice, None, 0.0),
+                              ("both", alice, bob, args.bob_pause), ("both_bob_back_to_back", alice, bob, 0.0),
+                              ("alice_alone_after", alice, None, 0.0)):
+        before = usage()
+        t0 = time.perf_counter()
+        rows[name] = phase(a, b, args, pause)
+        wall = time.perf_counter() - t0
+        now = usage()
+        spent = {u: s - before["seconds"].get(u, 0.0) for u, s in now["seconds"].items()}
+        rows[name].update(learner_busy=sum(spent.values()) / wall, learner_held=(now["held_s"] - before["held_s"]) / wall)
+        if b is not None:
+            rows[name].update(bob_pause_s=pause, bob_learner_share=spent.get("bob", 0.0) / max(sum(spent.values()), 1e-9))
+        if a:  # learner seconds per step of hers: the same unless something else slows the learner (the CPU)
+            steps = {u: n - before["steps"].get(u, 0) for u, n in now["steps"].items()}
+            rows[name]["alice_learner_s_per_slice"] = spent.get("alice", 0.0) / max(steps.get("alice", 0), 1)
+    return rows
+
+
+def summarize(results: dict[str, Any], args, model: str) -> dict[str, Any]:
+    """Ratios per policy (printed), and fair against fifo for alice alone; what is saved."""
+    for policy, r in results.items():
+        alone = r["alice_alone_datums_per_s"] = (r["alice_alone"]["alice_datums_per_s"]
+                                                 + r["alice_alone_after"]["alice_datums_per_s"]) / 2
+        for name in ("both", "both_bob_back_to_back"):
+            b = r[name]
+            b["bob_slowdown"] = b["bob_median_s"] / r["bob_alone"]["bob_median_s"]
+            b["alice_throughput_kept"] = b["alice_datums_per_s"] / alone
+            print(f"{policy:5} bob pausing {b['bob_pause_s']:.1f} s: bob alone {r['bob_alone']['bob_median_s']:.3f} s, "
+                  f"with alice {b['bob_median_s']:.3f} s ({b['bob_slowdown']:.2f}x); alice alone "
+                  f"{alone:.1f} datums/s, with bob {b['alice_datums_per_s']:.1f} "
+                  f"({100 * b['alice_throughput_kept']:.0f}%; bob's learner share {100 * b['bob_learner_share']:.0f}%; "
+                  f"learner busy {100 * b['learner_busy']:.0f}%, kept for a follower {100 * b['learner_held']:.1f}%)",
+                  flush=True)
+    out: dict[str, Any] = {"args": vars(args), "model": model, "results": results,
+                           "targets": {"bob_slowdown_max": 2.0, "alice_throughput_kept_min": 0.9}}
+    if "fair" in results and "fifo" in results:
+        out["fair_vs_fifo_alice_alone"] = (results["fair"]["alice_alone_datums_per_s"]
+                                           / results["fifo"]["alice_alone_datums_per_s"])
+        print(f"fair/fifo, alice alone: {out['fair_vs_fifo_alice_alone']:.2f}")
+    return out
+
+
+def arguments(ap: argparse.ArgumentParser, out: str, argv: Optional[list[str]] = None) -> argparse.Namespace:
+    """The workload's command line, shared with benchmarks/learner_fairness.py."""
+    ap.add_argument("--clients", type=int, default=10)
+    ap.add_argument("--batch", type=int, default=8, help="alice's datums per forward_backward")
+    ap.add_argument("--tokens", type=int, default=128, help="tokens per datum of alice's")
+    ap.add_argument("--seconds", type=float, default=30.0)
+    ap.add_argument("--warmup", type=float, default=5.0)
+    ap.add_argument("--slice-tokens", type=int, default=256, help="the fair policy's scheduling.slice_tokens")
+    ap.add_argument("--policies", default="fifo,fair")
+    ap.add_argument("--bob-pause", type=float, default=0.5,
+                    help="seconds bob spends between steps (sampling, his env) in the main phase")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / out))
+    return ap.parse_args(argv)
 
 
 def run_policy(policy: str, args, tmp: Path, keys: dict[str, str]) -> dict[str, Any]:
@@ -120,21 +191,9 @@ def run_policy(policy: str, args, tmp: Path, keys: dict[str, str]) -> dict[str, 
                                 for _ in range(args.clients)]
     service["bob_client"] = service["bob"].create_lora_training_client(base_model=BASE, rank=32).result()
     actor = ray.get_actor(NAME, namespace=NAMESPACE)
-    rows: dict[str, Any] = {}
-    for name, alice_on, bob_on, pause in (("bob_alone", False, True, 0.0), ("alice_alone", True, False, 0.0),
-                                          ("both", True, True, args.bob_pause), ("both_bob_back_to_back", True, True, 0.0)):
-        before = ray.get(actor.learner_use.remote())[BASE]
-        t0 = time.perf_counter()
-        rows[name] = phase(service, args, alice_on, bob_on, pause)
-        wall = time.perf_counter() - t0
-        now = ray.get(actor.learner_use.remote())[BASE]
-        spent = {u: s - before["seconds"].get(u, 0.0) for u, s in now["seconds"].items()}
-        rows[name].update(learner_busy=sum(spent.values()) / wall, learner_held=(now["held_s"] - before["held_s"]) / wall)
-        if bob_on:
-            rows[name].update(bob_pause_s=pause, bob_learner_share=spent.get("bob", 0.0) / max(sum(spent.values()), 1e-9))
-        if alice_on:  # learner seconds per datum of hers: the same unless something else slows the learner (the CPU)
-            steps = {u: s - before["steps"].get(u, 0) for u, s in now["steps"].items()}
-            rows[name]["alice_learner_s_per_slice"] = spent.get("alice", 0.0) / max(steps.get("alice", 0), 1)
+    rows = phases([sdk_step(c, service["alice_data"]) for c in service["alice_clients"]],
+                  sdk_step(service["bob_client"], service["bob_data"]), args,
+                  lambda: ray.get(actor.learner_use.remote())[BASE])
     for who in ("alice", "bob"):
         service[who].close("success").result()
     serve.shutdown()
@@ -144,18 +203,7 @@ def run_policy(policy: str, args, tmp: Path, keys: dict[str, str]) -> dict[str, 
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--clients", type=int, default=10)
-    ap.add_argument("--batch", type=int, default=8, help="alice's datums per forward_backward")
-    ap.add_argument("--tokens", type=int, default=128, help="tokens per datum of alice's")
-    ap.add_argument("--seconds", type=float, default=30.0)
-    ap.add_argument("--warmup", type=float, default=5.0)
-    ap.add_argument("--slice-tokens", type=int, default=256, help="the fair policy's scheduling.slice_tokens")
-    ap.add_argument("--policies", default="fifo,fair")
-    ap.add_argument("--bob-pause", type=float, default=0.5,
-                    help="seconds bob spends between steps (sampling, his env) in the main phase")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "tinker_fairness.json"))
-    args = ap.parse_args()
+    args = arguments(argparse.ArgumentParser(), "tinker_fairness.json")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     import ray
 
@@ -167,25 +215,8 @@ def main() -> None:
     rm = get_or_create(str(tmp / "registry.db"), auth_enabled=True)
     alice = ray.get(rm.add_user.remote("alice"))
     keys = {"alice": tinker_key(alice), "bob": tinker_key(ray.get(rm.add_user.remote("bob", False, alice)))}
-    results = {}
-    for policy in args.policies.split(","):
-        r = results[policy] = run_policy(policy, args, tmp, keys)
-        for name in ("both", "both_bob_back_to_back"):
-            b = r[name]
-            b["bob_slowdown"] = b["bob_median_s"] / r["bob_alone"]["bob_median_s"]
-            b["alice_throughput_kept"] = b["alice_datums_per_s"] / r["alice_alone"]["alice_datums_per_s"]
-            print(f"{policy:5} bob pausing {b['bob_pause_s']:.1f} s: bob alone {r['bob_alone']['bob_median_s']:.3f} s, "
-                  f"with alice {b['bob_median_s']:.3f} s ({b['bob_slowdown']:.2f}x); alice alone "
-                  f"{r['alice_alone']['alice_datums_per_s']:.1f} datums/s, with bob {b['alice_datums_per_s']:.1f} "
-                  f"({100 * b['alice_throughput_kept']:.0f}%; bob's learner share "
-                  f"{100 * b['bob_learner_share']:.0f}%; learner busy {100 * b['learner_busy']:.0f}%, kept for a "
-                  f"follower {100 * b['learner_held']:.1f}%)", flush=True)
-    summary: dict[str, Any] = {"targets": {"bob_slowdown_max": 2.0, "alice_throughput_kept_min": 0.9}}
-    if "fair" in results and "fifo" in results:
-        summary["fair_vs_fifo_alice_alone"] = (results["fair"]["alice_alone"]["alice_datums_per_s"]
-                                               / results["fifo"]["alice_alone"]["alice_datums_per_s"])
-        print(f"fair/fifo, alice alone: {summary['fair_vs_fifo_alice_alone']:.2f}")
-    save({"args": vars(args), "model": BASE, "learner_threads": 1, "results": results, **summary}, args.out)
+    results = {policy: run_policy(policy, args, tmp, keys) for policy in args.policies.split(",")}
+    save({**summarize(results, args, BASE), "learner_threads": 1, "through": "the tinker SDK over HTTP"}, args.out)
     ray.shutdown()
 
 

@@ -145,3 +145,17 @@ def test_the_gpu_check_runs_on_the_cpu(tmp_path, capsys):
     assert got["learner"]["step_s"] > 0 and got["sampler"]["sampled_tokens"] == 4 * 8
     assert got["precision"]["moved_fraction_at_lr_1e-6"] > 0.9
     assert got["sampler"]["logprob_gap_max"] < 1e-3  # fp32 on the CPU, after the sync
+
+
+def test_the_learner_fairness_check_runs_on_the_cpu(tmp_path):
+    """``benchmarks/learner_fairness.py`` (``make gpu-check`` runs it with ``--gpu``), briefly, with two of
+    alice's clients: every phase runs and is saved."""
+    import json
+
+    from benchmarks.learner_fairness import main
+
+    out = tmp_path / "learner_fairness.json"
+    assert main(["--clients", "2", "--batch", "2", "--tokens", "32", "--seconds", "1.5", "--warmup", "0.5",
+                 "--policies", "fair", "--out", str(out)]) == 0
+    fair = json.loads(out.read_text())["results"]["fair"]
+    assert fair["both"]["bob_steps"] > 0 and fair["alice_alone_datums_per_s"] > 0 and fair["bob_alone"]["learner_busy"] > 0
