@@ -5,17 +5,18 @@ promise is finished with its own protobuf result. A batch first waits ``sample_b
 a client sent together: without it the first of 8 concurrent requests went alone and the other 7
 in a second call (benchmarks/tinker_api.py, RL step).
 
-On the learner each user's part of a batch is its own call, in that user's turn
-(:class:`~otray.tinker.shared_learner.SharedLearner`, with the training calls): one user's many
-samples delay another's step by one call, not all of them, and cannot fail another user's requests.
-The vLLM engine takes every user's requests together (its own scheduler interleaves them token by
-token)."""
+On the learner each user's requests are calls of their own, one at a time per user, in that user's
+turn (:class:`~otray.tinker.shared_learner.SharedLearner`, with the training calls); the batcher
+does not wait for them, so one user's long sampling call delays another's requests by about one
+call, not all of it, and cannot fail them. The vLLM engine takes every user's requests of a batch
+together (its own scheduler interleaves them token by token); the next batch for it waits for that
+call."""
 
 from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import Any, Awaitable, Optional
+from typing import Any, Optional
 
 import ray
 
@@ -53,6 +54,9 @@ class SampleBatcher:
         self.calls: list[int] = []  # prompts per batch, the latest 1,000 (batching, for benchmarks)
         self.prompts = {"learner": 0, "vllm": 0}  # prompts sampled by each engine
         self.split_batches = 0  # shared calls that failed and were sent again one request at a time
+        self.learner_waiting: dict[tuple[str, str], Groups] = {}  # (base, owner) -> requests for the learner
+        self.learner_busy: set[tuple[str, str]] = set()  # (base, owner) with a learner call running
+        self.tasks: set[asyncio.Task] = set()
 
     def submit(self, base: str, owner: str, wait: SampleWait) -> None:
         self.waiting[base].append((owner, wait))
@@ -77,19 +81,32 @@ class SampleBatcher:
                         self._fail(fast, str(e))
                         groups = {k: ws for k, ws in groups.items() if k not in fast}
                     fast = fast if engine is not None else {}  # auto without an engine: the learner's
-                slow = {k: ws for k, ws in groups.items() if k not in fast}
-                died = await asyncio.gather(self._run(engine, "vllm", fast), *self._learner_turns(base, slow))
-                if died[0]:  # the vLLM engine's process is gone: the next request starts a new one
+                self._to_learner(base, {k: ws for k, ws in groups.items() if k not in fast})
+                if await self._run(engine, "vllm", fast):  # the engine's process is gone: the next request starts one
                     self.engines.forget(base)
         finally:
             self.busy[base] = False
 
-    def _learner_turns(self, base: str, groups: Groups) -> list[Awaitable[bool]]:
-        """One learner call per user (each taken in that user's turn there)."""
-        mine: dict[str, Groups] = {}
+    def _to_learner(self, base: str, groups: Groups) -> None:
+        """Each user's requests for the learner: one call per user at a time, taken in that user's turn
+        there; what comes while a user's call runs waits for it and goes in that user's next call. Not
+        awaited here, so one user's long sampling call does not hold up the next batch (other users')."""
         for k, ws in groups.items():
-            mine.setdefault(k[0], {})[k] = ws
-        return [self._run(self.learners[base], "learner", part, owner) for owner, part in mine.items()]
+            key = (base, k[0])
+            self.learner_waiting.setdefault(key, {}).setdefault(k, []).extend(ws)
+            if key not in self.learner_busy:
+                self.learner_busy.add(key)
+                task = asyncio.get_running_loop().create_task(self._learner_drain(key))
+                self.tasks.add(task)  # kept: the loop holds only weak references
+                task.add_done_callback(self.tasks.discard)
+
+    async def _learner_drain(self, key: tuple[str, str]) -> None:
+        base, owner = key
+        try:
+            while self.learner_waiting.get(key):
+                await self._run(self.learners[base], "learner", self.learner_waiting.pop(key), owner)
+        finally:
+            self.learner_busy.discard(key)
 
     async def _run(self, sampler: Any, name: str, groups: Groups, owner: str = "") -> bool:
         """One ``sample`` call of ``sampler`` (a learner or a vLLM engine) for ``groups``; each request's
