@@ -147,9 +147,9 @@ def test_the_gpu_check_runs_on_the_cpu(tmp_path, capsys):
     assert got["sampler"]["logprob_gap_max"] < 1e-3  # fp32 on the CPU, after the sync
 
 
-def test_the_learner_fairness_check_runs_on_the_cpu(tmp_path):
+def test_the_learner_fairness_check_runs_on_the_cpu(tmp_path, ray_local):
     """``benchmarks/learner_fairness.py`` (``make gpu-check`` runs it with ``--gpu``), briefly, with two of
-    alice's clients: every phase runs and is saved."""
+    alice's clients, on the suite's Ray: every phase runs and is saved."""
     import json
 
     from benchmarks.learner_fairness import main
