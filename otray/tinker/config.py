@@ -148,12 +148,6 @@ def quota_of(cfg: TinkerConfig, user: str) -> TinkerQuota:
     return cfg.user_quotas.get(user, cfg.quota)
 
 
-def share_of(cfg: TinkerConfig, user: str) -> Share:
-    """``user``'s share of a learner (:class:`otray.tinker.fair.Share`), as ``scheduling.users`` sets it."""
-    u = cfg.scheduling.users.get(user)
-    return Share(u.weight, u.priority) if u is not None else Share()
-
-
 def shares_of(cfg: TinkerConfig) -> dict[str, Share]:
-    """Every user's share an admin set (the others get :class:`Share`'s defaults)."""
-    return {user: share_of(cfg, user) for user in cfg.scheduling.users}
+    """Every user's share of a learner an admin set (``scheduling.users``; the others get :class:`Share`'s defaults)."""
+    return {user: Share(u.weight, u.priority) for user, u in cfg.scheduling.users.items()}

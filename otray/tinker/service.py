@@ -1,7 +1,8 @@
 """TinkerService: the Ray actor that owns the Tinker API's state.
 
 It holds the sessions (:mod:`otray.tinker.sessions`), the training runs (one LoRA adapter each, on
-the :class:`~otray.tinker.shared_learner.SharedLearner` of their base model), the promises (:mod:`otray.tinker.futures`) and the checkpoint index
+the :class:`~otray.tinker.shared_learner.SharedLearner` of their base model), the promises
+(:mod:`otray.tinker.futures`) and the checkpoint index
 (:mod:`otray.tinker.store`). The HTTP app (:mod:`otray.tinker.app`) is a thin layer in front of
 it: it checks keys, decodes bodies and passes the caller's user name (``owner``) with every
 call; every lookup here checks that owner, so a caller sees only their own runs, checkpoints,
