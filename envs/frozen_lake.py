@@ -1,4 +1,4 @@
-"""Gymnasium's FrozenLake as a text env, through :class:`otray.env.GymnasiumEnv`.
+"""Gymnasium's FrozenLake as a text env, through :class:`otray.gym_env.GymnasiumEnv`.
 
 It shows the adapter on an env whose spaces are not text: ``obs_to_text`` turns
 the cell index into words, ``text_to_action`` reads one of left/down/right/up.

@@ -44,7 +44,8 @@ from otray.types import OtrayError
 BUNDLED_MODULES = frozenset({
     "envs.answers", "envs.arithmetic", "envs.bandit", "envs.calculator", "envs.coin", "envs.connect_four_text",
     "envs.frozen_lake", "envs.gomoku", "envs.guess_number", "envs.math_word", "envs.openreward",
-    "envs.openreward_examples", "envs.python_tool", "envs.rps", "envs.tictactoe_text",
+    "envs.openreward_examples", "envs.python_tool", "envs.rps", "envs.textworld_env", "envs.textworld_games",
+    "envs.tictactoe_text",
     "otray.env", "otray.games",
     "pettingzoo.classic.tictactoe_v3", "pettingzoo.classic.connect_four_v3",  # PettingZoo's own games, unmodified
 })

@@ -19,7 +19,8 @@ from envs.guess_number import GuessNumber, binary_search_dialogue
 from envs.math_word import MathWord
 from envs.math_word import make_dataset as mw_dataset
 from envs.python_tool import MathWithCode, run_python
-from otray.env import GymnasiumEnv, TaskSource, check_env, make, seed_task
+from otray.env import TaskSource, check_env, make, seed_task
+from otray.gym_env import GymnasiumEnv
 from otray.tools import ToolCall, format_tool_call, parse_tool_calls
 from otray.types import ConfigError, Task
 

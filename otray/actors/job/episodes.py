@@ -45,8 +45,9 @@ def solved(traj: Trajectory) -> bool:
 
 
 def episode_metrics(trajs: list[Trajectory], prefix: str) -> dict[str, float]:
-    """Mean reward, success rate, mean turns, error count and, for tool envs (``info["tool_calls"]``),
-    tool calls per episode and the share of them that failed."""
+    """Mean reward, success rate, mean turns, error count; for tool envs (``info["tool_calls"]``), tool
+    calls per episode and the share of them that failed; for envs that count invalid actions
+    (``info["invalid_actions"]``: text games, the gymnasium adapter), invalid actions per turn."""
     out = {prefix + K.REWARD_MEAN: statistics.fmean(t.reward for t in trajs),
            f"{prefix}success_rate": statistics.fmean(map(solved, trajs)),
            f"{prefix}turns_mean": statistics.fmean(t.num_turns for t in trajs),
@@ -55,6 +56,9 @@ def episode_metrics(trajs: list[Trajectory], prefix: str) -> dict[str, float]:
     if any("tool_calls" in t.info for t in trajs):
         out[f"{prefix}tool_calls_mean"] = calls / len(trajs)
         out[f"{prefix}tool_error_rate"] = sum(int(t.info.get("tool_errors", 0)) for t in trajs) / max(1, calls)
+    if any("invalid_actions" in t.info for t in trajs):
+        turns = sum(t.num_turns for t in trajs)
+        out[f"{prefix}invalid_action_rate"] = sum(int(t.info.get("invalid_actions", 0)) for t in trajs) / max(1, turns)
     return out
 
 

@@ -31,6 +31,10 @@ SMOKE = {
                             "algo.drop_uniform_groups=false"],
     "gomoku_two_policies.yaml": ["algo.steps=2", "algo.batch_size=2", "game.num_rollouts=2", "game.eval_games=2",
                                 "algo.drop_uniform_groups=false"],
+    "textworld.yaml": ["sft.steps=2", "sft.stop_at_accuracy=null", "sft.batch_size=4", "algo.steps=2",
+                       "algo.batch_size=2", "eval.num_samples=2", "envs.treasure.num_rollouts=2",
+                       *(f"{s}.dataset.kwargs.{k}={n}" for s in ("sft", "envs.treasure") for k, n in
+                         (("num_train", 3), ("num_eval", 2)))],
     "rps_vs_scripted.yaml": ["algo.steps=2", "algo.batch_size=2", "game.num_rollouts=2", "game.eval_games=2",
                             "algo.drop_uniform_groups=false"],
 }
