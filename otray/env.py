@@ -81,7 +81,7 @@ BUNDLED = {
     "calculator": "envs.calculator:Calculator", "math_code": "envs.python_tool:MathWithCode",
     "bandit": "envs.bandit:Bandit", "guess_number": "envs.guess_number:GuessNumber",
     "openreward": "envs.openreward:OpenRewardEnv", "gymnasium": "otray.gym_env:GymnasiumEnv",
-    "textworld": "envs.textworld_env:TextWorldEnv", "alfworld": "envs.textworld_env:AlfWorldEnv",
+    "textworld": "envs.textworld_env:TextWorldEnv", "mcp": "envs.mcp_env:McpToolEnv",
 }
 
 

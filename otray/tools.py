@@ -19,7 +19,10 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from otray.mcp_tools import McpTool, McpToolbox
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
@@ -133,11 +136,41 @@ class ToolFailure(Exception):
 
 @dataclass
 class Tool:
-    """A tool the policy may call: ``fn(**arguments) -> str``; ``arguments`` are the required names."""
+    """A tool the policy may call: ``fn(**arguments) -> str``; ``arguments`` are the required names,
+    ``optional`` the names it may also take."""
 
     fn: Any
     arguments: tuple[str, ...]
     description: str = ""
+    optional: tuple[str, ...] = ()
+
+    def spec(self, name: str) -> dict[str, Any]:
+        """As ``Env.tool_specs`` (OpenAI function shape; argument types unknown: strings)."""
+        props = {a: {"type": "string"} for a in (*self.arguments, *self.optional)}
+        return {"name": name, "description": self.description,
+                "parameters": {"type": "object", "properties": props, "required": list(self.arguments)}}
+
+
+class McpFunction:
+    """A :class:`Tool` function that calls one MCP tool: the tool's own failure is a
+    ``ToolFailure`` (shown to the policy); a lost or silent server raises :class:`McpServerError`."""
+
+    def __init__(self, box: McpToolbox, tool: McpTool):
+        self.box, self.tool = box, tool
+
+    def __call__(self, **arguments: Any) -> str:
+        text, is_error = self.box.call(self.tool.name, arguments)
+        if is_error:
+            raise ToolFailure(text)
+        return text
+
+    def spec(self) -> dict[str, Any]:
+        return self.tool.spec()
+
+
+def mcp_tools(box: McpToolbox) -> dict[str, Tool]:
+    """The toolbox's tools as :class:`Tool` entries for a ToolEnv's ``tools``."""
+    return {name: Tool(McpFunction(box, t), t.required, t.description, t.optional) for name, t in box.tools().items()}
 
 
 class ToolEnv:
@@ -154,6 +187,18 @@ class ToolEnv:
 
     tools: dict[str, Tool] = {}
     max_turns: int = 3
+    #: MCP servers whose tools join ``tools`` at each reset (:mod:`otray.mcp_tools`; set by
+    #: :meth:`use_mcp_servers`). A server that dies or hangs fails the step: an error record.
+    mcp_servers: tuple[str, ...] = ()
+    mcp_call_timeout_s: float = 30.0
+
+    def use_mcp_servers(self, servers: list[str] | tuple[str, ...], call_timeout_s: float = 30.0) -> None:
+        """Take tools from these MCP servers too (``stdio:MODULE``, an http(s) URL, or an admin's ``cmd:``);
+        each call within ``call_timeout_s``. The env then lists its tools in ``tool_specs``."""
+        from otray.mcp_tools import check_server
+
+        self.mcp_servers = tuple(check_server(s) for s in servers)
+        self.mcp_call_timeout_s = float(call_timeout_s)
 
     def start(self, task: Any) -> str:
         raise NotImplementedError
@@ -164,6 +209,13 @@ class ToolEnv:
     def reset(self, task: Any, seed: int | None = None) -> tuple[str, dict[str, Any]]:
         self._turn, self._live = 0, True
         self._info: dict[str, Any] = {"tool_calls": 0, "tool_errors": 0}
+        if self.mcp_servers:
+            from otray.mcp_tools import toolbox
+
+            mcp = mcp_tools(toolbox(list(self.mcp_servers), self.mcp_call_timeout_s))
+            self.tools = {**type(self).tools, **mcp}
+            self.tool_specs = [t.spec(name) for name, t in type(self).tools.items()] + [
+                mcp[name].fn.spec() for name in mcp]
         return self.start(task), {}
 
     def step(self, action: str):
@@ -194,9 +246,11 @@ class ToolEnv:
         if tool is None:
             self._info["tool_errors"] += 1
             return tool_error(f"unknown tool {call.name!r}; tools: {', '.join(self.tools)}")
-        if set(call.arguments) != set(tool.arguments):
+        given, required = set(call.arguments), set(tool.arguments)
+        if not required <= given <= required | set(tool.optional):
             self._info["tool_errors"] += 1
-            return tool_error(f"{call.name} takes arguments {list(tool.arguments)}, got {sorted(call.arguments)}")
+            takes = list(tool.arguments) + [f"{a} (optional)" for a in tool.optional]
+            return tool_error(f"{call.name} takes arguments {takes}, got {sorted(call.arguments)}")
         try:
             return tool_response(str(tool.fn(**call.arguments)))
         except ToolFailure as e:

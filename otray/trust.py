@@ -8,10 +8,12 @@ or touch something the caller does not own:
 - **Import paths** (``module:attr`` in ``dataset.builder`` / ``generator``, ``envs.X.entry``,
   ``game.entry`` / ``game.text``, ``scripted:module:fn`` policies, and import-path
   strings inside ``kwargs`` such as the gymnasium adapter's ``env`` or an OpenReward
-  env's ``base_url: local:MODULE``) must name a module of :data:`BUNDLED_MODULES` or one an
+  env's ``base_url: local:MODULE``, an MCP server's ``stdio:MODULE``) must name a module of
+  :data:`BUNDLED_MODULES` or one an
   admin allowed (``otray modules allow``), and an attribute defined in that module (its
   ``__module__``; not one it imported: ``envs.x:os`` and ``otray.env:import_object`` are refused),
   or one of the :data:`REEXPORTS`.
+- **Commands**: an MCP server given as a command (``cmd:...`` in kwargs) is refused.
 - **Checkpoints** (``checkpoint.resume_from``, ``infer.checkpoint``, ``frozen:`` policies)
   must be ``JOB_ID[:STEP]`` references, which the ResourceManager checks are the
   caller's; a directory path is refused.
@@ -43,7 +45,8 @@ from otray.types import OtrayError
 # discovered from the file system: a file a job managed to write is never on this list.
 BUNDLED_MODULES = frozenset({
     "envs.answers", "envs.arithmetic", "envs.bandit", "envs.calculator", "envs.coin", "envs.connect_four_text",
-    "envs.frozen_lake", "envs.gomoku", "envs.guess_number", "envs.math_word", "envs.openreward",
+    "envs.frozen_lake", "envs.gomoku", "envs.guess_number", "envs.math_word", "envs.mcp_calc_server",
+    "envs.mcp_env", "envs.openreward",
     "envs.openreward_examples", "envs.python_tool", "envs.rps", "envs.textworld_env", "envs.textworld_games",
     "envs.tictactoe_text",
     "otray.env", "otray.games",
@@ -147,11 +150,12 @@ def import_refs(cfg: Any) -> list[tuple[str, str]]:
 
 
 def _kwarg_refs(kwargs: dict[str, Any], key: str) -> list[tuple[str, str]]:
-    """Import paths hidden in kwargs: ``local:MODULE`` URLs and ``module:attr`` strings."""
+    """Import paths hidden in kwargs: ``local:MODULE`` URLs, ``stdio:MODULE`` MCP servers and ``module:attr``
+    strings."""
     out = []
     for k, text in _kwarg_strings(kwargs, key):
-        if text.startswith("local:"):
-            out.append((k, text.removeprefix("local:")))
+        if text.startswith(("local:", "stdio:")):
+            out.append((k, text.partition(":")[2]))
         elif _IMPORT_PATH.fullmatch(text):
             out.append((k, text))
     return out
@@ -220,6 +224,13 @@ def confine(cfg: Any, caller: Caller, allowed: frozenset[str], area: Path, urls:
         return cfg
     for key, ref in import_refs(cfg):
         check_import(key, ref, allowed)
+    for key, kwargs in _kwarg_sections(cfg):
+        for k, text in _kwarg_strings(kwargs, key):
+            if text.startswith("cmd:"):
+                raise ForbiddenConfigError(
+                    f"{k}: {text!r} starts a command, and an MCP server's command is code only an admin may run; "
+                    "name a server module ('stdio:MODULE', bundled or allowed by an admin with `otray modules "
+                    "allow`) or an address an admin allowed")
     for key, url in url_refs(cfg):
         if normal_url(url) not in urls:
             raise ForbiddenConfigError(

@@ -18,6 +18,7 @@ SMOKE = {
     "guess_number.yaml": ["sft.steps=2", "sft.stop_at_accuracy=null", "algo.steps=2", "algo.batch_size=2",
                           "eval.num_samples=4"],
     "bandit.yaml": ["algo.steps=2", "algo.batch_size=2", "eval.num_samples=4"],
+    "mcp_calculator.yaml": ["algo.steps=2", "algo.batch_size=2", "eval.num_samples=4"],
     "math_word.yaml": ["algo.steps=2", "algo.batch_size=2", "eval.num_samples=4"],
     "calculator.yaml": ["algo.steps=2", "algo.batch_size=2", "eval.num_samples=4"],
     "math_code.yaml": ["algo.steps=2", "algo.batch_size=2", "eval.num_samples=2"],
@@ -71,7 +72,7 @@ def test_config_runs_two_steps(ray_local, tmp_path, name):
             assert f"eval/{env}/reward_mean" in rows[-1] and f"eval/{env}/turns_mean" in rows[-1]
         assert any(k.startswith("env/") and k.endswith("/reward_mean") for k in rows[-1])
         for env in cfg.envs:  # tool envs: tool calls and their error rate
-            if env in ("calculator", "tool_addition"):
+            if env in ("calculator", "tool_addition"):  # (mcp_calculator's env is also named calculator)
                 assert f"eval/{env}/tool_error_rate" in rows[-1], sorted(rows[-1])
 
 
