@@ -82,6 +82,7 @@ BUNDLED = {
     "bandit": "envs.bandit:Bandit", "guess_number": "envs.guess_number:GuessNumber",
     "openreward": "envs.openreward:OpenRewardEnv", "gymnasium": "otray.gym_env:GymnasiumEnv",
     "textworld": "envs.textworld_env:TextWorldEnv", "mcp": "envs.mcp_env:McpToolEnv",
+    "verifiers": "envs.verifiers_env:VerifiersEnv",
 }
 
 

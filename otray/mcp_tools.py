@@ -29,6 +29,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any
 
+from otray.loop_thread import submit
 from otray.types import ConfigError, OtrayError
 
 SCHEMES = ("stdio:", "http://", "https://", "cmd:")
@@ -78,22 +79,6 @@ def _target(spec: str) -> Any:
         argv = shlex.split(spec.removeprefix("cmd:"))
         return StdioServerParameters(command=argv[0], args=argv[1:])
     return spec
-
-
-# --------------------------------------------------------------------------- the event loop thread
-
-_loop_lock = threading.Lock()
-_loop: asyncio.AbstractEventLoop | None = None
-
-
-def _event_loop() -> asyncio.AbstractEventLoop:
-    """One event loop per process, on a daemon thread: every MCP connection of the process lives there."""
-    global _loop
-    with _loop_lock:
-        if _loop is None:
-            _loop = asyncio.new_event_loop()
-            threading.Thread(target=_loop.run_forever, name="otray-mcp", daemon=True).start()
-        return _loop
 
 
 class _Connection:
@@ -183,7 +168,7 @@ class McpToolbox:
         self._lock = threading.Lock()
 
     def _on_loop(self, coro: Any, timeout_s: float) -> Any:
-        future = asyncio.run_coroutine_threadsafe(coro, _event_loop())
+        future = submit(coro)
         try:
             return future.result(timeout_s + 5)  # the coroutine keeps its own limits; this is a backstop
         except FutureTimeout:
@@ -247,7 +232,7 @@ class McpToolbox:
             self._tools = None
             conn = self._conns.pop(spec, None)
         if conn is not None:
-            asyncio.run_coroutine_threadsafe(conn.close(), _event_loop())
+            submit(conn.close())
 
     def close(self) -> None:
         for spec in list(self._conns):

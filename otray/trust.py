@@ -8,7 +8,8 @@ or touch something the caller does not own:
 - **Import paths** (``module:attr`` in ``dataset.builder`` / ``generator``, ``envs.X.entry``,
   ``game.entry`` / ``game.text``, ``scripted:module:fn`` policies, and import-path
   strings inside ``kwargs`` such as the gymnasium adapter's ``env`` or an OpenReward
-  env's ``base_url: local:MODULE``, an MCP server's ``stdio:MODULE``) must name a module of
+  env's ``base_url: local:MODULE``, an MCP server's ``stdio:MODULE``, a verifiers ``env_id``) must name a
+  module of
   :data:`BUNDLED_MODULES` or one an
   admin allowed (``otray modules allow``), and an attribute defined in that module (its
   ``__module__``; not one it imported: ``envs.x:os`` and ``otray.env:import_object`` are refused),
@@ -48,7 +49,7 @@ BUNDLED_MODULES = frozenset({
     "envs.frozen_lake", "envs.gomoku", "envs.guess_number", "envs.math_word", "envs.mcp_calc_server",
     "envs.mcp_env", "envs.openreward",
     "envs.openreward_examples", "envs.python_tool", "envs.rps", "envs.textworld_env", "envs.textworld_games",
-    "envs.tictactoe_text",
+    "envs.tictactoe_text", "envs.verifiers_env", "envs.vf_reverse_text",
     "otray.env", "otray.games",
     "pettingzoo.classic.tictactoe_v3", "pettingzoo.classic.connect_four_v3",  # PettingZoo's own games, unmodified
 })
@@ -150,11 +151,13 @@ def import_refs(cfg: Any) -> list[tuple[str, str]]:
 
 
 def _kwarg_refs(kwargs: dict[str, Any], key: str) -> list[tuple[str, str]]:
-    """Import paths hidden in kwargs: ``local:MODULE`` URLs, ``stdio:MODULE`` MCP servers and ``module:attr``
-    strings."""
+    """Import paths hidden in kwargs: ``local:MODULE`` URLs, ``stdio:MODULE`` MCP servers, a verifiers
+    ``env_id`` (the module it names) and ``module:attr`` strings."""
     out = []
     for k, text in _kwarg_strings(kwargs, key):
-        if text.startswith(("local:", "stdio:")):
+        if k.endswith(".env_id"):  # a verifiers environment: the module its id names is imported
+            out.append((k, text.replace("-", "_").split("/")[-1]))
+        elif text.startswith(("local:", "stdio:")):
             out.append((k, text.partition(":")[2]))
         elif _IMPORT_PATH.fullmatch(text):
             out.append((k, text))

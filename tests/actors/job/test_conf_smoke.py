@@ -19,6 +19,7 @@ SMOKE = {
                           "eval.num_samples=4"],
     "bandit.yaml": ["algo.steps=2", "algo.batch_size=2", "eval.num_samples=4"],
     "mcp_calculator.yaml": ["algo.steps=2", "algo.batch_size=2", "eval.num_samples=4"],
+    "verifiers_reverse.yaml": ["algo.steps=2", "algo.batch_size=2", "eval.num_samples=4"],
     "math_word.yaml": ["algo.steps=2", "algo.batch_size=2", "eval.num_samples=4"],
     "calculator.yaml": ["algo.steps=2", "algo.batch_size=2", "eval.num_samples=4"],
     "math_code.yaml": ["algo.steps=2", "algo.batch_size=2", "eval.num_samples=2"],
