@@ -170,8 +170,9 @@ class TextWorldEnv(Env):
         self._score = int(score)
         finished = won or lost or bool(game_over)
         done = finished or self._steps >= self.max_turns
-        self._live = not done
         text = clean_feedback(self._state.feedback or "")
+        if done:
+            self.close()  # the interpreter is freed as soon as the game ends
         return StepResult(text if done else self._with_commands(text), reward, done, self._info(),
                           finished=finished if done else None)
 

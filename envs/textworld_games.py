@@ -75,16 +75,19 @@ def _generate(challenge: str, settings: dict[str, Any], seed: int, path: Path) -
 
 def make_games(out_dir: str | Path, *, challenge: str = "tw-treasure_hunter", settings: dict[str, Any] | None = None,
                eval_settings: dict[str, Any] | None = None, num_train: int = 50, num_eval: int = 20,
-               seed: int = 0) -> dict[str, Path]:
+               seed: int = 0, max_opening_chars: int | None = None) -> dict[str, Path]:
     """Generate ``num_train`` + ``num_eval`` distinct games of ``challenge`` (``settings`` as ``tw-make``
     takes them, ``eval_settings`` for the eval split when it should differ, e.g. ``tw-simple``'s ``test``)
-    and write ``games/`` plus ``train.jsonl``/``eval.jsonl`` rows in a folder of ``out_dir`` named by them."""
+    and write ``games/`` plus ``train.jsonl``/``eval.jsonl`` rows in a folder of ``out_dir`` named by them.
+    ``max_opening_chars`` skips games whose opening observation (objective, first room and admissible
+    commands, as the env shows it) is longer: a small model's context holds the rest (both splits alike)."""
     import textworld
 
     train_settings = challenge_settings(challenge, settings)
     wanted = {"train": (num_train, train_settings),
               "eval": (num_eval, challenge_settings(challenge, {**(settings or {}), **(eval_settings or {})}))}
-    key = json.dumps([challenge, wanted, seed], sort_keys=True, default=str)
+    key = json.dumps([challenge, wanted, seed] + ([max_opening_chars] if max_opening_chars else []),
+                     sort_keys=True, default=str)
     home = Path(out_dir) / f"{challenge}-{hashlib.sha1(key.encode()).hexdigest()[:10]}"
     paths, built = dataset_paths(home, {"train": "train.jsonl", "eval": "eval.jsonl"})
     if built:
@@ -105,6 +108,10 @@ def make_games(out_dir: str | Path, *, challenge: str = "tw-treasure_hunter", se
                 continue
             seen.add(digest)
             textworld.generator.compile_game(game, options)
+            if max_opening_chars and len(opening(path)) > max_opening_chars:
+                for f in path.parent.glob(path.stem + ".*"):
+                    f.unlink()
+                continue
             walk = list(game.metadata.get("walkthrough") or (game.main_quest.commands if game.main_quest else []))
             rows.append({"id": f"{split}-{game_seed}", "game": str(path.resolve()), "walkthrough": walk,
                          "objective": game.objective, "seed": game_seed})
@@ -115,6 +122,17 @@ def make_games(out_dir: str | Path, *, challenge: str = "tw-treasure_hunter", se
         tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
         tmp.rename(paths[split])  # the split appears whole or not at all
     return paths
+
+
+def opening(path: Path) -> str:
+    """A game's first observation as :class:`envs.textworld_env.TextWorldEnv` shows it (admissible commands on)."""
+    from envs.textworld_env import TextWorldEnv
+
+    env = TextWorldEnv(admissible=True)
+    try:
+        return env.reset(Task(path.stem, "textworld", {"game": str(path)}))[0]
+    finally:
+        env.close()
 
 
 def play_walkthrough(row: dict[str, Any], env_kwargs: dict[str, Any] | None = None) -> tuple[list[dict[str, str]], bool]:

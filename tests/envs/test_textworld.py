@@ -43,6 +43,16 @@ def test_builder_makes_distinct_games_per_split_and_is_idempotent(built):
     assert other["train"].parent != again["train"].parent
 
 
+def test_builder_can_keep_only_games_with_short_openings(tmp_path):
+    rows = make_games(tmp_path, **{**GAMES, "num_train": 2, "num_eval": 1}, max_opening_chars=420)
+    kept = [json.loads(ln) for p in rows.values() for ln in p.read_text().splitlines()]
+    assert len(kept) == 3
+    env = TextWorldEnv()
+    assert all(len(env.reset(task(r))[0]) <= 420 for r in kept)
+    env.close()
+    assert len(list((rows["train"].parent / "games").glob("*.z8"))) == 3  # skipped games leave no files
+
+
 def test_builder_errors_name_the_setting(tmp_path):
     with pytest.raises(ConfigError, match="unknown TextWorld challenge 'tw-nope'.*tw-treasure_hunter"):
         make_games(tmp_path, challenge="tw-nope")
