@@ -99,7 +99,7 @@ def _infos() -> Any:
     from textworld import EnvInfos
 
     return EnvInfos(admissible_commands=True, won=True, lost=True, score=True, max_score=True, objective=True,
-                    feedback=True, extras=["walkthrough"])
+                    feedback=True)
 
 
 class TextWorldEnv(Env):
@@ -182,10 +182,6 @@ class TextWorldEnv(Env):
             game.close()
 
     # ------------------------------------------------------------------ helpers
-
-    def walkthrough(self) -> list[str]:
-        """The game's own solution (after ``reset``): the commands that win it."""
-        return list(self._state.get("extra.walkthrough") or []) if self._state is not None else []
 
     def _admissible(self) -> set[str]:
         return {" ".join(c.lower().split()) for c in (self._state.admissible_commands or [])}
