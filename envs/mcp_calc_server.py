@@ -4,9 +4,10 @@ Run it over stdio (what ``stdio:envs.mcp_calc_server`` in an env's ``mcp_servers
 
     python -m envs.mcp_calc_server
 
-or over Streamable HTTP::
+or, given a port, over Streamable HTTP (the ``python -m MODULE --port P`` shape that
+``envs.openreward.start_server`` starts)::
 
-    python -m envs.mcp_calc_server --http --port 8765     # -> http://127.0.0.1:8765/mcp
+    python -m envs.mcp_calc_server --port 8765     # -> http://127.0.0.1:8765/mcp
 
 Tools: ``calculate(expression)`` (the calculator env's exact evaluator, never Python's ``eval``),
 ``add(a, b)``, ``multiply(a, b)``. ``sleep(seconds)`` and ``crash()`` exist for tests of hung and dying
@@ -65,10 +66,9 @@ def crash() -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--http", action="store_true", help="serve Streamable HTTP instead of stdio")
-    parser.add_argument("--port", type=int, default=8765)
+    parser.add_argument("--port", type=int, help="serve Streamable HTTP on this port (else stdio)")
     args = parser.parse_args()
-    if args.http:
+    if args.port is not None:
         server.run("streamable-http", host="127.0.0.1", port=args.port)
     else:
         server.run()

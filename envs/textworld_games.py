@@ -34,6 +34,13 @@ SEED_STRIDE = 1_000_003  # split s draws seeds seed*SEED_STRIDE + offset(s) + i:
 MAX_TRIES = 20  # seeds tried per game wanted before a split is declared too small to fill
 
 
+def write_whole(path: Path, lines: list[str]) -> None:
+    """Write JSONL lines so that the file appears whole or not at all (a killed build leaves no half split)."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(line + "\n" for line in lines))
+    tmp.rename(path)
+
+
 def challenge_settings(challenge: str, settings: dict[str, Any] | None) -> dict[str, Any]:
     """``settings`` completed with the challenge's defaults, through the challenge's own argument parser
     (so a missing required setting, e.g. treasure hunter's ``level``, is named the way ``tw-make`` names it)."""
@@ -118,9 +125,7 @@ def make_games(out_dir: str | Path, *, challenge: str = "tw-treasure_hunter", se
         if len(rows) < count:
             raise ConfigError(f"{challenge} with settings {settings!r} gave only {len(rows)} distinct {split} games "
                               f"of the {count} asked in {count * MAX_TRIES} seeds: ask for fewer or a harder level")
-        tmp = paths[split].with_suffix(".tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-        tmp.rename(paths[split])  # the split appears whole or not at all
+        write_whole(paths[split], [json.dumps(r) for r in rows])
     return paths
 
 
@@ -173,8 +178,6 @@ def make_demos(out_dir: str | Path, *, env_kwargs: dict[str, Any] | None = None,
             msgs, won = play_walkthrough(row, env_kwargs)
             if not won:
                 raise ConfigError(f"game {row['id']}: its walkthrough {row['walkthrough']} does not win it")
-            out.append(json.dumps({"id": f"demo-{row['id']}", "messages": msgs}) + "\n")
-        tmp = paths[split].with_suffix(".tmp")
-        tmp.write_text("".join(out))
-        tmp.rename(paths[split])
+            out.append(json.dumps({"id": f"demo-{row['id']}", "messages": msgs}))
+        write_whole(paths[split], out)
     return paths

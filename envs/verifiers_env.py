@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from otray.env import Env, StepResult, dataset_paths, register
-from otray.loop_thread import submit
+from otray.loop_thread import event_loop, submit
 from otray.tools import parse_tool_calls
 from otray.types import ConfigError, EnvStateError, OtrayError, Task
 
@@ -157,18 +157,13 @@ class VerifiersEnv(Env):
     def step(self, action: str) -> StepResult:
         if self._rollout is None or self._rollout.done():
             raise EnvStateError("VerifiersEnv.step called before reset (or after the episode ended)")
-        self._rollout_loop_call(self._reply.set_result, action)
+        event_loop().call_soon_threadsafe(self._reply.set_result, action)  # (futures belong to their loop)
         messages = self._next()
         if messages is None:
             return self._end()
         shown = messages[self._seen + 1:]  # after the previous prompt and the policy's reply
         self._seen = len(messages)
         return StepResult(render(shown), None, False, {})
-
-    def _rollout_loop_call(self, fn: Any, *args: Any) -> None:
-        from otray.loop_thread import event_loop
-
-        event_loop().call_soon_threadsafe(fn, *args)
 
     def _end(self) -> StepResult:
         state = self._rollout.result()

@@ -3,14 +3,13 @@ servers the tests start: the bundled one over stdio and over Streamable HTTP, an
 (tests/fixtures/mcp_servers.py). A server that hangs or dies ends the step with its cause, never hangs
 it; a non-admin cannot start a command through a config."""
 
-import socket
-import subprocess
 import sys
 import time
 
 import pytest
 
 from envs.mcp_env import McpToolEnv
+from envs.openreward import start_server
 from otray import config
 from otray.coordinator.agent_loop import AgentLoop, Limits
 from otray.env import check_env, make
@@ -52,21 +51,9 @@ def test_stdio_server_tools_through_the_env():
 
 
 def test_streamable_http_server():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "envs.mcp_calc_server", "--http", "--port", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc, url = start_server("envs.mcp_calc_server")
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                assert proc.poll() is None and time.monotonic() < deadline, "the HTTP MCP server did not start"
-                time.sleep(0.2)
-        env = McpToolEnv(mcp_servers=[f"http://127.0.0.1:{port}/mcp"])
+        env = McpToolEnv(mcp_servers=[f"{url}/mcp"])
         env.reset(TASK)
         assert env.step(call("multiply", a=6, b=7)).observation == "<tool_response>42</tool_response>"
     finally:
