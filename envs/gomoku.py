@@ -19,6 +19,7 @@ The text side (what an LLM sees and says) is :func:`render_text` and
 
 from __future__ import annotations
 
+import random
 import re
 from typing import Any
 
@@ -180,12 +181,23 @@ def _line_through(stones: np.ndarray, row: int, col: int) -> int:
     return best
 
 
-def heuristic(observation: dict[str, np.ndarray], agent: str) -> int:
+def heuristic(observation: dict[str, np.ndarray], agent: str, random_prob: float = 0.0,
+              rng: random.Random | None = None) -> int:
     """A scripted player: the empty cell that makes its longest line, or blocks the opponent's longer one
-    (a win beats a block, a block of a win beats anything else), nearer the centre on ties."""
+    (a win beats a block, a block of a win beats anything else), nearer the centre on ties.
+
+    With ``random_prob`` it plays a uniformly random empty cell instead, that often: OpenTinker's Gomoku
+    opponent is this player with ``random_prob=0.3`` (``scripted:envs.gomoku:heuristic(random_prob=0.3)``).
+    The coordinator passes ``rng`` (seeded by game and move), so its games replay exactly."""
     planes = observation["observation"]
     size, mask = planes.shape[0], observation["action_mask"]
     centre = (size - 1) / 2
+    if not 0.0 <= random_prob <= 1.0:
+        raise ValueError(f"random_prob is a probability, got {random_prob}")
+    if random_prob > 0:
+        rng = rng or random.Random()
+        if rng.random() < random_prob:
+            return int(rng.choice(np.flatnonzero(mask)))
 
     def score(action: int) -> float:
         row, col = divmod(action, size)

@@ -250,6 +250,10 @@ class GameSection:
     temperature: float = 1.0
     max_tokens_per_turn: int = 8
     max_tokens_per_episode: int = 64
+    # moves (all agents') after which an unfinished game ends as a timeout (OpenTinker's fourth outcome);
+    # None: only the token and context budgets end a game early
+    max_turns: Optional[int] = None
+    elo_k: float = 16.0  # the Elo table's update size (otray/algos/ratings.py); ``random`` is pinned at 1000
     # whom each trained policy meets in evaluation (in every role): random | scripted:... | frozen:...
     eval_opponents: list[str] = field(default_factory=lambda: ["random"])
     eval_games: int = 100  # per role and opponent

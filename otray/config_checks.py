@@ -69,6 +69,11 @@ def check_values(cfg: Any) -> None:
                 raise ConfigError(f"game.{key} is missing: give an import path 'module:attr'")
         one_of(cfg.game.on_exhausted, ("random", "forfeit"), "game.on_exhausted")
         one_of(cfg.game.context, ("game", "turn"), "game.context")
+        if cfg.game.max_turns is not None and cfg.game.max_turns < 1:
+            raise ConfigError(f"game.max_turns={cfg.game.max_turns}: give the moves after which an unfinished "
+                              "game is a timeout (>= 1), or leave it out for no limit")
+        if cfg.game.elo_k <= 0:
+            raise ConfigError(f"game.elo_k={cfg.game.elo_k} must be positive (16 is usual)")
         if not any(p.kind == "trained" for p in seating(cfg).values()):
             raise ConfigError(f"game.policies must map agents to trained[:NAME] | frozen:REF | random | "
                               f"scripted:module:fn, with at least one trained agent; got {dict(cfg.game.policies)}")

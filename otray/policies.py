@@ -6,7 +6,10 @@ names evaluation opponents the same way (``game.eval_opponents``):
 - ``trained`` or ``trained:NAME``: a policy the job trains (``trained`` is ``trained:main``);
 - ``frozen:REF``: a fixed model; REF is ``JOB_ID[:STEP]``, a checkpoint or a model directory;
 - ``random``: a uniformly random legal move;
-- ``scripted:module:fn``: ``fn(observation, agent) -> action``.
+- ``scripted:module:fn``: ``fn(observation, agent) -> action``; ``scripted:module:fn(k=v, ...)``
+  passes literal keyword arguments (``scripted:envs.gomoku:heuristic(random_prob=0.3)``). A
+  function with a parameter named ``rng`` is also given a ``random.Random`` seeded by the game
+  seed and move number, so its games replay exactly.
 
 Everything past the config works with :class:`PolicySpec` values; ``str(spec)`` gives the
 canonical text back (what the coordinator's policy library is keyed by).
@@ -14,13 +17,17 @@ canonical text back (what the coordinator's policy library is keyed by).
 
 from __future__ import annotations
 
+import ast
+import re
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 from otray.types import ConfigError
 
 KINDS = ("trained", "frozen", "random", "scripted")
+_SCRIPTED = re.compile(r"([\w.]+:[\w.]+)(?:\((.*)\))?", re.S)
 
 
 @dataclass(frozen=True)
@@ -37,7 +44,30 @@ class PolicySpec:
         if kind not in KINDS or (kind == "random") != (arg == ""):
             raise ConfigError(f"{where}: {text!r} is not a policy; write trained[:NAME] | frozen:REF | random | "
                               "scripted:module:fn")
-        return cls(kind, arg)
+        spec = cls(kind, arg)
+        if kind == "scripted":
+            try:
+                spec.call()
+            except ValueError as e:
+                raise ConfigError(f"{where}: {e}") from None
+        return spec
+
+    def call(self) -> tuple[str, dict[str, Any]]:
+        """A scripted policy's import path and keyword arguments: ``m:fn(k=1)`` -> ``("m:fn", {"k": 1})``."""
+        found = _SCRIPTED.fullmatch(self.arg.strip())
+        if found is None:
+            raise ValueError(f"scripted policy {self.arg!r}: write module:fn or module:fn(name=value, ...)")
+        kwargs: dict[str, Any] = {}
+        if found.group(2) and found.group(2).strip():
+            try:
+                call = ast.parse(f"f({found.group(2)})", mode="eval").body
+                if not isinstance(call, ast.Call) or call.args:
+                    raise ValueError("positional arguments")
+                kwargs = {kw.arg: ast.literal_eval(kw.value) for kw in call.keywords if kw.arg}
+            except (SyntaxError, ValueError) as e:
+                raise ValueError(f"scripted policy {self.arg!r}: its arguments must be name=literal pairs "
+                                 f"(numbers, strings, booleans), e.g. heuristic(random_prob=0.3) ({e})") from None
+        return found.group(1), kwargs
 
     def __str__(self) -> str:
         return self.kind if self.kind == "random" else f"{self.kind}:{self.arg}"
@@ -48,7 +78,27 @@ class PolicySpec:
         -> ``frozen-JOB_ID-7``, ``frozen:/runs/a/checkpoints/step-000010`` -> ``frozen-step-000010``."""
         if self.kind == "frozen":
             return "frozen-" + (Path(self.arg.rstrip("/")).name if "/" in self.arg else self.arg.replace(":", "-"))
+        if self.kind == "scripted":  # heuristic(random_prob=0.3) -> heuristic-random_prob-0.3
+            path, kwargs = self.call()
+            return "-".join([path.split(":")[-1], *(f"{k}-{v}" for k, v in kwargs.items())])
         return str(self).split(":")[-1]
+
+
+def scripted_function(spec: PolicySpec) -> Callable[..., Any]:
+    """The function a ``scripted:`` spec names, its keyword arguments bound; a ConfigError when it cannot be
+    imported or does not take them."""
+    import functools
+    import inspect
+
+    from otray.structured import import_object
+
+    path, kwargs = spec.call()
+    fn = import_object(path)
+    try:
+        inspect.signature(fn).bind_partial(None, None, **kwargs)
+    except TypeError as e:
+        raise ConfigError(f"scripted policy {spec.arg!r}: {path} does not take these arguments ({e})") from None
+    return functools.partial(fn, **kwargs) if kwargs else fn
 
 
 # ------------------------------------------------------------------ a job config's policies (cfg: otray.config.Config)

@@ -146,7 +146,7 @@ def import_refs(cfg: Any) -> list[tuple[str, str]]:
         refs += [("game.entry", cfg.game.entry), ("game.text", cfg.game.text)]
         specs = [(f"game.policies.{a}", p) for a, p in cfg.game.policies.items()]
         specs += [(f"game.eval_opponents[{i}]", p) for i, p in enumerate(cfg.game.eval_opponents)]
-        refs += [(key, PolicySpec.parse(p).arg) for key, p in specs if PolicySpec.parse(p).kind == "scripted"]
+        refs += [(key, PolicySpec.parse(p).call()[0]) for key, p in specs if PolicySpec.parse(p).kind == "scripted"]
     return refs
 
 

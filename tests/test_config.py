@@ -72,6 +72,8 @@ GAME = {"entry": "envs.gomoku:env", "text": "envs.gomoku:text", "policies": {"bl
     ({"policies": {"black": "trained:a", "white": "trained:b"}},
      {"sft": {"steps": 10, "splits": {"train": {"path": "x.jsonl"}}}}, "first policy only"),
     ({}, {"sft": {"stop_at_accuracy": 0.5}}, "stop_at_accuracy needs an env"),
+    ({"max_turns": 0}, {}, "game.max_turns=0"),
+    ({"elo_k": -1}, {}, "game.elo_k=-1"),
 ])
 def test_game_config_errors_name_the_problem(game, extra, match):
     with pytest.raises(ConfigError, match=match):
@@ -93,6 +95,8 @@ def test_policy_sets_and_bundles():
 @pytest.mark.parametrize("text, spec, label", [
     ("trained", ("trained", "main"), "main"), ("trained:w", ("trained", "w"), "w"), ("random", ("random", ""), "random"),
     ("scripted:envs.tictactoe_text:heuristic", ("scripted", "envs.tictactoe_text:heuristic"), "heuristic"),
+    ("scripted:envs.gomoku:heuristic(random_prob=0.3)", ("scripted", "envs.gomoku:heuristic(random_prob=0.3)"),
+     "heuristic-random_prob-0.3"),
     ("frozen:20260101-000000-abcdef:7", ("frozen", "20260101-000000-abcdef:7"), "frozen-20260101-000000-abcdef-7"),
     ("frozen:/runs/a/checkpoints/step-000010/", ("frozen", "/runs/a/checkpoints/step-000010/"), "frozen-step-000010")])
 def test_policy_specs_parse_once_and_print_back(text, spec, label):
@@ -101,6 +105,20 @@ def test_policy_specs_parse_once_and_print_back(text, spec, label):
     parsed = PolicySpec.parse(text)
     assert (parsed.kind, parsed.arg) == spec and parsed.label == label
     assert PolicySpec.parse(str(parsed)) == parsed  # the canonical text parses to the same spec
+
+
+@pytest.mark.parametrize("text, match", [
+    ("scripted:envs.gomoku:heuristic(0.3)", "name=literal"), ("scripted:envs.gomoku:heuristic(p=open('x'))", "name=literal"),
+    ("scripted:envs.gomoku:heuristic(p=0.3", "module:fn or module:fn"), ("scripted:heuristic", "module:fn or module:fn")])
+def test_scripted_arguments_are_literals(text, match):
+    from otray.policies import PolicySpec, scripted_function
+
+    with pytest.raises(ConfigError, match=match):
+        PolicySpec.parse(text, "game.eval_opponents")
+    fn = scripted_function(PolicySpec.parse("scripted:envs.gomoku:heuristic(random_prob=0.5)"))
+    assert fn.keywords == {"random_prob": 0.5}
+    with pytest.raises(ConfigError, match="does not take these arguments"):
+        scripted_function(PolicySpec.parse("scripted:envs.gomoku:heuristic(randomness=0.5)"))
 
 
 @pytest.mark.parametrize("text", ["", "frozen", "scripted", "random:x", "model:a", "trainedx"])

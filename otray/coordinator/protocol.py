@@ -28,6 +28,7 @@ games' envs live in the coordinator's process and only dataclasses cross.
 
 from __future__ import annotations
 
+import inspect
 import random
 import time
 import traceback
@@ -51,7 +52,7 @@ class Policy:
     name: str = ""
     generate: GenerateFn | None = None  # model, in process: a generate function
     params: SamplingParams = field(default_factory=lambda: SamplingParams(max_tokens=16))  # model
-    fn: Callable[[Any, str], int] | None = None  # scripted
+    fn: Callable[..., Any] | None = None  # scripted: fn(observation, agent[, rng=...]) -> action
     workers: tuple[Any, ...] = ()  # model, as an actor: rollout worker handles (the coordinator's fleet)
 
     def __post_init__(self) -> None:
@@ -62,6 +63,7 @@ class Policy:
         if self.kind == "scripted" and self.fn is None:
             raise ValueError(f"scripted policy {self.name!r} needs fn(observation, agent) -> action")
         self.name = self.name or self.kind
+        self.takes_rng = self.fn is not None and "rng" in inspect.signature(self.fn).parameters
 
 
 @dataclass
@@ -164,6 +166,8 @@ class ProtocolCoordinator:
         while True:
             by_policy: dict[str, list[tuple[_Game, str]]] = {}
             for g in games:
+                if len(g.moves) >= self.limits.max_turns and g.waiting():
+                    self._fail(g, "timeout", f"the game reached max_turns={self.limits.max_turns} moves unfinished")
                 waiting = g.waiting()
                 g.phases += bool(waiting)
                 for agent in waiting:  # agents sharing one policy share its call
@@ -185,8 +189,12 @@ class ProtocolCoordinator:
         if policy.kind != "model":
             for g, agent in decisions:
                 try:
-                    action = (random.Random(g.seed * 7919 + len(g.moves)).choice(g.bridge.legal(agent))
-                              if policy.kind == "random" else int(policy.fn(g.bridge.observation(agent), agent)))
+                    rng = random.Random(g.seed * 7919 + len(g.moves))  # the game's decisions replay exactly
+                    if policy.kind == "random":
+                        action = rng.choice(g.bridge.legal(agent))
+                    else:
+                        extra = {"rng": rng} if policy.takes_rng else {}
+                        action = policy.fn(g.bridge.observation(agent), agent, **extra)
                     self._apply(g, agent, g.bridge.play(agent, action))
                 except Exception as e:  # noqa: BLE001 - a scripted policy's bug ends that game only
                     self._fail(g, "policy_exception", e)

@@ -108,6 +108,7 @@ class Bridge:
     def play(self, agent: str, action: int) -> Decision:
         """Apply an action chosen without text (scripted and random policies); it must be legal."""
         self._check_turn(agent)
+        action = action if isinstance(action, str) else int(action)  # numpy integers from scripted policies
         if action not in self.legal(agent):
             raise ValueError(f"{agent} chose action {action}, which is not legal here")
         self._apply(agent, action)

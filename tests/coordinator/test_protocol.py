@@ -175,6 +175,47 @@ def test_scripted_heuristics_beat_random():
     assert gomoku.move_name(gomoku.heuristic(env.observe("black"), "black"), 5) == "D1"
 
 
+def test_heuristic_random_moves_replay_and_weaken_it():
+    """OpenTinker's opponent: the heuristic with a random move 30% of the time, drawn from the rng the
+    coordinator seeds per game and move, so the same seeds give the same games."""
+    import functools
+
+    noisy = Policy("scripted", fn=functools.partial(gomoku.heuristic, random_prob=0.3))
+    assert noisy.takes_rng
+    seats = {"black": Policy("scripted", fn=gomoku.heuristic), "white": noisy}
+    runs = [ProtocolCoordinator(_gomoku, GOMOKU_TEXT, seats).run(range(20)) for _ in range(2)]
+    assert [r.moves for r in runs[0]] == [r.moves for r in runs[1]]
+    assert len({tuple(r.moves) for r in runs[0]}) > 5  # the random moves vary the games
+    pure = ProtocolCoordinator(_gomoku, GOMOKU_TEXT, {"black": Policy("scripted", fn=gomoku.heuristic),
+                                                      "white": Policy("scripted", fn=gomoku.heuristic)}).run(range(20))
+    assert len({tuple(r.moves) for r in pure}) == 1  # without them every game is the same
+    always = functools.partial(gomoku.heuristic, random_prob=1.0)
+    vs_random = _play_many(_gomoku, {"black": Policy("scripted", fn=gomoku.heuristic),
+                                     "white": Policy("scripted", fn=always)}, 30)
+    assert sum(r.rewards["black"] > 0 for r in vs_random) >= 27  # random_prob=1 is the random player
+    env = _gomoku()
+    env.reset()
+    with pytest.raises(ValueError, match="probability"):
+        gomoku.heuristic(env.observe("black"), "black", random_prob=1.5)
+
+
+def test_max_turns_ends_unfinished_games_as_timeouts():
+    from otray.actors.job.game_source import game_rates
+
+    pol = {"black": Policy("random"), "white": Policy("random")}
+    limits = Limits(max_turns=6, max_tokens_per_turn=8, max_tokens_per_episode=64, max_model_len=512)
+    results = ProtocolCoordinator(_gomoku, GOMOKU_TEXT, pol, limits=limits).run(range(10))
+    assert all(len(r.moves) == 6 and r.error.kind == "timeout" and "max_turns=6" in r.error.message
+               for r in results)  # four in a row needs at least seven moves
+    rates = game_rates(results, "black")
+    assert rates["timeout_rate"] == 1.0 and rates["win_rate"] == rates["error_rate"] == 0.0
+    full = ProtocolCoordinator(_gomoku, GOMOKU_TEXT, pol).run(range(10))
+    rates = game_rates(full + results[:5], "black")  # 10 finished games and 5 timeouts
+    assert rates["timeout_rate"] == pytest.approx(1 / 3)
+    assert sum(v for k, v in rates.items() if k.endswith("_rate")) == pytest.approx(1.0)
+    assert rates["win_rate"] * 15 == sum(r.rewards["black"] > 0 for r in full)
+
+
 def test_turn_budget_must_fit_a_well_formed_reply(tokenizer):
     from envs import rps, tictactoe_text
     from otray.actors.job.game_source import check_turn_budget

@@ -27,12 +27,13 @@ from otray.checkpoints import frozen_model_dir
 from otray.actors.job.runtime import ActorFactory
 from otray.placement import in_bundle
 from otray.actors.job.step import Batch
+from otray.algos.ratings import EloTable, game_score
 from otray.config import Config, eval_opponents, policy_bundles, seating, trained_policies
 from otray.coordinator.agent_loop import Limits
 from otray.coordinator.protocol import GameResult, Played, Policy, ProtocolCoordinator
 from otray.coordinator.text_bridge import MoveRules
 from otray.games import GameText
-from otray.policies import PolicySpec
+from otray.policies import PolicySpec, scripted_function
 from otray.structured import import_object
 from otray.types import ConfigError, SamplingParams, Trajectory, TrajectoryGroup
 
@@ -94,15 +95,16 @@ class GameGroupSource:
             library[f"{spec}/greedy"] = Policy("model", name=f"{spec}/greedy", workers=workers, params=greedy)
         for spec in [*seating(cfg).values(), *self.opponents]:
             if spec.kind == "scripted":
-                library[str(spec)] = Policy("scripted", name=str(spec), fn=import_object(spec.arg))
+                library[str(spec)] = Policy("scripted", name=str(spec), fn=scripted_function(spec))
         self.coordinator = factory.start(ray.remote(num_cpus=0)(ProtocolCoordinator),
             in_bundle(factory.placement_group, 0), "coordinator",
             make_env, text, library, tokenizer, rules=MoveRules(g.max_retries, g.on_exhausted),
-            limits=Limits(max_turns=10_000, max_tokens_per_turn=g.max_tokens_per_turn,
+            limits=Limits(max_turns=g.max_turns or 10_000, max_tokens_per_turn=g.max_tokens_per_turn,
                           max_tokens_per_episode=g.max_tokens_per_episode, max_model_len=max_model_len),
             env_name=g.entry, context=g.context)
         ray.get(self.coordinator.ping.remote())
         self.next_seed = cfg.job.seed * 1_000_003  # the data position: seeds are used once
+        self.elo = EloTable(k=g.elo_k, anchor="random")  # every player evaluated so far, by label
         self.generate_s = 0.0
         self.first_rollout_at: float | None = None
 
@@ -178,25 +180,43 @@ class GameGroupSource:
                 for i, (name, opponent, role, _) in enumerate(runs)]
 
     def evaluate(self, step: int, greedy: bool) -> dict[str, float]:
-        """Win/draw/loss rates of :meth:`eval_games`; ``eval/accuracy`` is the mean win rate."""
+        """OpenTinker's four rates (:func:`game_rates`) per policy, role and opponent of :meth:`eval_games`;
+        every game with a result updates the job's Elo table (``elo/<player>``); ``eval/accuracy`` is the
+        mean win rate."""
         out, wins = {}, []
         for name, opponent, role, results in self.eval_games(greedy):
-            done = [r for r in results if r.error is None]
-            if not done:
+            if not results:
                 continue
             prefix = "eval/" + ("" if len(self.trained) == 1 else f"{name}/") + f"{role}_vs_{opponent.label}/"
-            out[prefix + "win_rate"] = statistics.fmean(r.rewards[role] > 0 for r in done)
-            out[prefix + "draw_rate"] = statistics.fmean(r.rewards[role] == 0 for r in done)
-            out[prefix + "loss_rate"] = statistics.fmean(r.rewards[role] < 0 for r in done)
-            out[prefix + "illegal_per_game"] = statistics.fmean(r.counts[role]["illegal"] for r in done)
+            out.update({prefix + k: v for k, v in game_rates(results, role).items()})
             wins.append(out[prefix + "win_rate"])
+            self.elo.record_all(name, opponent.label,
+                                [game_score(r.rewards[role]) for r in results if r.error is None])
         if wins:
             out[K.EVAL_ACCURACY] = statistics.fmean(wins)
-        return out
+        return {**out, **self.elo.metrics()}
 
     def state(self) -> dict[str, Any]:
-        return {"game_seed": self.next_seed}
+        return {"game_seed": self.next_seed, "elo": self.elo.state()}
 
     def load_state(self, state: dict[str, Any]) -> None:
         if "game_seed" in state:
             self.next_seed = state["game_seed"]
+        if "elo" in state:
+            self.elo = EloTable.from_state(state["elo"])
+
+
+TIMEOUT_KINDS = ("timeout", "context_full")  # a game that ran out of moves, tokens or context before it ended
+
+
+def game_rates(results: list[GameResult], role: str) -> dict[str, float]:
+    """OpenTinker's four outcome rates of ``role`` over ``results`` (win, loss, draw, timeout: a game that hit
+    ``game.max_turns`` or a token/context budget), the share that failed otherwise (``error_rate``: a policy's
+    exception, a failed generate call) and illegal moves per game; the five rates sum to 1."""
+    n = len(results)
+    done = [r.rewards[role] for r in results if r.error is None]
+    timeouts = sum(r.error is not None and r.error.kind in TIMEOUT_KINDS for r in results)
+    return {"win_rate": sum(x > 0 for x in done) / n, "loss_rate": sum(x < 0 for x in done) / n,
+            "draw_rate": sum(x == 0 for x in done) / n, "timeout_rate": timeouts / n,
+            "error_rate": (n - len(done) - timeouts) / n,
+            "illegal_per_game": statistics.fmean(r.counts[role]["illegal"] for r in results)}
