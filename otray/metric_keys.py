@@ -16,6 +16,7 @@ PHASE = "phase"  # one of PHASES
 REWARD_MEAN = "reward_mean"  # mean episode reward of the step's training rollouts
 LOSS = "loss"  # the learner's loss (SFT steps, Tinker training clients)
 EVAL_ACCURACY = "eval/accuracy"  # the headline held-out figure: success rate over the eval split
+ELO_PREFIX = "elo/"  # elo/<player>: a game job's Elo table after each eval (otray/algos/ratings.py)
 EVAL_SFT_LOSS = "eval/sft_loss"  # held-out loss of an SFT job without envs
 TOKENS_PER_S = "tokens_per_s"
 STEP_S = "step_s"  # the step's seconds as the job measured its parts
@@ -56,4 +57,4 @@ def headline_eval(row: Mapping[str, Any]) -> float | None:
 
 def for_dashboard() -> dict[str, str]:
     """The keys the dashboard's page plots, as ``/api/info`` serves them to it."""
-    return {"step": STEP, "reward": REWARD_MEAN, "loss": LOSS, "accuracy": EVAL_ACCURACY}
+    return {"step": STEP, "reward": REWARD_MEAN, "loss": LOSS, "accuracy": EVAL_ACCURACY, "elo_prefix": ELO_PREFIX}

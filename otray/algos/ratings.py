@@ -23,6 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from otray.metric_keys import ELO_PREFIX
+
 
 def expected_score(rating: float, other: float) -> float:
     """The probability-like score a player rated ``rating`` is expected to take from one rated ``other``."""
@@ -60,7 +62,7 @@ class EloTable:
         for s in scores:
             self.record(player, opponent, s)
 
-    def metrics(self, prefix: str = "elo/") -> dict[str, float]:
+    def metrics(self, prefix: str = ELO_PREFIX) -> dict[str, float]:
         """``elo/<player>`` for every rated player, rounded to a tenth of a point."""
         return {prefix + name: round(r, 1) for name, r in sorted(self.ratings.items())}
 

@@ -216,6 +216,13 @@ def test_dashboard_in_headless_chromium(served, ray_local, tmp_path, tiny_path):
         except Exception as e:
             raise AssertionError(f"{page.inner_text('#status')} / {problems}") from e
         page.wait_for_selector("#episodes .episode .turn.assistant", timeout=15_000)  # the trajectory viewer
+        # an SFT job has no Elo table; a game job's elo/<player> rows draw one line per player
+        assert page.is_hidden("#figure-elo")
+        drawn = page.evaluate("""() => { const svg = document.getElementById('chart-elo');
+            chart(svg, prefixedLines([{step: 0, 'elo/main': 1000, 'elo/random': 1000, reward_mean: 0.1},
+                                      {step: 5, 'elo/main': 1100, 'elo/heuristic': 1200}], KEYS.elo_prefix));
+            return [...svg.querySelectorAll('polyline')].map(p => [p.dataset.name, p.getAttribute('points').split(' ').length]); }""")
+        assert drawn == [["heuristic", 1], ["main", 2], ["random", 1]]
         assert "advantage" in page.inner_text("#episodes .episode .meta")
         page.click(f"button.cancel[data-id='{running}']")
         deadline = time.time() + 30

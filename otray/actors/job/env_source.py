@@ -185,6 +185,9 @@ class EnvGroupSource:
     def state(self) -> dict[str, Any]:
         return {"mixture": self.mixture.state()}
 
+    def lasting_state(self) -> dict[str, Any]:
+        return {}
+
     def load_state(self, state: dict[str, Any]) -> None:
         if "mixture" in state:
             self.mixture.load_state(state["mixture"])

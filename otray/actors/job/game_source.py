@@ -197,7 +197,10 @@ class GameGroupSource:
         return {**out, **self.elo.metrics()}
 
     def state(self) -> dict[str, Any]:
-        return {"game_seed": self.next_seed, "elo": self.elo.state()}
+        return {"game_seed": self.next_seed}
+
+    def lasting_state(self) -> dict[str, Any]:
+        return {"elo": self.elo.state()}
 
     def load_state(self, state: dict[str, Any]) -> None:
         if "game_seed" in state:

@@ -51,7 +51,11 @@ class GroupSource(Protocol):
     def state(self) -> dict[str, Any]:
         """The data position (saved with checkpoints so a resumed job draws the same next batch)."""
 
-    def load_state(self, state: dict[str, Any]) -> None: ...
+    def lasting_state(self) -> dict[str, Any]:
+        """What else a resumed job needs, as it is now rather than at the data position (a game's Elo table)."""
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        """Both of the above, as saved."""
 
 
 class Prefetcher:
@@ -90,7 +94,8 @@ class Prefetcher:
             clock.mark("rollout_wait")
 
     def state(self) -> dict[str, Any]:
-        return self.state_before if self.pending is not None else self.source.state()
+        position = self.state_before if self.pending is not None else self.source.state()
+        return {**position, **self.source.lasting_state()}
 
 
 @dataclass

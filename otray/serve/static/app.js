@@ -57,7 +57,10 @@ function renderJobs(jobs) {
   }));
 }
 
-function chart(svg, points) {
+const COLORS = ["#1760d6", "#c62828", "#18804b", "#a86b00", "#7b3fb8", "#00838f", "#555"];
+
+// lines: [{name, points: [[step, value], ...]}, ...]; one line is drawn without a legend
+function chart(svg, lines) {
   svg.replaceChildren();
   const ns = "http://www.w3.org/2000/svg";
   const add = (tag, attrs, text) => {
@@ -65,17 +68,31 @@ function chart(svg, points) {
     for (const [k, v] of Object.entries(attrs)) e.setAttribute(k, v);
     if (text != null) e.textContent = text;
     svg.append(e);
+    return e;
   };
   add("line", { class: "axis", x1: 30, y1: 140, x2: 410, y2: 140 });
   add("line", { class: "axis", x1: 30, y1: 10, x2: 30, y2: 140 });
-  if (!points.length) { add("text", { x: 40, y: 80 }, "no data yet"); return; }
-  const xs = points.map((p) => p[0]), ys = points.map((p) => p[1]);
+  const all = lines.flatMap((l) => l.points);
+  if (!all.length) { add("text", { x: 40, y: 80 }, "no data yet"); return; }
+  const xs = all.map((p) => p[0]), ys = all.map((p) => p[1]);
   const [x0, x1] = [Math.min(...xs), Math.max(...xs)], [y0, y1] = [Math.min(...ys), Math.max(...ys)];
   const sx = (x) => 30 + (x1 > x0 ? ((x - x0) / (x1 - x0)) * 380 : 190);
   const sy = (y) => 140 - (y1 > y0 ? ((y - y0) / (y1 - y0)) * 125 : 62);
-  add("polyline", { class: "line", points: points.map((p) => sx(p[0]) + "," + sy(p[1])).join(" ") });
-  add("text", { x: 0, y: 14 }, fmt(y1, 2)); add("text", { x: 0, y: 140 }, fmt(y0, 2));
+  lines.forEach((l, i) => {
+    const color = COLORS[i % COLORS.length];
+    add("polyline", { class: "line", style: "stroke:" + color, "data-name": l.name,
+                      points: l.points.map((p) => sx(p[0]) + "," + sy(p[1])).join(" ") });
+    if (lines.length > 1) add("text", { x: 40 + 95 * (i % 4), y: 10 + 11 * Math.floor(i / 4), style: "fill:" + color }, l.name);
+  });
+  add("text", { x: 0, y: 24 }, fmt(y1, 2)); add("text", { x: 0, y: 140 }, fmt(y0, 2));
   add("text", { x: 30, y: 155 }, "step " + x0); add("text", { x: 360, y: 155 }, "step " + x1);
+}
+
+// every metric key of the rows that starts with `prefix`, as one line each (elo/<player> -> <player>)
+function prefixedLines(rows, prefix) {
+  const keys = [...new Set(rows.flatMap((r) => Object.keys(r).filter((k) => k.startsWith(prefix))))].sort();
+  return keys.map((k) => ({ name: k.slice(prefix.length),
+    points: rows.filter((r) => typeof r[k] === "number" && r[KEYS.step] != null).map((r) => [r[KEYS.step], r[k]]) }));
 }
 
 function renderEpisodes(data) {
@@ -102,8 +119,11 @@ async function renderDetail() {
     api("/api/jobs/" + id + "/metrics"), api("/api/jobs/" + id + "/checkpoints"),
     api("/api/jobs/" + id + "/episodes" + (state.step == null ? "" : "?step=" + state.step))]);
   const series = (key) => rows.filter((r) => typeof r[key] === "number" && r[KEYS.step] != null).map((r) => [r[KEYS.step], r[key]]);
-  chart(document.getElementById("chart-reward"), series(KEYS.reward).length ? series(KEYS.reward) : series(KEYS.loss));
-  chart(document.getElementById("chart-eval"), series(KEYS.accuracy));
+  chart(document.getElementById("chart-reward"), [{ name: "reward", points: series(KEYS.reward).length ? series(KEYS.reward) : series(KEYS.loss) }]);
+  chart(document.getElementById("chart-eval"), [{ name: "accuracy", points: series(KEYS.accuracy) }]);
+  const elo = prefixedLines(rows, KEYS.elo_prefix);  // game jobs only
+  document.getElementById("figure-elo").hidden = !elo.length;
+  if (elo.length) chart(document.getElementById("chart-elo"), elo);
   document.getElementById("checkpoints").replaceChildren(...checkpoints.map((c) =>
     el("li", {}, "step " + c.step + " — model name ", el("code", {}, c.model))));
   renderEpisodes(episodes);

@@ -175,3 +175,26 @@ def _infer_through_the_cli(ray_local, tmp_path, ttt_checkpoint):
     assert (tmp_path / "runs" / job.id / "inference.jsonl").read_text().count("\n") == 4
     assert main(["infer", str(ROOT / "conf" / "arithmetic_grpo.yaml"), "--split", "nope", "--out", str(out),
                  f"envs.arithmetic.dataset.dir={tmp_path}/data", runs]) == 2  # a clear error naming the splits
+
+def test_elo_table_and_outcome_rates_survive_resume(ray_local, tmp_path, ttt_checkpoint):
+    """The checkpoint holds the Elo table as of its last eval; a resumed job goes on from it (its games
+    add to the saved ones) and every eval row carries OpenTinker's rates for each role and opponent."""
+    from otray.actors.job.run import run
+
+    def elo_state(ckpt):
+        return json.loads((Path(ckpt) / "state" / "meta.json").read_text())["extra_state"]["data"]["elo"]
+
+    saved = elo_state(ttt_checkpoint)
+    assert saved["ratings"]["random"] == 1000.0 and saved["games"]["main"] > 0
+    cfg = config.load(ROOT / "conf" / "tictactoe_vs_random.yaml",
+                      TINY_GAME + [f"job.output_dir={tmp_path}", "algo.steps=2", "sft.steps=0",
+                                   f"checkpoint.resume_from={ttt_checkpoint}"])
+    summary = run(cfg, tmp_path / "resumed")
+    last = _metrics(tmp_path / "resumed")[-1]
+    assert last["step"] == 2 and last["elo/random"] == 1000.0 and "elo/main" in last and "elo/heuristic" in last
+    for role in ("player_1", "player_2"):
+        for opponent in ("random", "heuristic"):
+            rates = [last[f"eval/{role}_vs_{opponent}/{k}_rate"] for k in ("win", "loss", "draw", "timeout", "error")]
+            assert sum(rates) == pytest.approx(1.0)
+    per_eval = 2 * 2 * 4  # roles x opponents x eval_games, none of them timed out or failed
+    assert elo_state(summary["last_checkpoint"])["games"]["main"] == saved["games"]["main"] + per_eval
