@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec || true
 	$(MAKE) openreward-sdk
 	$(MAKE) tinker-cookbook
-	$(BIN)/python -c "import transformers, vllm, ray, peft, openreward, textworld, verifiers, mcp, tinker_cookbook.rl.train"
+	$(BIN)/python -c "import transformers, vllm, ray, peft, openreward, textworld, verifiers, textarena, mcp, tinker_cookbook.rl.train"
 	touch $(STAMP)
 
 # The OpenReward SDK (envs/openreward.py) pins sse-starlette==2.3.6, vLLM's mcp needs >= 3: one resolve

@@ -70,7 +70,7 @@ class Policy:
 class GameResult:
     seed: int
     rewards: dict[str, float]
-    moves: list[tuple[str, int]]  # (agent, action) in the order they were played
+    moves: list[tuple[str, int | str]]  # (agent, action) in the order played (a judged game's: the reply)
     trajectories: dict[str, Trajectory]  # agents played by a model policy
     counts: dict[str, dict[str, int]]  # per agent: illegal, random_moves, forfeits
     phases: int
@@ -112,7 +112,7 @@ class _Game:
         self.seed, self.env, self.bridge, self.seating = seed, env, bridge, seating
         self.seats: dict[str, _Seat] = {}
         self.earlier_turns: dict[str, list[Trajectory]] = {}
-        self.moves: list[tuple[str, int]] = []
+        self.moves: list[tuple[str, int | str]] = []
         self.error: ErrorRecord | None = None
         self.phases = 0
 
@@ -259,7 +259,7 @@ class ProtocolCoordinator:
 
     def _apply(self, g: _Game, agent: str, decision: Decision) -> None:
         if decision.kind in ("played", "random"):
-            g.moves.append((agent, int(decision.action)))
+            g.moves.append((agent, decision.action))
         elif decision.kind == "retry" and agent in g.seats:
             g.seats[agent].next_observation = decision.observation
 

@@ -46,7 +46,7 @@ class Decision:
     played for it) or ``forfeit`` (the game is over)."""
 
     kind: str
-    action: int | None = None
+    action: int | str | None = None  # str: a reply handed whole to a game that judges replies
     observation: str = ""
 
 
@@ -85,7 +85,7 @@ class Bridge:
     def _check_turn(self, agent: str) -> None:
         raise NotImplementedError
 
-    def _apply(self, agent: str, action: int) -> None:
+    def _apply(self, agent: str, action: Any) -> None:
         raise NotImplementedError
 
     def waiting(self) -> list[str]:
@@ -95,8 +95,17 @@ class Bridge:
     def done(self) -> bool:
         return self.forfeited is not None or not self.env.agents
 
-    def legal(self, agent: str) -> list[int]:
-        """The legal actions: the action mask, else every action of a Discrete space."""
+    @property
+    def judged(self) -> bool:
+        """The game reads replies itself (``judges_replies``, e.g. a TextArena game): replies go to it whole,
+        it applies its own invalid-move rule and flags each invalid reply in ``infos[agent]["invalid_move"]``."""
+        return bool(getattr(getattr(self.env, "unwrapped", self.env), "judges_replies", False))
+
+    def legal(self, agent: str) -> list[Any]:
+        """The legal actions: the action mask, else every action of a Discrete space (a game that judges
+        replies: the moves it lists, ``legal_moves(agent)``)."""
+        if self.judged:
+            return list(self.env.unwrapped.legal_moves(agent))
         legal = legal_actions(self.observation(agent))
         if not legal and hasattr(self.env.action_space(agent), "n"):
             legal = list(range(int(self.env.action_space(agent).n)))
@@ -117,6 +126,11 @@ class Bridge:
     def act(self, agent: str, reply: str) -> Decision:
         """Apply ``agent``'s reply to the game (``agent`` must be one of ``waiting()``)."""
         self._check_turn(agent)
+        if self.judged:
+            self._apply(agent, self.text.parse(reply))
+            if self.env.infos.get(agent, {}).get("invalid_move"):
+                self.counts[agent]["illegal"] += 1
+            return Decision("played", reply)
         legal = self.legal(agent)
         try:
             action = self.text.parse(reply)
