@@ -17,7 +17,7 @@ def collect(run_dir: Path) -> dict:
     config = json.loads((run_dir / "config.json").read_text())
     return {"run_dir": str(run_dir), "seed": config["job"]["seed"],
             "summary": json.loads((run_dir / "summary.json").read_text()),
-            "eval_rows": [{k: v for k, v in r.items() if k in ("step", "phase") or k.startswith(("eval/", "sft_"))}
+            "eval_rows": [{k: v for k, v in r.items() if k in ("step", "phase") or k.startswith(("eval/", "sft_", "elo/"))}
                           for r in rows if any(k.startswith("eval/") for k in r)]}
 
 

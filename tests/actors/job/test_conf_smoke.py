@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 
 from otray import config
+from otray.policies import PolicySpec
 
 from tests.conftest import ROOT  # noqa: E402 (the repository root)
 # per config: overrides that shrink it to a couple of steps (every file in conf/ needs an entry)
@@ -32,6 +33,9 @@ SMOKE = {
     "textarena_tictactoe.yaml": ["algo.steps=2", "algo.batch_size=2", "game.num_rollouts=2", "game.eval_games=3",
                                  "sft.steps=2", "sft.batch_size=4", "algo.drop_uniform_groups=false",
                                  "sft.dataset.kwargs.num_train=40", "sft.dataset.kwargs.num_eval=8"],
+    "gomoku_opentinker.yaml": ["algo.steps=2", "algo.batch_size=2", "game.num_rollouts=2", "game.eval_games=2",
+                               "sft.steps=2", "sft.batch_size=4", "algo.drop_uniform_groups=false",
+                               "sft.dataset.kwargs.num_train=40", "sft.dataset.kwargs.num_eval=8"],
     "gomoku_selfplay.yaml": ["algo.steps=2", "algo.batch_size=2", "game.num_rollouts=2", "game.eval_games=2",
                             "algo.drop_uniform_groups=false"],
     "gomoku_two_policies.yaml": ["algo.steps=2", "algo.batch_size=2", "game.num_rollouts=2", "game.eval_games=2",
@@ -64,9 +68,9 @@ def test_config_runs_two_steps(ray_local, tmp_path, name):
         for name in trained:
             prefix = "eval/" if len(trained) == 1 else f"eval/{name}/"
             for role in g.policies:
-                for opponent in ("random", "heuristic", "always_rock"):
-                    assert (f"{prefix}{role}_vs_{opponent}/win_rate" in last) == any(
-                        o.endswith(opponent) for o in g.eval_opponents), (name, role, opponent)
+                for opponent in (PolicySpec.parse(o).label for o in g.eval_opponents):
+                    rates = [last[f"{prefix}{role}_vs_{opponent}/{k}_rate"] for k in ("win", "loss", "draw", "timeout")]
+                    assert sum(rates) + last[f"{prefix}{role}_vs_{opponent}/error_rate"] == pytest.approx(1.0)
             loss = "learner/loss" if len(trained) == 1 else f"policy/{name}/learner/loss"
             assert loss in last, sorted(last)
         assert last["elo/random"] == 1000.0 and all(f"elo/{n}" in last for n in trained), sorted(last)
