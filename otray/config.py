@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from otray.policies import (PolicySpec, eval_opponents, frozen_policies, learner_ranks, num_rollout_workers,  # noqa: F401
-                            policy_bundles, seating, trained_policies)  # (re-exported)
+from otray.policies import (PolicySpec, eval_opponents, frozen_policies, league_workers, learner_ranks,  # noqa: F401
+                            num_rollout_workers, policy_bundles, seating, trained_policies)  # (re-exported)
 from otray.config_checks import check_values
 from otray.ranges import check_ranges
 from otray.structured import import_object, load_structured, one_of, to_dict  # noqa: F401 (re-exported)
@@ -209,6 +209,23 @@ class EnvSection:
 
 
 @dataclass
+class LeagueSection:
+    """League play (``otray/algos/league.py``): every ``every`` steps each trained policy's checkpoint joins
+    its pool of past selves; each step a ``share`` of the seeds is played against the league instead of as
+    ``game.policies`` seats them. In a league game every trained agent in turn keeps its seat and each
+    other trained seat gets a league opponent for the policy that sits there: with ``fixed_share`` one of
+    the ``fixed`` opponents, else the snapshot drawn from that policy's pool this step (by ``priority``;
+    before the first snapshot, the current policy: plain self-play)."""
+
+    every: int = 0  # 0: no league
+    max_size: int = 8  # snapshots kept per pool: the newest
+    priority: str = "hard"  # hard: weight (1 - the policy's score against it) ** 2 | uniform
+    share: float = 0.5  # of each step's seeds, the share played against the league
+    fixed: list[str] = field(default_factory=list)  # random | scripted:module:fn | frozen:REF
+    fixed_share: float = 0.25  # of league opponents, the share drawn from ``fixed``
+
+
+@dataclass
 class GameSection:
     """A multi-agent PettingZoo game (AEC or Parallel) played through the ProtocolCoordinator.
 
@@ -257,6 +274,7 @@ class GameSection:
     # whom each trained policy meets in evaluation (in every role): random | scripted:... | frozen:...
     eval_opponents: list[str] = field(default_factory=lambda: ["random"])
     eval_games: int = 100  # per role and opponent
+    league: LeagueSection = field(default_factory=LeagueSection)
 
 
 @dataclass

@@ -72,6 +72,7 @@ def check_values(cfg: Any) -> None:
         if cfg.game.max_turns is not None and cfg.game.max_turns < 1:
             raise ConfigError(f"game.max_turns={cfg.game.max_turns}: give the moves after which an unfinished "
                               "game is a timeout (>= 1), or leave it out for no limit")
+        check_league(cfg)
         if cfg.game.elo_k <= 0:
             raise ConfigError(f"game.elo_k={cfg.game.elo_k} must be positive (16 is usual)")
         if not any(p.kind == "trained" for p in seating(cfg).values()):
@@ -112,3 +113,20 @@ def check_values(cfg: Any) -> None:
                               f"(it has: {', '.join(env.splits) or 'none'}); add envs.{name}.splits.train")
     if cfg.sft.steps and cfg.sft.env is not None and cfg.sft.env not in cfg.envs:
         raise ConfigError(f"sft.env={cfg.sft.env!r} names no env; defined envs: {', '.join(cfg.envs)}")
+
+
+def check_league(cfg: Any) -> None:
+    """``game.league``: sizes and shares in range, fixed opponents that are not trained policies."""
+    from otray.policies import PolicySpec
+
+    lg = cfg.game.league
+    if lg.every < 0 or lg.max_size < 1:
+        raise ConfigError(f"game.league: every={lg.every} (0 = off, K = a snapshot every K steps) and "
+                          f"max_size={lg.max_size} (>= 1) are out of range")
+    one_of(lg.priority, ("hard", "uniform"), "game.league.priority")
+    for key in ("share", "fixed_share"):
+        if not 0.0 <= getattr(lg, key) <= 1.0:
+            raise ConfigError(f"game.league.{key}={getattr(lg, key)} is a share: give a number in [0, 1]")
+    bad = [p for p in lg.fixed if PolicySpec.parse(p, "game.league.fixed").kind == "trained"]
+    if bad:
+        raise ConfigError(f"game.league.fixed takes random | scripted:module:fn | frozen:REF; got {bad}")

@@ -122,9 +122,27 @@ def trained_policies(cfg: Any) -> list[str]:
     return list(dict.fromkeys(p.arg for p in seating(cfg).values() if p.kind == "trained"))
 
 
+def league_fixed(cfg: Any) -> list[PolicySpec]:
+    """``game.league.fixed`` parsed (empty when the league is off)."""
+    if cfg.game is None or not league_on(cfg):
+        return []
+    return [PolicySpec.parse(p, "game.league.fixed") for p in cfg.game.league.fixed]
+
+
+def league_on(cfg: Any) -> bool:
+    """A training game job with ``game.league.every`` set (inference jobs play no league)."""
+    return cfg.game is not None and cfg.job.kind != "infer" and cfg.game.league.every > 0
+
+
 def frozen_policies(cfg: Any) -> list[PolicySpec]:
-    """The game's ``frozen:REF`` policies (seats and eval opponents), each once."""
-    return list(dict.fromkeys(p for p in [*seating(cfg).values(), *eval_opponents(cfg)] if p.kind == "frozen"))
+    """The game's ``frozen:REF`` policies (seats, eval opponents, the league's fixed opponents), each once."""
+    return list(dict.fromkeys(p for p in [*seating(cfg).values(), *eval_opponents(cfg), *league_fixed(cfg)]
+                              if p.kind == "frozen"))
+
+
+def league_workers(cfg: Any) -> int:
+    """Rollout workers (and bundles) for league snapshots: one per trained policy when the league is on."""
+    return len(trained_policies(cfg)) if league_on(cfg) else 0
 
 
 def learner_ranks(cfg: Any) -> int:

@@ -49,7 +49,7 @@ BUNDLED_MODULES = frozenset({
     "envs.frozen_lake", "envs.gomoku", "envs.guess_number", "envs.math_word", "envs.mcp_calc_server",
     "envs.mcp_env", "envs.openreward",
     "envs.openreward_examples", "envs.python_tool", "envs.rps", "envs.textworld_env", "envs.textworld_games",
-    "envs.tictactoe_text", "envs.verifiers_env", "envs.vf_reverse_text",
+    "envs.textarena_game", "envs.tictactoe_text", "envs.verifiers_env", "envs.vf_reverse_text",
     "otray.env", "otray.games",
     "pettingzoo.classic.tictactoe_v3", "pettingzoo.classic.connect_four_v3",  # PettingZoo's own games, unmodified
 })
@@ -146,6 +146,7 @@ def import_refs(cfg: Any) -> list[tuple[str, str]]:
         refs += [("game.entry", cfg.game.entry), ("game.text", cfg.game.text)]
         specs = [(f"game.policies.{a}", p) for a, p in cfg.game.policies.items()]
         specs += [(f"game.eval_opponents[{i}]", p) for i, p in enumerate(cfg.game.eval_opponents)]
+        specs += [(f"game.league.fixed[{i}]", p) for i, p in enumerate(cfg.game.league.fixed)]
         refs += [(key, PolicySpec.parse(p).call()[0]) for key, p in specs if PolicySpec.parse(p).kind == "scripted"]
     return refs
 
@@ -155,7 +156,8 @@ def _kwarg_refs(kwargs: dict[str, Any], key: str) -> list[tuple[str, str]]:
     ``env_id`` (the module it names) and ``module:attr`` strings."""
     out = []
     for k, text in _kwarg_strings(kwargs, key):
-        if k.endswith(".env_id"):  # a verifiers environment: the module its id names is imported
+        # a verifiers env's env_id names a module it imports; a game's (TextArena) names a registered game only
+        if k.endswith(".env_id") and not k.startswith("game."):
             out.append((k, text.replace("-", "_").split("/")[-1]))
         elif text.startswith(("local:", "stdio:")):
             out.append((k, text.partition(":")[2]))

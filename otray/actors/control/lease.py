@@ -20,7 +20,7 @@ NAMESPACE, NAME = "otray", "resource_manager"
 
 def bundles_for(cfg: config_mod.Config) -> list[dict[str, float]]:
     """Per trained policy: one bundle per learner rank (the first also holds the job driver, 0 CPU), then
-    one per rollout worker; then one per frozen game policy. GPUs only where asked."""
+    one per rollout worker; then one per frozen game policy, then one per league worker. GPUs only where asked."""
     res = cfg.resources
 
     def bundle(cpus: float, gpus: float) -> dict[str, float]:
@@ -28,9 +28,11 @@ def bundles_for(cfg: config_mod.Config) -> list[dict[str, float]]:
 
     policy = [bundle(res.learner_cpus, res.learner_gpus)] * config_mod.learner_ranks(cfg) + [
         bundle(res.rollout_cpus, res.rollout_gpus) for _ in range(config_mod.num_rollout_workers(cfg))]
-    # a game's further trained policies: the same block each; a frozen policy: one rollout bundle each
+    # a game's further trained policies: the same block each; a frozen policy: one rollout bundle each;
+    # league play: one rollout bundle per trained policy (the worker that plays its drawn snapshot)
     return (policy * len(config_mod.trained_policies(cfg))
-            + [bundle(res.rollout_cpus, res.rollout_gpus) for _ in config_mod.frozen_policies(cfg)])
+            + [bundle(res.rollout_cpus, res.rollout_gpus) for _ in config_mod.frozen_policies(cfg)]
+            + [bundle(res.rollout_cpus, res.rollout_gpus) for _ in range(config_mod.league_workers(cfg))])
 
 
 def missing_resources(bundles: list[dict[str, float]], strategy: str) -> list[str]:
