@@ -55,7 +55,15 @@ class Limits:
 
 
 class ChatContinuation:
-    """Token ids that close an assistant turn and open the next user/assistant turns."""
+    """Token ids that close an assistant turn and open the next user/assistant turns, and the ids of a
+    conversation's first user turn.
+
+    Rendering a chat template (Jinja) for every decision was a large part of a game phase's time outside
+    generate. A template that writes a message's content verbatim renders ``[..., user(text)]`` as a
+    fixed prefix, the text, and a fixed suffix; both are found once by rendering a probe, and reused
+    while the probe shows the template is verbatim (else every call renders the template)."""
+
+    _PROBE = " otray probe\n<b>{x}</b>  "  # spaces, a newline, markup: a template that trims or escapes differs
 
     def __init__(self, tokenizer: Any):
         self.tokenizer = tokenizer
@@ -64,16 +72,48 @@ class ChatContinuation:
         self._base_text = tokenizer.apply_chat_template(base, tokenize=False)
         self._close = self._base_text.split(marker, 1)[1]  # e.g. "<|im_end|>\n"
         self._base = base
+        self._next = self._split(base)  # the next user turn after an assistant turn
+        self._first: dict[str | None, tuple[str, str] | None] = {}  # per system prompt
+        self._stop_text: dict[int, str] = {}
+
+    def _render(self, before: list[dict[str, str]], text: str) -> str:
+        return self.tokenizer.apply_chat_template(before + [{"role": "user", "content": text}], tokenize=False,
+                                                  add_generation_prompt=True)
+
+    def _split(self, before: list[dict[str, str]]) -> tuple[str, str] | None:
+        """(prefix, suffix) around a user turn's text after ``before``, or None if the template is not verbatim."""
+        probe = self._render(before, self._PROBE)
+        if probe.count(self._PROBE) != 1:
+            return None
+        prefix, suffix = probe.split(self._PROBE)
+        other = "second probe: x"
+        return (prefix, suffix) if self._render(before, other) == prefix + other + suffix else None
 
     def ids(self, observation: str, sampled_stop_token: int | None) -> list[int]:
-        full = self.tokenizer.apply_chat_template(
-            self._base + [{"role": "user", "content": observation}], tokenize=False, add_generation_prompt=True)
-        text = self._close + full[len(self._base_text):]
+        if self._next is not None:
+            prefix, suffix = self._next
+            full_tail = prefix[len(self._base_text):] + observation + suffix
+        else:
+            full_tail = self._render(self._base, observation)[len(self._base_text):]
+        text = self._close + full_tail
         if sampled_stop_token is not None:
-            stop_text = self.tokenizer.decode([sampled_stop_token])
+            stop_text = self._stop_text.get(sampled_stop_token)
+            if stop_text is None:
+                stop_text = self._stop_text[sampled_stop_token] = self.tokenizer.decode([sampled_stop_token])
             if text.startswith(stop_text):
                 text = text[len(stop_text):]
         return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def first_ids(self, observation: str, system_prompt: str | None = None) -> list[int]:
+        """The ids of ``[system?, user(observation)]`` with the generation prompt (``chat_prompt_ids``)."""
+        if system_prompt not in self._first:
+            self._first[system_prompt] = self._split(
+                [{"role": "system", "content": system_prompt}] if system_prompt else [])
+        split = self._first[system_prompt]
+        if split is None:
+            messages = ([{"role": "system", "content": system_prompt}] if system_prompt else [])
+            return chat_prompt_ids(self.tokenizer, messages + [{"role": "user", "content": observation}])
+        return self.tokenizer.encode(split[0] + observation + split[1], add_special_tokens=False)
 
 
 @dataclass

@@ -40,7 +40,6 @@ from otray.coordinator.agent_loop import ChatContinuation, GenerateFn, Limits
 from otray.actors.sampling.fleet import RolloutFleet
 from otray.coordinator.text_bridge import Bridge, Decision, MoveRules, bridge_for
 from otray.games import GameText
-from otray.models import chat_prompt_ids
 from otray.types import ErrorRecord, FinishReason, SamplingParams, Task, Trajectory
 
 
@@ -237,7 +236,7 @@ class ProtocolCoordinator:
                               agent_id=agent)
             messages = ([{"role": "system", "content": self.system_prompt}] if self.system_prompt else [])
             messages.append({"role": "user", "content": observation})
-            ids = chat_prompt_ids(self.tokenizer, messages)
+            ids = self.continuation.first_ids(observation, self.system_prompt)
             traj.messages, traj.prompt_len = messages, len(ids)
             traj.append(ids, sampled=False)
             g.seats[agent] = _Seat(traj)

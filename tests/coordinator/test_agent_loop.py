@@ -1,6 +1,8 @@
 """Agent loop on the real HF backend: masks, continuation tokens, limits, errors."""
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from otray.actors.sampling.rollout import RolloutWorker
 from otray.coordinator.agent_loop import AgentLoop, ChatContinuation, Limits
@@ -93,6 +95,41 @@ def test_continuation_matches_the_chat_template(tokenizer):
                             add_special_tokens=False)
     b = tokenizer.encode("b", add_special_tokens=False)
     assert head + b + [eos] + cont.ids("c", eos) == full
+
+
+@settings(max_examples=60, deadline=None)
+@given(text=st.text(max_size=40), system=st.sampled_from([None, "", "Play well."]))
+def test_cached_template_splits_give_the_templates_own_ids(tokenizer, text, system):
+    """The prefix/suffix the continuation caches give exactly what rendering the template gives, for any
+    user text (and for a template that is not verbatim, the slow path is taken)."""
+    from otray.models import chat_prompt_ids
+
+    cont = ChatContinuation(tokenizer)
+    assert cont._next is not None  # the tiny model's template writes content verbatim: the fast path is tested
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
+    assert cont.first_ids(text, system) == chat_prompt_ids(tokenizer, messages)
+    eos = tokenizer.eos_token_id
+    base = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "v"}]
+    slow = tokenizer.apply_chat_template(base + [{"role": "user", "content": text}], tokenize=False,
+                                         add_generation_prompt=True)
+    head = tokenizer.apply_chat_template(base[:1], tokenize=False, add_generation_prompt=True)
+    v = tokenizer.encode("v", add_special_tokens=False)
+    assert tokenizer.encode(head, add_special_tokens=False) + v + [eos] + cont.ids(text, eos) == \
+        tokenizer.encode(slow, add_special_tokens=False)
+
+
+def test_a_template_that_trims_content_takes_the_slow_path(tokenizer):
+    import copy
+
+    trimming = copy.deepcopy(tokenizer)
+    trimming.chat_template = tokenizer.chat_template.replace("message['content']", "message['content'] | trim")
+    assert trimming.chat_template != tokenizer.chat_template
+    cont = ChatContinuation(trimming)
+    assert cont._next is None and cont._first.get(None) is None
+    from otray.models import chat_prompt_ids
+
+    for text in ("  spaced  ", "x"):
+        assert cont.first_ids(text) == chat_prompt_ids(trimming, [{"role": "user", "content": text}])
 
 
 def test_limits_truncate_and_errors_are_recorded(worker, tokenizer):

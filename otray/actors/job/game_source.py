@@ -28,12 +28,13 @@ from otray.actors.job.runtime import ActorFactory
 from otray.placement import in_bundle
 from otray.actors.job.step import Batch
 from otray.algos.ratings import EloTable, game_score
-from otray.config import Config, eval_opponents, policy_bundles, seating, trained_policies
+from otray.actors.job.league import League
+from otray.config import Config, eval_opponents, frozen_policies, policy_bundles, seating, trained_policies
 from otray.coordinator.agent_loop import Limits
 from otray.coordinator.protocol import GameResult, Played, Policy, ProtocolCoordinator
 from otray.coordinator.text_bridge import MoveRules
 from otray.games import GameText
-from otray.policies import PolicySpec, scripted_function
+from otray.policies import PolicySpec, league_fixed, league_on, scripted_function
 from otray.structured import import_object
 from otray.types import ConfigError, SamplingParams, Trajectory, TrajectoryGroup
 
@@ -82,9 +83,12 @@ class GameGroupSource:
         self.opponents = eval_opponents(cfg)
         first = len(trained_policies(cfg)) * policy_bundles(cfg)  # bundles after the trained policies'
         frozen = {spec: tuple(factory.workers(first + j, 1, frozen_model_dir(spec.arg, job_dir), prefix=f"frozen-{j}/"))
-                  for j, spec in enumerate(dict.fromkeys(p for p in [*seating(cfg).values(), *self.opponents]
-                                                         if p.kind == "frozen"))}
-        wait_ready([w for ws in frozen.values() for w in ws])
+                  for j, spec in enumerate(frozen_policies(cfg))}
+        first += len(frozen)  # then one league worker per trained policy (it starts as the job's model)
+        self.league = League(g.league, self.trained, {n: tuple(factory.workers(first + i, 1, prefix=f"league-{n}/"))
+                                                      for i, n in enumerate(self.trained)}, cfg.job.seed) \
+            if league_on(cfg) else None
+        wait_ready([w for ws in [*frozen.values(), *(self.league.workers.values() if self.league else ())] for w in ws])
         text = game_text(g.text, g.kwargs)
         check_turn_budget(text, tokenizer, g.max_tokens_per_turn)
         sampled = SamplingParams(max_tokens=g.max_tokens_per_turn, temperature=g.temperature)
@@ -93,7 +97,9 @@ class GameGroupSource:
         for spec, workers in [*((PolicySpec("trained", n), w) for n, w in trained_workers.items()), *frozen.items()]:
             library[str(spec)] = Policy("model", name=str(spec), workers=workers, params=sampled)
             library[f"{spec}/greedy"] = Policy("model", name=f"{spec}/greedy", workers=workers, params=greedy)
-        for spec in [*seating(cfg).values(), *self.opponents]:
+        if self.league is not None:
+            library.update(self.league.library(sampled))
+        for spec in [*seating(cfg).values(), *self.opponents, *league_fixed(cfg)]:
             if spec.kind == "scripted":
                 library[str(spec)] = Policy("scripted", name=str(spec), fn=scripted_function(spec))
         self.coordinator = factory.start(ray.remote(num_cpus=0)(ProtocolCoordinator),
@@ -121,8 +127,14 @@ class GameGroupSource:
         g, t0 = self.game, time.perf_counter()
         seeds = [self.next_seed + i for i in range(self.cfg.algo.batch_size)]
         self.next_seed += len(seeds)
-        games = [(s, k, seats) for s in seeds for k, seats in enumerate(self.seatings) for _ in range(g.num_rollouts)]
-        played = self.play([s for s, _, _ in games], [{a: str(p) for a, p in seats.items()} for *_, seats in games])
+        plain = [{a: str(p) for a, p in seats.items()} for seats in self.seatings]
+        n_league = round(g.league.share * len(seeds)) if self.league is not None else 0
+        if self.league is not None:
+            self.league.draw(seed_step)
+        seat_lists = {s: (self.league.seatings(seating(self.cfg), s, seed_step) if i < n_league else plain)
+                      for i, s in enumerate(seeds)}  # the first seeds of the step meet the league
+        games = [(s, k, seats) for s in seeds for k, seats in enumerate(seat_lists[s]) for _ in range(g.num_rollouts)]
+        played = self.play([s for s, _, _ in games], [seats for *_, seats in games])
         rollout_s = time.perf_counter() - t0
         groups: dict[str, list[TrajectoryGroup]] = {}
         metrics: dict[str, Any] = {}
@@ -144,6 +156,9 @@ class GameGroupSource:
             prefix = "" if len(self.trained) == 1 else f"policy/{name}/"
             metrics.update({prefix + k: v for k, v in self.outcomes(seats).items()})
         results = played.results
+        if self.league is not None:
+            league_seeds = set(seeds[:n_league])
+            metrics.update(self.league.record([r for r in results if r.seed in league_seeds], self.elo))
         metrics.update({"games": len(results), "games_errored": sum(r.error is not None for r in results),
                         "phase_share_outside_generate": played.share_outside_generate})
         sampled = sum(t.num_sampled for r in results for a in r.seating for t in r.agent_trajectories(a))
@@ -200,13 +215,15 @@ class GameGroupSource:
         return {"game_seed": self.next_seed}
 
     def lasting_state(self) -> dict[str, Any]:
-        return {"elo": self.elo.state()}
+        return {"elo": self.elo.state(), **({"league": self.league.state()} if self.league is not None else {})}
 
     def load_state(self, state: dict[str, Any]) -> None:
         if "game_seed" in state:
             self.next_seed = state["game_seed"]
         if "elo" in state:
             self.elo = EloTable.from_state(state["elo"])
+        if "league" in state and self.league is not None:
+            self.league.load_state(state["league"])
 
 
 TIMEOUT_KINDS = ("timeout", "context_full")  # a game that ran out of moves, tokens or context before it ended

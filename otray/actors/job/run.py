@@ -94,7 +94,7 @@ def _train(cfg: Config, job: TrainJob, job_dir: Path, report: Callable[[dict[str
         if last or (cfg.eval.every and job.step % cfg.eval.every == 0):
             metrics.update(job.evaluate())
         emit({K.PHASE: phase, **metrics})
-        if (ck.save_every and job.step % ck.save_every == 0) or (last and ck.save_at_end):
+        if (ck.save_every and job.step % ck.save_every == 0) or (last and ck.save_at_end) or job.league_due():
             summary["last_checkpoint"] = job.save_checkpoint()
             if on_checkpoint is not None:
                 on_checkpoint(job.step, summary["last_checkpoint"])

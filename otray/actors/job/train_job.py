@@ -135,11 +135,18 @@ class TrainJob:
         """The first policy's learner state (+ job step and data position) and exported model at the top,
         every other trained policy's under ``policies/<name>/``."""
         path = self.dir / "checkpoints" / f"step-{self.step:06d}"
+        if self.league_due():  # the snapshot joins the pool first, so that this checkpoint's state holds it
+            self.source.league.add(self.step, path, self.source.elo)
         for k, (name, policy) in enumerate(self.policies.items()):
             policy.save(path if k == 0 else path / "policies" / name,
                         {"job_step": self.step, "data": self.data_state()} if k == 0 else {})
         self.log(f"  checkpoint: {path}")
         return str(path)
+
+    def league_due(self) -> bool:
+        """A league game job at a step that adds a snapshot (a checkpoint) to its pools."""
+        league = getattr(self.source, "league", None)
+        return league is not None and league.due(self.step)
 
     def resume(self, path: str) -> int:
         """Continue from a checkpoint: same step counter, same next batch, same weights."""
