@@ -12,8 +12,8 @@ from otray import config
 from tests.conftest import ROOT  # noqa: E402 (the repository root)
 
 # self-play tic-tac-toe, every seed against the league, snapshots only (no fixed opponents in the mix
-# once the pool has one): a snapshot every step
-LEAGUE = ["algo.steps=3", "algo.batch_size=2", "game.num_rollouts=2", "game.eval_games=2", "sft.steps=0",
+# once the pool has one): a snapshot every step; a 2-step SFT warm-up moves the weights off the base model
+LEAGUE = ["algo.steps=3", "algo.batch_size=2", "game.num_rollouts=2", "game.eval_games=2", "sft.steps=2", "sft.batch_size=4",
           "eval.every=0", "game.policies.player_2=trained", "game.league.every=1", "game.league.share=1.0",
           "game.league.fixed=[random]", "game.league.fixed_share=0.0", "algo.drop_uniform_groups=false"]
 
@@ -84,8 +84,12 @@ def test_snapshot_weights_reach_a_worker(league_job, tiny_path):
     base = loaded.generate(prompts, params)
     assert loaded.update_weights(snapshot_update(model_dir, 3)) == 3
     after = loaded.generate(prompts, params)
-    assert [r.samples[0].logprobs for r in after] == pytest.approx([r.samples[0].logprobs for r in direct], abs=1e-5)
-    assert [r.samples[0].logprobs for r in base] != pytest.approx([r.samples[0].logprobs for r in direct], abs=1e-5)
+    def flat(results):
+        return [lp for r in results for lp in r.samples[0].logprobs]
+
+    assert [r.samples[0].token_ids for r in after] == [r.samples[0].token_ids for r in direct]
+    assert flat(after) == pytest.approx(flat(direct), abs=1e-5)
+    assert flat(base) != pytest.approx(flat(direct), abs=1e-5)
     with pytest.raises(FileNotFoundError, match="no \\*.safetensors"):
         snapshot_update(league_job, 1)
 
@@ -94,15 +98,17 @@ def test_two_trained_policies_each_meet_the_others_pool(ray_local, tmp_path):
     from otray.actors.control.resource_manager import bundles_for
     from otray.actors.job.run import run
 
-    cfg = config.load(ROOT / "conf" / "tictactoe_vs_random.yaml",
-                      LEAGUE + [f"job.output_dir={tmp_path}", "algo.steps=2", "game.policies.player_1=trained:x",
-                                "game.policies.player_2=trained:o"])
+    cfg = config.load(ROOT / "conf" / "gomoku_two_policies.yaml",
+                      ["algo.steps=2", "algo.batch_size=2", "game.num_rollouts=2", "game.eval_games=2", "eval.every=0",
+                       "algo.drop_uniform_groups=false", f"job.output_dir={tmp_path}", "game.league.every=1",
+                       "game.league.share=1.0", "game.league.fixed=[random]", "game.league.fixed_share=0.0",
+                       "game.kwargs.size=5"])
     assert len(bundles_for(cfg)) == 2 * 2 + 2  # per policy: learner + worker; then one league worker each
     run(cfg, tmp_path / "two")
     last = _rows(tmp_path / "two")[-1]
-    for name in ("x", "o"):
+    for name in ("black", "white"):
         assert last[f"league/{name}/pool_size"] == 1 and last[f"league/{name}/snapshot_step"] == 1
         assert last[f"league/{name}/games_vs_snapshot"] == 4  # 2 seeds x 2 rollouts: the other one's seat
-    snapshots, ratings = _pool(tmp_path / "two" / "checkpoints" / "step-000002", "o")
-    assert snapshots[0]["model_dir"].endswith("step-000001/policies/o/model")
-    assert {"x-step-1", "o-step-1", "x", "o"} <= set(ratings)
+    snapshots, ratings = _pool(tmp_path / "two" / "checkpoints" / "step-000002", "white")
+    assert snapshots[0]["model_dir"].endswith("step-000001/policies/white/model")
+    assert {"black-step-1", "white-step-1", "black", "white"} <= set(ratings)
