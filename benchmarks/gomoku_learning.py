@@ -1,7 +1,7 @@
 """OpenTinker's Gomoku experiment on the tiny model: ``python benchmarks/gomoku_learning.py [--seeds 0 1] [OVERRIDE ...]``.
 
 Trains ``conf/gomoku_opentinker.yaml`` (4x4, three in a row; the policy in both seats against the
-longest-line heuristic that plays a random cell 30% of the time) once per seed with ``otray train``, one
+longest-line heuristic with 60% random moves, evaluated against OpenTinker's 30%) once per seed with ``otray train``, one
 run after another (never beside the test suite: two cores). Saves
 ``benchmarks/results/gomoku_learning.json`` (per seed and seat: OpenTinker's four rates and illegal
 moves per game against that opponent at every eval, the Elo table, wall time) and
