@@ -28,7 +28,7 @@ from gymnasium import spaces
 from pettingzoo import AECEnv
 from pettingzoo.utils import AgentSelector, wrappers
 
-from otray.games import GameText
+from otray.games import GameText, decision_dataset
 
 LETTERS = "ABCDEFGHJKLMNOPQRST"  # no I, as on go boards
 
@@ -212,31 +212,16 @@ def make_chat_dataset(out_dir: str, *, size: int = 9, win_length: int = 5, seed:
     """Chat JSONL (train/eval) for a format-only SFT warm-up of ``context: turn`` games: single decisions
     from games of random legal moves, the board as :func:`render_text` writes it and a random legal move
     as ``<move>B3</move>``. It teaches the reply format and nothing about good play."""
-    import json
 
-    from otray.env import dataset_paths
+    def play(rng: random.Random):
+        game = env(size=size, win_length=win_length)
+        game.reset(seed=rng.randrange(2**31))
+        for agent in game.agent_iter():
+            obs, _, term, trunc, _ = game.last()
+            move = None if term or trunc else int(rng.choice(np.flatnonzero(obs["action_mask"])))
+            if move is not None:
+                yield render_text(obs, agent), f"<move>{move_name(move, size)}</move>"
+            game.step(move)
 
-    tag = f"{size}x{size}-{win_length}-seed{seed}"  # named by the arguments: another board is another file
-    paths, built = dataset_paths(out_dir, {"train": f"chat_train-{tag}-{num_train}.jsonl",
-                                           "eval": f"chat_eval-{tag}-{num_eval}.jsonl"})
-    if built:
-        return paths
-    rng = random.Random(seed)
-    for split, n in (("train", num_train), ("eval", num_eval)):
-        rows: list[dict[str, Any]] = []
-        while len(rows) < n:
-            game = env(size=size, win_length=win_length)
-            game.reset(seed=rng.randrange(2**31))
-            for agent in game.agent_iter():
-                obs, _, term, trunc, _ = game.last()
-                if term or trunc:
-                    game.step(None)
-                    continue
-                move = int(rng.choice(np.flatnonzero(obs["action_mask"])))
-                rows.append({"id": f"gomoku-{split}-{len(rows)}", "messages": [
-                    {"role": "user", "content": render_text(obs, agent)},
-                    {"role": "assistant", "content": f"<move>{move_name(move, size)}</move>"}]})
-                game.step(move)
-        with paths[split].open("w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in rng.sample(rows, n))
-    return paths
+    return decision_dataset(out_dir, f"gomoku{size}x{size}-{win_length}", play, seed=seed, num_train=num_train,
+                            num_eval=num_eval)

@@ -35,7 +35,7 @@ from typing import Any
 from gymnasium import spaces
 from pettingzoo import AECEnv
 
-from otray.games import GameText
+from otray.games import GameText, decision_dataset
 
 MAX_REPLY_CHARS = 4096  # the action space's bound; replies are model output of max_tokens_per_turn tokens
 _MOVES_LINE = re.compile(r"(?:Available|Valid|Legal) [Mm]oves:?([^\n]*)")
@@ -177,25 +177,14 @@ def make_chat_dataset(out_dir: str, *, env_id: str = "TicTacToe-v0-train", seed:
                       num_eval: int = 100) -> dict[str, Any]:
     """Chat JSONL (train/eval) for a format-only SFT warm-up: single decisions from games of random legal
     moves, TextArena's observation as the user turn and a random legal move (``[N]``) as the reply."""
-    from otray.env import dataset_paths
 
-    tag = f"{env_id}-seed{seed}"  # files named by their arguments: a smaller smoke-test set is not reused
-    paths, built = dataset_paths(out_dir, {"train": f"chat_train-{tag}-{num_train}.jsonl",
-                                           "eval": f"chat_eval-{tag}-{num_eval}.jsonl"})
-    if built:
-        return paths
-    rng = random.Random(seed)
-    for split, n in (("train", num_train), ("eval", num_eval)):
-        rows = []
-        while len(rows) < n:
-            game = env(env_id)
-            game.reset(seed=rng.randrange(2**31))
-            while game.agents and not any(game.terminations.values()):
-                agent = game.agent_selection
-                move = rng.choice(game.legal_moves(agent))
-                rows.append({"id": f"{env_id}-{split}-{len(rows)}", "messages": [
-                    {"role": "user", "content": game.observe(agent)}, {"role": "assistant", "content": move}]})
-                game.step(move)
-        with paths[split].open("w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in rng.sample(rows, n))
-    return paths
+    def play(rng: random.Random):
+        game = env(env_id)
+        game.reset(seed=rng.randrange(2**31))
+        while game.agents and not any(game.terminations.values()):
+            agent = game.agent_selection
+            move = rng.choice(game.legal_moves(agent))
+            yield game.observe(agent), move
+            game.step(move)
+
+    return decision_dataset(out_dir, env_id, play, seed=seed, num_train=num_train, num_eval=num_eval)

@@ -14,9 +14,12 @@ nothing of otray's. The coordinator's bridges (``otray.coordinator.text_bridge``
 
 from __future__ import annotations
 
+import json
+import random
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -52,4 +55,27 @@ class GameText:
     example: str = "<move>0</move>"  # a well-formed reply: jobs check that max_tokens_per_turn fits it
 
 
-__all__ = ["GameText", "generic_parse", "generic_render", "legal_actions"]
+def decision_dataset(out_dir: str | Path, tag: str, play: Callable[[random.Random], Iterable[tuple[str, str]]], *,
+                     seed: int = 0, num_train: int = 2000, num_eval: int = 100) -> dict[str, Path]:
+    """Chat JSONL (``train``/``eval``) of single decisions for a ``context: turn`` SFT warm-up: ``play(rng)``
+    plays one game and yields each decision as (what the player saw, its reply); rows are drawn at random
+    from as many games as it takes. Files are named by ``tag``, ``seed`` and size, and built once."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    sizes = {"train": num_train, "eval": num_eval}
+    paths = {split: out / f"chat_{split}-{tag}-seed{seed}-{n}.jsonl" for split, n in sizes.items()}
+    if all(path.exists() for path in paths.values()):
+        return paths
+    rng = random.Random(seed)
+    for split, n in sizes.items():
+        rows: list[dict[str, Any]] = []
+        while len(rows) < n:
+            for seen, reply in play(rng):
+                rows.append({"id": f"{tag}-{split}-{len(rows)}", "messages": [
+                    {"role": "user", "content": seen}, {"role": "assistant", "content": reply}]})
+        with paths[split].open("w") as f:
+            f.writelines(json.dumps(row) + "\n" for row in rng.sample(rows, n))
+    return paths
+
+
+__all__ = ["GameText", "decision_dataset", "generic_parse", "generic_render", "legal_actions"]

@@ -108,3 +108,21 @@ def test_rps_parallel_api_and_rules():
     assert rewards == {"player_0": -1.0, "player_1": 1.0} and all(term.values()) and e.agents == []
     assert rps.parse_move("I say <move>Scissors</move>") == 2 and rps.parse_move("scissors") is None
     assert "last move: paper" in rps.render_text(1, "player_0")
+
+
+def test_chat_dataset_holds_legal_moves_in_the_reply_format(tmp_path):
+    import json
+
+    from envs.gomoku import make_chat_dataset, parse_move
+
+    paths = make_chat_dataset(str(tmp_path), size=4, win_length=3, num_train=30, num_eval=5)
+    assert make_chat_dataset(str(tmp_path), size=4, win_length=3, num_train=30, num_eval=5) == paths  # built once
+    assert "4x4-3" in paths["train"].name and "-30." in paths["train"].name  # another board or size: another file
+    rows = [json.loads(line) for line in paths["train"].read_text().splitlines()]
+    assert len(rows) == 30 and len({r["id"] for r in rows}) == 30
+    for row in rows:
+        board, reply = row["messages"][0]["content"], row["messages"][1]["content"]
+        action = parse_move(reply, 4)
+        assert action is not None
+        cells = [line.split()[1:] for line in board.splitlines()[1:5]]  # rows "1 . X O ." under the header
+        assert cells[action // 4][action % 4] == "."  # a random legal move: an empty cell
