@@ -42,7 +42,11 @@ def run_seed(seed: int, overrides: list[str], runs: Path) -> dict:
     cmd = [str(ROOT / ".venv" / "bin" / "otray"), "train", str(ROOT / CONFIG), f"job.seed={seed}",
            f"job.output_dir={out}", *overrides]
     subprocess.run(cmd, check=True, cwd=ROOT)
-    job_dir = max(out.iterdir(), key=lambda p: p.stat().st_mtime)
+    return summarize(seed, max(out.iterdir(), key=lambda p: p.stat().st_mtime), time.monotonic() - start)
+
+
+def summarize(seed: int, job_dir: Path, wall_s: float | None) -> dict:
+    """One run's figures from its job directory (also for a run stopped early: ``--collect``)."""
     run = collect(job_dir)
     rows = run["eval_rows"]
     start_row = next((r for r in rows if r["phase"] == "sft"), rows[0])  # RL starts here
@@ -51,7 +55,8 @@ def run_seed(seed: int, overrides: list[str], runs: Path) -> dict:
               "vs_random": {s: seat_rates(r, s, "random")["win_rate"] for s in SEATS},
               "elo": {k[4:]: v for k, v in r.items() if k.startswith("elo/")}} for r in rows]
     gains = {s: 100 * (seat_rates(end, s)["win_rate"] - seat_rates(start_row, s)["win_rate"]) for s in SEATS}
-    return {"seed": seed, "wall_s": time.monotonic() - start, "rl_start": {s: seat_rates(start_row, s) for s in SEATS},
+    best = max(curve[1:], key=lambda c: sum(c[s]["win_rate"] for s in SEATS))
+    return {"seed": seed, "wall_s": wall_s, "job_dir": str(job_dir), "best_step": best["step"], "rl_start": {s: seat_rates(start_row, s) for s in SEATS},
             "end": {s: seat_rates(end, s) for s in SEATS}, "end_step": end["step"], "gain_points": gains,
             "curve": curve, "run": run}
 
@@ -86,9 +91,13 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--runs", type=Path, default=ROOT / "runs" / "bench_gomoku")
     parser.add_argument("--out", type=Path, default=OUT)
+    parser.add_argument("--collect", type=Path, nargs="+", help="only summarize these job directories (seeds in order)")
     parser.add_argument("overrides", nargs="*", help="config overrides (key=value) for every seed")
     args = parser.parse_args()
-    results = [run_seed(s, args.overrides, args.runs) for s in args.seeds]
+    if args.collect:
+        results = [summarize(s, d, None) for s, d in zip(args.seeds, args.collect)]
+    else:
+        results = [run_seed(s, args.overrides, args.runs) for s in args.seeds]
     summary = {"config": CONFIG, "overrides": args.overrides, "opponent": "scripted:envs.gomoku:heuristic(random_prob=0.3)",
                "passed": all(g >= 15 for r in results for g in r["gain_points"].values()), "seeds": results}
     args.out.write_text(json.dumps(summary, indent=1))
@@ -99,7 +108,7 @@ def main() -> None:
             print(f"seed {r['seed']} {s}: win {a['win_rate']:.3f} -> {b['win_rate']:.3f} ({r['gain_points'][s]:+.1f} points), "
                   f"loss {b['loss_rate']:.3f}, draw {b['draw_rate']:.3f}, timeout {b['timeout_rate']:.3f}, "
                   f"illegal/game {b['illegal_per_game']:.2f} at step {r['end_step']}")
-        print(f"seed {r['seed']}: {r['wall_s']:.0f} s")
+        print(f"seed {r['seed']}: best eval at step {r['best_step']}; {r['wall_s'] or 0:.0f} s")
     print(f"passed (>= 15 points in both seats, every seed): {summary['passed']}; saved {args.out}")
 
 
