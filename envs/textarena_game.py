@@ -97,7 +97,7 @@ class TextArenaGame(AECEnv):
         """TextArena's player to move and its observation (read once: TextArena hands it over only once)."""
         player, observation = self.game.get_observation()
         self.agent_selection = f"player_{player}"
-        self.observations[self.agent_selection] = _printable(observation)
+        self.observations[self.agent_selection] = _as_text(observation)
 
     def observe(self, agent: str) -> str:
         return self.observations.get(agent, "")
@@ -135,9 +135,10 @@ class TextArenaGame(AECEnv):
         self.game = None
 
 
-def _printable(observation: Any) -> str:
-    text = observation if isinstance(observation, str) else json.dumps(observation, default=str)
-    return "".join(ch if ch in string.printable else "?" for ch in text)
+def _as_text(observation: Any) -> str:
+    """TextArena's observation as the prompt: a string as it is (its board glyphs and accents kept, though the
+    declared ``Text`` space names printable ASCII only), anything else as JSON."""
+    return observation if isinstance(observation, str) else json.dumps(observation, default=str)
 
 
 def text(**_: Any) -> GameText:
