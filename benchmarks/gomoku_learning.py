@@ -24,6 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from collect_runs import collect  # noqa: E402
+from results_io import save_plot  # noqa: E402
 
 CONFIG = "conf/gomoku_opentinker.yaml"
 OUT = ROOT / "benchmarks" / "results" / "gomoku_learning.json"
@@ -63,27 +64,25 @@ def summarize(seed: int, job_dir: Path, wall_s: float | None) -> dict:
 
 def plot(results: list[dict], path: Path) -> None:
     """Win rate against the opponent per seat over steps (RL only; step 0 = after the SFT warm-up), and Elo."""
-    import matplotlib
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    def draw(axes) -> None:
+        left, right = axes
+        for r in results:
+            rl = [c for c in r["curve"] if c["phase"] != "base"]
+            for seat, style in zip(SEATS, ("-", "--")):
+                left.plot([c["step"] for c in rl], [100 * c[seat]["win_rate"] for c in rl], style, marker="o",
+                          label=f"seed {r['seed']}, {seat}")
+            right.plot([c["step"] for c in rl], [c["elo"].get("main") for c in rl], marker="o",
+                       label=f"seed {r['seed']}: policy")
+            right.plot([c["step"] for c in rl], [c["elo"].get(OPPONENT) for c in rl], ":",
+                       label=f"seed {r['seed']}: opponent")
+        left.set(xlabel="RL step (0 = after the format-only SFT)", ylabel="win rate vs heuristic, p_random=0.3 (%)",
+                 title="Gomoku 4x4, three in a row")
+        right.set(xlabel="RL step", ylabel="Elo (random = 1000)", title="Elo table of the job")
+        left.legend(fontsize=8)
+        right.legend(fontsize=8)
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    for r in results:
-        rl = [c for c in r["curve"] if c["phase"] != "base"]
-        for seat, style in zip(SEATS, ("-", "--")):
-            left.plot([c["step"] for c in rl], [100 * c[seat]["win_rate"] for c in rl], style, marker="o",
-                      label=f"seed {r['seed']}, {seat}")
-        right.plot([c["step"] for c in rl], [c["elo"].get("main") for c in rl], marker="o", label=f"seed {r['seed']}: policy")
-        right.plot([c["step"] for c in rl], [c["elo"].get(OPPONENT) for c in rl], ":", label=f"seed {r['seed']}: opponent")
-    left.set(xlabel="RL step (0 = after the format-only SFT)", ylabel="win rate vs heuristic, p_random=0.3 (%)",
-             title="Gomoku 4x4, three in a row")
-    right.set(xlabel="RL step", ylabel="Elo (random = 1000)", title="Elo table of the job")
-    left.legend(fontsize=8)
-    right.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    print(f"saved {path}")
+    save_plot(path, draw, panels=2, size=(11, 4))
 
 
 def main() -> None:

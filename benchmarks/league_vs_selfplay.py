@@ -28,6 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from collect_runs import collect  # noqa: E402
+from results_io import save_plot  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "results" / "league_vs_selfplay.json"
 SEATS = ("player_1", "player_2")
@@ -61,22 +62,16 @@ def run(name: str, seed: int, overrides: list[str], runs: Path) -> dict:
 
 
 def plot(results: list[dict], path: Path) -> None:
-    import matplotlib
+    def draw(ax) -> None:
+        for r in results:
+            pts = r["score_vs_heuristic"]
+            ax.plot([p["step"] for p in pts], [p["score"] for p in pts], "-" if r["variant"] == "league" else "--",
+                    marker="o", label=f"{r['variant']}, seed {r['seed']}")
+        ax.set(xlabel="RL step (0 = after the format-only SFT)", ylabel="score vs heuristic (win + draw/2, both seats)",
+               title="Tic-tac-toe: plain self-play vs league play")
+        ax.legend(fontsize=8)
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for r in results:
-        pts = r["score_vs_heuristic"]
-        ax.plot([p["step"] for p in pts], [p["score"] for p in pts], "-" if r["variant"] == "league" else "--",
-                marker="o", label=f"{r['variant']}, seed {r['seed']}")
-    ax.set(xlabel="RL step (0 = after the format-only SFT)", ylabel="score vs heuristic (win + draw/2, both seats)",
-           title="Tic-tac-toe: plain self-play vs league play")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    print(f"saved {path}")
+    save_plot(path, draw)
 
 
 def main() -> None:
