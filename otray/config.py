@@ -261,8 +261,9 @@ class GameSection:
     max_failing_rollouts: int = 0
     max_retries: int = 1
     on_exhausted: str = "random"  # random | forfeit
-    # subtracted from a trained agent's training reward per unreadable or illegal move (the game's
-    # own rewards, win/draw/loss metrics and zero-sum checks are unaffected)
+    # subtracted from a trained agent's training reward per unreadable or illegal reply, charged to the
+    # trajectory that made it (context: turn = that decision alone); the game's own rewards, win/draw/loss
+    # metrics and zero-sum checks are unaffected
     illegal_penalty: float = 0.0
     temperature: float = 1.0
     max_tokens_per_turn: int = 8

@@ -63,6 +63,7 @@ class ChatContinuation:
     fixed prefix, the text, and a fixed suffix; both are found once by rendering a probe, and reused
     while the probe shows the template is verbatim (else every call renders the template)."""
 
+    CACHE_TEXTS = 4096  # texts whose ids are kept (emptied when full)
     _PROBE = " otray probe\n<b>{x}</b>  "  # spaces, a newline, markup: a template that trims or escapes differs
 
     def __init__(self, tokenizer: Any):
@@ -75,6 +76,7 @@ class ChatContinuation:
         self._next = self._split(base)  # the next user turn after an assistant turn
         self._first: dict[str | None, tuple[str, str] | None] = {}  # per system prompt
         self._stop_text: dict[int, str] = {}
+        self._encoded: dict[str, tuple[int, ...]] = {}  # text -> ids, at most CACHE_TEXTS of them
 
     def _render(self, before: list[dict[str, str]], text: str) -> str:
         return self.tokenizer.apply_chat_template(before + [{"role": "user", "content": text}], tokenize=False,
@@ -89,7 +91,9 @@ class ChatContinuation:
         other = "second probe: x"
         return (prefix, suffix) if self._render(before, other) == prefix + other + suffix else None
 
-    def ids(self, observation: str, sampled_stop_token: int | None) -> list[int]:
+    def next_text(self, observation: str, sampled_stop_token: int | None) -> str:
+        """The text that closes the assistant turn and opens the next (user ``observation``, then the assistant's
+        generation prompt), less the stop token the sampler already wrote (its ids are in the trajectory)."""
         if self._next is not None:
             prefix, suffix = self._next
             full_tail = prefix[len(self._base_text):] + observation + suffix
@@ -102,18 +106,47 @@ class ChatContinuation:
                 stop_text = self._stop_text[sampled_stop_token] = self.tokenizer.decode([sampled_stop_token])
             if text.startswith(stop_text):
                 text = text[len(stop_text):]
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return text
 
-    def first_ids(self, observation: str, system_prompt: str | None = None) -> list[int]:
-        """The ids of ``[system?, user(observation)]`` with the generation prompt (``chat_prompt_ids``)."""
+    def ids(self, observation: str, sampled_stop_token: int | None) -> list[int]:
+        """The ids of :meth:`next_text`."""
+        return self.encode_many([self.next_text(observation, sampled_stop_token)])[0]
+
+    def first_text(self, observation: str, system_prompt: str | None = None) -> str | None:
+        """The text of ``[system?, user(observation)]`` with the generation prompt, or None for a template that
+        does not write content verbatim (then :meth:`first_ids` renders it)."""
         if system_prompt not in self._first:
             self._first[system_prompt] = self._split(
                 [{"role": "system", "content": system_prompt}] if system_prompt else [])
         split = self._first[system_prompt]
-        if split is None:
+        return None if split is None else split[0] + observation + split[1]
+
+    def first_ids(self, observation: str, system_prompt: str | None = None) -> list[int]:
+        """The ids of ``[system?, user(observation)]`` with the generation prompt (``chat_prompt_ids``)."""
+        text = self.first_text(observation, system_prompt)
+        if text is None:
             messages = ([{"role": "system", "content": system_prompt}] if system_prompt else [])
             return chat_prompt_ids(self.tokenizer, messages + [{"role": "user", "content": observation}])
-        return self.tokenizer.encode(split[0] + observation + split[1], add_special_tokens=False)
+        return self.encode_many([text])[0]
+
+    def encode_many(self, texts: Sequence[str]) -> list[list[int]]:
+        """Each text's ids (no special tokens added): texts seen lately from a bounded cache (a game's opening
+        position is every game's first prompt), the rest in one call to the tokenizer's Rust backend where it
+        has one (``backend_tokenizer``: what ``tokenizer.encode`` runs, without its per-call Python)."""
+        found = {t: self._encoded.get(t) for t in texts}
+        missing = [t for t, ids in found.items() if ids is None]
+        if missing:
+            backend = getattr(self.tokenizer, "backend_tokenizer", None)
+            if backend is not None:
+                fresh = [e.ids for e in backend.encode_batch(missing, add_special_tokens=False)]
+            else:
+                fresh = [self.tokenizer.encode(t, add_special_tokens=False) for t in missing]
+            new = dict(zip(missing, map(tuple, fresh)))
+            found.update(new)
+            if len(self._encoded) + len(new) > self.CACHE_TEXTS:
+                self._encoded.clear()
+            self._encoded.update(new)
+        return [list(found[t]) for t in texts]
 
 
 @dataclass

@@ -17,7 +17,10 @@ action``) or ``random`` (a uniformly random legal move). Each agent played by a
 model gets its own multi-turn trajectory, exactly as the single-agent loop builds
 them: its prompt and every later observation are mask 0, only the tokens it
 sampled are mask 1 (with the sampler's logprobs); it never sees another agent's
-observation. Its reward is its PettingZoo reward for the game.
+observation. Its reward is its PettingZoo reward for the game; ``info`` holds the
+agent's counts for the game (``illegal``, ``random_moves``, ``forfeits``) and
+``illegal_replies``, the unreadable or illegal replies in that trajectory itself
+(with ``context="turn"``, one trajectory per decision: 0 or 1 without retries).
 
 ``policies`` is either keyed by agent (every game seats the same policies) or a
 library keyed by policy name, with a *seating* (agent -> policy name) per game given
@@ -198,7 +201,7 @@ class ProtocolCoordinator:
                 except Exception as e:  # noqa: BLE001 - a scripted policy's bug ends that game only
                     self._fail(g, "policy_exception", e)
             return
-        ready = [(g, agent) for g, agent in decisions if self._prepare(g, agent)]
+        ready = self._prepare(decisions)
         if not ready:
             return
         budgets = [self._budget(g.seats[a]) for g, a in ready]
@@ -223,33 +226,47 @@ class ProtocolCoordinator:
             reply = self.tokenizer.decode(body, skip_special_tokens=False)
             seat.traj.messages.append({"role": "assistant", "content": reply})
             seat.traj.num_turns += 1
+            illegal_before = g.bridge.counts[agent]["illegal"]
             self._apply(g, agent, g.bridge.act(agent, reply))
+            seat.traj.info["illegal_replies"] = (seat.traj.info.get("illegal_replies", 0)
+                                                 + g.bridge.counts[agent]["illegal"] - illegal_before)
 
-    def _prepare(self, g: _Game, agent: str) -> bool:
-        """Add the agent's current observation to its conversation; False if it no longer fits."""
-        observation = g.seats[agent].next_observation if agent in g.seats else None
-        observation = observation or g.bridge.prompt(agent)
-        if self.context == "turn" and agent in g.seats:  # each decision starts a fresh conversation
-            g.earlier_turns.setdefault(agent, []).append(g.seats.pop(agent).traj)
-        if agent not in g.seats:
-            traj = Trajectory(task=Task(id=f"{self.env_name}-{g.seed}", env=self.env_name, data={"seed": g.seed}),
-                              agent_id=agent)
-            messages = ([{"role": "system", "content": self.system_prompt}] if self.system_prompt else [])
-            messages.append({"role": "user", "content": observation})
-            ids = self.continuation.first_ids(observation, self.system_prompt)
-            traj.messages, traj.prompt_len = messages, len(ids)
-            traj.append(ids, sampled=False)
-            g.seats[agent] = _Seat(traj)
-        else:
+    def _prepare(self, decisions: list[tuple[_Game, str]]) -> list[tuple[_Game, str]]:
+        """Add each deciding agent's current observation to its conversation (the phase's texts tokenized in one
+        call); the decisions whose conversations still fit."""
+        texts: list[str | list[int]] = []
+        for g, agent in decisions:
+            observation = g.seats[agent].next_observation if agent in g.seats else None
+            observation = observation or g.bridge.prompt(agent)
+            if self.context == "turn" and agent in g.seats:  # each decision starts a fresh conversation
+                g.earlier_turns.setdefault(agent, []).append(g.seats.pop(agent).traj)
+            if agent in g.seats:
+                seat = g.seats[agent]
+                texts.append(self.continuation.next_text(observation, seat.last_stop))
+                seat.traj.messages.append({"role": "user", "content": observation})
+                seat.next_observation = None
+            else:
+                traj = Trajectory(task=Task(id=f"{self.env_name}-{g.seed}", env=self.env_name, data={"seed": g.seed}),
+                                  agent_id=agent)
+                traj.messages = ([{"role": "system", "content": self.system_prompt}] if self.system_prompt else [])
+                traj.messages.append({"role": "user", "content": observation})
+                g.seats[agent] = _Seat(traj)
+                first = self.continuation.first_text(observation, self.system_prompt)
+                texts.append(first if first is not None else self.continuation.first_ids(observation, self.system_prompt))
+        encoded = iter(self.continuation.encode_many([t for t in texts if isinstance(t, str)]))
+        ready = []
+        for (g, agent), text in zip(decisions, texts):
             seat = g.seats[agent]
-            seat.traj.append(self.continuation.ids(observation, seat.last_stop), sampled=False)
-            seat.traj.messages.append({"role": "user", "content": observation})
-            seat.next_observation = None
-        if self._budget(g.seats[agent]) <= 0:
-            self._fail(g, "context_full", f"{agent}'s conversation no longer fits max_model_len="
-                                          f"{self.limits.max_model_len}")
-            return False
-        return True
+            ids = next(encoded) if isinstance(text, str) else text
+            if not seat.traj.token_ids:
+                seat.traj.prompt_len = len(ids)
+            seat.traj.append(ids, sampled=False)
+            if self._budget(seat) > 0:
+                ready.append((g, agent))
+            else:
+                self._fail(g, "context_full", f"{agent}'s conversation no longer fits max_model_len="
+                                              f"{self.limits.max_model_len}")
+        return ready
 
     def _budget(self, seat: _Seat) -> int:
         lim = self.limits

@@ -166,16 +166,25 @@ class Bridge:
 
 @dataclass
 class TextBridge(Bridge):
-    """An ``AECEnv`` (reset already called): one agent decides at a time."""
+    """An ``AECEnv`` (reset already called): one agent decides at a time. An agent's observation is read once
+    per env step (a decision renders it, checks the reply against its legal moves, and a scripted policy
+    reads it: one ``observe`` through the wrappers, not three); policies must not change it."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._seen: dict[str, Any] = {}  # agent -> its observation since the last env step
 
     def observation(self, agent: str) -> Any:
-        return self.env.observe(agent)
+        if agent not in self._seen:
+            self._seen[agent] = self.env.observe(agent)
+        return self._seen[agent]
 
     def _check_turn(self, agent: str) -> None:
         if self.env.agent_selection != agent:
             raise ValueError(f"it is {self.env.agent_selection}'s turn, not {agent}'s")
 
     def _apply(self, agent: str, action: int) -> None:
+        self._seen.clear()
         self.env.step(action)
         for a, r in self.env.rewards.items():  # rewards of this step, for every agent
             self.totals[a] += float(r)
@@ -184,6 +193,7 @@ class TextBridge(Bridge):
         env = self.env
         while env.agents and (env.terminations[env.agent_selection] or env.truncations[env.agent_selection]):
             env.step(None)  # PettingZoo's way to step a finished agent out
+            self._seen.clear()
         return [] if self.done else [env.agent_selection]
 
 

@@ -118,6 +118,23 @@ def test_cached_template_splits_give_the_templates_own_ids(tokenizer, text, syst
         tokenizer.encode(slow, add_special_tokens=False)
 
 
+@settings(max_examples=40, deadline=None)
+@given(texts=st.lists(st.sampled_from(["", " x", "<|im_end|>\n", "Board:\n. X O", "12+30="]) | st.text(max_size=20),
+                      max_size=8))
+def test_encode_many_gives_the_tokenizers_ids_through_its_cache(tokenizer, texts):
+    """One batched call, repeated texts from the cache (also once it is emptied for being full): always the
+    ids ``tokenizer.encode`` gives, and a caller that extends a returned list does not change the cache."""
+    cont = ChatContinuation(tokenizer)
+    cont.CACHE_TEXTS = 3
+    want = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
+    for _ in range(2):
+        got = cont.encode_many(texts)
+        assert got == want
+        for ids in got:
+            ids.append(-1)
+    assert len(cont._encoded) <= max(3, len(set(texts)))
+
+
 def test_a_template_that_trims_content_takes_the_slow_path(tokenizer):
     import copy
 

@@ -138,12 +138,20 @@ def test_turn_context_gives_one_trajectory_per_decision(worker, tokenizer):
                                 rules=MoveRules(max_retries=0), context="turn",
                                 limits=Limits(max_turns=100, max_tokens_per_turn=6, max_tokens_per_episode=200,
                                               max_model_len=512))
+    illegal = 0
     for game in coord.run(range(3)):
         turns = game.agent_trajectories("black")
         assert game.error is None and len(turns) == sum(a == "black" for a, _ in game.moves)
         for t in turns:  # each decision alone: one user message (the board), one reply, the game's reward
             assert [m["role"] for m in t.messages] == ["user", "assistant"] and t.reward == game.rewards["black"]
             assert sum(t.loss_mask) == t.num_sampled > 0
+            # its own illegal reply (what game.illegal_penalty charges), beside the game's count
+            legal = gomoku.parse_move(t.messages[1]["content"], 5) is not None and t.info["illegal_replies"] == 0
+            assert t.info["illegal_replies"] in (0, 1) and t.info["illegal"] == game.counts["black"]["illegal"]
+            assert legal or t.info["illegal_replies"] == 1
+        assert sum(t.info["illegal_replies"] for t in turns) == game.counts["black"]["illegal"]
+        illegal += game.counts["black"]["illegal"]
+    assert illegal > 0  # the untrained model: some replies are unreadable, so the counts were checked
     with pytest.raises(ValueError, match="context"):
         ProtocolCoordinator(_gomoku, GOMOKU_TEXT, {}, context="chat")
 

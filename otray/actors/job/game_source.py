@@ -3,7 +3,8 @@
 One batch: ``algo.batch_size`` fresh game seeds, each played ``game.num_rollouts`` times
 (and, with ``rotate_seats``, in every rotation of the seating) in one synchronized run of
 the ProtocolCoordinator actor. Each trained agent's trajectory carries its PettingZoo
-reward (minus ``game.illegal_penalty`` per illegal move); trajectories are grouped by
+reward (minus ``game.illegal_penalty`` per illegal reply *in that trajectory*: with ``context: turn`` only
+the decision that made it pays, not the game's other decisions); trajectories are grouped by
 (seed, seating, role) for each trained policy, and the RL step treats those groups exactly
 like an env's. Evaluation: each trained policy against each of ``game.eval_opponents`` in
 every role, win / draw / loss rates.
@@ -144,7 +145,7 @@ class GameGroupSource:
             for (seed, k, _), r in zip(games, played.results):
                 for agent in (a for a, spec in r.seating.items() if spec == me):
                     for t in r.agent_trajectories(agent):  # one per game, or one per decision (context: turn)
-                        t.reward = r.rewards[agent] - g.illegal_penalty * t.info.get("illegal", 0)
+                        t.reward = r.rewards[agent] - g.illegal_penalty * t.info.get("illegal_replies", 0)
                         by_key.setdefault((seed, k, agent), []).append(t)
             groups[name] = [TrajectoryGroup(ts[0].task, ts, key=key, max_failing=g.max_failing_rollouts)
                             for key, ts in by_key.items()]
