@@ -12,7 +12,7 @@
 
 Prints a table and saves ``benchmarks/results/coordinator.json``.
 
-    python benchmarks/coordinator.py [--games 200] [--repeats 3] [--model-games 64]
+    python benchmarks/coordinator.py [--games 200] [--repeats 3] [--model-games 64] [--model-repeats 8]
 """
 
 from __future__ import annotations
@@ -75,8 +75,9 @@ def scripted_comparison(name: str, make_env, seats: dict, games: int, repeats: i
     return row
 
 
-def model_share(tiny: str, games: int, actors: bool) -> dict:
-    """G games of tic-tac-toe, the tiny model (player_1) vs random, one coordinator run; time outside generate."""
+def model_share(tiny: str, games: int, actors: bool, repeats: int) -> dict:
+    """G games of tic-tac-toe, the tiny model (player_1) vs random, ``repeats`` coordinator runs (new seeds each);
+    the time outside generate over all of them (one run's share moves by +-1.5 points from run to run here)."""
     from pettingzoo.classic import tictactoe_v3
 
     from envs.tictactoe_text import TEXT
@@ -102,18 +103,20 @@ def model_share(tiny: str, games: int, actors: bool) -> dict:
                     "player_2": Policy("random")}
         coord = ray.remote(num_cpus=0)(ProtocolCoordinator).remote(tictactoe_v3.env, TEXT, policies, tok, **kwargs)
         ray.get(coord.play.remote(range(8)))  # warm-up
-        played = ray.get(coord.play.remote(list(range(games))))
+        runs = [ray.get(coord.play.remote(list(range(k * games, (k + 1) * games)))) for k in range(repeats)]
     else:
         worker = RolloutWorker(tiny, "hf", max_model_len=512, num_threads=2)
         policies = {"player_1": Policy("model", generate=worker.generate, params=params),
                     "player_2": Policy("random")}
         coord = ProtocolCoordinator(tictactoe_v3.env, TEXT, policies, tok, **kwargs)
         coord.play(range(8))  # warm-up
-        played = coord.play(list(range(games)))
-    return {"setup": "Ray actors (as in a job)" if actors else "in-process", "games": games,
-            "phase_s": played.elapsed_s, "generate_s": played.generate_s, "generate_calls": played.generate_calls,
-            "share_outside_generate": played.share_outside_generate,
-            "errored": sum(r.error is not None for r in played.results)}
+        runs = [coord.play(list(range(k * games, (k + 1) * games))) for k in range(repeats)]
+    phase_s, generate_s = sum(p.elapsed_s for p in runs), sum(p.generate_s for p in runs)
+    return {"setup": "Ray actors (as in a job)" if actors else "in-process", "games": games, "repeats": repeats,
+            "phase_s": phase_s, "generate_s": generate_s, "generate_calls": sum(p.generate_calls for p in runs),
+            "share_outside_generate": (phase_s - generate_s) / phase_s,
+            "share_per_run": [p.share_outside_generate for p in runs],
+            "errored": sum(r.error is not None for p in runs for r in p.results)}
 
 
 def main() -> None:
@@ -121,6 +124,7 @@ def main() -> None:
     ap.add_argument("--games", type=int, default=200)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--model-games", type=int, default=64)
+    ap.add_argument("--model-repeats", type=int, default=8)
     args = ap.parse_args()
 
     from pettingzoo.classic import tictactoe_v3
@@ -144,10 +148,10 @@ def main() -> None:
     import ray
 
     tiny = resolve_model_path("tiny")
-    model = [model_share(tiny, args.model_games, actors=False)]
+    model = [model_share(tiny, args.model_games, actors=False, repeats=args.model_repeats)]
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
-        model.append(model_share(tiny, args.model_games, actors=True))
+        model.append(model_share(tiny, args.model_games, actors=True, repeats=args.model_repeats))
     finally:
         ray.shutdown()
     print(f"\n{'tiny model, G=' + str(args.model_games):26} {'phase s':>8} {'generate s':>10} {'calls':>6} {'outside':>8}")

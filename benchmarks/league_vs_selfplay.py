@@ -14,6 +14,13 @@ heuristic (win, block, centre, corner) and random. Saved: ``benchmarks/results/l
 (every eval row of every run) and ``.png`` (win + draw rate against the heuristic, per seat, over steps).
 ``collapse``: for each run, the drop from its best eval to its last in score against the heuristic
 (win + half a draw, mean over seats); the league avoids the collapse where self-play's drop is larger.
+
+Both variants charge ``--illegal-penalty`` (default 0.2) per unreadable or illegal reply. Without it
+(``--illegal-penalty 0``, session 21) plain self-play lost its reply format within 25 steps: an
+unreadable reply is replaced by a random legal move and costs nothing, so the format tokens drift
+(``<move>8</0</move``), and once every reply is unreadable the seeded fallback moves make each group's
+games identical (uniform groups, no gradient): a collapse of the format, not of play, that hides
+the one the comparison is for.
 """
 
 from __future__ import annotations
@@ -79,10 +86,14 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--every", type=int, default=15, help="steps between evals and between league snapshots")
+    parser.add_argument("--illegal-penalty", type=float, default=0.2,
+                        help="game.illegal_penalty of both variants (0: replies' format may drift, see the docstring)")
     parser.add_argument("--runs", type=Path, default=ROOT / "runs" / "bench_league")
     parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args()
-    common = [f"algo.steps={args.steps}", f"eval.every={args.every}", "game.eval_games=100"]
+    common = [f"algo.steps={args.steps}", f"eval.every={args.every}", "game.eval_games=100",
+              f"game.illegal_penalty={args.illegal_penalty}",
+              "resources.rollout_cpus=0.5"]  # the league's snapshot worker is one more rollout bundle: 2 CPUs in all
     results = [run(name, seed, common + extra, args.runs)
                for seed in args.seeds for name, extra in variants(args.every).items()]
     summary = {"config": "conf/tictactoe_vs_random.yaml", "common_overrides": common, "runs": results}
