@@ -60,10 +60,15 @@ def run(name: str, seed: int, overrides: list[str], runs: Path) -> dict:
     subprocess.run([str(ROOT / ".venv" / "bin" / "otray"), "train", str(ROOT / "conf" / "tictactoe_vs_random.yaml"),
                     f"job.seed={seed}", f"job.output_dir={out}", *overrides], check=True, cwd=ROOT)
     job_dir = max(out.iterdir(), key=lambda p: p.stat().st_mtime)
+    return summarize(name, seed, job_dir, time.monotonic() - start, overrides)
+
+
+def summarize(name: str, seed: int, job_dir: Path, wall_s: float | None, overrides: list[str]) -> dict:
+    """One run's figures from its job directory (also for runs made earlier: ``--collect``)."""
     rows = collect(job_dir)["eval_rows"]
     rl = [r for r in rows if r["phase"] != "base"]
     scores = [score(r) for r in rl]
-    return {"variant": name, "seed": seed, "wall_s": time.monotonic() - start, "overrides": overrides,
+    return {"variant": name, "seed": seed, "wall_s": wall_s, "job_dir": str(job_dir), "overrides": overrides,
             "score_vs_heuristic": [{"step": r["step"], "score": s} for r, s in zip(rl, scores)],
             "best": max(scores), "last": scores[-1], "drop_from_best": max(scores) - scores[-1], "eval_rows": rows}
 
@@ -90,7 +95,16 @@ def main() -> None:
                         help="game.illegal_penalty of both variants (0: replies' format may drift, see the docstring)")
     parser.add_argument("--runs", type=Path, default=ROOT / "runs" / "bench_league")
     parser.add_argument("--out", type=Path, default=OUT)
+    parser.add_argument("--collect", nargs="+", metavar="VARIANT=JOB_DIR",
+                        help="only summarize these finished job directories (seed: the first of --seeds)")
     args = parser.parse_args()
+    if args.collect:
+        results = [summarize(v, args.seeds[0], Path(d), None, []) for v, d in (c.split("=", 1) for c in args.collect)]
+        args.out.write_text(json.dumps({"config": "conf/tictactoe_vs_random.yaml", "collected": args.collect,
+                                        "runs": results}, indent=1))
+        plot(results, args.out.with_suffix(".png"))
+        print(f"saved {args.out}")
+        return
     common = [f"algo.steps={args.steps}", f"eval.every={args.every}", "game.eval_games=100",
               f"game.illegal_penalty={args.illegal_penalty}",
               "resources.rollout_cpus=0.5"]  # the league's snapshot worker is one more rollout bundle: 2 CPUs in all
@@ -101,7 +115,7 @@ def main() -> None:
     plot(results, args.out.with_suffix(".png"))
     for r in results:
         print(f"{r['variant']:9} seed {r['seed']}: score vs heuristic best {r['best']:.3f}, last {r['last']:.3f} "
-              f"(drop {r['drop_from_best']:.3f}); {r['wall_s']:.0f} s")
+              f"(drop {r['drop_from_best']:.3f}); {r['wall_s'] or 0:.0f} s")
     print(f"saved {args.out}")
 
 
