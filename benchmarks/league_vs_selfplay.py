@@ -74,16 +74,24 @@ def summarize(name: str, seed: int, job_dir: Path, wall_s: float | None, overrid
 
 
 def plot(results: list[dict], path: Path) -> None:
-    def draw(ax) -> None:
-        for r in results:
-            pts = r["score_vs_heuristic"]
-            ax.plot([p["step"] for p in pts], [p["score"] for p in pts], "-" if r["variant"] == "league" else "--",
-                    marker="o", label=f"{r['variant']}, seed {r['seed']}")
-        ax.set(xlabel="RL step (0 = after the format-only SFT)", ylabel="score vs heuristic (win + draw/2, both seats)",
-               title="Tic-tac-toe: plain self-play vs league play")
-        ax.legend(fontsize=8)
+    """Three panels over RL steps, from each run's eval rows: score against the heuristic (the reference
+    for the collapse), against random, and the policy's Elo in the job's table (random = 1000)."""
 
-    save_plot(path, draw)
+    def draw(axes) -> None:
+        panels = [(lambda row: score(row), "score vs heuristic (win + draw/2, both seats)"),
+                  (lambda row: score(row, "random"), "score vs random (win + draw/2, both seats)"),
+                  (lambda row: row.get("elo/main"), "Elo of the trained policy (random = 1000)")]
+        for ax, (value, label) in zip(axes, panels):
+            for r in results:
+                rl = [row for row in r["eval_rows"] if row["phase"] != "base"]
+                ax.plot([row["step"] for row in rl], [value(row) for row in rl],
+                        "-" if r["variant"].startswith("league") else "--", marker="o",
+                        label=f"{r['variant']}, seed {r['seed']}")
+            ax.set(xlabel="RL step (0 = after the format-only SFT)", ylabel=label)
+            ax.legend(fontsize=8)
+        axes[0].set_title("Tic-tac-toe: plain self-play vs league play")
+
+    save_plot(path, draw, panels=3, size=(15, 4))
 
 
 def main() -> None:
@@ -95,9 +103,13 @@ def main() -> None:
                         help="game.illegal_penalty of both variants (0: replies' format may drift, see the docstring)")
     parser.add_argument("--runs", type=Path, default=ROOT / "runs" / "bench_league")
     parser.add_argument("--out", type=Path, default=OUT)
+    parser.add_argument("--replot", action="store_true", help="only draw the PNG again from the saved JSON (--out)")
     parser.add_argument("--collect", nargs="+", metavar="VARIANT=JOB_DIR",
                         help="only summarize these finished job directories (seed: the first of --seeds)")
     args = parser.parse_args()
+    if args.replot:
+        plot(json.loads(args.out.read_text())["runs"], args.out.with_suffix(".png"))
+        return
     if args.collect:
         results = [summarize(v, args.seeds[0], Path(d), None, []) for v, d in (c.split("=", 1) for c in args.collect)]
         args.out.write_text(json.dumps({"config": "conf/tictactoe_vs_random.yaml", "collected": args.collect,
