@@ -32,7 +32,7 @@ def check_values(cfg: Any) -> None:
     one_of(cfg.resources.strategy, ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"), "resources.strategy")
     if cfg.algo.max_steps_off_policy and cfg.algo.loss_fn == "cross_entropy":
         raise ConfigError("algo.max_steps_off_policy=1 needs a loss that corrects for the sampler "
-                          "(ppo, cispo, importance_sampling or dro), not 'cross_entropy'")
+                          "(ppo, cispo, gspo, stable_reinforce, importance_sampling or dro), not 'cross_entropy'")
     if cfg.rollout.colocate:
         if cfg.rollout.backend not in ("auto", "hf"):
             raise ConfigError(f"rollout.colocate=true generates with the learner's own model (the HF backend); "

@@ -23,7 +23,7 @@ def parse_ref(ref: str) -> tuple[str, int | None] | None:
         return None
     return m["job"], int(m["step"]) if m["step"] is not None else None
 
-LOSS_NAMES = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro")
+LOSS_NAMES = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo", "stable_reinforce")
 AGGREGATIONS = ("sum", "token_mean", "seq_mean_token_mean")
 ADVANTAGE_NAMES = ("mean", "zscore", "rloo")
 LOSS_DEFAULTS: dict[str, dict[str, float]] = {
@@ -32,6 +32,8 @@ LOSS_DEFAULTS: dict[str, dict[str, float]] = {
     "ppo": {"clip_low": 0.8, "clip_high": 1.2},
     "cispo": {"clip_low": 0.0, "clip_high": 4.0},
     "dro": {"beta": 0.1},
+    "gspo": {"clip_low": 0.8, "clip_high": 1.2},
+    "stable_reinforce": {"clip_high": 2.0, "kl_coeff": 0.0},
 }
 
 

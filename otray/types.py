@@ -290,6 +290,9 @@ class Datum:
 
     ``input_ids = seq[:-1]``, ``target_ids = seq[1:]``; ``mask``, ``advantages``,
     ``sampler_logprobs`` and ``weights`` describe the *target* token at each position.
+    ``ratio_mask``: the sampled tokens a gspo / stable_reinforce loss takes its ratio over (None:
+    ``mask``); ``clip_low`` / ``clip_high``: per-token clip thresholds (NaN or None: the loss
+    config's). See :mod:`otray.algos.losses`.
     """
 
     input_ids: list[int]
@@ -298,12 +301,14 @@ class Datum:
     advantages: list[float]
     sampler_logprobs: list[float]
     weights: list[float] | None = None
+    ratio_mask: list[float] | None = None
+    clip_low: list[float] | None = None
+    clip_high: list[float] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.input_ids)
         lengths = [len(self.target_ids), len(self.mask), len(self.advantages), len(self.sampler_logprobs)]
-        if self.weights is not None:
-            lengths.append(len(self.weights))
+        lengths += [len(x) for x in (self.weights, self.ratio_mask, self.clip_low, self.clip_high) if x is not None]
         if any(m != n for m in lengths):
             raise ValueError(f"Datum fields must have equal length, got {[n, *lengths]}")
 

@@ -117,6 +117,10 @@ class TinkerConfig:
     max_chunk_datums: int = 1024  # the SDK splits a forward_backward into requests of at most this many datums
     max_samples: int = 64  # num_samples per request
     max_tokens: int = 4096  # per sample
+    # sampled sequences recorded for stable_reinforce (record_stability_info): kept this long after their
+    # last use (Tinker: a day), at most this many (the least recently used go first); in memory only
+    stability_ttl_s: float = 86400.0
+    stability_max_sequences: int = 200_000
     quota: TinkerQuota = field(default_factory=TinkerQuota)  # per user (an over-quota request: 403 naming it)
     user_quotas: dict[str, TinkerQuota] = field(default_factory=dict)  # an admin's per-user exceptions
     scheduling: TinkerScheduling = field(default_factory=TinkerScheduling)  # fair shares of each learner

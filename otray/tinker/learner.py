@@ -196,7 +196,7 @@ class AdapterLearner:
             with torch.set_grad_enabled(backward):
                 lp, _ = token_logprobs(self.model, batch, self.device)
                 x = loss_inputs(batch, lp.shape[1], self.device, every_token=True)
-                tok = per_token_loss(loss_fn, lp, x.sampler_logprobs, x.advantages, x.weights,
+                tok = per_token_loss(loss_fn, lp, x.sampler_logprobs, x.advantages, x.weights, **x.extras(),
                                      **(loss_fn_config or {})) * x.mask
                 loss = tok.sum()
                 if backward:

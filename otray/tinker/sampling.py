@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import ray
 
@@ -24,6 +24,7 @@ from otray.tinker.learner import SampleJob
 from otray.tinker import runs as R
 from otray.tinker.engines import VllmSamplers
 from otray.tinker.futures import Futures, Outcome
+from otray.tinker.stability import Recorded
 from otray.tinker.wire import sample_output
 
 
@@ -38,14 +39,17 @@ class SampleWait:
     n: int
     prompt_logprobs: bool
     last_n: Optional[int]
+    record: Optional[tuple[str, str]] = None  # (owner, session): record each sample's stability info
 
 
 Groups = dict[tuple, list[SampleWait]]  # (owner, adapter, params, n, prompt_logprobs) -> its requests
 
 
 class SampleBatcher:
-    def __init__(self, learners: dict[str, Any], engines: VllmSamplers, futures: Futures, wait_s: float):
+    def __init__(self, learners: dict[str, Any], engines: VllmSamplers, futures: Futures, wait_s: float,
+                 record: Callable[[str, Recorded], None]):
         self.learners = learners
+        self.record = record  # (sequence id, what was sampled): stable_reinforce's stability info
         self.engines = engines  # the vLLM samplers, and which requests they take
         self.wait_s = wait_s  # a batch waits this long for requests sent together (the SDK sends one per prompt)
         self.futures = futures
@@ -128,6 +132,10 @@ class SampleBatcher:
         self.prompts[name] += sum(len(j.prompts) for j in jobs)
         for ws, outs in zip(groups.values(), results):
             for w, out in zip(ws, outs):
+                if w.record is not None:
+                    for i, s in enumerate(out.samples):
+                        self.record(f"{w.request_id}:{i}", Recorded(*w.record, tuple(w.prompt), tuple(s.token_ids),
+                                                                   tuple(s.logprobs)))
                 lps = R.last_n(out.prompt_logprobs, w.last_n)
                 self.futures.finish(w.request_id, Outcome("proto", sample_output(out.samples, lps)))
         return False

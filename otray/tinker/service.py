@@ -33,6 +33,7 @@ from otray.records import JobState
 from otray.tinker.catalog import Catalog, RestQuery
 from otray.tinker.leases import Leases
 from otray.tinker.sampling import SampleBatcher, SampleWait
+from otray.tinker.stability import Recordings, session_of
 from otray.tinker.store import Sampler, Store
 from otray.tinker.training import EPHEMERAL_KEEP, Training
 from otray.tinker.wire import UserError
@@ -66,13 +67,16 @@ class TinkerService:
                                                   shares=shares_of(self.cfg))
         me = ray.get_runtime_context()
         self.leases = Leases(self.store, get_or_create(), (me.current_actor, me.get_actor_id()))
+        self.recordings = Recordings(self.cfg.stability_ttl_s, self.cfg.stability_max_sequences)
         self.training = Training(self.learners, self.store, self.catalog, self.futures, self.leases,
-                                 self.cfg.gap_timeout_s, self._vocab, lambda user: quota_of(self.cfg, user))
+                                 self.cfg.gap_timeout_s, self._vocab, lambda user: quota_of(self.cfg, user),
+                                 self.recordings)
         self.sessions = Sessions(self.store, self.cfg.session_timeout_s, self._session_closed)
         self.recovered = False  # leases a predecessor left open are closed on the first call
         self.tasks: list[asyncio.Task] = []  # the session sweep and the learners' watches
         self.engines = VllmSamplers(self.models, self.paths, NAME, NAMESPACE)
-        self.batcher = SampleBatcher(self.learners, self.engines, self.futures, self.cfg.sample_batch_wait_ms / 1000)
+        self.batcher = SampleBatcher(self.learners, self.engines, self.futures, self.cfg.sample_batch_wait_ms / 1000,
+                                     self.recordings.add)
 
     async def until_gone(self) -> None:
         """Never answers: the ResourceManager holds this call and fails this service's leases when it
@@ -249,9 +253,11 @@ class TinkerService:
     async def asample(self, owner: str, req: dict[str, Any]) -> dict[str, Any]:
         """``asample``: queued for the next batched learner call; the promise carries one sequence id
         per sample."""
+        session = None
         if req.get("sampling_session_id"):
             s = self.catalog.sampler(owner, req["sampling_session_id"])
             base, adapter, key = s.base_model, s.adapter_dir, f"{s.sampler_id}:{req.get('seq_id')}"
+            session = session_of(s.sampler_id)
         elif req.get("model_path"):
             ckpt = self.catalog.checkpoint(owner, req["model_path"])
             base, adapter, key = self.store.run(ckpt.model_id).base_model, ckpt.path, uuid.uuid4().hex
@@ -262,6 +268,11 @@ class TinkerService:
                             f"{EPHEMERAL_KEEP} unnamed (ephemeral) sampler weights; name them "
                             "(save_weights_for_sampler(name)) to keep them", 404)
         wait = R.sample_wait(req, key, adapter, self.cfg, SampleWait, self._limits(base))
+        if req.get("record_stability_info"):
+            if session is None:
+                raise UserError("record_stability_info needs a sampling client of a session "
+                                "(ServiceClient.create_sampling_client or TrainingClient.create_sampling_client)")
+            wait.record = (owner, session)
         ids = [f"{wait.request_id}:{i}" for i in range(wait.n)]
         if wait.request_id not in self.futures.items:
             self.futures.room(owner, quota_of(self.cfg, owner).concurrent_requests)

@@ -23,6 +23,7 @@ from otray.tinker.catalog import Catalog
 from otray.tinker.futures import Futures, OrderedExecutor, Outcome
 from otray.tinker.leases import LeaseEnded, Leases, LeaseSpec
 from otray.tinker.store import Checkpoint, Sampler, Store
+from otray.tinker.stability import Recordings, with_recordings
 from otray.tinker.wire import TrainCall, UserError, parse_train_call, train_output
 
 
@@ -47,8 +48,10 @@ class Training:
     naming the user it is for (their turns are taken fairly there)."""
 
     def __init__(self, learners: dict[str, Any], store: Store, catalog: Catalog, futures: Futures,
-                 leases: Leases, gap_timeout_s: float, vocab: Callable[[str, str], int], quotas: Callable[[str], Any]):
+                 leases: Leases, gap_timeout_s: float, vocab: Callable[[str, str], int], quotas: Callable[[str], Any],
+                 recordings: Recordings):
         self.learners, self.store, self.catalog, self.futures, self.leases = learners, store, catalog, futures, leases
+        self.recordings = recordings  # sampled sequences' stability info, for stable_reinforce
         self.quotas = quotas  # user -> their TinkerQuota
         self.order = OrderedExecutor(futures, gap_timeout_s)
         self.vocab = vocab
@@ -168,6 +171,9 @@ class Training:
     def forward_backward(self, owner: str, body: bytes) -> dict[str, Any]:
         with self.refused(owner, None, None):
             call: TrainCall = parse_train_call(body, lambda m: self.vocab(owner, m))
+        if call.loss_fn == "stable_reinforce":
+            with self.refused(owner, call.model_id, call.seq_id):
+                call.datums = with_recordings(call, self.recordings, owner)
         self.learner_of(call.model_id)
 
         check = self._lease_check(call.model_id)

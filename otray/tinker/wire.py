@@ -30,12 +30,24 @@ LOSSES: dict[str, tuple[str, ...]] = {  # loss -> the loss_fn_inputs it needs be
     "ppo": ("logprobs", "advantages"),
     "cispo": ("logprobs", "advantages"),
     "dro": ("logprobs", "advantages"),
+    "gspo": ("logprobs", "advantages", "sequence_ratio_mask"),
+    # the sampler's logprobs come from the recordings its provenance names (otray.tinker.stability)
+    "stable_reinforce": ("advantages",),
 }
+_CLIPS = {"clip_low_threshold": "clip_low", "clip_high_threshold": "clip_high"}
 # Tinker's loss_fn_config keys -> otray.algos.losses's
 CONFIG_KEYS: dict[str, dict[str, str]] = {
-    "ppo": {"clip_low_threshold": "clip_low", "clip_high_threshold": "clip_high"},
-    "cispo": {"clip_low_threshold": "clip_low", "clip_high_threshold": "clip_high"},
+    "ppo": _CLIPS,
+    "cispo": _CLIPS,
+    "gspo": _CLIPS,
     "dro": {"beta": "beta"},
+    "stable_reinforce": {"clip_high_threshold": "clip_high", "kl_coeff": "kl_coeff"},
+}
+# per-token loss_fn_inputs only some losses read: sent to another loss they are refused, not ignored
+TOKEN_INPUTS: dict[str, tuple[str, ...]] = {
+    "clip_low_threshold": ("ppo", "cispo", "gspo"),
+    "clip_high_threshold": ("ppo", "cispo", "gspo", "stable_reinforce"),
+    "sequence_ratio_mask": ("gspo",),
 }
 MAX_TOKENS_PER_DATUM = 1 << 20
 
@@ -61,7 +73,7 @@ REQUEST_FIELDS: dict[str, type | tuple[type, ...]] = {
                      "prompt_logprobs_last_n"), int),
     **dict.fromkeys(("lora_config", "sampling_params", "prompt", "adam_params", "optim_params",
                      "optimizer_config", "user_metadata"), dict),
-    **dict.fromkeys(("prompt_logprobs", "overwrite", "optimizer"), bool),
+    **dict.fromkeys(("prompt_logprobs", "overwrite", "optimizer", "record_stability_info"), bool),
     "ttl_seconds": (int, float),
 }
 _INT_RANGE = (-(1 << 63), (1 << 63) - 1)
@@ -93,9 +105,29 @@ def pb():
     return tinker_public_pb2
 
 
+@dataclass(frozen=True)
+class Span:
+    """One provenance run of a datum: ``length`` positions that are ``[offset, offset + length)`` of
+    sequence ``sequence_id``'s prompt (``kind`` ``prompt_tokens``) or sampled tokens (``sampled_tokens``)."""
+
+    kind: str
+    sequence_id: str
+    offset: int
+    length: int
+
+
+@dataclass
+class DatumSpans:
+    """A datum's provenance: runs tiling its ``model_input`` and its ``target_tokens``."""
+
+    model_input: list[Span]
+    targets: list[Span]
+
+
 @dataclass
 class TrainCall:
-    """A decoded ``/forward_backward`` body (also ``forward``: ``forward_only``)."""
+    """A decoded ``/forward_backward`` body (also ``forward``: ``forward_only``). ``spans``: each
+    datum's provenance, None where it has none (stable_reinforce needs it on every datum)."""
 
     model_id: str
     seq_id: int
@@ -103,6 +135,7 @@ class TrainCall:
     loss_fn_config: dict[str, float]
     forward_only: bool
     datums: list[Datum]
+    spans: list[Optional[DatumSpans]]
 
 
 def _tensor(msg: Any, name: str, where: str) -> np.ndarray:
@@ -147,16 +180,46 @@ def _datum(msg: Any, loss_fn: str, where: str, vocab: int) -> Datum:
         if arr.size != n:
             raise UserError(f"{where}: loss_fn_inputs[{name!r}] has {arr.size} entries for {n} input tokens; "
                             "every tensor needs one entry per input token")
+        if loss_fn not in TOKEN_INPUTS.get(name, (loss_fn,)):
+            raise UserError(f"{where}: loss {loss_fn!r} does not read loss_fn_inputs[{name!r}] (only "
+                            f"{', '.join(TOKEN_INPUTS[name])} do); leave it out or choose one of those losses")
     targets = inputs["target_tokens"].astype(np.int64).tolist()
     for ids, what in ((tokens, "model_input"), (targets, "target_tokens")):
         if min(ids) < 0 or max(ids) >= vocab:
             raise UserError(f"{where}: {what} holds a token id outside the model's vocabulary [0, {vocab})")
+    def row(name: str) -> Optional[list[float]]:
+        return inputs[name].astype(np.float32).tolist() if name in inputs else None
+
     zeros = [0.0] * n
-    weights = inputs["weights"].astype(np.float32).tolist() if "weights" in inputs else [1.0] * n
-    return Datum(tokens, targets, [1.0] * n,
-                 inputs["advantages"].astype(np.float32).tolist() if "advantages" in inputs else zeros,
-                 inputs["logprobs"].astype(np.float32).tolist() if "logprobs" in inputs else zeros,
-                 weights if loss_fn == "cross_entropy" else None)
+    ratio_mask = row("sequence_ratio_mask")
+    if ratio_mask is not None and not any(ratio_mask):
+        raise UserError(f"{where}: sequence_ratio_mask marks no token; mark the sampled tokens the sequence "
+                        "ratio is taken over")
+    return Datum(tokens, targets, [1.0] * n, row("advantages") or zeros, row("logprobs") or zeros,
+                 (row("weights") or [1.0] * n) if loss_fn == "cross_entropy" else None,
+                 ratio_mask, row("clip_low_threshold"), row("clip_high_threshold"))
+
+
+def _spans(msg: Any, where: str, n: int) -> Optional[DatumSpans]:
+    """A datum's provenance spans, each list checked to tile its field (``n`` positions)."""
+    if not msg.model_input_spans and not msg.loss_fn_input_spans:
+        return None
+    out = []
+    for field, runs in (("model_input", msg.model_input_spans), ("target_tokens", msg.loss_fn_input_spans)):
+        spans = []
+        for run in runs:
+            kind = run.WhichOneof("span")
+            arm = getattr(run, kind) if kind else None
+            if arm is None or not arm.sequence_id or arm.offset < 0 or arm.length < 0:
+                raise UserError(f"{where}: a {field} provenance span is empty or malformed; build spans with "
+                                "Datum.with_provenance")
+            spans.append(Span(kind, arm.sequence_id, int(arm.offset), int(arm.length)))
+        total = sum(s.length for s in spans)
+        if total != n:
+            raise UserError(f"{where}: the {field} provenance spans cover {total} positions but the datum has {n}; "
+                            "the runs must tile it exactly (Datum.with_provenance checks this client-side)")
+        out.append(spans)
+    return DatumSpans(*out)
 
 
 def parse_train_call(body: bytes, vocab_of: Any) -> TrainCall:
@@ -195,8 +258,13 @@ def _train_call(msg: Any, vocab: int) -> TrainCall:
     if not msg.data:
         raise UserError("forward_backward: data is empty; send at least one datum")
     datums = [_datum(d, loss, f"datum {i}", vocab) for i, d in enumerate(msg.data)]
+    spans = [_spans(d, f"datum {i}", len(datums[i])) for i, d in enumerate(msg.data)]
+    if loss == "stable_reinforce" and None in spans:
+        raise UserError(f"datum {spans.index(None)}: loss 'stable_reinforce' needs provenance on every datum "
+                        "(Datum.with_provenance naming the sequence_id of each sampled run; sample with "
+                        "record_stability_info=True)")
     return TrainCall(msg.model_id, int(msg.seq_id), loss, {known[k]: float(v) for k, v in raw.items()},
-                     bool(msg.forward_only), datums)
+                     bool(msg.forward_only), datums, spans)
 
 
 def _batched(rows: list[list[float]]) -> Any:

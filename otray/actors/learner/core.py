@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from otray.names import loss_config
 from otray.types import Datum, LossNormalizer
 
 
@@ -145,9 +146,9 @@ def batch_stats(loss: torch.Tensor, lp: torch.Tensor, q: torch.Tensor, mask: tor
     masked tokens, as one tensor on the device (no host sync: :meth:`LossSums.of` copies them once)."""
     with torch.no_grad():
         ratio = torch.exp(lp - q)
-        if "clip_low" in cfg or loss_fn in ("ppo", "cispo"):
-            lo = cfg.get("clip_low", 0.8 if loss_fn == "ppo" else 0.0)
-            hi = cfg.get("clip_high", 1.2 if loss_fn == "ppo" else 4.0)
+        full = loss_config(loss_fn, **cfg)
+        if "clip_high" in full:
+            lo, hi = full.get("clip_low", 0.0), full["clip_high"]
             clipped = (((ratio < lo) | (ratio > hi)).float() * mask).sum()
         else:
             clipped = torch.zeros((), device=lp.device)
@@ -185,17 +186,33 @@ class LossInputs:
     sampler_logprobs: torch.Tensor
     advantages: torch.Tensor
     weights: torch.Tensor | None
+    ratio_mask: torch.Tensor  # the tokens of gspo's / stable_reinforce's ratio (a datum's own mask by default)
+    clip_tokens: tuple[torch.Tensor | None, torch.Tensor | None]  # per-token thresholds, NaN: the config's
+
+    def extras(self) -> dict[str, Any]:
+        """The keyword arguments of ``per_token_loss`` besides the tensors it takes by position."""
+        return {"ratio_mask": self.ratio_mask, "clip_tokens": self.clip_tokens}
 
 
 def loss_inputs(batch: Sequence[Datum], width: int, device: str = "cpu", *, every_token: bool = False) -> LossInputs:
     """The padded loss inputs of ``batch``; ``every_token``: a mask of every token (the Tinker API's
     losses weight tokens themselves) instead of the datums' own masks."""
     f32 = torch.float32
+
+    def rows(get: Any, fill: float) -> torch.Tensor | None:
+        """One optional per-token field of every datum, padded; rows without it hold ``fill``."""
+        if all(get(d) is None for d in batch):
+            return None
+        return pad_rows([get(d) if get(d) is not None else [fill] * len(d) for d in batch], width, fill, f32, device)
+
     masks = [[1.0] * len(d) for d in batch] if every_token else [d.mask for d in batch]
     weights = None if batch[0].weights is None else pad_rows([d.weights or [] for d in batch], width, 0.0, f32, device)
+    ratio_mask = pad_rows([d.ratio_mask if d.ratio_mask is not None else d.mask for d in batch], width, 0.0, f32, device)
+    nan = float("nan")
     return LossInputs(pad_rows(masks, width, 0.0, f32, device),
                       pad_rows([d.sampler_logprobs for d in batch], width, 0.0, f32, device),
-                      pad_rows([d.advantages for d in batch], width, 0.0, f32, device), weights)
+                      pad_rows([d.advantages for d in batch], width, 0.0, f32, device), weights, ratio_mask,
+                      (rows(lambda d: d.clip_low, nan), rows(lambda d: d.clip_high, nan)))
 
 
 def trainable(model: torch.nn.Module) -> list[torch.nn.Parameter]:

@@ -161,7 +161,7 @@ class PolicyLearner:
                 lp, valid = token_logprobs(self.model, batch, self.device)
             inputs = loss_inputs(batch, lp.shape[1], self.device)
             mask, q = inputs.mask * valid, inputs.sampler_logprobs
-            tok_loss = per_token_loss(loss_fn, lp, q, inputs.advantages, inputs.weights, **cfg)
+            tok_loss = per_token_loss(loss_fn, lp, q, inputs.advantages, inputs.weights, **inputs.extras(), **cfg)
             loss = aggregate(tok_loss, mask, aggregation, total_tokens=norm.tokens, total_sequences=norm.sequences)
             loss.backward()
             stats.append(batch_stats(loss, lp, q, mask, loss_fn, cfg))  # stays on the device

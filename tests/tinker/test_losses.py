@@ -1,0 +1,221 @@
+"""The SDK 0.38 losses beyond the first five, through the real SDK against ``otray tinker``:
+stable_reinforce (sampling with record_stability_info, provenance on the datums), gspo with its
+sequence_ratio_mask, per-token clip thresholds, and custom losses (run client-side: the service
+advertises ``custom_loss_server_side: false``). Each is checked against a float64 reference
+computed here from the service's own forward logprobs; each refusal is a user error naming the
+problem, and the same client's next request is served at once."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+import pytest
+
+from tests.conftest import tinker_service
+from tests.fixtures.tinker_data import problems, sft
+
+tinker = pytest.importorskip("tinker")
+from tinker import types  # noqa: E402
+
+PORT = 8027
+URL = f"http://127.0.0.1:{PORT}"
+BASE = "Qwen/Qwen3-8B"
+
+
+@pytest.fixture(scope="module")
+def svc(ray_local, tmp_path_factory, tiny_path):
+    keys, stop = tinker_service(ray_local, tmp_path_factory.mktemp("tinker_losses"), PORT, tiny_path)
+    yield keys
+    stop()
+
+
+def rl_datum(prompt: list[int], seq, advantage: float, *, provenance: bool = True, logprobs=None) -> types.Datum:
+    """The cookbook's RL datum (recipes/rl_loop.py): input = prompt + sampled[:-1], targets padded with 0 on
+    the prompt, the advantage on the sampled tokens; its provenance names the sampled sequence."""
+    ob = len(prompt) - 1
+    n = ob + len(seq.tokens)
+    datum = types.Datum(model_input=types.ModelInput.from_ints(prompt + seq.tokens[:-1]), loss_fn_inputs={
+        "target_tokens": [0] * ob + seq.tokens,
+        "logprobs": logprobs if logprobs is not None else [0.0] * ob + seq.logprobs,
+        "advantages": [0.0] * ob + [advantage] * len(seq.tokens)})
+    assert datum.model_input.length == n
+    if not provenance:
+        return datum
+    return datum.with_provenance(
+        model_input=[types.PromptProvenanceSpan(sequence_id=seq.sequence_id, length=len(prompt)),
+                     types.SampledProvenanceSpan(sequence_id=seq.sequence_id, length=len(seq.tokens) - 1)],
+        loss_fn_inputs=[types.PromptProvenanceSpan(sequence_id=seq.sequence_id, offset=1, length=ob),
+                        types.SampledProvenanceSpan(sequence_id=seq.sequence_id, length=len(seq.tokens))])
+
+
+def refused_then_served(tc, call, says: str, good: list[types.Datum]) -> None:
+    """``call`` fails with a message containing ``says``; the client's next request is answered in < 1 s."""
+    with pytest.raises(Exception, match=says):
+        call().result(timeout=30)
+    t0 = time.time()
+    tc.forward(good, "cross_entropy").result(timeout=30)
+    assert time.time() - t0 < 1.0, "the next request waited for the refused one"
+
+
+def learner_logprobs(tc, data: list[types.Datum]) -> list[np.ndarray]:
+    """The training client's logprobs of each datum's targets now (a forward: no gradient)."""
+    probe = [types.Datum(model_input=d.model_input, loss_fn_inputs={
+        "target_tokens": d.loss_fn_inputs["target_tokens"], "weights": [1.0] * d.model_input.length}) for d in data]
+    return [np.asarray(o["logprobs"].tolist(), np.float64) for o in tc.forward(probe, "cross_entropy").result().loss_fn_outputs]
+
+
+def test_stable_reinforce_weighs_against_the_recorded_sampler_logprobs(svc, tokenizer):
+    """Sequences sampled with record_stability_info are trained on by sequence_id: the loss is
+    ``-min(r, 2) * A * lp`` on the sampled tokens with ``r`` against the *recorded* logprobs (the
+    client's ``logprobs`` input is ignored: garbage is sent here), zero on the prompt."""
+    sc = tinker.ServiceClient(base_url=URL, api_key=svc["alice"])
+    tc = sc.create_lora_training_client(base_model=BASE, rank=4, seed=1).result()
+    tc.forward_backward([sft(p, a) for p, a in problems(tokenizer, 4)], "cross_entropy").result()
+    tc.optim_step(types.AdamParams(learning_rate=5e-2)).result()  # the learner now differs from step 0's sampler
+    sampler = tc.save_weights_and_get_sampling_client(record_stability_info=True).result()
+    tc.forward_backward([sft(p, a) for p, a in problems(tokenizer, 4, seed=1)], "cross_entropy").result()
+    tc.optim_step(types.AdamParams(learning_rate=5e-2)).result()  # ... and moves on: off-policy by one step
+    prompt = problems(tokenizer, 1)[0][0]
+    res = sampler.sample(types.ModelInput.from_ints(prompt), 3, types.SamplingParams(max_tokens=6, seed=2)).result()
+    seqs = [s for s in res.sequences if len(s.tokens) >= 2]
+    assert seqs and all(s.sequence_id for s in seqs)
+    ob = len(prompt) - 1
+    data = [rl_datum(prompt, s, adv, logprobs=[-50.0] * (ob + len(s.tokens))) for s, adv in zip(seqs, (1.0, -0.5, 2.0))]
+    lps = learner_logprobs(tc, data)
+    out = tc.forward_backward(data, "stable_reinforce").result()
+    total = 0.0
+    for d, s, lp, o in zip(data, seqs, lps, out.loss_fn_outputs):
+        adv = np.asarray(d.loss_fn_inputs["advantages"].tolist(), np.float64)
+        q = np.concatenate([np.zeros(ob), np.asarray(s.logprobs, np.float64)])
+        sampled = np.concatenate([np.zeros(ob), np.ones(len(s.tokens))])
+        want = sampled * -np.minimum(np.exp(lp - q), 2.0) * adv * lp
+        got = np.asarray(o["elementwise_loss"].tolist())
+        assert np.allclose(got, want, atol=2e-4), (got, want)
+        assert np.abs(np.exp(lp - q))[ob:].max() != pytest.approx(1.0, abs=1e-3)  # really off-policy
+        total += want.sum()
+    assert out.metrics["loss:sum"] == pytest.approx(total, rel=1e-3, abs=1e-4)
+    assert tc.optim_step(types.AdamParams(learning_rate=1e-3)).result().metrics["step:max"] == 3
+    # kl_coeff adds the k3 estimate of KL(sampler || learner) on the sampled tokens
+    lps = learner_logprobs(tc, data[:1])[0]
+    kl = tc.forward(data[:1], "stable_reinforce", {"kl_coeff": 0.5, "clip_high_threshold": 1.5}).result()
+    q = np.concatenate([np.zeros(ob), np.asarray(seqs[0].logprobs, np.float64)])
+    r = np.exp(lps - q)
+    adv = np.asarray(data[0].loss_fn_inputs["advantages"].tolist(), np.float64)
+    want = np.concatenate([np.zeros(ob), np.ones(len(seqs[0].tokens))]) * (
+        -np.minimum(r, 1.5) * adv * lps + 0.5 * (r - 1 - (lps - q)))
+    assert np.allclose(kl.loss_fn_outputs[0]["elementwise_loss"].tolist(), want, atol=2e-4)
+
+    good = data[:1]
+    seq = seqs[0]
+    plain = sc.create_sampling_client(base_model=BASE).result()  # no stability info recorded
+    unrecorded = plain.sample(types.ModelInput.from_ints(prompt), 1, types.SamplingParams(max_tokens=4)).result().sequences[0]
+    swapped = rl_datum(prompt, seq, 1.0)
+    ids = swapped.model_input.to_ints()
+    ids[len(prompt)] = (ids[len(prompt)] + 1) % 100  # the first sampled token, changed
+    swapped = types.Datum(model_input=types.ModelInput.from_ints(ids), loss_fn_inputs=swapped.loss_fn_inputs,
+                          model_input_spans=swapped.model_input_spans, loss_fn_input_spans=swapped.loss_fn_input_spans)
+    on_prompt = rl_datum(prompt, seq, 1.0)
+    adv = on_prompt.loss_fn_inputs["advantages"].tolist()
+    adv[0] = 0.3
+    on_prompt = types.Datum(model_input=on_prompt.model_input,
+                            loss_fn_inputs={**on_prompt.loss_fn_inputs, "advantages": adv},
+                            model_input_spans=on_prompt.model_input_spans, loss_fn_input_spans=on_prompt.loss_fn_input_spans)
+    for call, says in [
+        (lambda: tc.forward_backward([rl_datum(prompt, seq, 1.0, provenance=False)], "stable_reinforce"), "needs provenance"),
+        (lambda: tc.forward_backward([rl_datum(prompt, unrecorded, 1.0)], "stable_reinforce"), "has no stability info"),
+        (lambda: tc.forward_backward([swapped], "stable_reinforce"), rf"model_input\[{len(prompt)}\] is token"),
+        (lambda: tc.forward_backward([on_prompt], "stable_reinforce"), r"advantages\[0\] is 0.3 on a position"),
+        (lambda: tc.forward_backward(good, "stable_reinforce", {"beta": 0.1}), "takes no loss_fn_config"),
+    ]:
+        refused_then_served(tc, call, says, [sft(*problems(tokenizer, 1)[0])])
+    # the recording is this session's: alice's other session and bob cannot train on it
+    for key in (svc["alice"], svc["bob"]):
+        other = tinker.ServiceClient(base_url=URL, api_key=key).create_lora_training_client(base_model=BASE, rank=2).result()
+        refused_then_served(other, lambda: other.forward_backward(good, "stable_reinforce"), "has no stability info",
+                            [sft(*problems(tokenizer, 1)[0])])
+    sc.close("success").result()
+
+
+def test_gspo_and_per_token_clip_thresholds(svc, tokenizer):
+    """gspo: every token carries its datum's geometric-mean ratio over sequence_ratio_mask, clipped;
+    ppo with per-token clip thresholds clips each token by its own (checked against float64 here)."""
+    sc = tinker.ServiceClient(base_url=URL, api_key=svc["alice"])
+    tc = sc.create_lora_training_client(base_model=BASE, rank=4, seed=2).result()
+    rng = np.random.default_rng(0)
+    base = [sft(p, a) for p, a in problems(tokenizer, 3)]
+    lps = learner_logprobs(tc, base)
+    data, parts = [], []
+    for d, lp in zip(base, lps):
+        n = d.model_input.length
+        q = lp + rng.normal(0, 0.3, n)  # a sampler that disagrees with the learner
+        adv = rng.normal(0, 1, n)
+        mask = (np.asarray(d.loss_fn_inputs["weights"].tolist()) > 0).astype(np.float32)
+        lo, hi = rng.uniform(0.5, 0.95, n), rng.uniform(1.05, 1.6, n)
+        parts.append((q, adv, mask, lo, hi))
+        data.append(types.Datum(model_input=d.model_input, loss_fn_inputs={
+            "target_tokens": d.loss_fn_inputs["target_tokens"], "logprobs": q.astype(np.float32),
+            "advantages": adv.astype(np.float32), "sequence_ratio_mask": mask}))
+    out = tc.forward(data, "gspo", {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1}).result()
+    for (q, adv, mask, _, _), lp, o in zip(parts, lps, out.loss_fn_outputs):
+        q = q.astype(np.float32).astype(np.float64)
+        s = math.exp(((lp - q) * mask).sum() / mask.sum())
+        want = -np.minimum(s * adv, np.clip(s, 0.9, 1.1) * adv)
+        assert np.allclose(o["elementwise_loss"].tolist(), want, atol=2e-4)
+    ppo = [types.Datum(model_input=d.model_input, loss_fn_inputs={
+        "target_tokens": d.loss_fn_inputs["target_tokens"], "logprobs": q.astype(np.float32),
+        "advantages": adv.astype(np.float32), "clip_low_threshold": lo.astype(np.float32),
+        "clip_high_threshold": hi.astype(np.float32)}) for d, (q, adv, _, lo, hi) in zip(base, parts)]
+    out = tc.forward(ppo, "ppo").result()
+    for (q, adv, _, lo, hi), lp, o in zip(parts, lps, out.loss_fn_outputs):
+        r = np.exp(lp - q.astype(np.float32).astype(np.float64))
+        lo, hi = lo.astype(np.float32).astype(np.float64), hi.astype(np.float32).astype(np.float64)
+        want = -np.minimum(r * adv, np.clip(r, lo, hi) * adv)
+        assert np.allclose(o["elementwise_loss"].tolist(), want, atol=2e-4)
+    no_mask = [types.Datum(model_input=d.model_input, loss_fn_inputs={
+        k: v for k, v in d.loss_fn_inputs.items() if k != "sequence_ratio_mask"}) for d in data]
+    empty = [types.Datum(model_input=d.model_input, loss_fn_inputs={
+        **d.loss_fn_inputs, "sequence_ratio_mask": np.zeros(d.model_input.length, np.float32)}) for d in data]
+    for call, says in [(lambda: tc.forward_backward(no_mask, "gspo"), "missing \\['sequence_ratio_mask'\\]"),
+                       (lambda: tc.forward_backward(empty, "gspo"), "marks no token"),
+                       (lambda: tc.forward_backward(ppo, "importance_sampling"), "does not read"),
+                       (lambda: tc.forward_backward(data, "custom", {"loss_id": 1.0}), "forward_backward_custom")]:
+        refused_then_served(tc, call, says, base[:1])
+    sc.close("success").result()
+
+
+def test_custom_losses_run_client_side_with_the_gradient_of_the_same_builtin_loss(svc, tokenizer):
+    """The service advertises no server-side custom losses, so the SDK runs them client-side (a
+    forward, then a weighted cross-entropy backward). A custom negative log-likelihood (a plain
+    function, and one traced by create_custom_loss) trains exactly as the built-in cross_entropy."""
+    sc = tinker.ServiceClient(base_url=URL, api_key=svc["alice"])
+    data = [sft(p, a) for p, a in problems(tokenizer, 3)]
+
+    def neg_ll(logprobs, weights):
+        loss = -(logprobs * weights).sum()
+        return loss, {"custom/neg_ll:sum": loss}
+
+    def neg_ll_list(batch, logprobs_list):
+        import torch
+
+        loss = sum(-(lp * torch.tensor(d.loss_fn_inputs["weights"].tolist())).sum() for d, lp in zip(batch, logprobs_list))
+        return loss, {"neg_ll": float(loss.detach())}
+
+    handle = sc.create_custom_loss(neg_ll, input_ranks={"logprobs": 1, "weights": 1}).result()
+    assert handle.loss_id is None  # not uploaded: this service runs custom losses client-side
+    fresh = sc.create_lora_training_client(base_model=BASE, rank=4, seed=5).result()
+    before = np.concatenate(learner_logprobs(fresh, data))
+    after = []
+    for loss in ("cross_entropy", neg_ll_list, handle):
+        tc = sc.create_lora_training_client(base_model=BASE, rank=4, seed=5).result()
+        out = (tc.forward_backward(data, loss) if isinstance(loss, str) else tc.forward_backward_custom(data, loss)).result()
+        if loss == "cross_entropy":
+            want = out.metrics["loss:sum"]
+        else:
+            assert out.metrics["loss:sum"] == pytest.approx(want, rel=1e-4)
+        tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+        after.append(np.concatenate(learner_logprobs(tc, data)))
+    assert np.abs(after[0] - before).max() > 1e-3  # the step moved the model
+    assert np.allclose(after[1], after[0], atol=1e-4) and np.allclose(after[2], after[0], atol=1e-4)
+    sc.close("success").result()
