@@ -96,6 +96,11 @@ class TinkerService:
         """Prompts sampled by each engine (``learner``, ``vllm``), and why a vLLM engine is not used."""
         return {**self.batcher.prompts, "down": dict(self.engines.down)}
 
+    async def stability(self) -> dict[str, int]:
+        """Sequences recorded with stability info, held now, and named by stable_reinforce requests."""
+        r = self.recordings
+        return {"recorded": r.recorded, "held": len(r.items), "trained": r.trained}
+
     async def ready(self) -> list[str]:
         await asyncio.gather(*[h.ping.remote() for h in self.learners.values()])
         await self._recover()

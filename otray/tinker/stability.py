@@ -52,8 +52,10 @@ class Recordings:
     def __init__(self, ttl_s: float = 86400.0, max_sequences: int = 200_000):
         self.ttl_s, self.max_sequences = ttl_s, max_sequences
         self.items: OrderedDict[str, tuple[Recorded, float]] = OrderedDict()  # least recently used first
+        self.recorded = self.trained = 0  # sequences recorded, and named by training requests, since start
 
     def add(self, sequence_id: str, rec: Recorded) -> None:
+        self.recorded += 1
         self.items[sequence_id] = (rec, time.monotonic())
         self.items.move_to_end(sequence_id)
         self._expire()
@@ -71,6 +73,7 @@ class Recordings:
                                 f"the training client, and train on it within {self.ttl_s / 3600:g} h of its last use")
             out[sid] = hit[0]
         now = time.monotonic()
+        self.trained += len(out)
         for sid in out:
             self.items[sid] = (out[sid], now)
             self.items.move_to_end(sid)

@@ -159,6 +159,35 @@ def test_cookbook_rl_loop(svc, tmp_path, monkeypatch):
     assert {"weights/final", "sampler_weights/final", "weights/000002"} <= names, names
 
 
+def test_cookbook_async_rl_loop_with_its_default_loss(svc, tmp_path, monkeypatch, ray_local):
+    """The cookbook's async RL (``AsyncConfig``), whose default loss is ``stable_reinforce``: its
+    sampling clients record stability info, its datums carry provenance, sampling runs a step ahead
+    of training; 3 steps, the adapter moved, the run's checkpoints readable."""
+    async_cfg = rl_train.AsyncConfig(max_steps_off_policy=1, groups_per_batch=2)
+    assert async_cfg.loss_fn == "stable_reinforce"  # the default this test is about
+    monkeypatch.setenv("TINKER_API_KEY", svc["alice"])
+    log = tmp_path / "rl_async"
+    cfg = rl_train.Config(
+        learning_rate=1e-3, dataset_builder=SumDatasetBuilder(batch_size=2, group_size=4, batches=4),
+        model_name=BASE, recipe_name="otray_test_rl_async", max_tokens=8, log_path=str(log),
+        renderer_name=RENDERER, lora_rank=8, eval_every=0, save_every=0, base_url=URL,
+        num_groups_to_log=0, async_config=async_cfg, max_steps=3)
+    from otray.tinker.service import NAME, NAMESPACE
+
+    service = ray_local.get_actor(NAME, namespace=NAMESPACE)
+    before = ray_local.get(service.stability.remote())
+    asyncio.run(rl_train.main(cfg))
+
+    used = ray_local.get(service.stability.remote())
+    assert used["recorded"] - before["recorded"] >= 3 * 2 * 4  # 3 steps x 2 groups x 4 samples, at least
+    assert used["trained"] - before["trained"] >= 3 * 2 * 4 // 2  # stable_reinforce named them (groups may drop)
+    rows = [r for r in metrics(log) if "env/all/reward/total" in r]
+    assert [r["step"] for r in rows][:3] == [0, 1, 2], rows
+    assert all(np.isfinite(r["env/all/reward/total"]) for r in rows)
+    final = final_checkpoint(log)
+    assert trained_lora_b(svc["store"], final["state_path"]) > 0
+
+
 def test_cookbook_supervised_loop(svc, tmp_path, monkeypatch, tokenizer):
     """``tinker_cookbook.supervised.train.main`` on a local JSONL chat file: 3 steps of
     forward_backward(cross_entropy) + optim_step with its linear LR schedule, then the final save."""
