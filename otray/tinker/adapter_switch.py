@@ -39,6 +39,10 @@ class AdapterSwitch:
             for m in self.layers:
                 m._active_adapter = [adapter]
             model.base_model.active_adapter = adapter
+            # the PeftModel's own record, which its forward reads its config by: left at a deleted
+            # adapter it failed every later pass with KeyError (every client dropped, a new one made)
+            if "active_adapter" in vars(model):
+                model.active_adapter = adapter
             for p in self.params(model, adapter):
                 p.requires_grad_(True)
         else:  # a PEFT without that attribute: its own (slow) switch

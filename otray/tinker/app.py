@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, Response
 from ray import serve
 
 from otray.tinker import catalog as R
+from otray.tinker import tokens
 from otray.tinker.wire import UserError, check_request_fields
 
 APP_NAME = "otray-tinker"
@@ -30,7 +31,9 @@ ROUTE_PREFIX = "/api/v1"  # the routes below are under it; otray serve's app may
 
 @tinker_api.exception_handler(UserError)
 async def _user_error(_: Request, e: UserError) -> JSONResponse:
-    return JSONResponse({"detail": str(e), "category": "user"}, status_code=e.status)
+    # RFC 6750: the SDK answers a 401 marked invalid_token by exchanging its key for a new JWT
+    headers = {"WWW-Authenticate": 'Bearer error="invalid_token"'} if isinstance(e, tokens.BadToken) else None
+    return JSONResponse({"detail": str(e), "category": "user"}, status_code=e.status, headers=headers)
 
 
 @tinker_api.exception_handler(404)
@@ -70,6 +73,11 @@ async def _json(request: Request, limit: int) -> dict[str, Any]:
     return data
 
 
+def _page(limit: int, offset: int) -> None:
+    if not 1 <= limit <= 1000 or offset < 0:
+        raise UserError("limit must be 1 to 1000 and offset >= 0")
+
+
 def _need(data: dict[str, Any], *keys: str) -> None:
     missing = [k for k in keys if data.get(k) in (None, "")]
     if missing:
@@ -90,12 +98,24 @@ class TinkerGateway:
             name=NAME, namespace=NAMESPACE, get_if_exists=True, lifetime="detached", num_cpus=0,
             max_concurrency=1000, max_restarts=-1).remote(cfg)
         self.auth_cache = (False, 0.0)
+        self.secret: bytes | None = None  # the JWT signing key, fetched from the service once
 
     async def _owner(self, request: Request) -> str:
-        """The caller's user name: checked against the ResourceManager's registry when auth is on."""
+        """The caller's user name: from a JWT this service minted, or a key checked against the
+        ResourceManager's registry when auth is on."""
+        key = request.headers.get("x-api-key") or ""
+        if tokens.looks_like_jwt(key):
+            return tokens.user_of(await self._secret(), key)
+        return await self._key_owner(key)
+
+    async def _secret(self) -> bytes:
+        if self.secret is None:
+            self.secret = await self.service.jwt_secret.remote()
+        return self.secret
+
+    async def _key_owner(self, key: str) -> str:
         from otray.serve.http import rm_handle
 
-        key = request.headers.get("x-api-key") or ""
         if not key.startswith("tml-"):
             raise UserError("missing or malformed API key: send X-API-Key: tml-... (from `otray users add`)", 401)
         if not await self._auth_on():
@@ -143,8 +163,19 @@ class TinkerGateway:
     @tinker_api.post("/client/config")
     async def client_config(self, request: Request) -> dict[str, Any]:
         await self._owner(request)
-        return {"pjwt_auth_enabled": False, "parallel_fwdbwd_chunks": True, "proto_compress_fwdbwd": False,
-                "fwdbwd_max_chunk_len": self.cfg.max_chunk_datums}
+        return {"pjwt_auth_enabled": self.cfg.jwt_auth, "parallel_fwdbwd_chunks": True, "proto_compress_fwdbwd": False,
+                "fwdbwd_max_chunk_len": self.cfg.max_chunk_datums, "custom_loss_server_side": False,
+                "sample_use_retrieve_futures": False, "sample_join_sampling_session": False}
+
+    @tinker_api.post("/auth/token")
+    async def auth_token(self, request: Request) -> dict[str, str]:
+        """A JWT for the caller's key (a JWT cannot be exchanged for another: send the key)."""
+        if not self.cfg.jwt_auth:
+            raise UserError("JWT auth is off on this service (jwt_auth: false); send the tml- key itself", 404)
+        key = request.headers.get("x-api-key") or ""
+        if tokens.looks_like_jwt(key):
+            raise UserError("exchange the tml- API key for a JWT, not a JWT", 401)
+        return {"jwt": await self.service.mint_token.remote(await self._key_owner(key), key)}
 
     @tinker_api.post("/client/dynamic_config")
     async def dynamic_config(self, request: Request) -> dict[str, Any]:
@@ -248,8 +279,7 @@ class TinkerGateway:
 
     @tinker_api.get("/training_runs")
     async def training_runs(self, request: Request, limit: int = 20, offset: int = 0) -> dict[str, Any]:
-        if not 1 <= limit <= 1000 or offset < 0:
-            raise UserError("limit must be 1 to 1000 and offset >= 0")
+        _page(limit, offset)
         return await self._call(request, self.service.rest, R.RunsView(limit, offset))
 
     @tinker_api.get("/training_runs/{model_id}")
@@ -260,10 +290,41 @@ class TinkerGateway:
     async def checkpoints(self, model_id: str, request: Request) -> dict[str, Any]:
         return {"checkpoints": await self._call(request, self.service.rest, R.CheckpointsView(model_id))}
 
-    @tinker_api.delete("/training_runs/{model_id}/checkpoints/{checkpoint_id:path}")
-    async def delete_checkpoint(self, model_id: str, checkpoint_id: str, request: Request) -> Response:
-        await self._call(request, self.service.rest, R.DeleteCheckpoint(model_id, checkpoint_id))
+    # a checkpoint id is "<weights|sampler_weights>/<name>": two path segments (names hold no "/")
+    @tinker_api.delete("/training_runs/{model_id}/checkpoints/{segment}/{name}")
+    async def delete_checkpoint(self, model_id: str, segment: str, name: str, request: Request) -> Response:
+        await self._call(request, self.service.rest, R.DeleteCheckpoint(model_id, f"{segment}/{name}"))
         return Response(status_code=204)
+
+    @tinker_api.get("/checkpoints")
+    async def user_checkpoints(self, request: Request, limit: int = 100, offset: int = 0) -> dict[str, Any]:
+        _page(limit, offset)
+        return await self._call(request, self.service.rest, R.UserCheckpointsView(limit, offset))
+
+    @tinker_api.post("/training_runs/{model_id}/checkpoints/{segment}/{name}/publish")
+    async def publish(self, model_id: str, segment: str, name: str, request: Request) -> Response:
+        await self._call(request, self.service.rest, R.Publish(model_id, f"{segment}/{name}", True))
+        return Response(status_code=204)
+
+    @tinker_api.delete("/training_runs/{model_id}/checkpoints/{segment}/{name}/publish")
+    async def unpublish(self, model_id: str, segment: str, name: str, request: Request) -> Response:
+        await self._call(request, self.service.rest, R.Publish(model_id, f"{segment}/{name}", False))
+        return Response(status_code=204)
+
+    @tinker_api.put("/training_runs/{model_id}/checkpoints/{segment}/{name}/ttl")
+    async def set_ttl(self, model_id: str, segment: str, name: str, request: Request) -> Response:
+        data = await _json(request, self.cfg.max_body_bytes)
+        await self._call(request, self.service.rest, R.SetTtl(model_id, f"{segment}/{name}", data.get("ttl_seconds")))
+        return Response(status_code=204)
+
+    @tinker_api.get("/sessions")
+    async def sessions(self, request: Request, limit: int = 20, offset: int = 0) -> dict[str, Any]:
+        _page(limit, offset)
+        return await self._call(request, self.service.rest, R.SessionsView(limit, offset))
+
+    @tinker_api.get("/sessions/{session_id}")
+    async def session(self, session_id: str, request: Request) -> dict[str, Any]:
+        return await self._call(request, self.service.rest, R.SessionView(session_id))
 
     @tinker_api.post("/weights_info")
     async def weights_info(self, request: Request) -> dict[str, Any]:

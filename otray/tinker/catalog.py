@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 from otray.tinker import runs as R
 from otray.tinker.store import Checkpoint, Run, Sampler, Store, parse_path
@@ -45,13 +45,54 @@ class WeightsInfoView:
     tinker_path: str
 
 
-# A read-only REST call (or a checkpoint's deletion), typed: the gateway sends one, the service answers it.
-RestQuery = Union[SamplerView, RunsView, RunView, CheckpointsView, DeleteCheckpoint, WeightsInfoView]
+@dataclass(frozen=True)
+class UserCheckpointsView:
+    """``list_user_checkpoints``: every checkpoint of the caller's runs, newest first."""
+
+    limit: int
+    offset: int
+
+
+@dataclass(frozen=True)
+class Publish:
+    """``publish`` / ``unpublish``: a published checkpoint is readable by every user (by its path)."""
+
+    model_id: str
+    checkpoint_id: str
+    public: bool
+
+
+@dataclass(frozen=True)
+class SetTtl:
+    """``set_checkpoint_ttl``: expire ``ttl_seconds`` from now (None: never); expired ones are deleted."""
+
+    model_id: str
+    checkpoint_id: str
+    ttl_seconds: Optional[float]
+
+
+@dataclass(frozen=True)
+class SessionsView:
+    limit: int
+    offset: int
+
+
+@dataclass(frozen=True)
+class SessionView:
+    session_id: str
+
+
+# A REST call on the index (reads, and a checkpoint's deletion, publication or TTL), typed: the
+# gateway sends one, the service answers it.
+RestQuery = Union[SamplerView, RunsView, RunView, CheckpointsView, DeleteCheckpoint, WeightsInfoView,
+                  UserCheckpointsView, Publish, SetTtl, SessionsView, SessionView]
+MAX_TTL_S = 10 * 365 * 24 * 3600  # Tinker's upper bound: ten years
 
 
 class Catalog:
-    def __init__(self, store: Store):
+    def __init__(self, store: Store, min_ttl_s: float = 3600.0):
         self.store = store
+        self.min_ttl_s = min_ttl_s  # the shortest TTL a user may set (Tinker: an hour)
 
     def run(self, owner: str, model_id: str) -> Run:
         run = self.store.run(model_id)
@@ -59,11 +100,14 @@ class Catalog:
             raise UserError(f"no training run {model_id!r} (unknown, or another user's)", 404)
         return run
 
-    def checkpoint(self, owner: str, path: str) -> Checkpoint:
+    def checkpoint(self, owner: str, path: str, *, read: bool = False) -> Checkpoint:
+        """``owner``'s checkpoint at ``path``; with ``read``, also another user's published one (to
+        sample or load, never to change)."""
         model_id, kind, name = parse_path(path)
         ckpt = self.store.checkpoint(model_id, kind, name)
         run = self.store.run(model_id)
-        if ckpt is None or run is None or run.owner != owner or (ckpt.expires and ckpt.expires < time.time()):
+        mine = run is not None and (run.owner == owner or (read and ckpt is not None and ckpt.public))
+        if ckpt is None or not mine or (ckpt.expires and ckpt.expires < time.time()):
             raise UserError(f"no checkpoint {path!r} (unknown, deleted, expired, or another user's)", 404)
         return ckpt
 
@@ -89,7 +133,35 @@ class Catalog:
             return self.delete_checkpoint(owner, q.model_id, q.checkpoint_id)
         if isinstance(q, WeightsInfoView):
             return self.weights_info(owner, q.tinker_path)
+        if isinstance(q, UserCheckpointsView):
+            found = [c for c in self.store.user_checkpoints(owner) if not c.name.startswith("ephemeral-")]
+            return {"checkpoints": [R.checkpoint_json(c) for c in found[q.offset:q.offset + q.limit]],
+                    "cursor": {"offset": q.offset, "limit": q.limit, "total_count": len(found)}}
+        if isinstance(q, Publish):
+            self.store.update_checkpoint(self.checkpoint(owner, f"tinker://{q.model_id}/{q.checkpoint_id}"), public=q.public)
+            return None
+        if isinstance(q, SetTtl):
+            return self.set_ttl(owner, q)
+        if isinstance(q, SessionsView):
+            return {"sessions": self.store.sessions(owner)[q.offset:q.offset + q.limit]}
+        if isinstance(q, SessionView):
+            return self.session(owner, q.session_id)
         raise UserError(f"no REST view {type(q).__name__}", 404)
+
+    def set_ttl(self, owner: str, q: SetTtl) -> None:
+        ckpt = self.checkpoint(owner, f"tinker://{q.model_id}/{q.checkpoint_id}")
+        if q.ttl_seconds is not None and not self.min_ttl_s <= q.ttl_seconds <= MAX_TTL_S:
+            raise UserError(f"ttl_seconds={q.ttl_seconds:g} is out of range: send {self.min_ttl_s:g} to {MAX_TTL_S} "
+                            "seconds, or null for no expiry")
+        self.store.update_checkpoint(ckpt, expires=None if q.ttl_seconds is None else time.time() + q.ttl_seconds)
+
+    def session(self, owner: str, session_id: str) -> dict[str, Any]:
+        """A session's training runs and samplers; another user's or an unknown one is a 404."""
+        if session_id not in self.store.sessions(owner):
+            raise UserError(f"no session {session_id!r} (unknown, or another user's)", 404)
+        runs = [r.model_id for r in self.store.runs(owner) if r.model_id.startswith(f"{session_id}:")]
+        samplers = [s.sampler_id for s in self.store.samplers(owner) if s.sampler_id.startswith(f"{session_id}:")]
+        return {"training_run_ids": runs, "sampler_ids": samplers, "user_metadata": None}
 
     def checkpoints(self, owner: str, model_id: str) -> list[dict[str, Any]]:
         self.run(owner, model_id)
@@ -110,7 +182,7 @@ class Catalog:
                 "cursor": {"offset": offset, "limit": limit, "total_count": len(runs)}}
 
     def weights_info(self, owner: str, path: str) -> dict[str, Any]:
-        return R.weights_info(self.store.run(self.checkpoint(owner, path).model_id))
+        return R.weights_info(self.store.run(self.checkpoint(owner, path, read=True).model_id))
 
     def get_sampler(self, owner: str, sampler_id: str) -> dict[str, Any]:
         s = self.sampler(owner, sampler_id)

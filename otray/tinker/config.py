@@ -121,6 +121,11 @@ class TinkerConfig:
     # last use (Tinker: a day), at most this many (the least recently used go first); in memory only
     stability_ttl_s: float = 86400.0
     stability_max_sequences: int = 200_000
+    # JWT auth (the SDK exchanges its key for a short-lived token at /auth/token; RestClient.whoami needs it)
+    jwt_auth: bool = True
+    jwt_ttl_s: float = 900.0
+    min_checkpoint_ttl_s: float = 3600.0  # the shortest TTL set_checkpoint_ttl accepts (Tinker: an hour)
+    ttl_sweep_s: float = 60.0  # how often expired checkpoints are deleted (rows and files)
     quota: TinkerQuota = field(default_factory=TinkerQuota)  # per user (an over-quota request: 403 naming it)
     user_quotas: dict[str, TinkerQuota] = field(default_factory=dict)  # an admin's per-user exceptions
     scheduling: TinkerScheduling = field(default_factory=TinkerScheduling)  # fair shares of each learner

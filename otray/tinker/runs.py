@@ -36,7 +36,7 @@ def _iso(t: Optional[float]) -> Optional[str]:
 
 def checkpoint_json(c: Checkpoint) -> dict[str, Any]:
     return {"checkpoint_id": c.checkpoint_id, "checkpoint_type": c.kind, "time": _iso(c.created),
-            "tinker_path": c.tinker_path, "size_bytes": c.size, "public": False,
+            "tinker_path": c.tinker_path, "size_bytes": c.size, "public": c.public,
             "user_metadata": c.user_metadata, "expires_at": _iso(c.expires)}
 
 

@@ -16,6 +16,7 @@ busy go out together, to the base model's vLLM engine where it can serve them (m
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from pathlib import Path
 from typing import Any, Optional
@@ -34,6 +35,7 @@ from otray.tinker.catalog import Catalog, RestQuery
 from otray.tinker.leases import Leases
 from otray.tinker.sampling import SampleBatcher, SampleWait
 from otray.tinker.stability import Recordings, session_of
+from otray.tinker.tokens import Exchanges, load_secret
 from otray.tinker.store import Sampler, Store
 from otray.tinker.training import EPHEMERAL_KEEP, Training
 from otray.tinker.wire import UserError
@@ -49,7 +51,7 @@ class TinkerService:
 
         self.cfg: TinkerConfig = load_tinker(cfg)
         self.store = Store(self.cfg.storage)
-        self.catalog = Catalog(self.store)
+        self.catalog = Catalog(self.store, self.cfg.min_checkpoint_ttl_s)
         self.futures = Futures(self.cfg.result_ttl_s)
         self.paths = {m.name: resolve_model_path(m.path, self.cfg.cache_dir) for m in self.cfg.models}
         self.models = {m.name: m for m in self.cfg.models}
@@ -67,6 +69,7 @@ class TinkerService:
                                                   shares=shares_of(self.cfg))
         me = ray.get_runtime_context()
         self.leases = Leases(self.store, get_or_create(), (me.current_actor, me.get_actor_id()))
+        self.secret, self.exchanges = load_secret(self.store.root), Exchanges()  # JWT auth
         self.recordings = Recordings(self.cfg.stability_ttl_s, self.cfg.stability_max_sequences)
         self.training = Training(self.learners, self.store, self.catalog, self.futures, self.leases,
                                  self.cfg.gap_timeout_s, self._vocab, lambda user: quota_of(self.cfg, user),
@@ -111,7 +114,7 @@ class TinkerService:
         if not self.recovered:
             self.recovered = True
             loop = asyncio.get_running_loop()  # the tasks are kept: the loop holds only weak references
-            self.tasks = [loop.create_task(self.sessions.sweep()),
+            self.tasks = [loop.create_task(self.sessions.sweep()), loop.create_task(self._sweep_expired()),
                           *(loop.create_task(self._watch_learner(b)) for b in self.learners)]
             await self.leases.close_all(JobState.FAILED, "the Tinker service restarted; its live models are gone: "
                                                   "load their last checkpoints with create_training_client_from_state")
@@ -137,6 +140,22 @@ class TinkerService:
     async def _session_closed(self, session_id: str) -> None:
         for model_id in [m for m in self.training.live if m.startswith(f"{session_id}:")]:
             await self.training.unload(model_id, "its session was closed or expired")
+
+    async def _sweep_expired(self) -> None:
+        """Delete expired checkpoints, rows and files, every ``ttl_sweep_s`` (a TTL is a promise to free the space)."""
+        while True:
+            for c in self.store.expired(time.time()):
+                self.store.delete_checkpoint(c.model_id, c.kind, c.name)
+                R.remove_dir(c.path)
+            await asyncio.sleep(self.cfg.ttl_sweep_s)
+
+    async def jwt_secret(self) -> bytes:
+        """The key the gateway checks JWTs with (:mod:`otray.tinker.tokens`)."""
+        return self.secret
+
+    async def mint_token(self, user: str, key: str) -> str:
+        """A JWT for ``user`` (the gateway checked ``key`` is theirs); its key is kept for their leases."""
+        return self.exchanges.mint(self.secret, user, key, self.cfg.jwt_ttl_s)
 
     async def _watch_learner(self, base: str) -> None:
         """When ``base``'s learner dies (Ray starts a new one, without adapters) its live models end
@@ -187,6 +206,8 @@ class TinkerService:
         if not spec.target_modules():
             raise UserError("lora_config trains nothing: set one of train_mlp, train_attn, train_unembed")
         model_id = f"{req['session_id']}:train:{int(req['model_seq_id'])}"
+        api_key = self.exchanges.key(self.secret, api_key)
+
         async def make() -> AdapterSpec:
             await self.learners[base].create.remote(owner, model_id, spec)
             return spec
@@ -219,13 +240,14 @@ class TinkerService:
     async def load_weights(self, owner: str, req: dict[str, Any], api_key: Optional[str] = None) -> dict[str, Any]:
         """``load_weights``: into a live model (in its order), or create-via-load (a new model whose
         id the client computed: ``{session}:train:{n}``)."""
-        ckpt = self.catalog.checkpoint(owner, req["path"])
+        ckpt = self.catalog.checkpoint(owner, req["path"], read=True)
         source = self.store.run(ckpt.model_id)
         optimizer = bool(req.get("optimizer", False))
         if not req.get("session_id"):
             return self.training.load_into(owner, req, ckpt, optimizer)
         self.sessions.check(owner, req["session_id"])
         model_id = f"{req['session_id']}:train:{int(req['model_seq_id'])}"
+        api_key = self.exchanges.key(self.secret, api_key)
         base = self._base(req.get("base_model") or source.base_model)
         learner = self.learners[base]
 
@@ -248,7 +270,7 @@ class TinkerService:
         sid = f"{req['session_id']}:sampler:{int(req['sampling_session_seq_id'])}"
         self.sessions.add_sampler(owner, req["session_id"], sid, quota_of(self.cfg, owner).samplers)
         if req.get("model_path"):
-            ckpt = self.catalog.checkpoint(owner, req["model_path"])
+            ckpt = self.catalog.checkpoint(owner, req["model_path"], read=True)
             sampler = Sampler(sid, owner, self.store.run(ckpt.model_id).base_model, req["model_path"], ckpt.path)
         else:
             sampler = Sampler(sid, owner, self._base(req.get("base_model")), None, None)
@@ -264,7 +286,7 @@ class TinkerService:
             base, adapter, key = s.base_model, s.adapter_dir, f"{s.sampler_id}:{req.get('seq_id')}"
             session = session_of(s.sampler_id)
         elif req.get("model_path"):
-            ckpt = self.catalog.checkpoint(owner, req["model_path"])
+            ckpt = self.catalog.checkpoint(owner, req["model_path"], read=True)
             base, adapter, key = self.store.run(ckpt.model_id).base_model, ckpt.path, uuid.uuid4().hex
         else:
             base, adapter, key = self._base(req.get("base_model")), None, uuid.uuid4().hex

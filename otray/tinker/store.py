@@ -47,6 +47,7 @@ class Checkpoint:
     size: int
     expires: Optional[float]
     user_metadata: Optional[dict[str, str]]
+    public: bool = False  # published: every user of the service may read it by its path
 
     @property
     def checkpoint_id(self) -> str:
@@ -85,6 +86,8 @@ class Store:
         self.root.mkdir(parents=True, exist_ok=True)
         self.db = sqlite3.connect(self.root / "tinker.db", isolation_level=None, check_same_thread=False)
         self.db.executescript(_SCHEMA)
+        if "public" not in [c[1] for c in self.db.execute("PRAGMA table_info(checkpoints)").fetchall()]:
+            self.db.execute("ALTER TABLE checkpoints ADD COLUMN public INTEGER NOT NULL DEFAULT 0")  # an older index
 
     def checkpoint_dir(self, owner: str, model_id: str, kind: str, name: str) -> Path:
         safe = model_id.replace(":", "_").replace("/", "_")
@@ -128,9 +131,9 @@ class Store:
     # ------------------------------------------------------------------ checkpoints
 
     def add_checkpoint(self, c: Checkpoint) -> None:
-        self.db.execute("INSERT OR REPLACE INTO checkpoints VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+        self.db.execute("INSERT OR REPLACE INTO checkpoints VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                         (c.model_id, c.kind, c.name, c.path, c.created, c.size, c.expires,
-                         json.dumps(c.user_metadata)))
+                         json.dumps(c.user_metadata), int(c.public)))
 
     def checkpoint(self, model_id: str, kind: str, name: str) -> Optional[Checkpoint]:
         row = self.db.execute("SELECT * FROM checkpoints WHERE model_id = ? AND kind = ? AND name = ?",
@@ -141,18 +144,51 @@ class Store:
         rows = self.db.execute("SELECT * FROM checkpoints WHERE model_id = ? ORDER BY created", (model_id,))
         return [self._ckpt(r) for r in rows.fetchall()]
 
+    def user_checkpoints(self, owner: str) -> list[Checkpoint]:
+        """Every checkpoint of ``owner``'s runs, newest first."""
+        rows = self.db.execute("SELECT c.* FROM checkpoints c JOIN runs r ON c.model_id = r.model_id WHERE r.owner = ? "
+                               "ORDER BY c.created DESC", (owner,))
+        return [self._ckpt(r) for r in rows.fetchall()]
+
+    def expired(self, now: float) -> list[Checkpoint]:
+        rows = self.db.execute("SELECT * FROM checkpoints WHERE expires IS NOT NULL AND expires < ?", (now,))
+        return [self._ckpt(r) for r in rows.fetchall()]
+
+    def update_checkpoint(self, c: Checkpoint, *, public: Optional[bool] = None, expires: Any = ...) -> None:
+        """Set a checkpoint's ``public`` flag or its ``expires`` time (None: never)."""
+        if public is not None:
+            self.db.execute("UPDATE checkpoints SET public = ? WHERE model_id = ? AND kind = ? AND name = ?",
+                            (int(public), c.model_id, c.kind, c.name))
+        if expires is not ...:
+            self.db.execute("UPDATE checkpoints SET expires = ? WHERE model_id = ? AND kind = ? AND name = ?",
+                            (expires, c.model_id, c.kind, c.name))
+
     def delete_checkpoint(self, model_id: str, kind: str, name: str) -> None:
         self.db.execute("DELETE FROM checkpoints WHERE model_id = ? AND kind = ? AND name = ?", (model_id, kind, name))
 
     @staticmethod
     def _ckpt(row: tuple) -> Checkpoint:
-        return Checkpoint(row[0], row[1], row[2], row[3], row[4], row[5], row[6], json.loads(row[7]))
+        return Checkpoint(row[0], row[1], row[2], row[3], row[4], row[5], row[6], json.loads(row[7]), bool(row[8]))
 
     # ------------------------------------------------------------------ samplers
 
     def add_sampler(self, s: Sampler) -> None:
         self.db.execute("INSERT OR REPLACE INTO samplers VALUES (?, ?, ?, ?, ?)",
                         (s.sampler_id, s.owner, s.base_model, s.model_path, s.adapter_dir))
+
+    def samplers(self, owner: str) -> list[Sampler]:
+        return [Sampler(*r) for r in self.db.execute("SELECT * FROM samplers WHERE owner = ? ORDER BY rowid", (owner,))]
+
+    def sessions(self, owner: str) -> list[str]:
+        """The ids of ``owner``'s sessions the index knows: open ones, and those of their runs and samplers."""
+        seen: dict[str, None] = {}
+        for (sid,) in self.db.execute("SELECT session_id FROM sessions WHERE owner = ? ORDER BY rowid", (owner,)):
+            seen[sid] = None
+        for r in self.runs(owner):
+            seen[r.model_id.split(":")[0]] = None
+        for smp in self.samplers(owner):
+            seen[smp.sampler_id.split(":")[0]] = None
+        return list(seen)
 
     def sampler(self, sampler_id: str) -> Optional[Sampler]:
         row = self.db.execute("SELECT * FROM samplers WHERE sampler_id = ?", (sampler_id,)).fetchone()

@@ -43,6 +43,22 @@ def test_sampler_checkpoints_sample_what_was_saved_in_them(tiny_path, tokenizer,
     assert np.allclose(sampled(tmp_path / "b-now"), live("b"), atol=1e-5)
 
 
+def test_a_client_made_after_every_other_one_left_trains(tiny_path):
+    """Every adapter dropped (the last session closed), a new client's first pass used to fail with
+    KeyError for the deleted adapter's name (PEFT's own record of the active adapter); now it runs and
+    equals the same adapter on a fresh learner."""
+    d = [Datum([1, 2, 3], [2, 3, 4], [1.0] * 3, [0.0] * 3, [0.0] * 3, [1.0] * 3)]
+    learner = AdapterLearner(tiny_path)
+    learner.create("a", AdapterSpec(2, 0))
+    learner.forward_backward("a", d, "cross_entropy")
+    learner.drop("a")
+    learner.create("b", AdapterSpec(2, 1))
+    got = learner.forward_backward("b", d, "cross_entropy", backward=False).logprobs
+    fresh = AdapterLearner(tiny_path)
+    fresh.create("b", AdapterSpec(2, 1))
+    assert np.allclose(got, fresh.forward_backward("b", d, "cross_entropy", backward=False).logprobs, atol=1e-6)
+
+
 def test_the_base_samples_after_every_client_dropped_its_adapter(tiny_path):
     """The last training client leaving (its session closed) leaves the learner with no adapter; the
     base model still samples, the same tokens as before any adapter existed (PEFT kept the deleted
