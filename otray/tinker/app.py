@@ -37,8 +37,18 @@ async def _user_error(_: Request, e: UserError) -> JSONResponse:
 
 
 @tinker_api.exception_handler(404)
-async def _no_route(request: Request, _: Exception) -> JSONResponse:
-    return JSONResponse({"detail": f"no route {request.method} {request.url.path}"}, status_code=404)
+async def _no_route(request: Request, e: Exception) -> JSONResponse:
+    detail = getattr(e, "detail", None)
+    if isinstance(detail, str) and detail != "Not Found":  # a route's own 404 (an HTTPException with a reason)
+        return JSONResponse({"detail": detail}, status_code=404)
+    return JSONResponse({"detail": f"no route {request.method} {request.url.path} (not served by otray tinker: "
+                                   "docs/tinker_compat.md)"}, status_code=404)
+
+
+@tinker_api.exception_handler(405)
+async def _no_method(request: Request, _: Exception) -> JSONResponse:
+    return JSONResponse({"detail": f"no route {request.method} {request.url.path} (not served by otray tinker: "
+                                   "docs/tinker_compat.md)"}, status_code=405)
 
 
 def _unwrap(e: BaseException) -> BaseException:
@@ -163,6 +173,12 @@ class TinkerGateway:
     @tinker_api.post("/client/config")
     async def client_config(self, request: Request) -> dict[str, Any]:
         await self._owner(request)
+        version = str((await _json(request, self.cfg.max_body_bytes)).get("sdk_version") or "")
+        served = self.cfg.sdk_versions
+        if served and not any(version == v or version.startswith(f"{v}.") for v in served):
+            raise UserError(f"this service serves the tinker SDK {' or '.join(f'{v}.x' for v in served)}, and this client "
+                            f"is tinker {version or '(unknown)'}: install a served one (pip install 'tinker=={served[0]}.0'), "
+                            "or ask the service's admin to add your version to sdk_versions", 400)
         return {"pjwt_auth_enabled": self.cfg.jwt_auth, "parallel_fwdbwd_chunks": True, "proto_compress_fwdbwd": False,
                 "fwdbwd_max_chunk_len": self.cfg.max_chunk_datums, "custom_loss_server_side": False,
                 "sample_use_retrieve_futures": False, "sample_join_sampling_session": False}
@@ -244,6 +260,13 @@ class TinkerGateway:
     @tinker_api.post("/save_weights_for_sampler")
     async def save_weights_for_sampler(self, request: Request) -> dict[str, Any]:
         return await self._post(request, self.service.save_weights, "model_id", extra=(True,))
+
+    @tinker_api.post("/save_weights_external")
+    async def save_weights_external(self, request: Request) -> dict[str, Any]:
+        """Not served; refused here (not as an unknown route) so its seq_id is used up."""
+        return await self._post(request, self.service.refuse, "model_id", extra=(
+            "save_weights_external is not served by otray tinker: save with save_state / save_weights_for_sampler; "
+            "the files are under the service's storage (docs/tinker_compat.md)",))
 
     @tinker_api.post("/load_weights")
     async def load_weights(self, request: Request) -> dict[str, Any]:

@@ -124,6 +124,9 @@ class TinkerConfig:
     # JWT auth (the SDK exchanges its key for a short-lived token at /auth/token; RestClient.whoami needs it)
     jwt_auth: bool = True
     jwt_ttl_s: float = 900.0
+    # SDK versions served (prefixes: "0.38" is every 0.38.x); another is refused at its first call with a
+    # message naming both versions, not left to fail later on a route or field it does not know. [] = any.
+    sdk_versions: list[str] = field(default_factory=lambda: ["0.38"])
     min_checkpoint_ttl_s: float = 3600.0  # the shortest TTL set_checkpoint_ttl accepts (Tinker: an hour)
     ttl_sweep_s: float = 60.0  # how often expired checkpoints are deleted (rows and files)
     quota: TinkerQuota = field(default_factory=TinkerQuota)  # per user (an over-quota request: 403 naming it)

@@ -231,6 +231,9 @@ class TinkerService:
     async def forward_backward(self, owner: str, body: bytes) -> dict[str, Any]:
         return self.training.forward_backward(owner, body)
 
+    async def refuse(self, owner: str, req: dict[str, Any], why: str) -> None:
+        self.training.refuse(owner, req, why)
+
     async def optim_step(self, owner: str, req: dict[str, Any]) -> dict[str, Any]:
         return self.training.optim_step(owner, req)
 

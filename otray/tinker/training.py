@@ -34,7 +34,8 @@ EPHEMERAL_KEEP = 8  # a training client's latest ephemeral sampler weights kept;
 def adam_step(raw: dict[str, Any]) -> AdamStep:
     """An optim_step's ``adam_params`` checked: AdamW only, numbers in range."""
     if "type" in raw and raw["type"] != "adamw":
-        raise UserError(f"optimizer step of type {raw['type']!r}: this service's models use adamw")
+        raise UserError(f"optimizer step of type {raw['type']!r}: this service's models use adamw (send AdamParams); "
+                        "Dimuon is not offered, its update is not documented")
     try:
         step = AdamStep(**{k: float(v) for k, v in raw.items() if k != "type"})
     except (TypeError, ValueError) as e:
@@ -187,12 +188,18 @@ class Training:
 
         return self._queue(owner, call.model_id, call.seq_id, run)
 
+    def refuse(self, owner: str, req: dict[str, Any], why: str) -> None:
+        """A training request of a route this service does not serve: refused, its seq_id used up (so
+        the client's next request does not wait for it)."""
+        with self.refused(owner, req.get("model_id"), req.get("seq_id")):
+            raise UserError(why, 404)
+
     def optim_step(self, owner: str, req: dict[str, Any]) -> dict[str, Any]:
         model_id = req["model_id"]
         self.catalog.run(owner, model_id)
         self.learner_of(model_id)
         with self.refused(owner, model_id, req.get("seq_id")):
-            step = adam_step(req.get("adam_params") or req.get("optim_params") or {})
+            step = adam_step(req.get("adam_params") or req.get("optim_params") or req.get("optimizer_params") or {})
 
         check = self._lease_check(model_id)
 

@@ -128,3 +128,57 @@ def test_session_views(svc, tokenizer):
         bob.get_session(session).result()
     assert session not in bob.list_sessions().result().sessions
     sc.close("success").result()
+
+
+def test_what_is_not_served_is_a_quick_4xx_naming_it(svc, tokenizer, monkeypatch):
+    """The SDK 0.38 methods this service does not serve (docs/tinker_compat.md) fail at once with a 4xx
+    that names the route or the option, never a 5xx (the SDK would retry it for minutes) or a hang."""
+    import datetime as dt
+
+    monkeypatch.setenv("TINKER_PROJECT_ID", "p")  # ServiceClient.copy_weights wants a project before it asks
+    rest = tinker.RestClient(base_url=URL, api_key=svc["alice"])
+    sc = tinker.ServiceClient(base_url=URL, api_key=svc["alice"])
+    tc = sc.create_lora_training_client(base_model=BASE, rank=2).result()
+    path = tc.save_state("x").result().path
+    session = tc.model_id.split(":")[0]
+    now = dt.datetime.now(dt.timezone.utc)
+    calls = {
+        "RestClient.copy_weights": lambda: rest.copy_weights(path, "p"),
+        "ServiceClient.copy_weights": lambda: sc.copy_weights(path),
+        "RestClient.export_session_trace": lambda: rest.export_session_trace(session),
+        "RestClient.assign_session_project": lambda: rest.assign_session_project(session, "p"),
+        "RestClient.search_sessions": lambda: rest.search_sessions(types.SessionSearchRequest()),
+        "RestClient.get_billing_usage": lambda: rest.get_billing_usage(now - dt.timedelta(days=1), now),
+        "RestClient.get_current_checkpoint_storage_usage": lambda: rest.get_current_checkpoint_storage_usage(),
+        "RestClient.get_external_weights_urls": lambda: rest.get_external_weights_urls(
+            f"tinker://{tc.model_id}/external_weights/x"),
+        "TrainingClient.save_weights_external": lambda: tc.save_weights_external("ext"),
+        "optim_step(DimuonParams)": lambda: tc.optim_step(types.DimuonParams(learning_rate=1e-3)),
+        "sample(topk_sample_logprobs)": lambda: tc.save_weights_and_get_sampling_client().result().sample(
+            types.ModelInput.from_ints([1, 2, 3]), 1, types.SamplingParams(max_tokens=2), topk_sample_logprobs=2),
+    }
+    for name, call in calls.items():
+        t0 = time.time()
+        with pytest.raises(Exception) as err:
+            call().result(timeout=30)
+        status = getattr(err.value, "status_code", None)
+        assert time.time() - t0 < 5, name
+        assert status is None or 400 <= status < 500, (name, status, err.value)
+        assert "not served" in str(err.value) or "not offered" in str(err.value), (name, err.value)
+    t0 = time.time()  # the refused training requests used up their seq_ids: the next one runs at once
+    tc.forward_backward([sft(*problems(tokenizer, 1)[0])], "cross_entropy").result(timeout=30)
+    assert time.time() - t0 < 5
+    sc.close("success").result()
+
+
+def test_an_sdk_of_another_version_is_told_so_at_its_first_call(svc, monkeypatch):
+    """The SDK sends its version with its first call (client/config); one the service is not tested
+    with gets a 400 naming both versions and what to install, not a failure deep in a later call."""
+    from tinker.lib import internal_client_holder
+
+    monkeypatch.setattr(internal_client_holder, "tinker_sdk_version", "0.24.1")
+    with pytest.raises(tinker.BadRequestError, match=r"serves the tinker SDK 0\.38\.x, and this client is tinker 0\.24\.1"):
+        tinker.ServiceClient(base_url=URL, api_key=svc["alice"]).get_server_capabilities()
+    monkeypatch.setattr(internal_client_holder, "tinker_sdk_version", "0.38.7")  # any 0.38.x
+    sc = tinker.ServiceClient(base_url=URL, api_key=svc["alice"])
+    assert [m.model_name for m in sc.get_server_capabilities().supported_models] == [BASE]
