@@ -292,7 +292,8 @@ class Datum:
     ``sampler_logprobs`` and ``weights`` describe the *target* token at each position.
     ``ratio_mask``: the sampled tokens a gspo / stable_reinforce loss takes its ratio over (None:
     ``mask``); ``clip_low`` / ``clip_high``: per-token clip thresholds (NaN or None: the loss
-    config's). See :mod:`otray.algos.losses`.
+    config's). See :mod:`otray.algos.losses`. ``target_k`` / ``weights_k``: K targets per position with
+    a weight each (top-K distillation's cross-entropy; Tinker's (N, K) ``target_tokens`` / ``weights``).
     """
 
     input_ids: list[int]
@@ -304,11 +305,14 @@ class Datum:
     ratio_mask: list[float] | None = None
     clip_low: list[float] | None = None
     clip_high: list[float] | None = None
+    target_k: list[list[int]] | None = None
+    weights_k: list[list[float]] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.input_ids)
         lengths = [len(self.target_ids), len(self.mask), len(self.advantages), len(self.sampler_logprobs)]
-        lengths += [len(x) for x in (self.weights, self.ratio_mask, self.clip_low, self.clip_high) if x is not None]
+        lengths += [len(x) for x in (self.weights, self.ratio_mask, self.clip_low, self.clip_high, self.target_k,
+                                     self.weights_k) if x is not None]
         if any(m != n for m in lengths):
             raise ValueError(f"Datum fields must have equal length, got {[n, *lengths]}")
 

@@ -30,7 +30,8 @@ import torch
 
 from otray.actors.sampling.backends.hf import HFBackend
 from otray.tinker.adapter_switch import AdapterSwitch
-from otray.actors.learner.core import adamw_step, in_order, loss_inputs, new_adamw, plan_micro_batches, token_logprobs
+from otray.actors.learner.core import (adamw_step, in_order, loss_inputs, new_adamw, pad_rows, plan_micro_batches,
+                                      token_logprobs, topk_logprobs, topk_weights)
 from otray.algos.losses import per_token_loss
 from otray.device import resolve_device, resolve_dtype
 from otray.models import load_model, load_tokenizer
@@ -187,23 +188,29 @@ class AdapterLearner:
     def forward_backward(self, adapter: str, datums: list[Datum], loss_fn: str,
                          loss_fn_config: Optional[dict[str, float]] = None, backward: bool = True) -> PassResult:
         """Add the gradient of ``sum(per-token loss)`` over every datum to ``adapter``'s gradients
-        (``backward=False``: the same numbers, no gradient)."""
+        (``backward=False``: the same numbers, no gradient). Datums with K targets per position
+        (``target_k``, cross_entropy only) give back K logprobs per position, flattened."""
         self._use(adapter)
         self._train_mode()
         batches, order = plan_micro_batches(datums, self.micro_batch_tokens)
         lps, losses, total = [], [], 0.0
         for batch in batches:
             with torch.set_grad_enabled(backward):
-                lp, _ = token_logprobs(self.model, batch, self.device)
-                x = loss_inputs(batch, lp.shape[1], self.device, every_token=True)
-                tok = per_token_loss(loss_fn, lp, x.sampler_logprobs, x.advantages, x.weights, **x.extras(),
-                                     **(loss_fn_config or {})) * x.mask
+                if batch[0].target_k is not None:  # top-K: -sum_k w_k * logprob(target_k) per position
+                    lp = topk_logprobs(self.model, batch, self.device)
+                    tok = -(topk_weights(batch, lp.shape[1], self.device) * lp).sum(-1)
+                else:
+                    lp, _ = token_logprobs(self.model, batch, self.device)
+                    x = loss_inputs(batch, lp.shape[1], self.device, every_token=True)
+                    tok = per_token_loss(loss_fn, lp, x.sampler_logprobs, x.advantages, x.weights, **x.extras(),
+                                         **(loss_fn_config or {}))
+                tok = tok * pad_rows([[1.0] * len(d) for d in batch], lp.shape[1], 0.0, torch.float32, self.device)
                 loss = tok.sum()
                 if backward:
                     loss.backward()
             total += loss.item()
             lp, tok = lp.detach().cpu(), tok.detach().cpu()  # one host copy per micro-batch
-            lps.extend(lp[i, :len(d)].tolist() for i, d in enumerate(batch))
+            lps.extend(lp[i, :len(d)].reshape(-1).tolist() for i, d in enumerate(batch))
             losses.extend(tok[i, :len(d)].tolist() for i, d in enumerate(batch))
         return PassResult(in_order(lps, order), in_order(losses, order), total)
 

@@ -184,7 +184,8 @@ class Training:
                 owner, call.model_id, call.datums, call.loss_fn, call.loss_fn_config, not call.forward_only), check)
             if not call.forward_only:
                 self.leases.note_pass(call.model_id, res.loss_sum, sum(len(lp) for lp in res.logprobs))
-            return Outcome("proto", train_output(res.logprobs, res.losses, res.loss_sum))
+            k = call.datums[0].target_k and len(call.datums[0].target_k[0])
+            return Outcome("proto", train_output(res.logprobs, res.losses, res.loss_sum, k or None))
 
         return self._queue(owner, call.model_id, call.seq_id, run)
 

@@ -50,6 +50,7 @@ TOKEN_INPUTS: dict[str, tuple[str, ...]] = {
     "sequence_ratio_mask": ("gspo",),
 }
 MAX_TOKENS_PER_DATUM = 1 << 20
+MAX_K = 1024  # the widest (N, K) target_tokens / weights (top-K distillation sends K ~ 20)
 
 
 class UserError(ValueError):
@@ -139,24 +140,49 @@ class TrainCall:
 
 
 def _tensor(msg: Any, name: str, where: str) -> np.ndarray:
+    """One ``loss_fn_inputs`` tensor as a 1-D or 2-D array: dense, or sparse CSR (the SDK sends a 2-D
+    ``target_tokens`` / ``weights`` so when that is smaller) densified with zeros."""
     p = pb()
     dtypes = {p.DTYPE_FLOAT32: np.float32, p.DTYPE_INT64: np.int64, p.DTYPE_INT32: np.int32}
     if msg.dtype not in dtypes:
         raise UserError(f"{where}: loss_fn_inputs[{name!r}] has dtype {msg.dtype}; send float32 or int64")
+    dtype, shape = np.dtype(dtypes[msg.dtype]), list(msg.shape)
+    if len(shape) > 2 or any(d < 0 for d in shape) or (len(shape) == 2 and shape[1] > MAX_K):
+        raise UserError(f"{where}: loss_fn_inputs[{name!r}] has shape {shape}; send (N,) or (N, K) with K <= {MAX_K}")
     if msg.HasField("sparse_csr"):
-        raise UserError(f"{where}: loss_fn_inputs[{name!r}] is sparse (2-D); this service takes 1-D tensors, "
-                        "one entry per input token")
-    itemsize = np.dtype(dtypes[msg.dtype]).itemsize
-    if len(msg.dense) % itemsize:
+        return _densified(msg.sparse_csr, dtype, shape, f"{where}: loss_fn_inputs[{name!r}]")
+    if len(msg.dense) % dtype.itemsize:
         raise UserError(f"{where}: loss_fn_inputs[{name!r}] has {len(msg.dense)} bytes, not a whole number of values")
-    arr = np.frombuffer(msg.dense, dtype=dtypes[msg.dtype])
-    shape = list(msg.shape)
-    if shape and (len(shape) != 1 or shape[0] != arr.size):
-        raise UserError(f"{where}: loss_fn_inputs[{name!r}] has shape {shape} for {arr.size} values; "
-                        "send a 1-D tensor with one entry per input token")
+    arr = np.frombuffer(msg.dense, dtype=dtype)
+    if shape and int(np.prod(shape)) != arr.size:
+        raise UserError(f"{where}: loss_fn_inputs[{name!r}] has shape {shape} for {arr.size} values")
+    arr = arr.reshape(shape) if len(shape) == 2 else arr
     if arr.dtype.kind == "f" and not np.isfinite(arr).all():
         raise UserError(f"{where}: loss_fn_inputs[{name!r}] holds NaN or infinite values")
     return arr
+
+
+def _densified(csr: Any, dtype: np.dtype, shape: list[int], what: str) -> np.ndarray:
+    """A sparse CSR tensor (values, int64 row pointers and column indices) as a dense 2-D array."""
+    if len(shape) != 2:
+        raise UserError(f"{what} is sparse but its shape is {shape}; a sparse tensor is (N, K)")
+    rows, cols = shape
+    try:
+        values = np.frombuffer(csr.values, dtype=dtype)
+        crow = np.frombuffer(csr.crow_indices, dtype=np.int64)
+        col = np.frombuffer(csr.col_indices, dtype=np.int64)
+    except ValueError:
+        raise UserError(f"{what}: its sparse buffers are not whole numbers of values") from None
+    ok = (len(crow) == rows + 1 and crow[0] == 0 and np.all(np.diff(crow) >= 0) and crow[-1] == len(values) == len(col)
+          and (len(col) == 0 or (col.min() >= 0 and col.max() < cols)))
+    if not ok:
+        raise UserError(f"{what}: a malformed sparse CSR tensor (row pointers, column indices and values disagree "
+                        f"with shape {shape}); send it with the tinker SDK's TensorData")
+    if values.dtype.kind == "f" and not np.isfinite(values).all():
+        raise UserError(f"{what} holds NaN or infinite values")
+    out = np.zeros((rows, cols), dtype=dtype)
+    out[np.repeat(np.arange(rows), np.diff(crow)), col] = values
+    return out
 
 
 def _datum(msg: Any, loss_fn: str, where: str, vocab: int) -> Datum:
@@ -177,16 +203,30 @@ def _datum(msg: Any, loss_fn: str, where: str, vocab: int) -> Datum:
     if missing:
         raise UserError(f"{where}: loss {loss_fn!r} needs loss_fn_inputs {list(needed)}; missing {missing}")
     for name, arr in inputs.items():
-        if arr.size != n:
-            raise UserError(f"{where}: loss_fn_inputs[{name!r}] has {arr.size} entries for {n} input tokens; "
-                            "every tensor needs one entry per input token")
+        if len(arr) != n:
+            raise UserError(f"{where}: loss_fn_inputs[{name!r}] has {len(arr)} entries for {n} input tokens; "
+                            "every tensor needs one entry (row) per input token")
+        if arr.ndim == 2 and (name not in ("target_tokens", "weights") or loss_fn != "cross_entropy"):
+            raise UserError(f"{where}: loss_fn_inputs[{name!r}] is 2-D; only cross_entropy's target_tokens and "
+                            "weights may be (N, K) (top-K distillation)")
         if loss_fn not in TOKEN_INPUTS.get(name, (loss_fn,)):
             raise UserError(f"{where}: loss {loss_fn!r} does not read loss_fn_inputs[{name!r}] (only "
                             f"{', '.join(TOKEN_INPUTS[name])} do); leave it out or choose one of those losses")
-    targets = inputs["target_tokens"].astype(np.int64).tolist()
-    for ids, what in ((tokens, "model_input"), (targets, "target_tokens")):
-        if min(ids) < 0 or max(ids) >= vocab:
+    wide = inputs["target_tokens"].ndim == 2
+    if wide != ("weights" in inputs and inputs["weights"].ndim == 2) or (
+            wide and inputs["weights"].shape != inputs["target_tokens"].shape):
+        raise UserError(f"{where}: 2-D target_tokens need weights of the same (N, K) shape, and 2-D weights 2-D "
+                        f"target_tokens; got {[list(inputs[k].shape) for k in ('target_tokens', 'weights') if k in inputs]}")
+    for ids, what in ((np.asarray(tokens), "model_input"), (inputs["target_tokens"], "target_tokens")):
+        if ids.min() < 0 or ids.max() >= vocab:
             raise UserError(f"{where}: {what} holds a token id outside the model's vocabulary [0, {vocab})")
+    if wide:  # top-K: the (N, K) targets and weights; the 1-D fields carry column 0 (unused by the loss)
+        k_targets = inputs["target_tokens"].astype(np.int64).tolist()
+        k_weights = inputs["weights"].astype(np.float32).tolist()
+        zeros = [0.0] * n
+        return Datum(tokens, [r[0] for r in k_targets], [1.0] * n, zeros, zeros, [r[0] for r in k_weights],
+                     target_k=k_targets, weights_k=k_weights)
+    targets = inputs["target_tokens"].astype(np.int64).tolist()
     def row(name: str) -> Optional[list[float]]:
         return inputs[name].astype(np.float32).tolist() if name in inputs else None
 
@@ -258,6 +298,10 @@ def _train_call(msg: Any, vocab: int) -> TrainCall:
     if not msg.data:
         raise UserError("forward_backward: data is empty; send at least one datum")
     datums = [_datum(d, loss, f"datum {i}", vocab) for i, d in enumerate(msg.data)]
+    widths = {None if d.target_k is None else len(d.target_k[0]) for d in datums}
+    if len(widths) > 1:
+        raise UserError(f"forward_backward: datums of one request must all be 1-D or all (N, K) with one K; "
+                        f"got K in {sorted(widths, key=str)} (None: 1-D); send them in separate requests")
     spans = [_spans(d, f"datum {i}", len(datums[i])) for i, d in enumerate(msg.data)]
     if loss == "stable_reinforce" and None in spans:
         raise UserError(f"datum {spans.index(None)}: loss 'stable_reinforce' needs provenance on every datum "
@@ -267,20 +311,23 @@ def _train_call(msg: Any, vocab: int) -> TrainCall:
                      bool(msg.forward_only), datums, spans)
 
 
-def _batched(rows: list[list[float]]) -> Any:
-    """Per-datum float rows as one ``BatchedTensor`` (byte offsets between datums)."""
+def _batched(rows: list[list[float]], k: Optional[int] = None) -> Any:
+    """Per-datum float rows as one ``BatchedTensor`` (byte offsets between datums); ``k``: each row is
+    (N, k) flattened."""
     p = pb()
     data = np.concatenate([np.asarray(r, dtype=np.float32) for r in rows]) if rows else np.zeros(0, np.float32)
     offsets = np.cumsum([0, *[len(r) * 4 for r in rows]]).astype(np.int64)
-    return p.BatchedTensor(data=data.tobytes(), offsets=offsets.tobytes(), dtype=p.DTYPE_FLOAT32)
+    return p.BatchedTensor(data=data.tobytes(), offsets=offsets.tobytes(), dtype=p.DTYPE_FLOAT32,
+                           trailing_shape=[k] if k else [])
 
 
-def train_output(logprobs: list[list[float]], losses: list[list[float]], loss_sum: float) -> bytes:
-    """A ``ForwardBackwardOutput`` protobuf: per datum ``logprobs`` and ``elementwise_loss``; metric
-    ``loss:sum`` (the SDK sums it across the chunks of one call)."""
+def train_output(logprobs: list[list[float]], losses: list[list[float]], loss_sum: float,
+                 k: Optional[int] = None) -> bytes:
+    """A ``ForwardBackwardOutput`` protobuf: per datum ``logprobs`` ((N, k) for top-K datums) and
+    ``elementwise_loss``; metric ``loss:sum`` (the SDK sums it across the chunks of one call)."""
     p = pb()
     record = p.ArrayRecord(type_tag="ArrayRecord", num_datums=len(logprobs))
-    record.fields["logprobs"].CopyFrom(_batched(logprobs))
+    record.fields["logprobs"].CopyFrom(_batched(logprobs, k))
     record.fields["elementwise_loss"].CopyFrom(_batched(losses))
     out = p.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord", loss_fn_outputs=[record])
     out.metrics["loss:sum"] = float(loss_sum)

@@ -219,3 +219,94 @@ def test_custom_losses_run_client_side_with_the_gradient_of_the_same_builtin_los
     assert np.abs(after[0] - before).max() > 1e-3  # the step moved the model
     assert np.allclose(after[1], after[0], atol=1e-4) and np.allclose(after[2], after[0], atol=1e-4)
     sc.close("success").result()
+
+
+def test_top_k_cross_entropy_with_dense_and_sparse_2d_inputs(svc, tokenizer):
+    """(N, K) target_tokens / weights (top-K distillation): dense numpy and the SDK's sparse CSR (what a
+    2-D torch tensor with zeros becomes). Column k of the returned (N, K) logprobs is the 1-D forward
+    of target column k; the loss is -sum_k w_k * logprob_k; a step on one (N, K) datum equals a step on
+    K weighted 1-D datums."""
+    import torch
+
+    sc = tinker.ServiceClient(base_url=URL, api_key=svc["alice"])
+    base = [sft(p, a) for p, a in problems(tokenizer, 2)]
+    K, vocab = 3, tokenizer.vocab_size
+
+    def columns(d):
+        t = np.asarray(d.loss_fn_inputs["target_tokens"].tolist())
+        w = np.asarray(d.loss_fn_inputs["weights"].tolist(), np.float32)
+        targets = np.stack([t, (t + 1) % vocab, (t + 5) % vocab], axis=1)
+        weights = np.stack([0.6 * w, 0.3 * w, np.where(np.arange(len(t)) % 2 == 0, 0.1 * w, 0)], axis=1)
+        return targets.astype(np.int64), weights.astype(np.float32)
+
+    wide = [types.Datum(model_input=d.model_input, loss_fn_inputs=dict(zip(("target_tokens", "weights"), columns(d))))
+            for d in base]
+    sparse = [types.Datum(model_input=d.model_input, loss_fn_inputs={
+        "target_tokens": torch.tensor(t * (w > 0)), "weights": torch.tensor(w)}) for d in base for t, w in [columns(d)]]
+    assert sparse[0].loss_fn_inputs["weights"].sparse_crow_indices is not None  # really sent as CSR
+    narrow = [[types.Datum(model_input=d.model_input, loss_fn_inputs={
+        "target_tokens": t[:, k], "weights": w[:, k]}) for d in base for t, w in [columns(d)]] for k in range(K)]
+
+    tc = sc.create_lora_training_client(base_model=BASE, rank=4, seed=7).result()
+    cols = [[np.asarray(o["logprobs"].tolist()) for o in tc.forward(narrow[k], "cross_entropy").result().loss_fn_outputs]
+            for k in range(K)]
+    for batch in (wide, sparse):
+        out = tc.forward(batch, "cross_entropy").result()
+        for i, (d, o) in enumerate(zip(batch, out.loss_fn_outputs)):
+            lp = np.asarray(o["logprobs"].tolist())
+            assert lp.shape == (d.model_input.length, K)
+            t, w = columns(base[i])
+            keep = w > 0 if batch is sparse else np.ones_like(w, bool)  # sparse: unlisted targets are token 0
+            for k in range(K):
+                assert np.allclose(lp[keep[:, k], k], cols[k][i][keep[:, k]], atol=1e-5)
+            assert np.allclose(o["elementwise_loss"].tolist(), -(w * lp).sum(1), atol=1e-4)
+    tc.forward_backward(wide, "cross_entropy").result()
+    tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    ref = sc.create_lora_training_client(base_model=BASE, rank=4, seed=7).result()
+    ref.forward_backward([d for k in range(K) for d in narrow[k]], "cross_entropy").result()
+    ref.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    probe = [np.asarray(o["logprobs"].tolist()) for c in (tc, ref) for o in c.forward(base, "cross_entropy").result().loss_fn_outputs]
+    assert np.allclose(np.concatenate(probe[:2]), np.concatenate(probe[2:]), atol=1e-5)
+    assert np.abs(np.concatenate(probe[:2]) - np.concatenate(cols[0])).max() > 1e-4  # the step moved the model
+
+    t, w = columns(base[0])
+    bad = [(lambda: tc.forward([types.Datum(model_input=base[0].model_input, loss_fn_inputs={
+                "target_tokens": t, "weights": w[:, 0]})], "cross_entropy"), "need weights of the same"),
+           (lambda: tc.forward([types.Datum(model_input=base[0].model_input, loss_fn_inputs={
+                "target_tokens": t, "weights": w, "logprobs": w, "advantages": w[:, 0]})], "importance_sampling"),
+            "only cross_entropy's target_tokens and weights may be"),
+           (lambda: tc.forward([wide[0], base[1]], "cross_entropy"), "must all be 1-D or all")]
+    for call, says in bad:
+        refused_then_served(tc, call, says, base[:1])
+    sc.close("success").result()
+
+
+def test_a_malformed_sparse_tensor_is_a_user_error_naming_it():
+    """Row pointers, column indices and values that disagree with the declared (N, K) shape are refused
+    at parse time (no service needed), never densified out of bounds."""
+    from tinker.proto import tinker_public_pb2 as pb
+
+    from otray.tinker.wire import UserError, parse_train_call
+
+    def body(crow, col, values, shape=(2, 3)):
+        d = pb.Datum()
+        d.model_input.add().encoded_text.tokens = np.asarray([1, 2], np.int32).tobytes()
+        t = d.loss_fn_inputs["target_tokens"]
+        t.dtype, t.shape[:] = pb.DTYPE_INT64, list(shape)
+        t.sparse_csr.values = np.asarray(values, np.int64).tobytes()
+        t.sparse_csr.crow_indices = np.asarray(crow, np.int64).tobytes()
+        t.sparse_csr.col_indices = np.asarray(col, np.int64).tobytes()
+        w = d.loss_fn_inputs["weights"]
+        w.dtype, w.shape[:], w.dense = pb.DTYPE_FLOAT32, list(shape), np.ones(shape, np.float32).tobytes()
+        return pb.ForwardBackwardRequest(model_id="m", seq_id=1, loss_fn="cross_entropy", data=[d]).SerializeToString()
+
+    ok = parse_train_call(body([0, 1, 2], [0, 2], [5, 7]), lambda m: 100)
+    assert ok.datums[0].target_k == [[5, 0, 0], [0, 0, 7]]
+    for crow, col, values, shape in [([0, 1, 2], [0, 3], [5, 7], (2, 3)),  # a column past K
+                                     ([0, 2, 1], [0, 1], [5, 7], (2, 3)),  # row pointers going back
+                                     ([0, 1], [0], [5], (2, 3)),  # too few row pointers
+                                     ([0, 1, 3], [0, 1], [5, 7], (2, 3))]:  # more entries than values
+        with pytest.raises(UserError, match="malformed sparse CSR"):
+            parse_train_call(body(crow, col, values, shape), lambda m: 100)
+    with pytest.raises(UserError, match="outside the model's vocabulary"):
+        parse_train_call(body([0, 1, 2], [0, 2], [5, 700]), lambda m: 100)

@@ -178,6 +178,28 @@ def token_logprobs(model: torch.nn.Module, batch: Sequence[Datum], device: str =
     return -F.cross_entropy(logits.transpose(1, 2), targets, reduction="none"), attn.float()
 
 
+def topk_logprobs(model: torch.nn.Module, batch: Sequence[Datum], device: str = "cpu") -> torch.Tensor:
+    """Each row's logprob of each of its K targets per position (``Datum.target_k``), fp32,
+    ``(rows, longest row, K)``; padded positions read token 0."""
+    width = max(len(d) for d in batch)
+    ids = pad_rows([d.input_ids for d in batch], width, 0, torch.long, device)
+    attn = pad_rows([[1] * len(d) for d in batch], width, 0, torch.long, device)
+    k = len(batch[0].target_k[0])
+    targets = torch.zeros(len(batch), width, k, dtype=torch.long)
+    for i, d in enumerate(batch):
+        targets[i, :len(d)] = torch.tensor(d.target_k, dtype=torch.long)
+    logits = model(input_ids=ids, attention_mask=attn).logits.float()
+    return torch.log_softmax(logits, -1).gather(-1, targets.to(device))
+
+
+def topk_weights(batch: Sequence[Datum], width: int, device: str = "cpu") -> torch.Tensor:
+    """The ``(rows, width, K)`` weights of :func:`topk_logprobs`' targets (0 on padding)."""
+    out = torch.zeros(len(batch), width, len(batch[0].weights_k[0]), dtype=torch.float32)
+    for i, d in enumerate(batch):
+        out[i, :len(d)] = torch.tensor(d.weights_k, dtype=torch.float32)
+    return out if device == "cpu" else out.to(device, non_blocking=True)
+
+
 @dataclass
 class LossInputs:
     """A micro-batch's loss inputs as padded tensors: what ``per_token_loss`` takes beside the logprobs."""
