@@ -12,7 +12,6 @@ request the service accepted comes back from ``retrieve_future`` as a failed pro
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -21,6 +20,7 @@ from ray import serve
 
 from otray.tinker import catalog as R
 from otray.tinker import tokens
+from otray.tinker.callers import Callers, unwrap as _unwrap
 from otray.tinker.wire import UserError, check_request_fields
 
 APP_NAME = "otray-tinker"
@@ -49,20 +49,6 @@ async def _no_route(request: Request, e: Exception) -> JSONResponse:
 async def _no_method(request: Request, _: Exception) -> JSONResponse:
     return JSONResponse({"detail": f"no route {request.method} {request.url.path} (not served by otray tinker: "
                                    "docs/tinker_compat.md)"}, status_code=405)
-
-
-def _unwrap(e: BaseException) -> BaseException:
-    """The exception a service call raised inside its actor (Ray wraps it)."""
-    cause = e
-    while cause is not None:
-        inner = getattr(cause, "cause", None)  # Ray's wrapper (itself a subclass of the error) -> the original
-        if isinstance(inner, BaseException) and inner is not cause:
-            cause = inner
-        elif isinstance(cause, (UserError, PermissionError)):
-            return cause
-        else:
-            cause = cause.__cause__
-    return e
 
 
 async def _json(request: Request, limit: int) -> dict[str, Any]:
@@ -107,51 +93,10 @@ class TinkerGateway:
         self.service = ray.remote(TinkerService).options(
             name=NAME, namespace=NAMESPACE, get_if_exists=True, lifetime="detached", num_cpus=0,
             max_concurrency=1000, max_restarts=-1).remote(cfg)
-        self.auth_cache = (False, 0.0)
-        self.secret: bytes | None = None  # the JWT signing key, fetched from the service once
+        self.callers = Callers(self.cfg, self.service)
 
     async def _owner(self, request: Request) -> str:
-        """The caller's user name: from a JWT this service minted, or a key checked against the
-        ResourceManager's registry when auth is on."""
-        key = request.headers.get("x-api-key") or ""
-        if tokens.looks_like_jwt(key):
-            return tokens.user_of(await self._secret(), key)
-        return await self._key_owner(key)
-
-    async def _secret(self) -> bytes:
-        if self.secret is None:
-            self.secret = await self.service.jwt_secret.remote()
-        return self.secret
-
-    async def _key_owner(self, key: str) -> str:
-        from otray.serve.http import rm_handle
-
-        if not key.startswith("tml-"):
-            raise UserError("missing or malformed API key: send X-API-Key: tml-... (from `otray users add`)", 401)
-        if not await self._auth_on():
-            return "local"
-        try:
-            who = await rm_handle().whoami.remote(key)
-        except Exception as e:  # noqa: BLE001 - AuthError from the registry, or no manager
-            if isinstance(_unwrap(e), PermissionError):
-                raise UserError(str(_unwrap(e)).splitlines()[-1], 401) from None
-            raise UserError("no ResourceManager answers on this cluster, so keys cannot be checked", 503) from None
-        return who.name
-
-    async def _auth_on(self) -> bool:
-        from otray.serve.http import rm_handle
-
-        if self.cfg.auth != "auto":
-            return self.cfg.auth == "on"
-        if self.auth_cache[1] > time.monotonic():
-            return self.auth_cache[0]
-        rm = rm_handle()
-        if rm is None:
-            raise UserError("no ResourceManager answers on this cluster (auth: auto asks it whether keys are needed); "
-                            "start one with any `otray` command, or set auth: off", 503)
-        on = bool(await rm.auth_required.remote())
-        self.auth_cache = (on, time.monotonic() + 10.0)
-        return on
+        return await self.callers.owner(request.headers.get("x-api-key") or "")
 
     async def _call(self, request: Request, method: Any, *args: Any) -> Any:
         """``method`` (a TinkerService actor method, e.g. ``self.service.heartbeat``) for the caller."""
@@ -191,7 +136,7 @@ class TinkerGateway:
         key = request.headers.get("x-api-key") or ""
         if tokens.looks_like_jwt(key):
             raise UserError("exchange the tml- API key for a JWT, not a JWT", 401)
-        return {"jwt": await self.service.mint_token.remote(await self._key_owner(key), key)}
+        return {"jwt": await self.service.mint_token.remote(await self.callers.key_owner(key), key)}
 
     @tinker_api.post("/client/dynamic_config")
     async def dynamic_config(self, request: Request) -> dict[str, Any]:

@@ -4,6 +4,7 @@ one (404)."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass
 from typing import Any, Optional, Union
@@ -147,6 +148,14 @@ class Catalog:
         if isinstance(q, SessionView):
             return self.session(owner, q.session_id)
         raise UserError(f"no REST view {type(q).__name__}", 404)
+
+    async def sweep_expired(self, every_s: float) -> None:
+        """Delete expired checkpoints, rows and files, every ``every_s`` (a TTL is a promise to free the space)."""
+        while True:
+            for c in self.store.expired(time.time()):
+                self.store.delete_checkpoint(c.model_id, c.kind, c.name)
+                R.remove_dir(c.path)
+            await asyncio.sleep(every_s)
 
     def set_ttl(self, owner: str, q: SetTtl) -> None:
         ckpt = self.checkpoint(owner, f"tinker://{q.model_id}/{q.checkpoint_id}")

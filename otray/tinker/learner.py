@@ -97,6 +97,20 @@ class SampleOut:
     prompt_logprobs: Optional[list[Optional[float]]] = None
 
 
+def batch_loss(model: torch.nn.Module, batch: list[Datum], device: str, loss_fn: str,
+               cfg: dict[str, float]) -> tuple[torch.Tensor, torch.Tensor]:
+    """One micro-batch's logprobs (``(rows, T)``, or ``(rows, T, K)`` for top-K datums) and per-token
+    losses (``(rows, T)``, zero past each row's end). Top-K: ``-sum_k w_k * logprob(target_k)``."""
+    if batch[0].target_k is not None:
+        lp = topk_logprobs(model, batch, device)
+        tok = -(topk_weights(batch, lp.shape[1], device) * lp).sum(-1)
+    else:
+        lp, _ = token_logprobs(model, batch, device)
+        x = loss_inputs(batch, lp.shape[1], device, every_token=True)
+        tok = per_token_loss(loss_fn, lp, x.sampler_logprobs, x.advantages, x.weights, **x.extras(), **cfg)
+    return lp, tok * pad_rows([[1.0] * len(d) for d in batch], lp.shape[1], 0.0, torch.float32, device)
+
+
 class AdapterLearner:
     """One base model holding every training client's adapter and optimizer (the Tinker service runs it
     inside a :class:`~otray.tinker.shared_learner.SharedLearner` actor, which takes users' calls in turns).
@@ -196,15 +210,7 @@ class AdapterLearner:
         lps, losses, total = [], [], 0.0
         for batch in batches:
             with torch.set_grad_enabled(backward):
-                if batch[0].target_k is not None:  # top-K: -sum_k w_k * logprob(target_k) per position
-                    lp = topk_logprobs(self.model, batch, self.device)
-                    tok = -(topk_weights(batch, lp.shape[1], self.device) * lp).sum(-1)
-                else:
-                    lp, _ = token_logprobs(self.model, batch, self.device)
-                    x = loss_inputs(batch, lp.shape[1], self.device, every_token=True)
-                    tok = per_token_loss(loss_fn, lp, x.sampler_logprobs, x.advantages, x.weights, **x.extras(),
-                                         **(loss_fn_config or {}))
-                tok = tok * pad_rows([[1.0] * len(d) for d in batch], lp.shape[1], 0.0, torch.float32, self.device)
+                lp, tok = batch_loss(self.model, batch, self.device, loss_fn, loss_fn_config or {})
                 loss = tok.sum()
                 if backward:
                     loss.backward()

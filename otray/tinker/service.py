@@ -16,7 +16,6 @@ busy go out together, to the base model's vLLM engine where it can serve them (m
 from __future__ import annotations
 
 import asyncio
-import time
 import uuid
 from pathlib import Path
 from typing import Any, Optional
@@ -114,8 +113,8 @@ class TinkerService:
         if not self.recovered:
             self.recovered = True
             loop = asyncio.get_running_loop()  # the tasks are kept: the loop holds only weak references
-            self.tasks = [loop.create_task(self.sessions.sweep()), loop.create_task(self._sweep_expired()),
-                          *(loop.create_task(self._watch_learner(b)) for b in self.learners)]
+            self.tasks = [loop.create_task(self.sessions.sweep()), loop.create_task(self.catalog.sweep_expired(self.cfg.ttl_sweep_s)),
+                          *(loop.create_task(self.training.watch(b)) for b in self.learners)]
             await self.leases.close_all(JobState.FAILED, "the Tinker service restarted; its live models are gone: "
                                                   "load their last checkpoints with create_training_client_from_state")
 
@@ -141,14 +140,6 @@ class TinkerService:
         for model_id in [m for m in self.training.live if m.startswith(f"{session_id}:")]:
             await self.training.unload(model_id, "its session was closed or expired")
 
-    async def _sweep_expired(self) -> None:
-        """Delete expired checkpoints, rows and files, every ``ttl_sweep_s`` (a TTL is a promise to free the space)."""
-        while True:
-            for c in self.store.expired(time.time()):
-                self.store.delete_checkpoint(c.model_id, c.kind, c.name)
-                R.remove_dir(c.path)
-            await asyncio.sleep(self.cfg.ttl_sweep_s)
-
     async def jwt_secret(self) -> bytes:
         """The key the gateway checks JWTs with (:mod:`otray.tinker.tokens`)."""
         return self.secret
@@ -156,18 +147,6 @@ class TinkerService:
     async def mint_token(self, user: str, key: str) -> str:
         """A JWT for ``user`` (the gateway checked ``key`` is theirs); its key is kept for their leases."""
         return self.exchanges.mint(self.secret, user, key, self.cfg.jwt_ttl_s)
-
-    async def _watch_learner(self, base: str) -> None:
-        """When ``base``'s learner dies (Ray starts a new one, without adapters) its live models end
-        FAILED at once, with the reason, instead of failing each client's next request obscurely."""
-        while True:
-            try:
-                await self.learners[base].until_gone.remote()
-            except Exception as e:  # noqa: BLE001 - it died
-                why = f"the learner of {base} died ({type(e).__name__}); a new one was started"
-                for model_id in [m for m, b in self.training.live.items() if b == base]:
-                    await self.training.unload(model_id, why, JobState.FAILED)
-            await asyncio.sleep(1.0)
 
     # ------------------------------------------------------------------ runs
 

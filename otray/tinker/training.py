@@ -189,6 +189,18 @@ class Training:
 
         return self._queue(owner, call.model_id, call.seq_id, run)
 
+    async def watch(self, base: str) -> None:
+        """When ``base``'s learner dies (Ray starts a new one, without adapters) its live models end
+        FAILED at once, with the reason, instead of failing each client's next request obscurely."""
+        while True:
+            try:
+                await self.learners[base].until_gone.remote()
+            except Exception as e:  # noqa: BLE001 - it died
+                why = f"the learner of {base} died ({type(e).__name__}); a new one was started"
+                for model_id in [m for m, b in self.live.items() if b == base]:
+                    await self.unload(model_id, why, JobState.FAILED)
+            await asyncio.sleep(1.0)
+
     def refuse(self, owner: str, req: dict[str, Any], why: str) -> None:
         """A training request of a route this service does not serve: refused, its seq_id used up (so
         the client's next request does not wait for it)."""
