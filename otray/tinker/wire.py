@@ -139,7 +139,7 @@ class TrainCall:
     spans: list[Optional[DatumSpans]]
 
 
-def _tensor(msg: Any, name: str, where: str) -> np.ndarray:
+def _tensor(msg: Any, name: str, where: str, n: int) -> np.ndarray:
     """One ``loss_fn_inputs`` tensor as a 1-D or 2-D array: dense, or sparse CSR (the SDK sends a 2-D
     ``target_tokens`` / ``weights`` so when that is smaller) densified with zeros."""
     p = pb()
@@ -147,8 +147,9 @@ def _tensor(msg: Any, name: str, where: str) -> np.ndarray:
     if msg.dtype not in dtypes:
         raise UserError(f"{where}: loss_fn_inputs[{name!r}] has dtype {msg.dtype}; send float32 or int64")
     dtype, shape = np.dtype(dtypes[msg.dtype]), list(msg.shape)
-    if len(shape) > 2 or any(d < 0 for d in shape) or (len(shape) == 2 and shape[1] > MAX_K):
-        raise UserError(f"{where}: loss_fn_inputs[{name!r}] has shape {shape}; send (N,) or (N, K) with K <= {MAX_K}")
+    if len(shape) > 2 or any(d < 0 for d in shape) or (len(shape) == 2 and (shape[1] > MAX_K or shape[0] != n)):
+        raise UserError(f"{where}: loss_fn_inputs[{name!r}] has shape {shape}; send (N,) or (N, K) with K <= {MAX_K}, "
+                        f"N = {n} (one row per input token)")
     if msg.HasField("sparse_csr"):
         return _densified(msg.sparse_csr, dtype, shape, f"{where}: loss_fn_inputs[{name!r}]")
     if len(msg.dense) % dtype.itemsize:
@@ -197,7 +198,7 @@ def _datum(msg: Any, loss_fn: str, where: str, vocab: int) -> Datum:
     n = len(tokens)
     if n == 0 or n > MAX_TOKENS_PER_DATUM:
         raise UserError(f"{where}: model_input has {n} tokens; send 1 to {MAX_TOKENS_PER_DATUM}")
-    inputs = {name: _tensor(msg.loss_fn_inputs[name], name, where) for name in msg.loss_fn_inputs}
+    inputs = {name: _tensor(msg.loss_fn_inputs[name], name, where, n) for name in msg.loss_fn_inputs}
     needed = ("target_tokens", *LOSSES[loss_fn])
     missing = [k for k in needed if k not in inputs]
     if missing:

@@ -288,7 +288,7 @@ def test_a_malformed_sparse_tensor_is_a_user_error_naming_it():
 
     from otray.tinker.wire import UserError, parse_train_call
 
-    def body(crow, col, values, shape=(2, 3)):
+    def body(crow, col, values, shape=(2, 3), weights_shape=(2, 3)):
         d = pb.Datum()
         d.model_input.add().encoded_text.tokens = np.asarray([1, 2], np.int32).tobytes()
         t = d.loss_fn_inputs["target_tokens"]
@@ -297,7 +297,7 @@ def test_a_malformed_sparse_tensor_is_a_user_error_naming_it():
         t.sparse_csr.crow_indices = np.asarray(crow, np.int64).tobytes()
         t.sparse_csr.col_indices = np.asarray(col, np.int64).tobytes()
         w = d.loss_fn_inputs["weights"]
-        w.dtype, w.shape[:], w.dense = pb.DTYPE_FLOAT32, list(shape), np.ones(shape, np.float32).tobytes()
+        w.dtype, w.shape[:], w.dense = pb.DTYPE_FLOAT32, list(weights_shape), np.ones(weights_shape, np.float32).tobytes()
         return pb.ForwardBackwardRequest(model_id="m", seq_id=1, loss_fn="cross_entropy", data=[d]).SerializeToString()
 
     ok = parse_train_call(body([0, 1, 2], [0, 2], [5, 7]), lambda m: 100)
@@ -310,3 +310,5 @@ def test_a_malformed_sparse_tensor_is_a_user_error_naming_it():
             parse_train_call(body(crow, col, values, shape), lambda m: 100)
     with pytest.raises(UserError, match="outside the model's vocabulary"):
         parse_train_call(body([0, 1, 2], [0, 2], [5, 700]), lambda m: 100)
+    with pytest.raises(UserError, match=r"has shape \[1000000, 1024\]"):  # refused before anything is allocated
+        parse_train_call(body([0, 1, 2], [0, 2], [5, 7], shape=(10**6, 1024)), lambda m: 100)
