@@ -121,6 +121,7 @@ class TinkerConfig:
     # last use (Tinker: a day), at most this many (the least recently used go first); in memory only
     stability_ttl_s: float = 86400.0
     stability_max_sequences: int = 200_000
+    stability_max_tokens: int = 50_000_000  # prompt + sampled tokens over all recordings (~0.4 GB)
     # JWT auth (the SDK exchanges its key for a short-lived token at /auth/token; RestClient.whoami needs it)
     jwt_auth: bool = True
     jwt_ttl_s: float = 900.0

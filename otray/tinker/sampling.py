@@ -18,6 +18,7 @@ import asyncio
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+import numpy as np
 import ray
 
 from otray.tinker.learner import SampleJob
@@ -133,9 +134,10 @@ class SampleBatcher:
         for ws, outs in zip(groups.values(), results):
             for w, out in zip(ws, outs):
                 if w.record is not None:
+                    prompt = np.asarray(w.prompt, np.int32)  # one array for the request's samples
                     for i, s in enumerate(out.samples):
-                        self.record(f"{w.request_id}:{i}", Recorded(*w.record, tuple(w.prompt), tuple(s.token_ids),
-                                                                   tuple(s.logprobs)))
+                        self.record(f"{w.request_id}:{i}", Recorded(*w.record, prompt, np.asarray(s.token_ids, np.int32),
+                                                                   np.asarray(s.logprobs, np.float32)))
                 lps = R.last_n(out.prompt_logprobs, w.last_n)
                 self.futures.finish(w.request_id, Outcome("proto", sample_output(out.samples, lps)))
         return False

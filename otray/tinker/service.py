@@ -69,7 +69,8 @@ class TinkerService:
         me = ray.get_runtime_context()
         self.leases = Leases(self.store, get_or_create(), (me.current_actor, me.get_actor_id()))
         self.secret, self.exchanges = load_secret(self.store.root), Exchanges()  # JWT auth
-        self.recordings = Recordings(self.cfg.stability_ttl_s, self.cfg.stability_max_sequences)
+        self.recordings = Recordings(self.cfg.stability_ttl_s, self.cfg.stability_max_sequences,
+                                     self.cfg.stability_max_tokens)
         self.training = Training(self.learners, self.store, self.catalog, self.futures, self.leases,
                                  self.cfg.gap_timeout_s, self._vocab, lambda user: quota_of(self.cfg, user),
                                  self.recordings)

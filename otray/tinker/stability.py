@@ -11,8 +11,9 @@ importance weight is taken against what the sampler really computed, not what a 
 
 As Tinker documents: a recording belongs to the session that sampled it, and can be trained on for
 a day after its last use (``stability_ttl_s``); another session's, an expired or an unknown id is a
-user error naming it. Recordings live in the service actor's memory, at most
-``stability_max_sequences`` of them (the least recently used go first), and not across a restart.
+user error naming it. Recordings live in the service actor's memory as int32/float32 arrays, at most
+``stability_max_sequences`` of them and ``stability_max_tokens`` tokens (the least recently used go
+first; 50M tokens is ~0.4 GB), and not across a restart.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, replace
 from typing import Optional
 
+import numpy as np
+
 from otray.tinker.wire import DatumSpans, Span, TrainCall, UserError
 from otray.types import Datum
 
@@ -30,13 +33,18 @@ PROMPT, SAMPLED = "prompt_tokens", "sampled_tokens"  # the ProvenanceSpan oneof'
 
 @dataclass(frozen=True)
 class Recorded:
-    """One sampled sequence as the sampler produced it."""
+    """One sampled sequence as the sampler produced it (compact arrays: a request's samples share
+    their prompt's)."""
 
     owner: str
     session_id: str
-    prompt: tuple[int, ...]
-    tokens: tuple[int, ...]
-    logprobs: tuple[float, ...]
+    prompt: np.ndarray  # int32
+    tokens: np.ndarray  # int32
+    logprobs: np.ndarray  # float32
+
+    @property
+    def size(self) -> int:
+        return len(self.tokens) + len(self.prompt)
 
 
 @dataclass
@@ -49,15 +57,17 @@ class Provenance:
 
 
 class Recordings:
-    def __init__(self, ttl_s: float = 86400.0, max_sequences: int = 200_000):
-        self.ttl_s, self.max_sequences = ttl_s, max_sequences
+    def __init__(self, ttl_s: float = 86400.0, max_sequences: int = 200_000, max_tokens: int = 50_000_000):
+        self.ttl_s, self.max_sequences, self.max_tokens = ttl_s, max_sequences, max_tokens
         self.items: OrderedDict[str, tuple[Recorded, float]] = OrderedDict()  # least recently used first
+        self.tokens = 0  # prompt + sampled tokens held (a shared prompt counted per sequence: an upper bound)
         self.recorded = self.trained = 0  # sequences recorded, and named by training requests, since start
 
     def add(self, sequence_id: str, rec: Recorded) -> None:
         self.recorded += 1
+        old = self.items.pop(sequence_id, None)
+        self.tokens += rec.size - (old[0].size if old else 0)
         self.items[sequence_id] = (rec, time.monotonic())
-        self.items.move_to_end(sequence_id)
         self._expire()
 
     def take(self, owner: str, session_id: str, ids: set[str]) -> dict[str, Recorded]:
@@ -81,8 +91,9 @@ class Recordings:
 
     def _expire(self) -> None:
         cutoff = time.monotonic() - self.ttl_s
-        while self.items and (len(self.items) > self.max_sequences or next(iter(self.items.values()))[1] < cutoff):
-            self.items.popitem(last=False)
+        while self.items and (len(self.items) > self.max_sequences or self.tokens > self.max_tokens
+                              or next(iter(self.items.values()))[1] < cutoff):
+            self.tokens -= self.items.popitem(last=False)[1][0].size
 
 
 def with_recordings(call: TrainCall, recordings: Recordings, owner: str) -> list[Datum]:
@@ -116,7 +127,7 @@ def resolve(where: str, tokens: list[int], targets: list[int], advantages: list[
                 raise UserError(f"{where}: a {field} span reads positions {span.offset}..{span.offset + span.length} "
                                 f"of sequence {span.sequence_id!r}'s {what}, which has {len(source)}")
             got = ids[pos:pos + span.length]
-            want = list(source[span.offset:span.offset + span.length])
+            want = source[span.offset:span.offset + span.length].tolist()
             if got != want and (field == "model_input" or span.kind == SAMPLED):
                 k = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
                 raise UserError(f"{where}: {field}[{pos + k}] is token {got[k]} but its span says it is token "
@@ -126,8 +137,7 @@ def resolve(where: str, tokens: list[int], targets: list[int], advantages: list[
     pos = 0
     for span in spans.targets:
         if span.kind == SAMPLED:
-            lps = recs[span.sequence_id].logprobs[span.offset:span.offset + span.length]
-            q[pos:pos + span.length] = lps
+            q[pos:pos + span.length] = recs[span.sequence_id].logprobs[span.offset:span.offset + span.length].tolist()
             sampled[pos:pos + span.length] = [1.0] * span.length
         pos += span.length
     bad = next((i for i, (a, s) in enumerate(zip(advantages, sampled)) if a != 0.0 and not s), None)

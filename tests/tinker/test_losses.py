@@ -312,3 +312,29 @@ def test_a_malformed_sparse_tensor_is_a_user_error_naming_it():
         parse_train_call(body([0, 1, 2], [0, 2], [5, 700]), lambda m: 100)
     with pytest.raises(UserError, match=r"has shape \[1000000, 1024\]"):  # refused before anything is allocated
         parse_train_call(body([0, 1, 2], [0, 2], [5, 7], shape=(10**6, 1024)), lambda m: 100)
+
+
+def test_recordings_are_bounded_by_tokens_and_time_and_used_ones_stay(monkeypatch):
+    """Past the token budget the least recently used recordings go first (a training request's use
+    counts as use); past the TTL a recording is gone; another session's or user's is not handed out."""
+    from otray.tinker import stability
+    from otray.tinker.stability import Recorded, Recordings
+    from otray.tinker.wire import UserError
+
+    clock = [1000.0]
+    monkeypatch.setattr(stability.time, "monotonic", lambda: clock[0])
+    rec = lambda: Recorded("alice", "s1", np.arange(4, dtype=np.int32), np.arange(6, dtype=np.int32),  # noqa: E731
+                           np.zeros(6, np.float32))  # 10 tokens each
+    r = Recordings(ttl_s=60, max_tokens=30)
+    for i in range(3):
+        r.add(f"q{i}", rec())
+    assert set(r.take("alice", "s1", {"q0"})) == {"q0"}  # q0 used: q1 is now the least recently used
+    r.add("q3", rec())
+    assert sorted(r.items) == ["q0", "q2", "q3"] and r.tokens == 30
+    for owner, session in (("bob", "s1"), ("alice", "s2")):
+        with pytest.raises(UserError, match="no stability info in this session"):
+            r.take(owner, session, {"q0"})
+    clock[0] += 61
+    with pytest.raises(UserError, match="'q2' has no stability info"):
+        r.take("alice", "s1", {"q2"})
+    assert not r.items and r.tokens == 0
