@@ -184,3 +184,16 @@ def tinker_service(ray_local, tmp: Path, port: int, tiny_path: str, **overrides)
         kill_resource_manager()
 
     return {"alice": tinker_key(alice), "bob": tinker_key(bob), "carol": tinker_key(carol), "store": tmp / "store"}, stop
+
+
+def tinker_fixture(port: int, name: str, **overrides):
+    """A module-scoped ``svc`` fixture: :func:`tinker_service` on ``port`` (its store under a temporary
+    directory named ``name``) with ``overrides`` of the service config, stopped after the module."""
+
+    @pytest.fixture(scope="module")
+    def svc(ray_local, tmp_path_factory, tiny_path):
+        keys, stop = tinker_service(ray_local, tmp_path_factory.mktemp(name), port, tiny_path, **overrides)
+        yield keys
+        stop()
+
+    return svc

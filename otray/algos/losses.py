@@ -75,7 +75,6 @@ def per_token_loss(
         return -w * lp
     if name == "dro":
         return -(adv * lp - cfg["beta"] / 2 * (lp - q) ** 2)
-    lo, hi = _thresholds(lp, cfg, clip_tokens)
     m = torch.ones_like(lp) if ratio_mask is None else ratio_mask.detach()
     if name == "gspo":
         seq = ((lp.detach() - q) * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1.0)
@@ -84,6 +83,7 @@ def per_token_loss(
         ratio = torch.exp(lp - q)
     if name == "importance_sampling":
         return -ratio * adv
+    lo, hi = _thresholds(lp, cfg, clip_tokens)
     if name in ("ppo", "gspo"):
         return -torch.minimum(ratio * adv, torch.clamp(ratio, lo, hi) * adv)
     if name == "cispo":

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 from otray.tinker import runs as R
-from otray.tinker.store import Checkpoint, Run, Sampler, Store, parse_path
+from otray.tinker.store import Checkpoint, Run, Sampler, Store, parse_path, session_of
 from otray.tinker.wire import UserError
 
 
@@ -168,8 +168,8 @@ class Catalog:
         """A session's training runs and samplers; another user's or an unknown one is a 404."""
         if session_id not in self.store.sessions(owner):
             raise UserError(f"no session {session_id!r} (unknown, or another user's)", 404)
-        runs = [r.model_id for r in self.store.runs(owner) if r.model_id.startswith(f"{session_id}:")]
-        samplers = [s.sampler_id for s in self.store.samplers(owner) if s.sampler_id.startswith(f"{session_id}:")]
+        runs = [r.model_id for r in self.store.runs(owner) if session_of(r.model_id) == session_id]
+        samplers = [s.sampler_id for s in self.store.samplers(owner) if session_of(s.sampler_id) == session_id]
         return {"training_run_ids": runs, "sampler_ids": samplers, "user_metadata": None}
 
     def checkpoints(self, owner: str, model_id: str) -> list[dict[str, Any]]:

@@ -30,8 +30,8 @@ import torch
 
 from otray.actors.sampling.backends.hf import HFBackend
 from otray.tinker.adapter_switch import AdapterSwitch
-from otray.actors.learner.core import (adamw_step, in_order, loss_inputs, new_adamw, pad_rows, plan_micro_batches,
-                                      token_logprobs, topk_logprobs, topk_weights)
+from otray.actors.learner.core import (adamw_step, in_order, loss_inputs, new_adamw, plan_micro_batches, token_logprobs,
+                                      topk_logprobs, topk_weights)
 from otray.algos.losses import per_token_loss
 from otray.device import resolve_device, resolve_dtype
 from otray.models import load_model, load_tokenizer
@@ -102,13 +102,13 @@ def batch_loss(model: torch.nn.Module, batch: list[Datum], device: str, loss_fn:
     """One micro-batch's logprobs (``(rows, T)``, or ``(rows, T, K)`` for top-K datums) and per-token
     losses (``(rows, T)``, zero past each row's end). Top-K: ``-sum_k w_k * logprob(target_k)``."""
     if batch[0].target_k is not None:
-        lp = topk_logprobs(model, batch, device)
+        lp, valid = topk_logprobs(model, batch, device)
         tok = -(topk_weights(batch, lp.shape[1], device) * lp).sum(-1)
     else:
-        lp, _ = token_logprobs(model, batch, device)
+        lp, valid = token_logprobs(model, batch, device)
         x = loss_inputs(batch, lp.shape[1], device, every_token=True)
         tok = per_token_loss(loss_fn, lp, x.sampler_logprobs, x.advantages, x.weights, **x.extras(), **cfg)
-    return lp, tok * pad_rows([[1.0] * len(d) for d in batch], lp.shape[1], 0.0, torch.float32, device)
+    return lp, tok * valid
 
 
 class AdapterLearner:

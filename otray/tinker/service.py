@@ -33,9 +33,9 @@ from otray.records import JobState
 from otray.tinker.catalog import Catalog, RestQuery
 from otray.tinker.leases import Leases
 from otray.tinker.sampling import SampleBatcher, SampleWait
-from otray.tinker.stability import Recordings, session_of
+from otray.tinker.stability import Recordings
 from otray.tinker.tokens import Exchanges, load_secret
-from otray.tinker.store import Sampler, Store
+from otray.tinker.store import Sampler, Store, session_of
 from otray.tinker.training import EPHEMERAL_KEEP, Training
 from otray.tinker.wire import UserError
 from otray.tinker import runs as R
@@ -138,7 +138,7 @@ class TinkerService:
         await self.sessions.finish(owner, session_id)
 
     async def _session_closed(self, session_id: str) -> None:
-        for model_id in [m for m in self.training.live if m.startswith(f"{session_id}:")]:
+        for model_id in [m for m in self.training.live if session_of(m) == session_id]:
             await self.training.unload(model_id, "its session was closed or expired")
 
     async def jwt_secret(self) -> bytes:

@@ -21,10 +21,9 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, replace
-from typing import Optional
-
 import numpy as np
 
+from otray.tinker.store import session_of
 from otray.tinker.wire import DatumSpans, Span, TrainCall, UserError
 from otray.types import Datum
 
@@ -101,7 +100,7 @@ def with_recordings(call: TrainCall, recordings: Recordings, owner: str) -> list
     tokens (``sampler_logprobs``) and those positions as its ``ratio_mask``; any datum whose
     provenance does not match its recordings is a :class:`UserError` naming the datum."""
     ids = {s.sequence_id for d in call.spans if d is not None for s in (*d.model_input, *d.targets)}
-    recs = recordings.take(owner, session_of(call.model_id) or "", ids)
+    recs = recordings.take(owner, session_of(call.model_id), ids)
     out = []
     for i, (datum, spans) in enumerate(zip(call.datums, call.spans)):
         assert spans is not None  # wire refuses a stable_reinforce datum without provenance
@@ -147,10 +146,3 @@ def resolve(where: str, tokens: list[int], targets: list[int], advantages: list[
                         "penalties into the sampled tokens' advantages)")
     return Provenance(q, sampled)
 
-
-def session_of(model_or_sampler_id: str) -> Optional[str]:
-    """The session a training model (``{session}:train:{n}``) or sampler (``{session}:sampler:{n}``) id belongs to."""
-    for sep in (":train:", ":sampler:"):
-        if sep in model_or_sampler_id:
-            return model_or_sampler_id.split(sep)[0]
-    return None

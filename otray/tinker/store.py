@@ -67,6 +67,12 @@ class Sampler:
     adapter_dir: Optional[str]
 
 
+def session_of(model_or_sampler_id: str) -> str:
+    """The session a run (``{session}:train:{n}``) or sampler (``{session}:sampler:{n}``, or an
+    ephemeral ``{session}:train:{n}:sampler:{k}``) belongs to: session ids hold no ``:``."""
+    return model_or_sampler_id.split(":")[0]
+
+
 def parse_path(path: str) -> tuple[str, str, str]:
     """``tinker://<model id>/{weights|sampler_weights}/<name>`` -> (model id, kind, name)."""
     from otray.tinker.wire import UserError
@@ -185,9 +191,9 @@ class Store:
         for (sid,) in self.db.execute("SELECT session_id FROM sessions WHERE owner = ? ORDER BY rowid", (owner,)):
             seen[sid] = None
         for r in self.runs(owner):
-            seen[r.model_id.split(":")[0]] = None
+            seen[session_of(r.model_id)] = None
         for smp in self.samplers(owner):
-            seen[smp.sampler_id.split(":")[0]] = None
+            seen[session_of(smp.sampler_id)] = None
         return list(seen)
 
     def sampler(self, sampler_id: str) -> Optional[Sampler]:

@@ -46,13 +46,6 @@ def load_secret(storage: str | Path) -> bytes:
     return path.read_bytes()
 
 
-def mint(secret: bytes, user: str, ttl_s: float) -> str:
-    now = int(time.time())
-    claims = {"sub": f"{USER_PREFIX}{user}", "org_id": ORG_ID, "email": "", "iat": now, "exp": now + int(ttl_s),
-              "jti": secrets.token_hex(8)}
-    return jwt.encode(claims, secret, algorithm=ALGORITHM)
-
-
 def looks_like_jwt(credential: str) -> bool:
     return credential.startswith("eyJ") and credential.count(".") == 2
 
@@ -91,12 +84,13 @@ class Exchanges:
         self.keys: dict[str, tuple[str, float]] = {}  # jti -> (key, expiry)
 
     def mint(self, secret: bytes, user: str, key: str, ttl_s: float) -> str:
-        now = time.time()
+        """A JWT for ``user`` (``key`` checked to be theirs), valid for ``ttl_s``; ``key`` kept until then."""
+        now = int(time.time())
         self.keys = {j: v for j, v in self.keys.items() if v[1] > now}
-        token = mint(secret, user, ttl_s)
-        claims = _claims(secret, token)
+        claims = {"sub": f"{USER_PREFIX}{user}", "org_id": ORG_ID, "email": "", "iat": now, "exp": now + int(ttl_s),
+                  "jti": secrets.token_hex(8)}
         self.keys[claims["jti"]] = (key, float(claims["exp"]))
-        return token
+        return jwt.encode(claims, secret, algorithm=ALGORITHM)
 
     def key(self, secret: bytes, credential: str | None) -> str | None:
         """The API key behind ``credential`` (a JWT this service minted, or the key itself)."""

@@ -135,17 +135,20 @@ def trained_lora_b(store: Path, state_path: str) -> float:
     return max(float(np.abs(v).max()) for k, v in load_file(str(hits[0])).items() if "lora_B" in k)
 
 
+def rl_config(log: Path, batches: int, **extra) -> rl_train.Config:
+    """The cookbook's RL config over :class:`SumDatasetBuilder` (2 groups of 4 a batch) on this service."""
+    return rl_train.Config(
+        learning_rate=1e-3, dataset_builder=SumDatasetBuilder(batch_size=2, group_size=4, batches=batches),
+        model_name=BASE, recipe_name="otray_test_rl", max_tokens=8, log_path=str(log), renderer_name=RENDERER,
+        lora_rank=8, eval_every=0, base_url=URL, num_groups_to_log=0, **extra)
+
+
 def test_cookbook_rl_loop(svc, tmp_path, monkeypatch):
     """``tinker_cookbook.rl.train.main``: 3 sync steps of sample -> reward -> importance_sampling ->
     optim_step -> save for sampler, its final checkpoint saved and readable through the REST client."""
     monkeypatch.setenv("TINKER_API_KEY", svc["alice"])
     log = tmp_path / "rl"
-    cfg = rl_train.Config(
-        learning_rate=1e-3, dataset_builder=SumDatasetBuilder(batch_size=2, group_size=4, batches=3),
-        model_name=BASE, recipe_name="otray_test_rl", max_tokens=8, log_path=str(log),
-        renderer_name=RENDERER, lora_rank=8, eval_every=0, save_every=2, base_url=URL,
-        num_groups_to_log=0)
-    asyncio.run(rl_train.main(cfg))
+    asyncio.run(rl_train.main(rl_config(log, batches=3, save_every=2)))
 
     rows = [r for r in metrics(log) if "env/all/reward/total" in r]
     assert [r["step"] for r in rows] == [0, 1, 2], rows
@@ -167,11 +170,7 @@ def test_cookbook_async_rl_loop_with_its_default_loss(svc, tmp_path, monkeypatch
     assert async_cfg.loss_fn == "stable_reinforce"  # the default this test is about
     monkeypatch.setenv("TINKER_API_KEY", svc["alice"])
     log = tmp_path / "rl_async"
-    cfg = rl_train.Config(
-        learning_rate=1e-3, dataset_builder=SumDatasetBuilder(batch_size=2, group_size=4, batches=4),
-        model_name=BASE, recipe_name="otray_test_rl_async", max_tokens=8, log_path=str(log),
-        renderer_name=RENDERER, lora_rank=8, eval_every=0, save_every=0, base_url=URL,
-        num_groups_to_log=0, async_config=async_cfg, max_steps=3)
+    cfg = rl_config(log, batches=4, save_every=0, async_config=async_cfg, max_steps=3)
     from otray.tinker.service import NAME, NAMESPACE
 
     service = ray_local.get_actor(NAME, namespace=NAMESPACE)

@@ -13,7 +13,7 @@ import time
 import numpy as np
 import pytest
 
-from tests.conftest import tinker_service
+from tests.conftest import tinker_fixture
 from tests.fixtures.tinker_data import problems, sft
 
 tinker = pytest.importorskip("tinker")
@@ -24,11 +24,7 @@ URL = f"http://127.0.0.1:{PORT}"
 BASE = "Qwen/Qwen3-8B"
 
 
-@pytest.fixture(scope="module")
-def svc(ray_local, tmp_path_factory, tiny_path):
-    keys, stop = tinker_service(ray_local, tmp_path_factory.mktemp("tinker_losses"), PORT, tiny_path)
-    yield keys
-    stop()
+svc = tinker_fixture(PORT, "tinker_losses")
 
 
 def rl_datum(prompt: list[int], seq, advantage: float, *, provenance: bool = True, logprobs=None) -> types.Datum:

@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from tests.conftest import tinker_service
+from tests.conftest import tinker_fixture
 from tests.fixtures.tinker_data import problems, sft
 
 tinker = pytest.importorskip("tinker")
@@ -22,12 +22,7 @@ URL = f"http://127.0.0.1:{PORT}"
 BASE = "Qwen/Qwen3-8B"
 
 
-@pytest.fixture(scope="module")
-def svc(ray_local, tmp_path_factory, tiny_path):
-    keys, stop = tinker_service(ray_local, tmp_path_factory.mktemp("tinker_rest"), PORT, tiny_path,
-                                min_checkpoint_ttl_s=1, ttl_sweep_s=0.2)
-    yield keys
-    stop()
+svc = tinker_fixture(PORT, "tinker_rest", min_checkpoint_ttl_s=1, ttl_sweep_s=0.2)
 
 
 def test_jwt_auth_and_whoami(svc, tokenizer):

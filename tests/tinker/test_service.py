@@ -15,7 +15,7 @@ import httpx
 import numpy as np
 import pytest
 
-from tests.conftest import tinker_service
+from tests.conftest import tinker_fixture
 from tests.fixtures.tinker_data import problems, sft, to_otray
 
 tinker = pytest.importorskip("tinker")
@@ -29,13 +29,8 @@ BOB_QUOTA = {"training_clients": 2, "lora_rank": 10}  # an admin's exceptions (a
 CAROL_QUOTA = {"samplers": 1, "concurrent_requests": 3, "storage_gb": 1e-6}
 
 
-@pytest.fixture(scope="module")
-def svc(ray_local, tmp_path_factory, tiny_path):
-    keys, stop = tinker_service(ray_local, tmp_path_factory.mktemp("tinker"), PORT, tiny_path,
-                                max_chunk_datums=CHUNK, user_quotas={"bob": BOB_QUOTA, "carol": CAROL_QUOTA},
-                                scheduling={"slice_tokens": SLICE})
-    yield keys
-    stop()
+svc = tinker_fixture(PORT, "tinker", max_chunk_datums=CHUNK, user_quotas={"bob": BOB_QUOTA, "carol": CAROL_QUOTA},
+                     scheduling={"slice_tokens": SLICE})
 
 
 BASE = "Qwen/Qwen3-8B"  # a registry name, mapped to the tiny model by the service config

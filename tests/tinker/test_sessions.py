@@ -11,19 +11,14 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import tinker_service
+from tests.conftest import tinker_fixture
 
 PORT = 8026
 URL = f"http://127.0.0.1:{PORT}/api/v1"
 BASE = "Qwen/Qwen3-8B"
 
 
-@pytest.fixture(scope="module")
-def svc(ray_local, tmp_path_factory, tiny_path):
-    keys, stop = tinker_service(ray_local, tmp_path_factory.mktemp("tinker-sessions"), PORT, tiny_path,
-                                session_timeout_s=6)
-    yield keys
-    stop()
+svc = tinker_fixture(PORT, "tinker-sessions", session_timeout_s=6)
 
 
 def call(key: str, route: str, body: dict[str, Any]) -> dict[str, Any]:

@@ -167,29 +167,31 @@ def new_adamw(params: list[torch.nn.Parameter], **kwargs: Any) -> torch.optim.Ad
         return torch.optim.AdamW(params, **kwargs)
 
 
+def _logits(model: torch.nn.Module, batch: Sequence[Datum], device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(logits, valid)``: the model's fp32 logits over ``batch``'s right-padded inputs, and a float
+    mask of the positions that hold a token."""
+    width = max(len(d) for d in batch)
+    ids = pad_rows([d.input_ids for d in batch], width, 0, torch.long, device)
+    attn = pad_rows([[1] * len(d) for d in batch], width, 0, torch.long, device)
+    return model(input_ids=ids, attention_mask=attn).logits.float(), attn.float()
+
+
 def token_logprobs(model: torch.nn.Module, batch: Sequence[Datum], device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
     """``(logprobs, valid)``: each row's logprob of its target tokens under ``model`` (fp32,
     ``(rows, longest row)``) and a float mask of the positions that hold a token."""
-    width = max(len(d) for d in batch)
-    ids = pad_rows([d.input_ids for d in batch], width, 0, torch.long, device)
-    targets = pad_rows([d.target_ids for d in batch], width, 0, torch.long, device)
-    attn = pad_rows([[1] * len(d) for d in batch], width, 0, torch.long, device)
-    logits = model(input_ids=ids, attention_mask=attn).logits.float()
-    return -F.cross_entropy(logits.transpose(1, 2), targets, reduction="none"), attn.float()
+    logits, valid = _logits(model, batch, device)
+    targets = pad_rows([d.target_ids for d in batch], logits.shape[1], 0, torch.long, device)
+    return -F.cross_entropy(logits.transpose(1, 2), targets, reduction="none"), valid
 
 
-def topk_logprobs(model: torch.nn.Module, batch: Sequence[Datum], device: str = "cpu") -> torch.Tensor:
-    """Each row's logprob of each of its K targets per position (``Datum.target_k``), fp32,
-    ``(rows, longest row, K)``; padded positions read token 0."""
-    width = max(len(d) for d in batch)
-    ids = pad_rows([d.input_ids for d in batch], width, 0, torch.long, device)
-    attn = pad_rows([[1] * len(d) for d in batch], width, 0, torch.long, device)
-    k = len(batch[0].target_k[0])
-    targets = torch.zeros(len(batch), width, k, dtype=torch.long)
+def topk_logprobs(model: torch.nn.Module, batch: Sequence[Datum], device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """``(logprobs, valid)`` as :func:`token_logprobs`, for each row's K targets per position
+    (``Datum.target_k``): ``(rows, longest row, K)``; padded positions read token 0."""
+    logits, valid = _logits(model, batch, device)
+    targets = torch.zeros(*logits.shape[:2], len(batch[0].target_k[0]), dtype=torch.long)
     for i, d in enumerate(batch):
         targets[i, :len(d)] = torch.tensor(d.target_k, dtype=torch.long)
-    logits = model(input_ids=ids, attention_mask=attn).logits.float()
-    return torch.log_softmax(logits, -1).gather(-1, targets.to(device))
+    return torch.log_softmax(logits, -1).gather(-1, targets.to(device)), valid
 
 
 def topk_weights(batch: Sequence[Datum], width: int, device: str = "cpu") -> torch.Tensor:
