@@ -8,7 +8,10 @@ An otray environment is text in, text out, in Gymnasium's vocabulary::
         def step(self, action: str) -> StepResult:               # observation, reward, done, info
 
 ``step`` gets the policy's decoded text for one turn. ``StepResult.done`` ends the
-episode; otherwise ``observation`` becomes the next user message. Rewards are
+episode; otherwise ``observation`` becomes the next user message. An observation may
+show images: a list of parts instead of a str, e.g. ``[Image.from_pil(pic), "How many?"]``
+(:mod:`otray.vision`; OpenAI ``image_url`` content dicts are taken too), for a
+vision-language model (:mod:`otray.vlm`). Rewards are
 floats or None, one per step; the job reduces the given ones (sum/mean/max/min); none at all = failed.
 
 Tasks come from a :class:`TaskSource`: a JSONL or Parquet file, or a generator
@@ -29,6 +32,7 @@ from typing import Any
 
 from otray.structured import import_object
 from otray.types import ConfigError, DatasetError, EnvCheckError, EnvStateError, Task
+from otray.vision import ImageError, parts, text_of
 
 
 @dataclass
@@ -38,7 +42,7 @@ class StepResult:
     ended the episode unfinished (``nonterminal_reward`` applies, as on truncation); an env may
     say the same with ``info["finished"] = False``."""
 
-    observation: str
+    observation: str | list[Any]  # a str, or parts: str / otray.vision.Image (see otray.vision)
     reward: float | None
     done: bool
     info: dict[str, Any] = field(default_factory=dict)
@@ -82,7 +86,7 @@ BUNDLED = {
     "bandit": "envs.bandit:Bandit", "guess_number": "envs.guess_number:GuessNumber",
     "openreward": "envs.openreward:OpenRewardEnv", "gymnasium": "otray.gym_env:GymnasiumEnv",
     "textworld": "envs.textworld_env:TextWorldEnv", "mcp": "envs.mcp_env:McpToolEnv",
-    "verifiers": "envs.verifiers_env:VerifiersEnv",
+    "verifiers": "envs.verifiers_env:VerifiersEnv", "count_shapes": "envs.shapes:CountShapes",
 }
 
 
@@ -223,7 +227,8 @@ def check_env(env: Env, task: Task, *, actions: Iterable[str] = ("0", "hello", "
     """Exercise ``env`` the way Gymnasium's ``check_env`` does; raise EnvCheckError on a violation.
 
     Checks: ``step`` before ``reset`` raises :class:`EnvStateError`; ``reset`` returns
-    ``(str, dict)``; each ``step`` returns a :class:`StepResult` with a str observation,
+    ``(observation, dict)``; each ``step`` returns a :class:`StepResult` with an observation (a str,
+    or parts whose images decode within otray's limits: :func:`otray.vision.parts`),
     a finite real (not bool) reward or None, a bool ``done``, a dict info and ``finished``
     None or a bool; the episode ends
     within ``max_steps`` (default ``env.max_turns``) when fed ``actions`` cyclically;
@@ -243,7 +248,9 @@ def check_env(env: Env, task: Task, *, actions: Iterable[str] = ("0", "hello", "
     first = _checked_reset(env, task, seed, name)
     again = _checked_reset(env, task, seed, name)
     if first != again:
-        raise EnvCheckError(f"{name}.reset is not deterministic: the same task and seed gave {first!r} then {again!r}")
+        raise EnvCheckError(f"{name}.reset is not deterministic: the same task and seed gave {text_of(first)!r} "
+                            f"then {text_of(again)!r}" + (" (with different images)" if text_of(first) == text_of(again)
+                                                        else ""))
 
     limit = max_steps if max_steps is not None else max(1, env.max_turns)
     acts = list(actions) or ["0"]
@@ -266,24 +273,30 @@ def check_env(env: Env, task: Task, *, actions: Iterable[str] = ("0", "hello", "
     env.close()
 
 
-def _checked_reset(env: Env, task: Task, seed: int, name: str) -> str:
+def _checked_reset(env: Env, task: Task, seed: int, name: str) -> list[Any]:
     out = env.reset(task, seed=seed)
     if not (isinstance(out, tuple) and len(out) == 2):
         raise EnvCheckError(f"{name}.reset must return (observation: str, info: dict), got {type(out).__name__}")
     obs, info = out
-    if not isinstance(obs, str):
-        raise EnvCheckError(f"{name}.reset observation must be str, got {type(obs).__name__}")
     if not isinstance(info, dict):
         raise EnvCheckError(f"{name}.reset info must be dict, got {type(info).__name__}")
-    return obs
+    return _checked_observation(obs, f"{name}.reset")
+
+
+def _checked_observation(obs: Any, where: str) -> list[Any]:
+    """The observation's parts (a str or Image each); an EnvCheckError for anything else or a bad image."""
+    try:
+        return parts(obs)
+    except ImageError as e:
+        raise EnvCheckError(f"{where} observation must be a str or a list of parts (str / otray.vision.Image): "
+                            f"{e}") from e
 
 
 def _check_step_result(result: Any, name: str, i: int) -> None:
     where = f"{name}.step (step {i})"
     if not isinstance(result, StepResult):
         raise EnvCheckError(f"{where} must return a StepResult, got {type(result).__name__}")
-    if not isinstance(result.observation, str):
-        raise EnvCheckError(f"{where} observation must be str, got {type(result.observation).__name__}")
+    _checked_observation(result.observation, where)
     r = result.reward
     if r is not None and (isinstance(r, bool) or not isinstance(r, numbers.Real) or not math.isfinite(float(r))):
         raise EnvCheckError(f"{where} reward must be a finite float or None, got {r!r} ({type(r).__name__})")

@@ -57,11 +57,14 @@ class TinyShape:
     num_key_value_heads: int = 2
     max_position_embeddings: int = 512
     vocab_size: int = 512
+    vision: bool = False  # a Qwen2-VL with a tiny vision tower (otray.vlm) around this language model
     extra: dict[str, Any] = field(default_factory=dict)
 
 
 SHAPES = {
     "tiny": TinyShape(),
+    # the tiny model's language model in a Qwen2-VL, with a 2-block vision tower (otray.vlm)
+    "vl": TinyShape(vision=True),
     # ~100M parameters, used by benchmarks/rollout_throughput.py.
     "100m": TinyShape(hidden_size=768, intermediate_size=2048, num_hidden_layers=16,
                       num_attention_heads=12, num_key_value_heads=4, max_position_embeddings=1024),
@@ -128,6 +131,10 @@ def build_tiny_model(path: str | os.PathLike, seed: int = 0, shape: str | TinySh
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
     spec = SHAPES[shape] if isinstance(shape, str) else shape
+    if spec.vision:
+        from otray.vlm import build_tiny_vlm
+
+        return build_tiny_vlm(path, seed, spec)
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tokenizer = _train_tokenizer(seed, spec.vocab_size)
@@ -243,12 +250,17 @@ def _tokenizer_class(path: str) -> str | None:
 
 
 def load_model(path: str, dtype: str = "float32"):
-    """Load a causal LM from a local HF directory or hub id."""
+    """Load a causal LM from a local HF directory or hub id (a vision-language model: its
+    image-text-to-text class, :mod:`otray.vlm`)."""
     import torch
     from transformers import AutoModelForCausalLM
 
+    from otray.vlm import is_vision_model, load_vision_model
+
     _check_source(path)
     try:
+        if is_vision_model(path):
+            return load_vision_model(path, getattr(torch, dtype))
         return AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"could not load a model from {path!r}: {e}") from e
@@ -269,6 +281,21 @@ def apply_lora(model, spec: LoraSpec):
     config = LoraConfig(r=spec.rank, lora_alpha=spec.alpha, lora_dropout=spec.dropout,
                         target_modules=list(spec.target_modules), task_type="CAUSAL_LM")
     return get_peft_model(model, config)
+
+
+# what a model directory holds beside its weights and config: tokenizer, chat template, image processor
+SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+              "preprocessor_config.json", "processor_config.json", "otray_vision.json")
+
+
+def copy_side_files(src: str | os.PathLike, out: str | os.PathLike) -> None:
+    """Copy the :data:`SIDE_FILES` model directory ``src`` has into ``out`` (a checkpoint or export of its
+    weights): what loading the checkpoint as a model, for sampling or serving, needs besides them."""
+    import shutil
+
+    for name in SIDE_FILES:
+        if (Path(src) / name).exists():
+            shutil.copy(Path(src) / name, Path(out) / name)
 
 
 def end_of_turn_ids(tokenizer) -> list[int]:

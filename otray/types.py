@@ -237,6 +237,9 @@ class Trajectory:
     info: dict[str, Any] = field(default_factory=dict)
     error: ErrorRecord | None = None
     messages: list[dict[str, str]] = field(default_factory=list)
+    # the images of the observations, in the order their tokens appear (``otray.vision.Image``: encoded
+    # bytes); each image's tokens in ``token_ids`` are its model's expanded image tokens (``otray.vlm``)
+    images: list[Any] = field(default_factory=list)
 
     def append(self, ids: list[int], *, sampled: bool, logprobs: list[float] | None = None) -> None:
         """Append tokens; sampled tokens carry the sampler's logprobs and mask 1."""
@@ -294,6 +297,8 @@ class Datum:
     ``mask``); ``clip_low`` / ``clip_high``: per-token clip thresholds (NaN or None: the loss
     config's). See :mod:`otray.algos.losses`. ``target_k`` / ``weights_k``: K targets per position with
     a weight each (top-K distillation's cross-entropy; Tinker's (N, K) ``target_tokens`` / ``weights``).
+    ``images``: the sequence's images in order (``otray.vision.Image``), whose expanded image tokens
+    ``input_ids`` holds; the learner passes their pixels with the ids (``otray.vlm``).
     """
 
     input_ids: list[int]
@@ -307,6 +312,7 @@ class Datum:
     clip_high: list[float] | None = None
     target_k: list[list[int]] | None = None
     weights_k: list[list[float]] | None = None
+    images: tuple[Any, ...] = ()
 
     def __post_init__(self) -> None:
         n = len(self.input_ids)

@@ -26,6 +26,7 @@ def trajectory_to_datum(traj: Trajectory, advantage: float) -> Datum:
         mask=mask,
         advantages=[advantage * m for m in mask],
         sampler_logprobs=list(traj.logprobs[1:]),
+        images=tuple(traj.images),
     )
 
 
@@ -38,8 +39,9 @@ def build_datums(trajs: Sequence[Trajectory], advantages: Sequence[float]) -> li
     ]
 
 
-def sft_datum(prompt_ids: Sequence[int], completion_ids: Sequence[int]) -> Datum:
-    """A supervised datum: cross-entropy on the completion tokens only."""
+def sft_datum(prompt_ids: Sequence[int], completion_ids: Sequence[int], images: Sequence[object] = ()) -> Datum:
+    """A supervised datum: cross-entropy on the completion tokens only (``images``: the prompt's, whose
+    expanded image tokens ``prompt_ids`` holds)."""
     traj_mask = [0] * len(prompt_ids) + [1] * len(completion_ids)
     seq = list(prompt_ids) + list(completion_ids)
     mask = [float(m) for m in traj_mask[1:]]
@@ -50,6 +52,7 @@ def sft_datum(prompt_ids: Sequence[int], completion_ids: Sequence[int]) -> Datum
         advantages=[0.0] * len(mask),
         sampler_logprobs=[0.0] * len(mask),
         weights=list(mask),
+        images=tuple(images),
     )
 
 

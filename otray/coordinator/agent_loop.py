@@ -34,8 +34,11 @@ from otray.env import Env
 from otray.models import chat_prompt_ids, template_takes_tools
 from otray.tools import system_with_tools
 from otray.types import ErrorRecord, FinishReason, GenerateResult, SamplingParams, Task, Trajectory
+from otray.vision import ImageError, images_of, template_content, text_of
+from otray.vlm import VisionInputs, observation_prompt, vision_inputs_at
 
-GenerateFn = Callable[[list[list[int]], SamplingParams, int], list[GenerateResult]]
+# (prompts, params, n) -> results; called with ``images=`` (each prompt's images) when an episode has any
+GenerateFn = Callable[..., list[GenerateResult]]
 
 
 class State(enum.Enum):
@@ -78,7 +81,7 @@ class ChatContinuation:
         self._stop_text: dict[int, str] = {}
         self._encoded: dict[str, tuple[int, ...]] = {}  # text -> ids, at most CACHE_TEXTS of them
 
-    def _render(self, before: list[dict[str, str]], text: str) -> str:
+    def _render(self, before: list[dict[str, str]], text: str | list[dict[str, str]]) -> str:
         return self.tokenizer.apply_chat_template(before + [{"role": "user", "content": text}], tokenize=False,
                                                   add_generation_prompt=True)
 
@@ -91,10 +94,11 @@ class ChatContinuation:
         other = "second probe: x"
         return (prefix, suffix) if self._render(before, other) == prefix + other + suffix else None
 
-    def next_text(self, observation: str, sampled_stop_token: int | None) -> str:
+    def next_text(self, observation: str | list[dict[str, str]], sampled_stop_token: int | None) -> str:
         """The text that closes the assistant turn and opens the next (user ``observation``, then the assistant's
-        generation prompt), less the stop token the sampler already wrote (its ids are in the trajectory)."""
-        if self._next is not None:
+        generation prompt), less the stop token the sampler already wrote (its ids are in the trajectory).
+        ``observation``: a string, or a vision-language template's content list (rendered by the template)."""
+        if self._next is not None and isinstance(observation, str):
             prefix, suffix = self._next
             full_tail = prefix[len(self._base_text):] + observation + suffix
         else:
@@ -108,7 +112,7 @@ class ChatContinuation:
                 text = text[len(stop_text):]
         return text
 
-    def ids(self, observation: str, sampled_stop_token: int | None) -> list[int]:
+    def ids(self, observation: str | list[dict[str, str]], sampled_stop_token: int | None) -> list[int]:
         """The ids of :meth:`next_text`."""
         return self.encode_many([self.next_text(observation, sampled_stop_token)])[0]
 
@@ -170,6 +174,7 @@ class AgentLoop:
         self.limits = limits
         self.continuation = ChatContinuation(tokenizer)
         self.template_tools = template_takes_tools(tokenizer)  # env tools via the template's tools=
+        self.vision: VisionInputs | None = None  # a vision-language model's image inputs, found at the first image
         self.generate_s = 0.0  # time spent in ``generate`` calls, summed over runs
 
     def run(self, episodes: Sequence[tuple[Task, Env, int | None]], params: SamplingParams) -> list[Trajectory]:
@@ -242,16 +247,26 @@ class AgentLoop:
         in_template = bool(tools) and self.template_tools
         system = ep.env.system_prompt if in_template else system_with_tools(tools, ep.env.system_prompt)
         messages = ([{"role": "system", "content": system}] if system else [])
-        messages.append({"role": "user", "content": first})
-        ids = chat_prompt_ids(self.tokenizer, messages, tools=tools if in_template else None)
+        try:
+            ids, images = observation_prompt(self.tokenizer, messages, first, tools if in_template else None)
+        except ImageError as e:  # an unusable image, or an image for a text-only model: this episode fails
+            return self._fail(ep, "bad_observation", e)
+        messages.append({"role": "user", "content": text_of(first)})
         ep.traj.messages = messages
         ep.traj.info.update(info)
+        ep.traj.images.extend(images)
         ep.traj.append(ids, sampled=False)
         ep.traj.prompt_len = len(ids)
         if len(ids) >= ep.limits.max_model_len:
             return self._fail(ep, "prompt_too_long",
                               f"prompt has {len(ids)} tokens; the context is {ep.limits.max_model_len}")
         ep.state = State.GENERATING
+
+    def _vision(self) -> VisionInputs:
+        """The model's image inputs (found by the tokenizer's directory): an ImageError for a text-only model."""
+        if self.vision is None:
+            self.vision = vision_inputs_at(str(getattr(self.tokenizer, "name_or_path", "")))
+        return self.vision
 
     def _turn_budget(self, ep: _Episode) -> int:
         lim = ep.limits
@@ -264,9 +279,10 @@ class AgentLoop:
             calls.setdefault((id(ep.params), self._turn_budget(ep)), []).append(ep)
         for (_, budget), group in calls.items():
             t0 = time.perf_counter()
+            pictures = {"images": [tuple(ep.traj.images) for ep in group]} if any(ep.traj.images for ep in group) else {}
             try:
                 results = self.generate([ep.traj.token_ids for ep in group],
-                                        replace(group[0].params, max_tokens=budget), 1)
+                                        replace(group[0].params, max_tokens=budget), 1, **pictures)
             except Exception as e:  # noqa: BLE001 - a failed call fails these episodes only
                 for ep in group:
                     self._fail(ep, "rollout_failed", e)
@@ -301,13 +317,22 @@ class AgentLoop:
             traj.truncated = True
             ep.state = State.TERMINATED
             return
-        cont = self.continuation.ids(result.observation, stop)
+        try:
+            images = images_of(result.observation)
+            cont = self.continuation.ids(template_content(result.observation), stop)
+            if images:
+                vision = self._vision()
+                vision.check_count(traj.images + images)
+                cont = vision.expand(cont, images)
+        except ImageError as e:
+            return self._fail(ep, "bad_observation", e)
         if len(traj.token_ids) + len(cont) >= ep.limits.max_model_len:
             traj.truncated = True
             ep.state = State.TERMINATED
             return
         traj.append(cont, sampled=False)
-        traj.messages.append({"role": "user", "content": result.observation})
+        traj.images.extend(images)
+        traj.messages.append({"role": "user", "content": text_of(result.observation)})
         ep.state = State.GENERATING
 
     def _fail(self, ep: _Episode, kind: str, err: BaseException | str) -> None:

@@ -303,13 +303,11 @@ class ModelServer:
         """A LoRA checkpoint as a full model: the base with the adapter merged in, saved under ``out``."""
         from peft import PeftModel
 
-        from otray.models import load_model
+        from otray.models import copy_side_files, load_model
 
         merged = PeftModel.from_pretrained(load_model(self.path, self.spec.dtype), str(adapter_dir)).merge_and_unload()
         merged.save_pretrained(out, safe_serialization=True)
-        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
-            if (Path(self.path) / name).exists():
-                shutil.copy(Path(self.path) / name, out / name)
+        copy_side_files(self.path, out)
         return str(out)
 
     # ------------------------------------------------------------------ generation

@@ -137,7 +137,7 @@ class AdapterLearner:
         self.sampler_specs: dict[str, AdapterSpec] = {}  # sampler adapter name -> its spec
         self.spare: list[str] = []  # sampler adapters no dir uses now: refilled for a dir of the same shape
         self.micro_batch_tokens = micro_batch_tokens
-        self.max_model_len = max_model_len or self.base.config.max_position_embeddings
+        self.max_model_len = max_model_len or self.base.config.get_text_config().max_position_embeddings
         self.switch = AdapterSwitch()  # which adapter the LoRA layers use
         self.training = False  # the model is in train mode (not switched to eval by a sample since)
 

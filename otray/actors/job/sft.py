@@ -23,8 +23,9 @@ from otray.actors.job.runtime import SUPERVISED, PolicyRuntime
 from otray.algos.datums import chat_datum, sft_datum
 from otray.config import Config
 from otray.env import TaskSource, resolve
-from otray.models import chat_prompt_ids, end_of_turn_ids
+from otray.models import end_of_turn_ids
 from otray.types import DatasetError, Datum, Task
+from otray.vlm import observation_prompt
 
 
 class SFTTrainer:
@@ -45,9 +46,9 @@ class SFTTrainer:
             env = resolve(cfg.envs[task.env].entry)(**cfg.envs[task.env].kwargs)
             first, _ = env.reset(task, seed=cfg.job.seed)
             msgs = ([{"role": "system", "content": env.system_prompt}] if env.system_prompt else [])
-            prompt = chat_prompt_ids(tok, msgs + [{"role": "user", "content": first}])
+            prompt, images = observation_prompt(tok, msgs, first)  # an image observation: its image tokens
             completion = tok.encode(str(task.data[cfg.sft.completion_field]), add_special_tokens=False)
-            datums.append(sft_datum(prompt, completion + [eot]))
+            datums.append(sft_datum(prompt, completion + [eot], images))
         return datums
 
     def chat_batch(self, tasks: list[Task]) -> list[Datum]:

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from otray.names import loss_config
 from otray.types import Datum, LossNormalizer
+from otray.vlm import NEVER, unsampled_ids
 
 
 def micro_batches(datums: Sequence[Datum], token_budget: int, max_spread: float | None = None) -> list[list[Datum]]:
@@ -173,7 +174,24 @@ def _logits(model: torch.nn.Module, batch: Sequence[Datum], device: str) -> tupl
     width = max(len(d) for d in batch)
     ids = pad_rows([d.input_ids for d in batch], width, 0, torch.long, device)
     attn = pad_rows([[1] * len(d) for d in batch], width, 0, torch.long, device)
-    return model(input_ids=ids, attention_mask=attn).logits.float(), attn.float()
+    logits = model(input_ids=ids, attention_mask=attn, **image_kwargs(model, batch, ids)).logits.float()
+    off = unsampled_ids(model.config)  # a vision-language policy's vision tokens: never sampled (otray.vlm)
+    if off:
+        logits = logits.index_fill(-1, torch.tensor(off, device=logits.device), NEVER)
+    return logits, attn.float()
+
+
+def image_kwargs(model: torch.nn.Module, batch: Sequence[Datum], ids: torch.Tensor) -> dict[str, Any]:
+    """What a vision-language model takes for ``batch``'s images beside ``ids`` (none without images;
+    an image sent to a text-only model, or image tokens that do not match the images, is an ImageError)."""
+    if not any(d.images for d in batch):
+        return {}
+    from otray.vlm import vision_inputs
+
+    vision = vision_inputs(model)
+    for d in batch:
+        vision.check_tokens(d.input_ids, d.images)
+    return vision.model_kwargs(ids, [d.images for d in batch])
 
 
 def token_logprobs(model: torch.nn.Module, batch: Sequence[Datum], device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:

@@ -23,7 +23,6 @@ free GPU memory; ``gradient_checkpointing`` recomputes each layer's activations 
 from __future__ import annotations
 
 import random
-import shutil
 import time
 from collections.abc import Sequence
 from dataclasses import asdict
@@ -43,7 +42,7 @@ from otray.device import resolve_device, resolve_dtype
 from otray.placement import current_node_id
 from otray.records import CheckpointMeta
 from otray.timing import BusyClock, busy
-from otray.models import LoraSpec, apply_lora, load_model, load_tokenizer
+from otray.models import LoraSpec, apply_lora, copy_side_files, load_model, load_tokenizer
 from otray.types import (Datum, GenerateResult, LearnerInfo, LossNormalizer, SamplingParams,
                          WeightUpdate, WorkerInfo)
 
@@ -209,12 +208,13 @@ class PolicyLearner:
                           self.version, current_node_id())
 
     @busy
-    def generate(self, prompts: list[list[int]], params: SamplingParams, n: int = 1) -> list[GenerateResult]:
+    def generate(self, prompts: list[list[int]], params: SamplingParams, n: int = 1,
+                 images: list[Any] | None = None) -> list[GenerateResult]:
         if self.sampler is None:
             raise RuntimeError("this learner does not generate: call start_sampler first (rollout.colocate)")
         self.model.eval()
         with self.precision.autocast(self.device):
-            samples = self.sampler.generate(prompts, params, n)
+            samples = self.sampler.generate(prompts, params, n, images)
         if self.device.startswith("cuda"):  # the KV cache's blocks go back before the update needs them
             torch.cuda.empty_cache()
         return [GenerateResult(s, self.version) for s in samples]
@@ -256,10 +256,7 @@ class PolicyLearner:
         out.mkdir(parents=True, exist_ok=True)
         extra = {} if state_dict is None else {"state_dict": state_dict}
         self.model.save_pretrained(out, safe_serialization=True, **extra)
-        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
-            src = Path(self.model_path) / name
-            if src.exists():
-                shutil.copy(src, out / name)
+        copy_side_files(self.model_path, out)
         return str(out)
 
     # ------------------------------------------------------------------ checkpoints

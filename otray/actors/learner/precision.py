@@ -91,7 +91,7 @@ def budget_for(model: Any, device: str, precision: Precision, checkpointing: boo
     import torch
 
     free, _ = torch.cuda.mem_get_info()
-    cfg = model.config
+    cfg = model.config.get_text_config()  # a vision-language model: its language model's
     return micro_batch_token_budget(
         free, hidden=cfg.hidden_size, layers=cfg.num_hidden_layers, vocab=cfg.vocab_size,
         intermediate=getattr(cfg, "intermediate_size", 4 * cfg.hidden_size),

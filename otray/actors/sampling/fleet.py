@@ -55,8 +55,10 @@ class RolloutFleet:
         self.dead[i] = f"{type(err).__name__}: {first_line}"[:300]
         log.warning("rollout worker %d dropped: %s", i, err)
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams, n: int = 1) -> list[GenerateResult]:
-        """Split ``prompts`` over live workers; a failed share is re-run on the others."""
+    def generate(self, prompts: list[list[int]], params: SamplingParams, n: int = 1,
+                 images: list[Any] | None = None) -> list[GenerateResult]:
+        """Split ``prompts`` (and their ``images``, a vision-language model's) over live workers; a failed
+        share is re-run on the others."""
         import ray
 
         results: list[GenerateResult | None] = [None] * len(prompts)
@@ -67,7 +69,8 @@ class RolloutFleet:
                 raise RolloutError("every rollout worker failed: " +
                                    "; ".join(f"worker {i}: {why}" for i, why in self.dead.items()))
             shares = {w: pending[k::len(live)] for k, w in enumerate(live)}
-            refs = {w: self.workers[w].generate.remote([prompts[j] for j in idx], params, n)
+            refs = {w: self.workers[w].generate.remote([prompts[j] for j in idx], params, n,
+                                                       [images[j] for j in idx] if images else None)
                     for w, idx in shares.items() if idx}
             pending = []
             for w, ref in refs.items():

@@ -59,9 +59,11 @@ class RolloutWorker:
     def busy_s(self) -> float:
         return self.busy.total
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams, n: int = 1) -> list[GenerateResult]:
+    def generate(self, prompts: list[list[int]], params: SamplingParams, n: int = 1,
+                 images: list[Any] | None = None) -> list[GenerateResult]:
+        """``images[i]``: prompt i's images (``otray.vision.Image``s), for a vision-language model."""
         with self.busy():
-            samples = self.backend.generate(prompts, params, n)
+            samples = self.backend.generate(prompts, params, n, **({"images": images} if images else {}))
         return [GenerateResult(s, self.version) for s in samples]
 
     def update_weights(self, update: WeightUpdate) -> int:

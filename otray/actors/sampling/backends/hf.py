@@ -12,6 +12,7 @@ full-vocabulary logits (at a 151,936-token vocabulary, 256 rows x 512 steps of f
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from contextlib import nullcontext
 from typing import Any, Callable
 
@@ -22,6 +23,8 @@ from otray.actors.sampling.backends.packed import PackedLinears
 from otray.device import resolve_device, resolve_dtype
 from otray.models import end_of_turn_ids, load_model, load_tokenizer
 from otray.types import FinishReason, Sample, SamplingParams
+from otray.vision import Image
+from otray.vlm import NEVER, unsampled_ids, vision_inputs
 
 
 class ChosenLogprobs:
@@ -51,13 +54,26 @@ class ChosenLogprobs:
         return torch.stack(steps, dim=1)
 
 
+class NeverSample:
+    """A logits processor that rules out ``ids`` (a vision-language policy's vision tokens, ``otray.vlm``),
+    before the raw logprobs are recorded: the learner scores the same distribution."""
+
+    def __init__(self, ids: list[int]):
+        self.ids = ids
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        return scores.index_fill(-1, torch.tensor(self.ids, device=scores.device), NEVER)
+
+
 def processors(params: SamplingParams, recorder: ChosenLogprobs, prompt_width: int, min_new: int,
-               eos: list[int]) -> Any:
-    """The recorder first, then what shapes the sampling distribution (after the raw logprobs are taken)."""
+               eos: list[int], never: list[int] | None = None) -> Any:
+    """The recorder first (after ``never``'s tokens are ruled out), then what shapes the sampling
+    distribution (after the raw logprobs are taken)."""
     from transformers import (LogitsProcessorList, MinNewTokensLengthLogitsProcessor, TemperatureLogitsWarper,
                               TopKLogitsWarper, TopPLogitsWarper)
 
-    out = LogitsProcessorList([recorder])
+    out = LogitsProcessorList([NeverSample(never)] if never else [])
+    out.append(recorder)
     if min_new:
         out.append(MinNewTokensLengthLogitsProcessor(prompt_width, min_new, eos))
     if not params.greedy:
@@ -99,25 +115,34 @@ class HFBackend:
         self.tokenizer = tokenizer
         self.model = model
         self.base_model = self.model
-        self.max_model_len = max_model_len or self.model.config.max_position_embeddings
+        self.max_model_len = max_model_len or self.model.config.get_text_config().max_position_embeddings
         self.max_batch = max_batch
         self.stop_token_ids = end_of_turn_ids(self.tokenizer)
         self.pad_id = self.tokenizer.pad_token_id
         self.packed = PackedLinears(weights_version) if packed_linears else None
 
     @torch.inference_mode()
-    def generate(self, prompts: list[list[int]], params: SamplingParams, n: int) -> list[list[Sample]]:
+    def generate(self, prompts: list[list[int]], params: SamplingParams, n: int,
+                 images: list[Sequence[Image]] | None = None) -> list[list[Sample]]:
+        """``images[i]``: prompt i's images, whose expanded image tokens it holds (a vision-language model)."""
         check_prompt_lengths(prompts, self.max_model_len)
         params = effective_params(params, self.stop_token_ids)
         if params.seed is not None:
             torch.manual_seed(params.seed)
         rows = [p for p in prompts for _ in range(n)]
+        pictures = [im for im in (images or [()] * len(prompts)) for _ in range(n)]
+        if any(pictures):
+            vision = vision_inputs(self.model)
+            for p, im in zip(prompts, images or []):
+                vision.check_tokens(p, im)
         samples: list[Sample] = []
         for start in range(0, len(rows), self.max_batch):
-            samples.extend(self._generate_batch(rows[start:start + self.max_batch], params))
+            end = start + self.max_batch
+            samples.extend(self._generate_batch(rows[start:end], params, pictures[start:end]))
         return [samples[i * n:(i + 1) * n] for i in range(len(prompts))]
 
-    def _generate_batch(self, rows: list[list[int]], params: SamplingParams) -> list[Sample]:
+    def _generate_batch(self, rows: list[list[int]], params: SamplingParams,
+                        pictures: list[Sequence[Image]]) -> list[Sample]:
         width = max(len(r) for r in rows)
         ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
         attn = torch.zeros((len(rows), width), dtype=torch.long)
@@ -135,10 +160,13 @@ class HFBackend:
             sampling.update(stop_strings=list(params.stop), tokenizer=self.tokenizer)
         eos = list(params.stop_token_ids or self.stop_token_ids)
         recorder = ChosenLogprobs()
+        if any(pictures):
+            sampling.update(vision_inputs(self.model).model_kwargs(ids, pictures))
         with self.packed.active(self.model) if self.packed else nullcontext():
             out = self.model.generate(
                 input_ids=ids, attention_mask=attn, max_new_tokens=budget, eos_token_id=eos, pad_token_id=self.pad_id,
-                logits_processor=processors(params, recorder, width, budget if params.ignore_eos else 0, eos),
+                logits_processor=processors(params, recorder, width, budget if params.ignore_eos else 0, eos,
+                                            unsampled_ids(self.model.config)),
                 return_dict_in_generate=True, **sampling)
         new = out.sequences[:, width:]
         chosen = recorder.finish(new).cpu()

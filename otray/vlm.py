@@ -1,0 +1,261 @@
+"""Vision-language models: the tiny VLM otray builds, and what a model takes for its images.
+
+``build_tiny_vlm(path, seed)`` makes the test and demo VLM: a real Qwen2-VL (transformers'
+``Qwen2VLForConditionalGeneration``: its ViT with 14-pixel patches merged 2x2, its
+``<|vision_start|><|image_pad|><|vision_end|>`` tokens, its 3-D multimodal rotary positions)
+at a tiny size, with otray's tiny tokenizer plus those three tokens, the Qwen2-VL image processor
+and a chat template that renders ``{"type": "image"}`` content parts as Qwen2-VL's does.
+Byte-identical per seed. A hub Qwen2-VL / Qwen2.5-VL directory loads through the same code.
+
+How images reach a model (:class:`VisionInputs`, one per model directory):
+
+1. a chat template renders each image as one ``<|image_pad|>``; :meth:`VisionInputs.expand` widens
+   each to the image's token count (its patch grid / merge size^2, as the model's processor says);
+2. the trajectory keeps those ids and the images' encoded bytes (``Trajectory.images``);
+3. sampler and learner both call :meth:`VisionInputs.model_kwargs` on the same ids and images:
+   ``pixel_values``, ``image_grid_thw`` and ``mm_token_type_ids``, so the model computes the same
+   positions and image features in both; an image's pixels are made once per process (cached by digest);
+4. neither samples nor scores the vision tokens as text (:func:`unsampled_ids`): a sampled
+   ``<|image_pad|>`` would be an image slot without an image to the learner (a tiny model at random
+   init samples one within a few steps).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from collections import OrderedDict
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from otray.vision import Image, ImageError
+
+VISION_START, IMAGE_PAD, VISION_END = "<|vision_start|>", "<|image_pad|>", "<|vision_end|>"
+VL_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% else %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+TINY_IMAGE_SIDE = 56  # the tiny VLM's processor resizes every image to 56x56: 4x4 patches, 4 tokens
+DEFAULT_MAX_IMAGES = 8  # images one sequence may hold (``max_images`` in otray_vision.json overrides)
+
+
+def build_tiny_vlm(path: str | os.PathLike, seed: int = 0, shape: Any = None) -> Path:
+    """Build a randomly initialized tiny Qwen2-VL + tokenizer + image processor into ``path``."""
+    import torch
+    from transformers import GenerationConfig, Qwen2VLConfig, Qwen2VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from otray.models import EOT, IM_END, SHAPES, _train_tokenizer
+
+    spec = shape or SHAPES["tiny"]
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer = _train_tokenizer(seed, spec.vocab_size)
+    tokenizer.add_special_tokens({"additional_special_tokens": [VISION_START, IMAGE_PAD, VISION_END]})
+    tokenizer.chat_template = VL_CHAT_TEMPLATE
+    start, pad, end = tokenizer.convert_tokens_to_ids([VISION_START, IMAGE_PAD, VISION_END])
+    im_end, eot = tokenizer.convert_tokens_to_ids([IM_END, EOT])
+    head_dim = spec.hidden_size // spec.num_attention_heads
+    side = 3 * head_dim // 16  # mrope sections (time, height, width) of head_dim / 2 rotary pairs: Qwen2-VL's 1:1.5:1.5
+    config = Qwen2VLConfig(
+        text_config=dict(
+            vocab_size=len(tokenizer), hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
+            num_hidden_layers=spec.num_hidden_layers, num_attention_heads=spec.num_attention_heads,
+            num_key_value_heads=spec.num_key_value_heads, max_position_embeddings=spec.max_position_embeddings,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                             "mrope_section": [head_dim // 2 - 2 * side, side, side]},
+            bos_token_id=eot, eos_token_id=im_end, pad_token_id=eot, tie_word_embeddings=True),
+        vision_config=dict(depth=2, embed_dim=64, hidden_size=spec.hidden_size, num_heads=2, mlp_ratio=2,
+                           patch_size=14, spatial_merge_size=2, temporal_patch_size=2),
+        image_token_id=pad, video_token_id=pad, vision_start_token_id=start, vision_end_token_id=end,
+        tie_word_embeddings=True, torch_dtype="float32")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen2VLForConditionalGeneration(config)
+    model.generation_config = GenerationConfig(eos_token_id=[im_end, eot], pad_token_id=eot, bos_token_id=eot)
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    pixels = TINY_IMAGE_SIDE * TINY_IMAGE_SIDE
+    Qwen2VLImageProcessorPil(min_pixels=pixels, max_pixels=pixels).save_pretrained(path)
+    (path / "otray_vision.json").write_text(json.dumps({"max_images": DEFAULT_MAX_IMAGES}))
+    (path / "otray_tiny.json").write_text(json.dumps({"seed": seed, "shape": spec.__dict__, "vision": True},
+                                                     sort_keys=True))
+    return path
+
+
+def is_vision_config(config: Any) -> bool:
+    """Whether a model config is a vision-language model's (it names an image token and a vision tower)."""
+    return getattr(config, "vision_config", None) is not None and getattr(config, "image_token_id", None) is not None
+
+
+NEVER = -1e9  # the logit of a token a policy never samples (finite: a prompt's image token is still a target)
+
+
+def unsampled_ids(config: Any) -> list[int]:
+    """Tokens a vision-language policy never samples: its image / video / vision start and end tokens
+    (sampling one would make the text look like an image slot to the learner). Sampler and learner both
+    set their logits to :data:`NEVER`, so the policy's distribution is the same in both. None for text models."""
+    if not is_vision_config(config):
+        return []
+    names = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+    return sorted({int(v) for v in (getattr(config, n, None) for n in names) if v is not None})
+
+
+def is_vision_model(path: str) -> bool:
+    """Whether the model at ``path`` (a local directory or hub id) takes images."""
+    local = Path(path) / "config.json"
+    if not local.exists():
+        from transformers import AutoConfig
+
+        try:
+            return is_vision_config(AutoConfig.from_pretrained(path))
+        except (OSError, ValueError):
+            return False  # the loader that follows names the problem
+    try:
+        config = json.loads(local.read_text())
+    except (OSError, ValueError):
+        return False
+    return "vision_config" in config and "image_token_id" in config
+
+
+class VisionInputs:
+    """What one vision-language model takes beside token ids, made the same way for sampler and learner.
+
+    ``processor`` is the model's image processor (Qwen2-VL's: resize to its pixel bounds, cut
+    ``patch_size`` patches, merge ``merge_size`` x ``merge_size`` of them into one token)."""
+
+    CACHE = 1024  # images whose pixels are kept (least recently used dropped)
+
+    def __init__(self, processor: Any, image_token_id: int, max_images: int = DEFAULT_MAX_IMAGES):
+        self.processor = processor
+        self.image_token_id = image_token_id
+        self.max_images = max_images
+        self.merge = int(getattr(processor, "merge_size", 1))
+        self._pixels: OrderedDict[str, tuple[Any, Any]] = OrderedDict()
+
+    @classmethod
+    def load(cls, path: str, config: Any = None) -> VisionInputs:
+        """The inputs of the model at ``path`` (its ``preprocessor_config.json``); ``config``: its config."""
+        from transformers import AutoConfig, AutoImageProcessor
+
+        config = config or AutoConfig.from_pretrained(path)
+        if not is_vision_config(config):
+            raise ImageError(f"the model at {path!r} takes no images (its config has no vision tower): "
+                             "use a vision-language model, e.g. model.path: tiny-vl")
+        processor = AutoImageProcessor.from_pretrained(path)
+        limit = DEFAULT_MAX_IMAGES
+        extra = Path(path) / "otray_vision.json"
+        if extra.exists():
+            limit = int(json.loads(extra.read_text()).get("max_images", limit))
+        return cls(processor, int(config.image_token_id), limit)
+
+    def _encode(self, image: Image) -> tuple[Any, Any]:
+        """``(pixel_values, grid_thw)`` of one image, cached by its digest."""
+        key = image.digest
+        hit = self._pixels.get(key)
+        if hit is not None:
+            self._pixels.move_to_end(key)
+            return hit
+        out = self.processor(images=[image.to_pil()], return_tensors="pt")
+        hit = (out["pixel_values"], out["image_grid_thw"][0])
+        self._pixels[key] = hit
+        if len(self._pixels) > self.CACHE:
+            self._pixels.popitem(last=False)
+        return hit
+
+    def tokens_per_image(self, image: Image) -> int:
+        """How many ``<|image_pad|>`` tokens ``image`` takes in a prompt."""
+        return int(self._encode(image)[1].prod()) // (self.merge * self.merge)
+
+    def check_count(self, images: Sequence[Image]) -> None:
+        if len(images) > self.max_images:
+            raise ImageError(f"{len(images)} images in one sequence; this model takes at most {self.max_images} "
+                             "(otray_vision.json max_images): send fewer images")
+
+    def expand(self, ids: Sequence[int], images: Sequence[Image]) -> list[int]:
+        """``ids`` with the k-th image token widened to the k-th image's token count (one token each
+        in ``ids``, as a chat template writes them)."""
+        self.check_count(images)
+        slots = sum(1 for t in ids if t == self.image_token_id)
+        if slots != len(images):
+            raise ImageError(f"the prompt has {slots} image tokens but {len(images)} images were given: "
+                             "every image needs its place in the text (an image part), and no more")
+        out: list[int] = []
+        k = 0
+        for t in ids:
+            if t == self.image_token_id:
+                out.extend([t] * self.tokens_per_image(images[k]))
+                k += 1
+            else:
+                out.append(t)
+        return out
+
+    def check_tokens(self, ids: Sequence[int], images: Sequence[Image]) -> None:
+        """Raise :class:`ImageError` unless ``ids`` hold exactly the expanded tokens of ``images``."""
+        self.check_count(images)
+        want = sum(self.tokens_per_image(im) for im in images)
+        have = sum(1 for t in ids if t == self.image_token_id)
+        if have != want:
+            raise ImageError(f"the sequence holds {have} image tokens but its {len(images)} image(s) take {want}: "
+                             "the image tokens must be the ones this model's processor makes for these images")
+
+    def model_kwargs(self, ids: Any, rows: Sequence[Sequence[Image]]) -> dict[str, Any]:
+        """The keyword arguments a forward (or ``generate``) over the ``(rows, width)`` tensor ``ids`` takes
+        for ``rows[i]``'s images: none when no row has any."""
+        import torch
+
+        found = [self._encode(im) for row in rows for im in row]
+        if not found:
+            return {}
+        device = ids.device
+        pixels = torch.cat([p for p, _ in found]).to(device)
+        grid = torch.stack([g for _, g in found]).to(device)
+        return {"pixel_values": pixels, "image_grid_thw": grid,
+                "mm_token_type_ids": (ids == self.image_token_id).to(torch.int32)}
+
+
+@functools.lru_cache(maxsize=8)
+def vision_inputs_at(path: str) -> VisionInputs:
+    """The :class:`VisionInputs` of the model directory ``path`` (one per process and path)."""
+    if not path or not is_vision_model(path):
+        raise ImageError(f"an image was given to a text-only model ({path or 'unknown path'}): use a "
+                         "vision-language model (e.g. model.path: tiny-vl) or an env without images")
+    return VisionInputs.load(path)
+
+
+def vision_inputs(model: Any) -> VisionInputs:
+    """The :class:`VisionInputs` of a loaded model (found by its directory, ``config._name_or_path``;
+    a PEFT model's config is its base model's)."""
+    config = model.config
+    if not is_vision_config(config):
+        raise ImageError("this model takes no images (a text-only model): use a vision-language model, "
+                         "e.g. model.path: tiny-vl, or send text only")
+    return vision_inputs_at(str(config._name_or_path))
+
+
+def load_vision_model(path: str, dtype: Any) -> Any:
+    """A vision-language model from ``path`` (``AutoModelForImageTextToText``)."""
+    from transformers import AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText.from_pretrained(path, dtype=dtype)
+
+
+def observation_prompt(tokenizer: Any, before: list[dict[str, Any]], observation: Any,
+                       tools: list[dict[str, Any]] | None = None) -> tuple[list[int], list[Image]]:
+    """The prompt ids of ``before`` + a user turn showing ``observation`` (with the generation prompt), and
+    the observation's images: a plain string as always; images rendered by the chat template and widened
+    to the model's image tokens (an ImageError for a text-only model)."""
+    from otray.models import chat_prompt_ids
+    from otray.vision import images_of, template_content
+
+    images = images_of(observation)
+    vision = vision_inputs_at(str(getattr(tokenizer, "name_or_path", ""))) if images else None
+    ids = chat_prompt_ids(tokenizer, before + [{"role": "user", "content": template_content(observation)}],
+                          tools=tools)
+    return (vision.expand(ids, images) if vision else ids), images

@@ -1,0 +1,101 @@
+"""Images in observations (otray.vision) and check_env on image observations: pure, no model."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+from PIL import Image as PILImage
+
+from envs.shapes import CountShapes, count_task, draw, scene
+from otray.env import Env, StepResult, check_env
+from otray.types import EnvCheckError, EnvStateError, Task
+from otray.vision import Image, ImageError, images_of, openai_content, parts, template_content, text_of
+
+
+def png(size=(8, 8), colour=(255, 0, 0), fmt="PNG") -> bytes:
+    buf = io.BytesIO()
+    PILImage.new("RGB", size, colour).save(buf, format=fmt)
+    return buf.getvalue()
+
+
+def test_image_checks_what_it_wraps():
+    im = Image.from_bytes(png())
+    assert (im.format, im.width, im.height) == ("png", 8, 8)
+    assert Image.from_data_url(im.data_url()) == im
+    assert Image.from_bytes(png(fmt="JPEG")).format == "jpeg"
+    with pytest.raises(ImageError, match="unreadable image"):
+        Image.from_bytes(png()[:30])  # a truncated file
+    with pytest.raises(ImageError, match="unreadable image"):
+        Image.from_bytes(b"not an image at all")
+    with pytest.raises(ImageError, match=r"image of \d+ bytes is over the limit of 10: send a smaller"):
+        Image.from_bytes(png(), max_bytes=10)
+    with pytest.raises(ImageError, match="8x8 pixels is over the limit of 63 pixels"):
+        Image.from_bytes(png(), max_pixels=63)
+    with pytest.raises(ImageError, match="format 'gif' is not taken"):
+        Image.from_bytes(png(fmt="GIF"))
+    with pytest.raises(ImageError, match="not a data URL"):
+        Image.from_data_url("https://example.com/cat.png")
+    with pytest.raises(ImageError, match="base64 does not decode"):
+        Image.from_data_url("data:image/png;base64,@@@")
+
+
+def test_observation_parts_in_both_shapes():
+    im = Image.from_bytes(png())
+    obs = [im, "How many?"]
+    assert parts("plain") == ["plain"] and images_of("plain") == []
+    assert parts(obs) == obs and images_of(obs) == [im]
+    assert text_of(obs) == "<image>How many?"
+    assert template_content(obs) == [{"type": "image"}, {"type": "text", "text": "How many?"}]
+    as_openai = openai_content(obs)
+    assert as_openai[0]["image_url"]["url"].startswith("data:image/png;base64,")
+    assert parts(as_openai) == obs  # the OpenAI content shape reads back to the same parts
+    with pytest.raises(ImageError, match="part 1 is int"):
+        parts(["text", 3])
+    with pytest.raises(ImageError, match="not a data URL"):
+        parts([{"type": "image_url", "image_url": {"url": "http://x/y.png"}}])
+
+
+def test_count_shapes_env_passes_check_env_and_shows_its_count():
+    import random
+
+    task = Task("t", "count_shapes", count_task(random.Random(3)))
+    env = CountShapes()
+    check_env(env, task)
+    first, _ = env.reset(task)
+    picture = images_of(first)[0]
+    assert (picture.width, picture.height) == (56, 56)
+    count, shapes = scene(task.data["seed"])
+    assert count == task.data["answer"] == len(shapes)
+    pixels = picture.to_pil()
+    # each drawn shape's cell holds coloured pixels at its centre; the blank control shows none
+    for cell, *_ in shapes:
+        assert pixels.getpixel(((cell % 2) * 28 + 14, (cell // 2) * 28 + 14)) != (255, 255, 255)
+    assert draw(shapes, blank=True).to_pil().getcolors() == [(56 * 56, (255, 255, 255))]
+    assert env.step(f"There are {count}.").reward == 1.0
+    env.reset(task)
+    assert env.step("no idea").info["parse_error"]
+
+
+class _BadImageEnv(Env):
+    def __init__(self, first):
+        self.first = first
+        self.live = False
+
+    def reset(self, task, seed=None):
+        self.live = True
+        return self.first, {}
+
+    def step(self, action):
+        if not self.live:
+            raise EnvStateError("reset first")
+        self.live = False
+        return StepResult("", 0.0, True)
+
+
+def test_check_env_names_a_bad_image_observation():
+    with pytest.raises(EnvCheckError, match="reset observation must be a str or a list of parts.*unreadable image"):
+        check_env(_BadImageEnv([{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]),
+                  Task("t", "x"))
+    with pytest.raises(EnvCheckError, match="part 0 is bytes"):
+        check_env(_BadImageEnv([png()]), Task("t", "x"))  # raw bytes, not wrapped in an Image

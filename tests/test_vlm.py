@@ -1,0 +1,171 @@
+"""The tiny vision-language model and images through sampler, learner, agent loop and weights (in-process)."""
+
+from __future__ import annotations
+
+import hashlib
+import random
+
+import pytest
+import torch
+
+from envs.shapes import CountShapes, count_task
+from otray.actors.learner.core import token_logprobs
+from otray.actors.sampling.backends.hf import HFBackend
+from otray.algos.datums import build_datums
+from otray.coordinator.agent_loop import AgentLoop, Limits
+from otray.env import Env, StepResult
+from otray.models import LoraSpec, apply_lora, build_tiny_model, copy_side_files, load_model, resolve_model_path
+from otray.types import GenerateResult, SamplingParams, Task, Trajectory
+from otray.vision import Image, ImageError, images_of
+from otray.vlm import VisionInputs, observation_prompt, unsampled_ids, vision_inputs
+from envs.shapes import draw, scene
+
+TOL = 1e-4  # the text path's sampler/learner tolerance (tests/actors/sampling)
+
+
+@pytest.fixture(scope="module")
+def vl_path(tmp_path_factory) -> str:
+    from tests.conftest import ROOT
+
+    return resolve_model_path("tiny-vl", ROOT / ".cache" / "models")
+
+
+@pytest.fixture(scope="module")
+def backend(vl_path) -> HFBackend:
+    return HFBackend(vl_path, seed=0)
+
+
+def pictures(n: int) -> list[Image]:
+    return [draw(scene(s)[1]) for s in range(n)]
+
+
+def prompts(backend: HFBackend, images: list[Image]) -> list[list[int]]:
+    return [observation_prompt(backend.tokenizer, [], [im, "How many shapes?"])[0] for im in images]
+
+
+def trajectories(backend, images, n=2, params=SamplingParams(max_tokens=8, seed=1)) -> list[Trajectory]:
+    ids = prompts(backend, images)
+    out = backend.generate(ids, params, n, images=[(im,) for im in images])
+    trajs = []
+    for p, im, samples in zip(ids, images, out):
+        for s in samples:
+            t = Trajectory(task=Task("t", "count_shapes"), images=[im])
+            t.append(p, sampled=False)
+            t.prompt_len = len(p)
+            t.append(s.token_ids, sampled=True, logprobs=s.logprobs)
+            trajs.append(t)
+    return trajs
+
+
+def max_gap(model, trajs) -> float:
+    datums = build_datums(trajs, [1.0] * len(trajs))
+    with torch.no_grad():
+        lp, _ = token_logprobs(model, datums)
+    return max(abs(q - float(lp[i, j])) for i, d in enumerate(datums)
+               for j, (m, q) in enumerate(zip(d.mask, d.sampler_logprobs)) if m)
+
+
+def test_tiny_vlm_is_byte_identical_per_seed_and_a_real_qwen2_vl(tmp_path, vl_path):
+    digest = lambda d: {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.iterdir())}
+    a = build_tiny_model(tmp_path / "a", seed=0, shape="vl")
+    assert digest(a) == digest(build_tiny_model(tmp_path / "b", seed=0, shape="vl"))
+    assert digest(a) != digest(build_tiny_model(tmp_path / "c", seed=1, shape="vl"))
+    model = load_model(str(a))
+    assert type(model).__name__ == "Qwen2VLForConditionalGeneration"
+    vision = VisionInputs.load(str(a))
+    assert vision.tokens_per_image(pictures(1)[0]) == 4  # 56x56: 4x4 patches of 14, merged 2x2
+    assert len(unsampled_ids(model.config)) == 3  # vision start, image pad (= video pad), vision end
+
+
+def test_sampler_and_learner_agree_on_image_prompts_and_the_image_matters(backend):
+    images = pictures(3)
+    trajs = trajectories(backend, images)
+    assert all(backend.model.config.image_token_id not in t.token_ids[t.prompt_len:] for t in trajs)
+    assert max_gap(backend.model, trajs) < TOL
+    # the same sampled tokens after another picture score differently: the model sees the image
+    swapped = [Trajectory(task=t.task, images=[images[(k // 2 + 1) % 3]], token_ids=t.token_ids,
+                          loss_mask=t.loss_mask, logprobs=t.logprobs) for k, t in enumerate(trajs)]
+    assert max_gap(backend.model, swapped) > 1e-3
+
+
+def test_mismatched_and_unwanted_images_are_clear_errors(backend, tiny_path):
+    im = pictures(1)[0]
+    ids = prompts(backend, [im])[0]
+    with pytest.raises(ImageError, match="holds 4 image tokens but its 2 image"):
+        backend.generate([ids], SamplingParams(max_tokens=2), 1, images=[(im, im)])
+    vision = vision_inputs(backend.model)
+    with pytest.raises(ImageError, match="2 image tokens but 1 images"):
+        vision.expand([vision.image_token_id] * 2, [im])
+    with pytest.raises(ImageError, match="this model takes at most 8"):
+        vision.check_count([im] * 9)
+    text_only = HFBackend(tiny_path)
+    with pytest.raises(ImageError, match="text-only model"):
+        observation_prompt(text_only.tokenizer, [], [im, "How many?"])
+
+
+def test_full_and_lora_updates_reach_the_sampler_vision_tower_included(vl_path, backend):
+    images = pictures(2)
+    learner = load_model(vl_path)
+    with torch.no_grad():  # a "training step" on the vision tower and the language model
+        learner.model.visual.blocks[0].mlp.fc1.weight.add_(0.05)
+        learner.model.language_model.layers[0].mlp.up_proj.weight.add_(0.05)
+    sampler = HFBackend(vl_path)
+    assert max_gap(learner, trajectories(sampler, images)) > 1e-3  # not yet updated
+    sampler.load_full_weights(learner.state_dict())
+    assert max_gap(learner, trajectories(sampler, images)) < TOL
+
+    lora = apply_lora(load_model(vl_path), LoraSpec(rank=4))
+    with torch.no_grad():
+        for name, p in lora.named_parameters():
+            if "lora_B" in name:
+                p.add_(0.02)
+    from peft import get_peft_model_state_dict
+
+    fresh = HFBackend(vl_path)
+    fresh.load_lora(get_peft_model_state_dict(lora), lora.peft_config["default"].to_dict(), version=1)
+    assert max_gap(lora, trajectories(fresh, images)) < TOL
+    assert max_gap(load_model(vl_path), trajectories(fresh, images)) > 1e-3  # the adapter changed the policy
+
+
+def test_checkpoint_round_trip_keeps_the_policy(vl_path, backend, tmp_path):
+    trajs = trajectories(backend, pictures(2))
+    model = load_model(vl_path)
+    model.save_pretrained(tmp_path / "ckpt")
+    copy_side_files(vl_path, tmp_path / "ckpt")  # what the learner's save_pretrained and serve's merge do
+    assert (tmp_path / "ckpt" / "preprocessor_config.json").exists()
+    assert max_gap(load_model(str(tmp_path / "ckpt")), trajs) < TOL
+
+
+class _TwoPictures(Env):
+    """Shows a picture, then another after the first reply."""
+
+    max_turns = 2
+
+    def reset(self, task, seed=None):
+        self.turn = 0
+        return [pictures(1)[0], "Look."], {}
+
+    def step(self, action):
+        self.turn += 1
+        if self.turn == 1:
+            return StepResult(["And this:", pictures(2)[1]], 0.0, False)
+        return StepResult("", 1.0, True)
+
+
+def test_agent_loop_carries_images_over_turns(backend, tokenizer):
+    def generate(prompts, params, n, **images):
+        return [GenerateResult(s, 0) for s in backend.generate(prompts, params, n, **images)]
+
+    loop = AgentLoop(backend.tokenizer, generate, Limits(max_turns=2, max_tokens_per_turn=4, max_model_len=64))
+    task = Task("t", "count_shapes", count_task(random.Random(0)))
+    shapes, two = loop.run([(task, CountShapes(), 0), (Task("u", "two"), _TwoPictures(), 0)], SamplingParams(max_tokens=4))
+    pad = backend.model.config.image_token_id
+    assert shapes.error is None and len(shapes.images) == 1 and shapes.token_ids.count(pad) == 4
+    assert shapes.messages[0]["content"] == "<image>How many shapes are in the picture?"
+    assert two.error is None and two.num_turns == 2 and two.images == pictures(2)
+    assert two.token_ids.count(pad) == 8 and two.messages[2]["content"] == "And this:<image>"
+    assert max_gap(backend.model, [shapes, two]) < TOL
+    # an image for a text-only model fails that episode with a clear record, not the batch
+    text_loop = AgentLoop(tokenizer, generate, Limits(max_model_len=64))
+    failed, = text_loop.run([(task, CountShapes(), 0)], SamplingParams(max_tokens=4))
+    assert failed.error.kind == "bad_observation" and "text-only model" in failed.error.message
