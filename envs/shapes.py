@@ -11,6 +11,12 @@ figure (``benchmarks/vlm_learning.py``), where nothing but the count's prior can
 
 Tasks: ``dataset.generator: envs.shapes:count_task`` (a seed, and the count as ``answer``, which the
 SFT warm-up trains on with ``sft.completion_field: answer``).
+
+:class:`ShapesTimes` is the multi-turn, tool-using member of the family: the same picture, and "multiply
+the number of shapes by M" (M of two digits), which a tiny model cannot do in its head: it reads the
+count from the picture, calls the calculator (``envs.calculator``'s tool, :mod:`otray.tools` syntax),
+and answers with the result. Tasks: ``envs.shapes:times_task`` (``call``: the demonstration of the first
+turn's tool call, for the SFT warm-up's ``completion_field``).
 """
 
 from __future__ import annotations
@@ -19,7 +25,12 @@ import random
 import re
 from typing import Any
 
+from fractions import Fraction
+
+from envs.answers import last_number
+from envs.calculator import Calculator
 from otray.env import Env, StepResult, register
+from otray.tools import ToolEnv
 from otray.types import EnvStateError, Task
 from otray.vision import Image
 
@@ -89,4 +100,62 @@ class CountShapes(Env):
                           {"correct": got == count, "parse_error": got is None, "expected": count})
 
 
+def times_task(rng: random.Random, max_count: int = 4) -> dict[str, Any]:
+    """A task of :class:`ShapesTimes`: a seed, the multiplier, the answer and the first turn's tool call."""
+    seed = rng.randrange(2**31)
+    count, multiplier = scene(seed, max_count)[0], rng.randint(11, 99)
+    call = f'<tool_call>{{"name": "calculator", "arguments": {{"expression": "{count}*{multiplier}"}}}}</tool_call>'
+    return {"seed": seed, "multiplier": multiplier, "answer": count * multiplier, "call": call}
+
+
+class ShapesTimes(ToolEnv, Env):
+    """Multiply the number of shapes in a picture by a two-digit number, with the calculator's help."""
+
+    system_prompt = Calculator.system_prompt
+    tools = Calculator.tools
+
+    def __init__(self, max_turns: int = 3, max_count: int = 4, blank: bool = False, system_prompt: str | None = None):
+        self.max_turns, self.max_count, self.blank = max_turns, max_count, blank
+        if system_prompt is not None:
+            self.system_prompt = system_prompt
+
+    def start(self, task: Task) -> list[Any]:
+        count, shapes = scene(int(task.data["seed"]), self.max_count)
+        self._answer = Fraction(count * int(task.data["multiplier"]))
+        return [draw(shapes, self.blank), f"Multiply the number of shapes by {task.data['multiplier']}."]
+
+    def final(self, text: str) -> tuple[float, dict[str, Any]]:
+        got = last_number(text)
+        return (1.0 if got == self._answer else 0.0), {"correct": got == self._answer, "parse_error": got is None}
+
+
+def make_times_chat(out_dir: str, *, seed: int = 0, num_train: int = 2000, num_eval: int = 100) -> dict[str, Any]:
+    """Whole :class:`ShapesTimes` episodes as chat JSONL (train/eval), for an SFT warm-up: the picture (as an
+    OpenAI ``image_url`` data URL), the tool call, the env's own tool response, the answer."""
+    import json
+
+    from otray.env import dataset_paths
+    from otray.vision import openai_content
+
+    paths, built = dataset_paths(out_dir, {"train": "chat_train.jsonl", "eval": "chat_eval.jsonl"})
+    if built:
+        return paths
+    rng = random.Random(seed)
+    env = ShapesTimes()
+    for split, n in (("train", num_train), ("eval", num_eval)):
+        with paths[split].open("w") as f:
+            for i in range(n):
+                task = Task(f"st-{split}-{i}", "shapes_times", times_task(rng))
+                first, _ = env.reset(task)
+                response = env.step(task.data["call"]).observation
+                msgs = [{"role": "system", "content": env.system_prompt},
+                        {"role": "user", "content": openai_content(first)},
+                        {"role": "assistant", "content": task.data["call"]},
+                        {"role": "user", "content": response},
+                        {"role": "assistant", "content": str(task.data["answer"])}]
+                f.write(json.dumps({"id": task.id, "messages": msgs}) + "\n")
+    return paths
+
+
 register("count_shapes", CountShapes)
+register("shapes_times", ShapesTimes)

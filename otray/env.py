@@ -87,6 +87,7 @@ BUNDLED = {
     "openreward": "envs.openreward:OpenRewardEnv", "gymnasium": "otray.gym_env:GymnasiumEnv",
     "textworld": "envs.textworld_env:TextWorldEnv", "mcp": "envs.mcp_env:McpToolEnv",
     "verifiers": "envs.verifiers_env:VerifiersEnv", "count_shapes": "envs.shapes:CountShapes",
+    "shapes_times": "envs.shapes:ShapesTimes", "geometry3k": "envs.geometry3k:Geometry3K",
 }
 
 

@@ -57,14 +57,14 @@ class TinyShape:
     num_key_value_heads: int = 2
     max_position_embeddings: int = 512
     vocab_size: int = 512
-    vision: bool = False  # a Qwen2-VL with a tiny vision tower (otray.vlm) around this language model
+    builder: str | None = None  # "module:fn" that builds this shape instead (the tiny VLM: otray.vlm)
     extra: dict[str, Any] = field(default_factory=dict)
 
 
 SHAPES = {
     "tiny": TinyShape(),
     # the tiny model's language model in a Qwen2-VL, with a 2-block vision tower (otray.vlm)
-    "vl": TinyShape(vision=True),
+    "vl": TinyShape(builder="otray.vlm:build_tiny_vlm"),
     # ~100M parameters, used by benchmarks/rollout_throughput.py.
     "100m": TinyShape(hidden_size=768, intermediate_size=2048, num_hidden_layers=16,
                       num_attention_heads=12, num_key_value_heads=4, max_position_embeddings=1024),
@@ -99,7 +99,7 @@ def synthetic_corpus(seed: int, lines: int = 4000) -> list[str]:
     return out
 
 
-def _train_tokenizer(seed: int, vocab_size: int):
+def train_tokenizer(seed: int, vocab_size: int):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -131,13 +131,13 @@ def build_tiny_model(path: str | os.PathLike, seed: int = 0, shape: str | TinySh
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
     spec = SHAPES[shape] if isinstance(shape, str) else shape
-    if spec.vision:
-        from otray.vlm import build_tiny_vlm
+    if spec.builder:
+        from otray.structured import import_object
 
-        return build_tiny_vlm(path, seed, spec)
+        return import_object(spec.builder)(path, seed, spec)
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    tokenizer = _train_tokenizer(seed, spec.vocab_size)
+    tokenizer = train_tokenizer(seed, spec.vocab_size)
     im_end, eot = tokenizer.convert_tokens_to_ids([IM_END, EOT])
     config = Qwen2Config(
         vocab_size=len(tokenizer),
@@ -255,15 +255,37 @@ def load_model(path: str, dtype: str = "float32"):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from otray.vlm import is_vision_model, load_vision_model
-
     _check_source(path)
     try:
         if is_vision_model(path):
-            return load_vision_model(path, getattr(torch, dtype))
+            from transformers import AutoModelForImageTextToText
+
+            return AutoModelForImageTextToText.from_pretrained(path, dtype=getattr(torch, dtype))
         return AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"could not load a model from {path!r}: {e}") from e
+
+
+def is_vision_config(config: Any) -> bool:
+    """Whether a model config is a vision-language model's (it names an image token and a vision tower)."""
+    return getattr(config, "vision_config", None) is not None and getattr(config, "image_token_id", None) is not None
+
+
+def is_vision_model(path: str) -> bool:
+    """Whether the model at ``path`` (a local directory or hub id) takes images (:mod:`otray.vlm`)."""
+    local = Path(path) / "config.json"
+    if not local.exists():
+        from transformers import AutoConfig
+
+        try:
+            return is_vision_config(AutoConfig.from_pretrained(path))
+        except (OSError, ValueError):
+            return False  # the loader that follows names the problem
+    try:
+        config = json.loads(local.read_text())
+    except (OSError, ValueError):
+        return False
+    return "vision_config" in config and "image_token_id" in config
 
 
 @dataclass

@@ -30,7 +30,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from otray.vision import Image, ImageError
+from otray.models import EOT, IM_END, chat_prompt_ids, is_vision_config, is_vision_model, train_tokenizer
+from otray.vision import Image, ImageError, images_of, template_content
 
 VISION_START, IMAGE_PAD, VISION_END = "<|vision_start|>", "<|image_pad|>", "<|vision_end|>"
 VL_CHAT_TEMPLATE = (
@@ -51,12 +52,12 @@ def build_tiny_vlm(path: str | os.PathLike, seed: int = 0, shape: Any = None) ->
     from transformers import GenerationConfig, Qwen2VLConfig, Qwen2VLForConditionalGeneration
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    from otray.models import EOT, IM_END, SHAPES, _train_tokenizer
+    from otray.models import SHAPES
 
     spec = shape or SHAPES["tiny"]
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    tokenizer = _train_tokenizer(seed, spec.vocab_size)
+    tokenizer = train_tokenizer(seed, spec.vocab_size)
     tokenizer.add_special_tokens({"additional_special_tokens": [VISION_START, IMAGE_PAD, VISION_END]})
     tokenizer.chat_template = VL_CHAT_TEMPLATE
     start, pad, end = tokenizer.convert_tokens_to_ids([VISION_START, IMAGE_PAD, VISION_END])
@@ -89,11 +90,6 @@ def build_tiny_vlm(path: str | os.PathLike, seed: int = 0, shape: Any = None) ->
     return path
 
 
-def is_vision_config(config: Any) -> bool:
-    """Whether a model config is a vision-language model's (it names an image token and a vision tower)."""
-    return getattr(config, "vision_config", None) is not None and getattr(config, "image_token_id", None) is not None
-
-
 NEVER = -1e9  # the logit of a token a policy never samples (finite: a prompt's image token is still a target)
 
 
@@ -105,23 +101,6 @@ def unsampled_ids(config: Any) -> list[int]:
         return []
     names = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
     return sorted({int(v) for v in (getattr(config, n, None) for n in names) if v is not None})
-
-
-def is_vision_model(path: str) -> bool:
-    """Whether the model at ``path`` (a local directory or hub id) takes images."""
-    local = Path(path) / "config.json"
-    if not local.exists():
-        from transformers import AutoConfig
-
-        try:
-            return is_vision_config(AutoConfig.from_pretrained(path))
-        except (OSError, ValueError):
-            return False  # the loader that follows names the problem
-    try:
-        config = json.loads(local.read_text())
-    except (OSError, ValueError):
-        return False
-    return "vision_config" in config and "image_token_id" in config
 
 
 class VisionInputs:
@@ -239,11 +218,6 @@ def vision_inputs(model: Any) -> VisionInputs:
     return vision_inputs_at(str(config._name_or_path))
 
 
-def load_vision_model(path: str, dtype: Any) -> Any:
-    """A vision-language model from ``path`` (``AutoModelForImageTextToText``)."""
-    from transformers import AutoModelForImageTextToText
-
-    return AutoModelForImageTextToText.from_pretrained(path, dtype=dtype)
 
 
 def observation_prompt(tokenizer: Any, before: list[dict[str, Any]], observation: Any,
@@ -251,9 +225,6 @@ def observation_prompt(tokenizer: Any, before: list[dict[str, Any]], observation
     """The prompt ids of ``before`` + a user turn showing ``observation`` (with the generation prompt), and
     the observation's images: a plain string as always; images rendered by the chat template and widened
     to the model's image tokens (an ImageError for a text-only model)."""
-    from otray.models import chat_prompt_ids
-    from otray.vision import images_of, template_content
-
     images = images_of(observation)
     vision = vision_inputs_at(str(getattr(tokenizer, "name_or_path", ""))) if images else None
     ids = chat_prompt_ids(tokenizer, before + [{"role": "user", "content": template_content(observation)}],

@@ -99,3 +99,20 @@ def test_check_env_names_a_bad_image_observation():
                   Task("t", "x"))
     with pytest.raises(EnvCheckError, match="part 0 is bytes"):
         check_env(_BadImageEnv([png()]), Task("t", "x"))  # raw bytes, not wrapped in an Image
+
+
+def test_shapes_times_needs_the_picture_and_the_calculator():
+    import random
+
+    from envs.shapes import ShapesTimes, times_task
+
+    task = Task("t", "shapes_times", times_task(random.Random(5)))
+    env = ShapesTimes()
+    check_env(env, task, actions=(task.data["call"], "0"))
+    first, _ = env.reset(task)
+    assert isinstance(first[0], Image) and f"by {task.data['multiplier']}" in first[1]
+    reply = env.step(task.data["call"])  # the demonstration's tool call computes count x multiplier
+    assert not reply.done and f"<tool_response>{task.data['answer']}</tool_response>" in text_of(reply.observation)
+    assert env.step(f"The answer is {task.data['answer']}.").reward == 1.0
+    env.reset(task)
+    assert env.step(str(task.data["answer"] + 1)).reward == 0.0

@@ -169,3 +169,49 @@ def test_agent_loop_carries_images_over_turns(backend, tokenizer):
     text_loop = AgentLoop(tokenizer, generate, Limits(max_model_len=64))
     failed, = text_loop.run([(task, CountShapes(), 0)], SamplingParams(max_tokens=4))
     assert failed.error.kind == "bad_observation" and "text-only model" in failed.error.message
+
+
+def test_chat_datum_with_an_image_and_the_times_demonstrations(backend, tmp_path, tokenizer):
+    import json
+
+    from envs.shapes import make_times_chat
+    from otray.algos.datums import chat_datum
+    from otray.types import DatasetError
+
+    paths = make_times_chat(str(tmp_path), num_train=4, num_eval=1)
+    row = json.loads(paths["train"].read_text().splitlines()[0])
+    assert row["messages"][1]["content"][0]["type"] == "image_url"
+    datum = chat_datum(backend.tokenizer, row["messages"])
+    pad = backend.model.config.image_token_id
+    assert len(datum.images) == 1 and datum.input_ids.count(pad) == 4
+    # only the two assistant turns train: the tool call and the answer, each with its end-of-turn token
+    trained = backend.tokenizer.decode([t for t, m in zip(datum.target_ids, datum.mask) if m])
+    assert trained == row["messages"][2]["content"] + "<|im_end|>" + row["messages"][4]["content"] + "<|im_end|>"
+    with torch.no_grad():
+        lp, _ = token_logprobs(backend.model, [datum])  # the learner takes it: pixels and tokens match
+    assert torch.isfinite(lp).all()
+    with pytest.raises(DatasetError, match="text-only model"):
+        chat_datum(tokenizer, row["messages"])
+    bad = [dict(m) for m in row["messages"]]
+    bad[1] = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}
+    with pytest.raises(DatasetError, match="message 1: unreadable image"):
+        chat_datum(backend.tokenizer, bad)
+
+
+def test_geometry3k_rows_from_parquet(tmp_path):
+    from envs.geometry3k import Geometry3K, make_figures
+    from otray.env import TaskSource, check_env
+    from otray.types import DatasetError
+
+    source = TaskSource.from_file(make_figures(tmp_path / "g3k.parquet", n=3), "geometry3k")
+    env = Geometry3K()
+    for task in source.tasks:
+        check_env(env, task)
+        first, _ = env.reset(task)
+        assert isinstance(first[0], Image) and first[1].startswith("Find the hypotenuse")
+        assert env.step(f"\\boxed{{{float(task.data['answer']):.2f}}}").reward == 1.0
+    env.reset(source.tasks[0])
+    assert env.step("\\boxed{1}").reward == 0.0
+    broken = Task("b", "geometry3k", {"images": [{"bytes": b"junk"}], "problem": "<image>x?", "answer": "1"})
+    with pytest.raises(DatasetError, match="image 0: unreadable image"):
+        env.reset(broken)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from otray.types import Datum, Trajectory
+from otray.vlm import VisionInputs
 
 
 def trajectory_to_datum(traj: Trajectory, advantage: float) -> Datum:
@@ -65,15 +66,34 @@ def chat_datum(tokenizer, messages: Sequence[dict[str, str]], *, train_role: str
     Template text after the end-of-turn token (a newline) and every other message
     get mask 0. A template whose renderings are not prefixes of each other cannot be
     split this way and raises ``DatasetError``.
+
+    A message's content may show images (OpenAI content parts with ``image_url`` data URLs, or
+    ``otray.vision`` parts): a vision-language model's template renders them, and each image's token
+    is widened to the model's image tokens (mask 0) in the datum, which carries the images.
     """
     from otray.models import chat_prompt_ids, end_of_turn_ids
     from otray.types import DatasetError
+    from otray.vision import ImageError, images_of, template_content
+    from otray.vlm import vision_inputs_at
 
-    if not messages or not any(m.get("role") == train_role for m in messages):
+    if not messages or not any(isinstance(m, dict) and m.get("role") == train_role for m in messages):
         raise DatasetError(f"a conversation needs at least one {train_role!r} message to train on")
+    images = []
+    rendered = []
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-            raise DatasetError(f"message {i} must be an object with string 'role' and 'content', got {m!r}")
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), (str, list)):
+            raise DatasetError(f"message {i} must be an object with a string 'role' and a 'content' (a string or a "
+                               f"list of content parts), got {str(m)[:200]}")
+        try:
+            images += images_of(m["content"])
+            rendered.append({"role": m["role"], "content": template_content(m["content"])})
+        except ImageError as e:
+            raise DatasetError(f"message {i}: {e}") from None
+    messages = rendered
+    try:
+        vision = vision_inputs_at(str(getattr(tokenizer, "name_or_path", ""))) if images else None
+    except ImageError as e:  # an image for a text-only model
+        raise DatasetError(str(e)) from None
     eot = set(end_of_turn_ids(tokenizer))
     seq: list[int] = []
     mask: list[int] = []
@@ -89,6 +109,29 @@ def chat_datum(tokenizer, messages: Sequence[dict[str, str]], *, train_role: str
         trained = ends[-1] + 1 if ends else len(span)
         mask += [0] * (len(head) - len(seq)) + [1] * trained + [0] * (len(span) - trained)
         seq = full
+    if vision is not None:
+        seq, mask = _widen_images(vision, seq, mask, images)
     return Datum(input_ids=seq[:-1], target_ids=seq[1:], mask=[float(m) for m in mask[1:]],
                  advantages=[0.0] * (len(seq) - 1), sampler_logprobs=[0.0] * (len(seq) - 1),
-                 weights=[float(m) for m in mask[1:]])
+                 weights=[float(m) for m in mask[1:]], images=tuple(images))
+
+
+def _widen_images(vision: VisionInputs, seq: list[int], mask: list[int], images: list) -> tuple[list[int], list[int]]:
+    """``seq`` with each image's one template token widened to its model's image tokens, ``mask`` alike (0)."""
+    from otray.types import DatasetError
+    from otray.vision import ImageError
+
+    try:
+        wide = vision.expand(seq, images)
+    except ImageError as e:
+        raise DatasetError(str(e)) from None
+    out_mask: list[int] = []
+    j = 0
+    for t, m in zip(seq, mask):
+        if t == vision.image_token_id:
+            n = vision.tokens_per_image(images[j])
+            j += 1
+            out_mask.extend([0] * n)
+        else:
+            out_mask.append(m)
+    return wide, out_mask
