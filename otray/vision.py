@@ -114,6 +114,24 @@ class Image:
         return hashlib.sha256(self.data).hexdigest()[:32]
 
 
+def fetch_image(url: str, max_bytes: int = MAX_IMAGE_BYTES, timeout_s: float = 10.0) -> Image:
+    """Download an http(s) image (at most ``max_bytes``, within ``timeout_s``) and check it: for servers
+    whose admin allows fetching (``fetch_image_urls``). Failures are :class:`ImageError`s naming the URL."""
+    import urllib.error
+    import urllib.request
+
+    if not url.startswith(("http://", "https://")):
+        raise ImageError(f"only http(s) image URLs are fetched, got {url[:80]!r}")
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as reply:  # noqa: S310 - http(s) only, checked above
+            data = reply.read(max_bytes + 1)
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        raise ImageError(f"could not fetch the image at {url[:80]!r}: {e}") from None
+    if len(data) > max_bytes:
+        raise ImageError(f"the image at {url[:80]!r} is over the limit of {max_bytes} bytes: send a smaller image")
+    return Image.from_bytes(data, max_bytes=max_bytes)
+
+
 Part = Union[str, Image]
 Observation = Union[str, list]  # a str, or a list of parts (str / Image / OpenAI content dicts)
 

@@ -204,7 +204,7 @@ def vision_inputs_at(path: str) -> VisionInputs:
     """The :class:`VisionInputs` of the model directory ``path`` (one per process and path)."""
     if not path or not is_vision_model(path):
         raise ImageError(f"an image was given to a text-only model ({path or 'unknown path'}): use a "
-                         "vision-language model (e.g. model.path: tiny-vl) or an env without images")
+                         "vision-language model (e.g. model.path: tiny-vl), or send no images")
     return VisionInputs.load(path)
 
 

@@ -40,6 +40,7 @@ from otray.serve.dashboard import DashboardRoutes
 from otray.serve.http import api, rm_handle
 from otray.serve.openai_api import APIError, GenerationRequest, Limits, chunk_body, new_id, parse_request, response_body, sse, usage
 from otray.types import SamplingParams
+from otray.vision import Image, ImageError, fetch_image
 
 if TYPE_CHECKING:
     from otray.serve.model_server import ReplicaInfo
@@ -66,6 +67,38 @@ def _unwrap(e: BaseException) -> APIError:
         return cause
     first = (str(e).strip().splitlines() or [type(e).__name__])[-1]
     return APIError(500, f"the model server failed: {first[:500]}", type="server_error")
+
+
+def encode_prompt(tok: Any, req: GenerationRequest, images: tuple[Image, ...]) -> list[int]:
+    """A request's prompt ids: the chat template's (each image widened to its model's image tokens) or the
+    completion prompt's; an image for a text-only model is a 400."""
+    from otray.models import chat_prompt_ids
+    from otray.vlm import vision_inputs_at
+
+    try:
+        vision = vision_inputs_at(str(tok.name_or_path)) if images else None  # an ImageError for a text model
+        ids = chat_prompt_ids(tok, req.messages) if req.chat else tok.encode(req.prompt, add_special_tokens=False)
+        return vision.expand(ids, list(images)) if vision else ids
+    except ImageError as e:
+        raise APIError(400, f"model {req.model!r}: {e}", param="messages") from None
+
+
+async def request_images(req: GenerationRequest, fetch: bool, max_bytes: int) -> tuple[Image, ...]:
+    """A chat request's images; remote URLs fetched where ``fetch`` (the admin's ``fetch_image_urls``)
+    allows, else a 400 that asks for a data URL."""
+    out = []
+    for im in req.images:
+        if isinstance(im, str):
+            if not fetch:
+                raise APIError(400, f"image URL {im[:80]!r} is remote and this server does not fetch images: send "
+                                    "it inline as data:image/png;base64,... (an admin may set fetch_image_urls)",
+                               param="messages")
+            try:
+                im = await asyncio.to_thread(fetch_image, im, max_bytes)
+            except ImageError as e:
+                raise APIError(400, str(e), param="messages") from None
+        out.append(im)
+    return tuple(out)
 
 
 @serve.deployment(name="Gateway", num_replicas=1, ray_actor_options={"num_cpus": 0})
@@ -197,9 +230,7 @@ class Gateway(DashboardRoutes):
             raise APIError(400, f"the request body is JSON this server does not take ({type(e).__name__}: "
                                 f"{str(e)[:200]}); send plain numbers and shallow objects") from None
 
-    async def _prompt_ids(self, req: GenerationRequest, base: str) -> list[int]:
-        from otray.models import chat_prompt_ids
-
+    async def _prompt_ids(self, req: GenerationRequest, base: str, images: tuple[Image, ...] = ()) -> list[int]:
         tok = self.tokenizers[base]
         chars = sum(len(str(m.get("content") or "")) for m in req.messages) if req.chat else len(req.prompt)
         bound = self.cfg.max_prompt_tokens * self._longest_token(base)
@@ -207,7 +238,7 @@ class Gateway(DashboardRoutes):
             raise APIError(400, f"the prompt has {chars} characters, more than {self.cfg.max_prompt_tokens} tokens "
                                 f"can hold (at most {bound} characters with this tokenizer): shorten it",
                            param="messages" if req.chat else "prompt", code="context_length_exceeded")
-        ids = chat_prompt_ids(tok, req.messages) if req.chat else tok.encode(req.prompt, add_special_tokens=False)
+        ids = encode_prompt(tok, req, images)
         if not ids:
             raise APIError(400, "the prompt is empty", param="prompt")
         if base not in self.context:
@@ -234,9 +265,10 @@ class Gateway(DashboardRoutes):
         key = await self._caller(request)
         req = parse_request(await self._body(request), chat=chat, limits=self.limits)
         base, mux = await self._resolve(req.model, key)
-        ids = await self._prompt_ids(req, base)
+        images = await request_images(req, self.cfg.fetch_image_urls, self.cfg.max_body_bytes)
+        ids = await self._prompt_ids(req, base, images)
         params = SamplingParams(max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p, seed=req.seed)
-        job = Job(ids, params, req.n, req.stop)
+        job = Job(ids, params, req.n, req.stop, images)
         if req.stream:
             return StreamingResponse(self._stream(self._token_stream(base, mux, job), req, job),
                                      media_type="text/event-stream")

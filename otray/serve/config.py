@@ -57,7 +57,10 @@ class ServeConfig:
     max_tokens: int = 512  # per completion
     max_n: int = 8
     max_prompt_tokens: int = 4096
-    max_body_bytes: int = 1_000_000
+    max_body_bytes: int = 1_000_000  # a request's JSON (inline images included) and a fetched image
+    # fetch chat requests' http(s) image URLs (else a 400 asks for a data URL): an admin's choice, since the
+    # server then makes requests where a client points it
+    fetch_image_urls: bool = False
     stream_chunk_tokens: int = 4  # tokens generated per streamed step
     max_ongoing_requests: int = 256  # requests the Gateway holds at once (Serve's default, 5, would cap batching)
     cache_dir: str = ".cache/models"

@@ -18,6 +18,7 @@ reasons are settled here, so streamed and complete answers agree.
 from __future__ import annotations
 
 import asyncio
+import functools
 import shutil
 import tempfile
 import threading
@@ -41,6 +42,7 @@ class Job:
     params: SamplingParams
     n: int
     stop: list[str]
+    images: tuple[Any, ...] = ()  # the prompt's images (``otray.vision.Image``), whose tokens it holds
 
 
 class Loaded:
@@ -96,9 +98,10 @@ class Loaded:
             shutil.rmtree(files, ignore_errors=True)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, n: int,
-                 adapter: Any = None) -> list[list[Any]]:
-        """``adapter``: a handle from the backend's ``add_adapter`` (vLLM), or None for the base weights."""
-        mine = _Pending(prompts, params, n, adapter)
+                 adapter: Any = None, images: list[tuple[Any, ...]] | None = None) -> list[list[Any]]:
+        """``adapter``: a handle from the backend's ``add_adapter`` (vLLM), or None for the base weights;
+        ``images``: each prompt's images (a vision-language model)."""
+        mine = _Pending(prompts, params, n, adapter, images or [()] * len(prompts))
         with self.arrived:
             self.queue.append(mine)
             self.arrived.notify_all()
@@ -136,11 +139,12 @@ class Loaded:
         self.calls += 1
         try:
             prompts = [x for p in batch for x in p.prompts]
+            extra = _images([im for p in batch for im in p.images])
             if any(p.adapter is not None for p in batch):  # one engine call, an adapter per prompt
                 out = self.backend.generate(prompts, first.params, first.n,
-                                            adapters=[p.adapter for p in batch for _ in p.prompts])
+                                            adapters=[p.adapter for p in batch for _ in p.prompts], **extra)
             else:
-                out = self.backend.generate(prompts, first.params, first.n)
+                out = self.backend.generate(prompts, first.params, first.n, **extra)
             at = 0
             for p in batch:
                 p.results, at = out[at:at + len(p.prompts)], at + len(p.prompts)
@@ -170,6 +174,7 @@ class _Pending:
     params: SamplingParams
     n: int
     adapter: Any = None
+    images: list[tuple[Any, ...]] = field(default_factory=list)  # per prompt
     results: list[list[Any]] | None = None
     error: BaseException | None = None
     done: threading.Event = field(default_factory=threading.Event)
@@ -180,10 +185,16 @@ def _alone(backend: Any, p: _Pending, batch_error: BaseException) -> BaseExcepti
     bad request cannot fail the others; returns its own error, or None with results set."""
     try:
         extra = {} if p.adapter is None else {"adapters": [p.adapter] * len(p.prompts)}
+        extra.update(_images(p.images))
         p.results = backend.generate(p.prompts, p.params, p.n, **extra)
         return None
     except BaseException as e:  # noqa: BLE001
         return e
+
+
+def _images(per_prompt: list[tuple[Any, ...]]) -> dict[str, Any]:
+    """The ``images=`` argument of a backend call, only when a prompt has any (text backends take none)."""
+    return {"images": per_prompt} if any(per_prompt) else {}
 
 
 class Adapter:
@@ -198,8 +209,9 @@ class Adapter:
         self.backend = base.backend  # for max_model_len / name, as a Loaded offers
         self.removed = False
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams, n: int) -> list[list[Any]]:
-        return self.base.generate(prompts, params, n, adapter=self.handle)
+    def generate(self, prompts: list[list[int]], params: SamplingParams, n: int,
+                 images: list[tuple[Any, ...]] | None = None) -> list[list[Any]]:
+        return self.base.generate(prompts, params, n, adapter=self.handle, images=images)
 
     def __del__(self) -> None:  # Serve calls it on eviction, and the GC again later: once is enough
         if getattr(self, "removed", True):
@@ -321,7 +333,7 @@ class ModelServer:
         return text, "stop" if hit or finish is FinishReason.STOP else "length"
 
     def complete(self, model: Loaded | Adapter, job: Job) -> list[Choice]:
-        samples = model.generate([job.prompt_ids], job.params, job.n)[0]
+        samples = model.generate([job.prompt_ids], job.params, job.n, images=[job.images])[0]
         out = []
         for s in samples:
             text, reason = self._decode(s.token_ids, s.finish_reason, job.stop)
@@ -340,7 +352,8 @@ class ModelServer:
             budget = min(self.chunk, *(job.params.max_tokens - len(ids[i]) for i in live))
             seed = None if job.params.seed is None else job.params.seed + calls
             params = replace(job.params, max_tokens=budget, seed=seed)
-            results = await self.in_thread(model.generate, [job.prompt_ids + ids[i] for i in live], params, 1)
+            results = await self.in_thread(functools.partial(model.generate, images=[job.images] * len(live)),
+                                           [job.prompt_ids + ids[i] for i in live], params, 1)
             calls += 1
             for i, res in zip(live, results):
                 sample = res[0]

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from otray.types import OtrayError
+from otray.vision import Image, ImageError
 
 
 class APIError(OtrayError):
@@ -54,6 +55,9 @@ class GenerationRequest:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     include_usage: bool = False  # stream_options.include_usage
+    # chat messages' images in order (``otray.vision.Image``, or a remote URL str until the app fetches it);
+    # each shows in ``messages`` as a ``{"type": "image"}`` content part (what a VLM's chat template renders)
+    images: list[Any] = field(default_factory=list)
 
 
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "seed", "stop", "user", "stream_options",
@@ -116,16 +120,45 @@ def parse_request(body: Any, *, chat: bool, limits: Limits) -> GenerationRequest
             raise APIError(400, "'messages' must be a non-empty list of {role, content} objects", param="messages")
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant") \
-                    or not isinstance(m.get("content"), str):
-                raise APIError(400, f"messages[{i}] must be {{'role': 'system'|'user'|'assistant', 'content': str}}",
-                               param=f"messages[{i}]")
-        req.messages = [{"role": m["role"], "content": m["content"]} for m in messages]
+                    or not isinstance(m.get("content"), (str, list)):
+                raise APIError(400, f"messages[{i}] must be {{'role': 'system'|'user'|'assistant', 'content': str "
+                                    "or a list of content parts}", param=f"messages[{i}]")
+            req.messages.append({"role": m["role"], "content": _content(m["content"], i, req.images)})
     else:
         prompt = body.get("prompt")
         if not isinstance(prompt, str):
             raise APIError(400, "'prompt' must be a string", param="prompt")
         req.prompt = prompt
     return req
+
+
+def _content(content: str | list[Any], i: int, images: list[Any]) -> str | list[dict[str, str]]:
+    """A message's content for the chat template: the string itself, or its parts with each image as
+    ``{"type": "image"}`` (the image, or a remote URL to fetch, appended to ``images``)."""
+    if isinstance(content, str):
+        return content
+    out: list[dict[str, str]] = []
+    for j, part in enumerate(content):
+        where = f"messages[{i}].content[{j}]"
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            out.append({"type": "text", "text": part["text"]})
+            continue
+        if kind != "image_url":
+            raise APIError(400, f"{where} must be a 'text' or 'image_url' content part", param=where)
+        url = part.get("image_url")
+        url = url.get("url") if isinstance(url, dict) else url
+        if not isinstance(url, str):
+            raise APIError(400, f"{where}.image_url must be {{'url': 'data:image/png;base64,...'}}", param=where)
+        if url.startswith(("http://", "https://")):
+            images.append(url)  # fetched by the app where its admin allows it, else refused there
+        else:
+            try:
+                images.append(Image.from_data_url(url))
+            except ImageError as e:
+                raise APIError(400, f"{where}: {e}", param=where) from None
+        out.append({"type": "image"})
+    return out
 
 
 def apply_stop(text: str, stop: list[str]) -> tuple[str, bool]:

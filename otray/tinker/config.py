@@ -113,6 +113,9 @@ class TinkerConfig:
     # heartbeats every 10 s and itself warns after 120 s without one (a client that exited: 120 s, not 600)
     session_timeout_s: float = 120.0
     max_body_bytes: int = 64_000_000
+    # fetch ImageAssetPointerChunk http(s) locations (else the request is refused: send an ImageChunk); an
+    # admin's choice, since the service then makes requests where a client points it
+    fetch_image_urls: bool = False
     sample_batch_wait_ms: float = 30.0  # sample requests arriving within this window share one learner call
     max_chunk_datums: int = 1024  # the SDK splits a forward_backward into requests of at most this many datums
     max_samples: int = 64  # num_samples per request

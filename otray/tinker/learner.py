@@ -89,6 +89,7 @@ class SampleJob:
     params: SamplingParams
     n: int
     prompt_logprobs: bool = False
+    images: Optional[list[tuple[Any, ...]]] = None  # each prompt's images (a vision-language base model)
 
 
 @dataclass
@@ -347,14 +348,17 @@ class AdapterLearner:
         self.training = False
         with off, torch.inference_mode():
             backend = HFBackend.on_model(model, self.tokenizer, max_model_len=self.max_model_len, packed_linears=False)
-            samples = backend.generate(job.prompts, job.params, job.n) if job.params.max_tokens > 0 else [[]] * len(job.prompts)
-            prompt_lps = [self._prompt_logprobs(model, p) for p in job.prompts] if job.prompt_logprobs else None
+            pictures = {"images": job.images} if job.images else {}
+            samples = (backend.generate(job.prompts, job.params, job.n, **pictures) if job.params.max_tokens > 0
+                       else [[]] * len(job.prompts))
+            prompt_lps = ([self._prompt_logprobs(model, p, job.images[i] if job.images else ())
+                           for i, p in enumerate(job.prompts)] if job.prompt_logprobs else None)
         return [SampleOut(s, prompt_lps[i] if prompt_lps else None) for i, s in enumerate(samples)]
 
-    def _prompt_logprobs(self, model: Any, prompt: list[int]) -> list[Optional[float]]:
+    def _prompt_logprobs(self, model: Any, prompt: list[int], images: tuple[Any, ...] = ()) -> list[Optional[float]]:
         if len(prompt) < 2:
             return [None] * len(prompt)
-        ids = torch.tensor([prompt], device=self.device)
-        logits = model(input_ids=ids).logits.float()[0, :-1]
-        lp = logits.log_softmax(-1).gather(-1, ids[0, 1:, None]).squeeze(-1)
-        return [None, *lp.tolist()]
+        datum = Datum(prompt[:-1], prompt[1:], [1.0] * (len(prompt) - 1), [0.0] * (len(prompt) - 1),
+                      [0.0] * (len(prompt) - 1), images=tuple(images))
+        lp, _ = token_logprobs(model, [datum], self.device)  # the learner's own scoring (images, vision tokens)
+        return [None, *lp[0].tolist()]

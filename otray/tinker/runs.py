@@ -12,7 +12,9 @@ from pathlib import Path
 from typing import Any, Optional
 
 from otray.tinker.store import Checkpoint, Run
+from otray.tinker.images import chunk_image, image_tokens
 from otray.tinker.wire import UserError, sampling_params
+from otray.vision import ImageError
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
@@ -72,10 +74,25 @@ def remove_dir(path: str) -> None:
 
 @dataclass(frozen=True)
 class ModelLimits:
-    """What a base model accepts: token ids in ``[0, vocab)``, prompt plus new tokens within ``context``."""
+    """What a base model accepts: token ids in ``[0, vocab)``, prompt plus new tokens within ``context``;
+    ``vision``: its image inputs (``otray.vlm.VisionInputs``), None for a text-only model."""
 
     vocab: int
     context: int
+    vision: Any = None
+
+    @classmethod
+    def of(cls, path: str, max_context_length: Optional[int] = None) -> ModelLimits:
+        """The limits of the model directory ``path`` (context: ``max_context_length``, else the model's)."""
+        from transformers import AutoConfig
+
+        from otray.models import is_vision_config
+        from otray.vlm import VisionInputs
+
+        config = AutoConfig.from_pretrained(path)
+        text = config.get_text_config()
+        vision = VisionInputs.load(path, config) if is_vision_config(config) else None
+        return cls(int(text.vocab_size), int(max_context_length or text.max_position_embeddings), vision)
 
 
 def sample_wait(req: dict[str, Any], key: str, adapter: Optional[str], cfg: Any, cls: type,
@@ -86,7 +103,17 @@ def sample_wait(req: dict[str, Any], key: str, adapter: Optional[str], cfg: Any,
     chunks = (req.get("prompt") or {}).get("chunks", [])  # field types: checked at the route (REQUEST_FIELDS)
     if not isinstance(chunks, list):
         raise UserError("asample: prompt must be a ModelInput, {\"chunks\": [{\"tokens\": [...]}, ...]}")
-    prompt = [t for chunk in chunks for t in _chunk_tokens(chunk)]
+    prompt: list[int] = []
+    images: list[Any] = []
+    for chunk in chunks:
+        if isinstance(chunk, dict) and chunk.get("type") in ("image", "image_asset_pointer"):
+            try:
+                images.append(chunk_image(chunk, getattr(cfg, "fetch_image_urls", False)))
+                prompt.extend(image_tokens(images[-1], chunk.get("format"), chunk.get("expected_tokens"), limits.vision))
+            except ImageError as e:
+                raise UserError(f"asample: the prompt's image {len(images)}: {e}") from None
+        else:
+            prompt.extend(_chunk_tokens(chunk))
     if not prompt:
         raise UserError("asample: the prompt has no tokens")
     n = req.get("num_samples", 1)
@@ -107,27 +134,5 @@ def sample_wait(req: dict[str, Any], key: str, adapter: Optional[str], cfg: Any,
     last_n = req.get("prompt_logprobs_last_n")
     if last_n is not None and not 1 <= last_n <= len(prompt) - 1:
         raise UserError(f"prompt_logprobs_last_n={last_n}: send 1 to len(prompt) - 1 = {len(prompt) - 1}")
-    return cls(f"sample:{key}", adapter, prompt, params, n, bool(req.get("prompt_logprobs")), last_n)
-
-
-def _check_ids(ids: list[int], vocab: int, what: str) -> None:
-    bad = next((t for t in ids if not 0 <= t < vocab), None)
-    if bad is not None:
-        raise UserError(f"asample: {what} holds token id {bad}, outside the model's vocabulary [0, {vocab})")
-
-
-def _chunk_tokens(chunk: dict[str, Any]) -> list[int]:
-    if (not isinstance(chunk, dict) or chunk.get("type", "encoded_text") != "encoded_text"
-            or not isinstance(chunk.get("tokens"), list)):
-        raise UserError("asample: the prompt holds a non-text chunk; this service samples from token chunks only")
-    if any(isinstance(t, bool) or not isinstance(t, int) for t in chunk["tokens"]):
-        raise UserError("asample: a prompt chunk's tokens must be integers (token ids)")
-    return chunk["tokens"]
-
-
-def last_n(logprobs: Optional[list[Optional[float]]], n: Optional[int]) -> Optional[list[Optional[float]]]:
-    """Prompt logprobs with all but the last ``n`` blanked (None), as ``prompt_logprobs_last_n`` asks."""
-    if logprobs is None or n is None:
-        return logprobs
-    cut = len(logprobs) - n
-    return [None if i < cut or (v is not None and math.isnan(v)) else v for i, v in enumerate(logprobs)]
+    return cls(f"sample:{key}", adapter, prompt, params, n, bool(req.get("prompt_logprobs")), last_n,
+               images=tuple(images))

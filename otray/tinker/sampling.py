@@ -41,9 +41,10 @@ class SampleWait:
     prompt_logprobs: bool
     last_n: Optional[int]
     record: Optional[tuple[str, str]] = None  # (owner, session): record each sample's stability info
+    images: tuple[Any, ...] = ()  # the prompt's images (otray.vision.Image), whose tokens it holds
 
 
-Groups = dict[tuple, list[SampleWait]]  # (owner, adapter, params, n, prompt_logprobs) -> its requests
+Groups = dict[tuple, list[SampleWait]]  # (owner, adapter, params, n, prompt_logprobs, images?) -> its requests
 
 
 class SampleBatcher:
@@ -77,8 +78,9 @@ class SampleBatcher:
                 self.calls = [*self.calls[-999:], len(batch)]
                 groups: Groups = {}
                 for owner, w in batch:
-                    groups.setdefault((owner, w.adapter, w.params, w.n, w.prompt_logprobs), []).append(w)
-                engine, fast = None, {k: ws for k, ws in groups.items() if self.engines.serves(base, k[1])}
+                    groups.setdefault((owner, w.adapter, w.params, w.n, w.prompt_logprobs, bool(w.images)), []).append(w)
+                # prompts with images go to the learner: the vLLM samplers are not given images yet
+                engine, fast = None, {k: ws for k, ws in groups.items() if self.engines.serves(base, k[1]) and not k[5]}
                 if fast:
                     try:
                         engine = await self.engines.actor(base)
@@ -118,7 +120,8 @@ class SampleBatcher:
         promise gets its result, or the call's error. True when the sampler's actor died."""
         if not groups:
             return False
-        jobs = [SampleJob(k[1], [w.prompt for w in ws], k[2], k[3], k[4]) for k, ws in groups.items()]
+        jobs = [SampleJob(k[1], [w.prompt for w in ws], k[2], k[3], k[4], [w.images for w in ws] if k[5] else None)
+                for k, ws in groups.items()]
         try:
             results = await (sampler.sample.remote(jobs, owner) if name == "learner" else sampler.sample.remote(jobs))
         except ray.exceptions.RayActorError as e:

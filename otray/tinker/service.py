@@ -72,7 +72,7 @@ class TinkerService:
         self.recordings = Recordings(self.cfg.stability_ttl_s, self.cfg.stability_max_sequences,
                                      self.cfg.stability_max_tokens)
         self.training = Training(self.learners, self.store, self.catalog, self.futures, self.leases,
-                                 self.cfg.gap_timeout_s, self._vocab, lambda user: quota_of(self.cfg, user),
+                                 self.cfg.gap_timeout_s, self._model_limits, lambda user: quota_of(self.cfg, user),
                                  self.recordings)
         self.sessions = Sessions(self.store, self.cfg.session_timeout_s, self._session_closed)
         self.recovered = False  # leases a predecessor left open are closed on the first call
@@ -155,15 +155,11 @@ class TinkerService:
         """The vocabulary and context length of a base model: what every request for it is checked
         against before it can reach a learner or a batch shared with other users."""
         if base not in self.limits:
-            from transformers import AutoConfig
-
-            text = AutoConfig.from_pretrained(self.paths[base]).get_text_config()
-            self.limits[base] = R.ModelLimits(int(text.vocab_size), int(self.models[base].max_context_length
-                                                                        or text.max_position_embeddings))
+            self.limits[base] = R.ModelLimits.of(self.paths[base], self.models[base].max_context_length)
         return self.limits[base]
 
-    def _vocab(self, owner: str, model_id: str) -> int:
-        return self._limits(self.catalog.run(owner, model_id).base_model).vocab
+    def _model_limits(self, owner: str, model_id: str) -> R.ModelLimits:
+        return self._limits(self.catalog.run(owner, model_id).base_model)
 
     def _base(self, name: Optional[str]) -> str:
         if name not in self.learners:

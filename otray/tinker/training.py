@@ -49,13 +49,13 @@ class Training:
     naming the user it is for (their turns are taken fairly there)."""
 
     def __init__(self, learners: dict[str, Any], store: Store, catalog: Catalog, futures: Futures,
-                 leases: Leases, gap_timeout_s: float, vocab: Callable[[str, str], int], quotas: Callable[[str], Any],
+                 leases: Leases, gap_timeout_s: float, limits: Callable[[str, str], Any], quotas: Callable[[str], Any],
                  recordings: Recordings):
         self.learners, self.store, self.catalog, self.futures, self.leases = learners, store, catalog, futures, leases
         self.recordings = recordings  # sampled sequences' stability info, for stable_reinforce
         self.quotas = quotas  # user -> their TinkerQuota
         self.order = OrderedExecutor(futures, gap_timeout_s)
-        self.vocab = vocab
+        self.limits = limits  # (owner, model id) -> the model's ModelLimits (vocabulary, image inputs)
         self.live: dict[str, str] = {}  # model id -> base model, for adapters on a learner now
         self.ended: dict[str, str] = {}  # model id -> why it is no longer live (for the error message)
         self.holding: dict[str, tuple[str, int]] = {}  # model id -> (owner, LoRA rank): live or being made (quotas)
@@ -171,7 +171,7 @@ class Training:
 
     def forward_backward(self, owner: str, body: bytes) -> dict[str, Any]:
         with self.refused(owner, None, None):
-            call: TrainCall = parse_train_call(body, lambda m: self.vocab(owner, m))
+            call: TrainCall = parse_train_call(body, lambda m: self.limits(owner, m))
         if call.loss_fn == "stable_reinforce":
             with self.refused(owner, call.model_id, call.seq_id):
                 call.datums = with_recordings(call, self.recordings, owner)

@@ -22,7 +22,9 @@ from typing import Any, Optional
 
 import numpy as np
 
+from otray.tinker.images import image_tokens
 from otray.types import Datum, FinishReason, Sample, SamplingParams
+from otray.vision import Image, ImageError
 
 LOSSES: dict[str, tuple[str, ...]] = {  # loss -> the loss_fn_inputs it needs besides target_tokens
     "cross_entropy": (),
@@ -186,12 +188,23 @@ def _densified(csr: Any, dtype: np.dtype, shape: list[int], what: str) -> np.nda
     return out
 
 
-def _datum(msg: Any, loss_fn: str, where: str, vocab: int) -> Datum:
+def _datum(msg: Any, loss_fn: str, where: str, limits: Any) -> Datum:
     tokens: list[int] = []
+    images: list[Any] = []
+    vocab = limits.vocab
     for chunk in msg.model_input:
         kind = chunk.WhichOneof("chunk") if chunk.DESCRIPTOR.oneofs else None
+        if kind == "image":
+            expected = chunk.image.expected_tokens if chunk.image.HasField("expected_tokens") else None
+            try:
+                images.append(Image.from_bytes(chunk.image.data))
+                tokens.extend(image_tokens(images[-1], chunk.image.format, expected, limits.vision))
+            except ImageError as e:
+                raise UserError(f"{where}: {e}") from None
+            continue
         if not chunk.HasField("encoded_text") or kind not in (None, "encoded_text"):
-            raise UserError(f"{where}: model_input holds a non-text chunk; this service trains on token chunks only")
+            raise UserError(f"{where}: model_input holds a {kind or 'non-text'} chunk; this service trains on token "
+                            "and image chunks")
         if len(chunk.encoded_text.tokens) % 4:
             raise UserError(f"{where}: a token chunk is not a whole number of int32 values")
         tokens.extend(np.frombuffer(chunk.encoded_text.tokens, dtype=np.int32).tolist())
@@ -226,7 +239,7 @@ def _datum(msg: Any, loss_fn: str, where: str, vocab: int) -> Datum:
         k_weights = inputs["weights"].astype(np.float32).tolist()
         zeros = [0.0] * n
         return Datum(tokens, [r[0] for r in k_targets], [1.0] * n, zeros, zeros, [r[0] for r in k_weights],
-                     target_k=k_targets, weights_k=k_weights)
+                     target_k=k_targets, weights_k=k_weights, images=tuple(images))
     targets = inputs["target_tokens"].astype(np.int64).tolist()
     def row(name: str) -> Optional[list[float]]:
         return inputs[name].astype(np.float32).tolist() if name in inputs else None
@@ -238,7 +251,7 @@ def _datum(msg: Any, loss_fn: str, where: str, vocab: int) -> Datum:
                         "ratio is taken over")
     return Datum(tokens, targets, [1.0] * n, row("advantages") or zeros, row("logprobs") or zeros,
                  (row("weights") or [1.0] * n) if loss_fn == "cross_entropy" else None,
-                 ratio_mask, row("clip_low_threshold"), row("clip_high_threshold"))
+                 ratio_mask, row("clip_low_threshold"), row("clip_high_threshold"), images=tuple(images))
 
 
 def _spans(msg: Any, where: str, n: int) -> Optional[DatumSpans]:
@@ -263,9 +276,9 @@ def _spans(msg: Any, where: str, n: int) -> Optional[DatumSpans]:
     return DatumSpans(*out)
 
 
-def parse_train_call(body: bytes, vocab_of: Any) -> TrainCall:
-    """A ``/forward_backward`` protobuf body -> :class:`TrainCall`; ``vocab_of(model_id)`` gives the
-    vocabulary size of the model it names (and raises :class:`UserError` for an unknown one)."""
+def parse_train_call(body: bytes, limits_of: Any) -> TrainCall:
+    """A ``/forward_backward`` protobuf body -> :class:`TrainCall`; ``limits_of(model_id)`` gives the
+    :class:`~otray.tinker.runs.ModelLimits` of the model it names (a :class:`UserError` for an unknown one)."""
     msg = pb().ForwardBackwardRequest()
     try:
         msg.ParseFromString(body)
@@ -275,14 +288,14 @@ def parse_train_call(body: bytes, vocab_of: Any) -> TrainCall:
     if not msg.model_id:
         raise UserError("forward_backward: model_id is missing")
     try:
-        return _train_call(msg, vocab_of(msg.model_id))
+        return _train_call(msg, limits_of(msg.model_id))
     except UserError as e:
         e.model_id, e.seq_id = msg.model_id, int(msg.seq_id)
         raise
 
 
-def _train_call(msg: Any, vocab: int) -> TrainCall:
-    """A parsed ForwardBackwardRequest checked against the model's vocabulary."""
+def _train_call(msg: Any, limits: Any) -> TrainCall:
+    """A parsed ForwardBackwardRequest checked against the model's vocabulary (and image inputs)."""
     loss = msg.loss_fn
     if loss not in LOSSES:
         raise UserError(f"loss_fn {loss!r} is not supported by this service; choose one of {', '.join(LOSSES)} "
@@ -298,7 +311,7 @@ def _train_call(msg: Any, vocab: int) -> TrainCall:
         raise UserError(f"loss_fn_config values must be finite numbers, got {raw}")
     if not msg.data:
         raise UserError("forward_backward: data is empty; send at least one datum")
-    datums = [_datum(d, loss, f"datum {i}", vocab) for i, d in enumerate(msg.data)]
+    datums = [_datum(d, loss, f"datum {i}", limits) for i, d in enumerate(msg.data)]
     widths = {None if d.target_k is None else len(d.target_k[0]) for d in datums}
     if len(widths) > 1:
         raise UserError(f"forward_backward: datums of one request must all be 1-D or all (N, K) with one K; "

@@ -282,6 +282,7 @@ def test_a_malformed_sparse_tensor_is_a_user_error_naming_it():
     at parse time (no service needed), never densified out of bounds."""
     from tinker.proto import tinker_public_pb2 as pb
 
+    from otray.tinker.runs import ModelLimits
     from otray.tinker.wire import UserError, parse_train_call
 
     def body(crow, col, values, shape=(2, 3), weights_shape=(2, 3)):
@@ -296,18 +297,18 @@ def test_a_malformed_sparse_tensor_is_a_user_error_naming_it():
         w.dtype, w.shape[:], w.dense = pb.DTYPE_FLOAT32, list(weights_shape), np.ones(weights_shape, np.float32).tobytes()
         return pb.ForwardBackwardRequest(model_id="m", seq_id=1, loss_fn="cross_entropy", data=[d]).SerializeToString()
 
-    ok = parse_train_call(body([0, 1, 2], [0, 2], [5, 7]), lambda m: 100)
+    ok = parse_train_call(body([0, 1, 2], [0, 2], [5, 7]), lambda m: ModelLimits(100, 1000))
     assert ok.datums[0].target_k == [[5, 0, 0], [0, 0, 7]]
     for crow, col, values, shape in [([0, 1, 2], [0, 3], [5, 7], (2, 3)),  # a column past K
                                      ([0, 2, 1], [0, 1], [5, 7], (2, 3)),  # row pointers going back
                                      ([0, 1], [0], [5], (2, 3)),  # too few row pointers
                                      ([0, 1, 3], [0, 1], [5, 7], (2, 3))]:  # more entries than values
         with pytest.raises(UserError, match="malformed sparse CSR"):
-            parse_train_call(body(crow, col, values, shape), lambda m: 100)
+            parse_train_call(body(crow, col, values, shape), lambda m: ModelLimits(100, 1000))
     with pytest.raises(UserError, match="outside the model's vocabulary"):
-        parse_train_call(body([0, 1, 2], [0, 2], [5, 700]), lambda m: 100)
+        parse_train_call(body([0, 1, 2], [0, 2], [5, 700]), lambda m: ModelLimits(100, 1000))
     with pytest.raises(UserError, match=r"has shape \[1000000, 1024\]"):  # refused before anything is allocated
-        parse_train_call(body([0, 1, 2], [0, 2], [5, 7], shape=(10**6, 1024)), lambda m: 100)
+        parse_train_call(body([0, 1, 2], [0, 2], [5, 7], shape=(10**6, 1024)), lambda m: ModelLimits(100, 1000))
 
 
 def test_recordings_are_bounded_by_tokens_and_time_and_used_ones_stay(monkeypatch):

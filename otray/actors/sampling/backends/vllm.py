@@ -28,8 +28,10 @@ from typing import Any
 
 from otray.actors.sampling.backends.base import apply_stop_strings, check_prompt_lengths, effective_params
 from otray.device import resolve_dtype
-from otray.models import end_of_turn_ids, load_tokenizer
-from otray.types import FinishReason, Sample, SamplingParams
+from otray.models import end_of_turn_ids, is_vision_model, load_tokenizer
+from otray.types import FinishReason, ModelLoadError, Sample, SamplingParams
+from otray.vision import ImageError
+from otray.vlm import unsampled_ids, vision_inputs_at
 
 
 class WeightSyncExtension:
@@ -43,6 +45,39 @@ class WeightSyncExtension:
         tensors = load(blob)
         self.reload_weights(weights_iterator=iter(tensors.items()))  # type: ignore[attr-defined]
         return len(tensors)
+
+    def otray_never_sample(self, ids: list[int]) -> int:
+        """Set the logits of ``ids`` (a vision-language policy's vision tokens, ``otray.vlm``) to
+        ``otray.vlm.NEVER`` in the model's own ``compute_logits``: before vLLM's sampler takes its raw
+        logprobs, so the recorded logprobs are of the distribution the learner scores, at any temperature."""
+        import torch
+
+        from otray.vlm import NEVER
+
+        model = self.model_runner.model  # type: ignore[attr-defined]
+        plain = model.compute_logits
+        index: dict[torch.device, torch.Tensor] = {}
+
+        def compute_logits(*args, **kwargs):
+            logits = plain(*args, **kwargs)
+            if logits is None:
+                return logits
+            where = index.setdefault(logits.device, torch.tensor(ids, device=logits.device))
+            return logits.index_fill(-1, where, NEVER)
+
+        model.compute_logits = compute_logits
+        return len(ids)
+
+
+def torchvision_loads() -> bool:
+    """Whether torchvision imports against this torch: vLLM's Qwen2-VL module needs it (through transformers'
+    image processor). The package registry here has only CUDA builds, which fail on the CPU torch
+    ("operator torchvision::nms does not exist"), so the Makefile removes them."""
+    try:
+        import torchvision  # noqa: F401
+    except Exception:  # noqa: BLE001 - missing, or built for another torch
+        return False
+    return True
 
 
 def vllm_available() -> bool:
@@ -85,10 +120,21 @@ class VLLMBackend:
         if gpu_memory_utilization is not None:  # a GPU shared with a learner: vLLM takes 0.9 of it by default
             lora["gpu_memory_utilization"] = gpu_memory_utilization
         settings = engine_settings(dtype, enforce_eager)
+        self.vision = vision_inputs_at(model_path) if is_vision_model(model_path) else None
+        if self.vision is not None and not torchvision_loads():
+            raise ModelLoadError(f"{model_path} is a vision-language model and vLLM's vision models import "
+                                 "torchvision, which does not load in this environment (a build for another torch, "
+                                 "or none): use rollout.backend: hf, or install the torchvision built for this torch")
+        if self.vision is not None:  # images per prompt: the model's own limit
+            lora["limit_mm_per_prompt"] = {"image": self.vision.max_images, "video": 0}
         self.llm = LLM(model=model_path, dtype=settings["dtype"], max_model_len=max_model_len, seed=seed,
                        enforce_eager=settings["enforce_eager"], max_num_seqs=max_num_seqs,
                        worker_extension_cls=f"{__name__}.WeightSyncExtension", **lora)
         self.max_model_len = self.llm.llm_engine.model_config.max_model_len
+        if self.vision is not None:
+            from transformers import AutoConfig
+
+            self.llm.collective_rpc("otray_never_sample", args=(unsampled_ids(AutoConfig.from_pretrained(model_path)),))
         self._lora_request = None
         self._lora_dir = Path(tempfile.mkdtemp(prefix="otray-lora-"))
         self._next_adapter_id = 1 << 20  # served adapters' ids, apart from the policy's (version + 1)
@@ -113,13 +159,15 @@ class VLLMBackend:
             engine.llm_engine.remove_lora(adapter.lora_int_id)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, n: int,
-                 adapters: list[Any] | None = None) -> list[list[Sample]]:
+                 adapters: list[Any] | None = None, images: list[Any] | None = None) -> list[list[Sample]]:
         """``adapters``: one per prompt (an :meth:`add_adapter` handle, or None for the base weights);
-        by default every prompt uses the trained policy's adapter, if one was loaded."""
+        by default every prompt uses the trained policy's adapter, if one was loaded. ``images``: each
+        prompt's images (``otray.vision.Image``), whose expanded image tokens it holds (vLLM's
+        ``multi_modal_data``; a vision-language model only)."""
         from vllm import SamplingParams as VSP
-        from vllm.inputs import TokensPrompt
 
         check_prompt_lengths(prompts, self.max_model_len)
+        inputs = self._inputs(prompts, images)
         if adapters is not None and len(adapters) != len(prompts):
             raise ValueError(f"{len(adapters)} adapters for {len(prompts)} prompts")
         params = effective_params(params, self.stop_token_ids)
@@ -132,8 +180,7 @@ class VLLMBackend:
                      skip_special_tokens=False, stop=list(params.stop) or None, include_stop_str_in_output=True,
                      detokenize=bool(params.stop))  # stop strings need the text; otherwise skip it
             lora = self._lora_request if adapters is None else [adapters[i] for i in idx]
-            got = self.llm.generate([TokensPrompt(prompt_token_ids=prompts[i]) for i in idx], sp,
-                                    lora_request=lora, use_tqdm=False)
+            got = self.llm.generate([inputs[i] for i in idx], sp, lora_request=lora, use_tqdm=False)
             outs.extend(zip(idx, got))
         result: list[list[Sample]] = [[] for _ in prompts]
         for i, out in outs:
@@ -146,6 +193,22 @@ class VLLMBackend:
                 sample = Sample(ids, lps, reason)
                 result[i].append(apply_stop_strings(sample, self._decode, params.stop) if params.stop else sample)
         return result
+
+    def _inputs(self, prompts: list[list[int]], images: list[Any] | None) -> list[Any]:
+        """vLLM's token prompts, with each prompt's images (checked against its image tokens) where it has any."""
+        from vllm.inputs import TokensPrompt
+
+        if not images or not any(images):
+            return [TokensPrompt(prompt_token_ids=p) for p in prompts]
+        if self.vision is None:
+            raise ImageError("an image was given to a text-only model: use a vision-language model "
+                             "(e.g. model.path: tiny-vl) or send text only")
+        out = []
+        for p, pictures in zip(prompts, images):
+            self.vision.check_tokens(p, pictures)
+            extra = {"multi_modal_data": {"image": [im.to_pil() for im in pictures]}} if pictures else {}
+            out.append(TokensPrompt(prompt_token_ids=p, **extra))
+        return out
 
     def prompt_logprobs(self, prompts: list[list[int]], adapters: list[Any]) -> list[list[float | None]]:
         """Each prompt token's logprob given the tokens before it (None for the first), under the
