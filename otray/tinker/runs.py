@@ -136,3 +136,27 @@ def sample_wait(req: dict[str, Any], key: str, adapter: Optional[str], cfg: Any,
         raise UserError(f"prompt_logprobs_last_n={last_n}: send 1 to len(prompt) - 1 = {len(prompt) - 1}")
     return cls(f"sample:{key}", adapter, prompt, params, n, bool(req.get("prompt_logprobs")), last_n,
                images=tuple(images))
+
+
+def _check_ids(ids: list[int], vocab: int, what: str) -> None:
+    bad = next((t for t in ids if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise UserError(f"asample: {what} holds token id {bad}, outside the model's vocabulary [0, {vocab})")
+
+
+def _chunk_tokens(chunk: dict[str, Any]) -> list[int]:
+    if (not isinstance(chunk, dict) or chunk.get("type", "encoded_text") != "encoded_text"
+            or not isinstance(chunk.get("tokens"), list)):
+        raise UserError("asample: a prompt chunk is neither tokens nor an image; this service samples from token "
+                        "and image chunks")
+    if any(isinstance(t, bool) or not isinstance(t, int) for t in chunk["tokens"]):
+        raise UserError("asample: a prompt chunk's tokens must be integers (token ids)")
+    return chunk["tokens"]
+
+
+def last_n(logprobs: Optional[list[Optional[float]]], n: Optional[int]) -> Optional[list[Optional[float]]]:
+    """Prompt logprobs with all but the last ``n`` blanked (None), as ``prompt_logprobs_last_n`` asks."""
+    if logprobs is None or n is None:
+        return logprobs
+    cut = len(logprobs) - n
+    return [None if i < cut or (v is not None and math.isnan(v)) else v for i, v in enumerate(logprobs)]

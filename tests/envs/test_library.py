@@ -7,6 +7,7 @@ from fractions import Fraction
 from pathlib import Path
 
 import gymnasium as gym
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -238,8 +239,34 @@ def test_gymnasium_adapter_text_spaces_and_hooks():
     assert r.done and r.reward == 1.0
     lake.reset(Task("l", "e", {"seed": 0}))
     assert lake.step("jump").info["invalid_actions"] == 1
-    with pytest.raises(ConfigError, match="not gymnasium.spaces.Text: give obs_to_text"):
+    with pytest.raises(ConfigError, match="neither gymnasium.spaces.Text nor an image.*give obs_to_text"):
         GymnasiumEnv("FrozenLake-v1")
+
+
+class Painter(gym.Env):
+    """A Gymnasium env whose observations are 8x8 RGB pictures: the image space maps to image parts."""
+
+    observation_space = gym.spaces.Box(0, 255, (8, 8, 3), dtype=np.uint8)
+    action_space = gym.spaces.Text(8)
+
+    def reset(self, seed=None, options=None):
+        self.shade = 0
+        return np.zeros((8, 8, 3), np.uint8), {}
+
+    def step(self, action):
+        self.shade += 100
+        return np.full((8, 8, 3), self.shade, np.uint8), 1.0, self.shade >= 200, False, {}
+
+
+def test_gymnasium_image_spaces_become_image_parts():
+    from otray.env import check_env
+    from otray.vision import Image
+
+    env = GymnasiumEnv(Painter(), max_turns=3, image_prompt="Paint?")
+    check_env(env, Task("p", "e", {}), actions=("red",))
+    first, _ = env.reset(Task("p", "e", {}))
+    assert isinstance(first[0], Image) and first[1] == "Paint?" and first[0].to_pil().getpixel((0, 0)) == (0, 0, 0)
+    assert env.step("red").observation[0].to_pil().getpixel((3, 3)) == (100, 100, 100)
 
 
 def test_generated_tasks_for_data_free_envs():

@@ -92,13 +92,15 @@ def test_image_datums_train_and_score_as_a_local_learner_does(svc, tok, vl_path)
     sampler = tc.save_weights_and_get_sampling_client().result()
     res = sampler.sample(prompt(tok, 0), 2, types.SamplingParams(max_tokens=3, seed=1), include_prompt_logprobs=True).result()
     assert len(res.sequences) == 2 and all(len(s.tokens) >= 1 for s in res.sequences)
-    forward = tc.forward([types.Datum(model_input=prompt(tok, 0), loss_fn_inputs={
-        "target_tokens": [0] * prompt(tok, 0).length, "weights": [0.0] * prompt(tok, 0).length})], "cross_entropy").result()
-    assert res.prompt_logprobs[0] is None and len(res.prompt_logprobs) == prompt(tok, 0).length
-    # position i's prompt logprob is of token i given the tokens before it: the forward's row i - 1 (its target 0)
-    greedy = sampler.sample(prompt(tok, 0), 1, types.SamplingParams(max_tokens=2, temperature=0.0)).result()
-    assert greedy.sequences[0].tokens[0] == tok.encode(str(scene(0)[0]), add_special_tokens=False)[0]
-    assert forward.loss_fn_outputs[0]["logprobs"].tolist()  # the forward on an image prompt answered
+    # prompt logprob i is of token i given those before it: the learner's forward with targets = the next tokens
+    shown = prompt(tok, 0)
+    pad = tok.convert_tokens_to_ids("<|image_pad|>")
+    ids = [t for c in shown.chunks for t in (c.tokens if hasattr(c, "tokens") else [pad] * 4)]
+    forward = tc.forward([types.Datum(model_input=shown, loss_fn_inputs={
+        "target_tokens": ids[1:] + [0], "weights": [1.0] * len(ids)})], "cross_entropy").result()
+    learner_lps = forward.loss_fn_outputs[0]["logprobs"].tolist()[:-1]
+    assert res.prompt_logprobs[0] is None and len(res.prompt_logprobs) == len(ids)
+    assert max(abs(a - b) for a, b in zip(res.prompt_logprobs[1:], learner_lps)) < 1e-4
 
 
 def test_asset_pointers_and_bad_images_are_named(svc, tok):
