@@ -137,7 +137,8 @@ def make_times_chat(out_dir: str, *, seed: int = 0, num_train: int = 2000, num_e
     from otray.env import dataset_paths
     from otray.vision import openai_content
 
-    paths, built = dataset_paths(out_dir, {"train": "chat_train.jsonl", "eval": "chat_eval.jsonl"})
+    tag = f"s{seed}_{num_train}_{num_eval}"  # one file per arguments: a smaller set never stands in for a larger
+    paths, built = dataset_paths(out_dir, {"train": f"chat_train_{tag}.jsonl", "eval": f"chat_eval_{tag}.jsonl"})
     if built:
         return paths
     rng = random.Random(seed)

@@ -44,6 +44,11 @@ SMOKE = {
                        "algo.batch_size=2", "eval.num_samples=2", "envs.treasure.num_rollouts=2",
                        *(f"{s}.dataset.kwargs.{k}={n}" for s in ("sft", "envs.treasure") for k, n in
                          (("num_train", 3), ("num_eval", 2)))],
+    "count_shapes.yaml": ["sft.steps=2", "sft.stop_at_accuracy=null", "algo.steps=2", "algo.batch_size=2",
+                          "eval.num_samples=4"],
+    "shapes_times.yaml": ["sft.steps=2", "sft.stop_at_accuracy=null", "sft.batch_size=4", "algo.steps=2",
+                          "algo.batch_size=2", "eval.num_samples=2", "sft.dataset.kwargs.num_train=8",
+                          "sft.dataset.kwargs.num_eval=2"],
     "rps_vs_scripted.yaml": ["algo.steps=2", "algo.batch_size=2", "game.num_rollouts=2", "game.eval_games=2",
                             "algo.drop_uniform_groups=false"],
 }
