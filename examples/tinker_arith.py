@@ -20,9 +20,9 @@ URL = os.environ.get("TINKER_BASE_URL", "http://127.0.0.1:8001")
 NUM_EVAL = 500
 
 
-def ensure_service(url: str = URL, base_model: str = "tiny") -> None:
+def ensure_service(url: str = URL, base_model: str = "tiny", path: str = "tiny") -> None:
     """Use the Tinker API at ``url``; when nothing answers there, start one in this process (a local
-    Ray, ``otray tinker`` with auth off: any ``tml-`` key)."""
+    Ray, ``otray tinker`` with auth off: any ``tml-`` key) offering ``path`` as ``base_model``."""
     os.environ.setdefault("TINKER_API_KEY", "tml-local")
     try:
         urllib.request.urlopen(f"{url}/api/v1/healthz", timeout=2)
@@ -37,7 +37,7 @@ def ensure_service(url: str = URL, base_model: str = "tiny") -> None:
     port = int(url.rsplit(":", 1)[1])
     ray.init(include_dashboard=False, log_to_driver=False)
     run(load_tinker({"port": port, "auth": "off", "storage": ".cache/tinker-examples",
-                     "models": [{"name": base_model, "path": "tiny", "learner_cpus": 1, "num_threads": 2}]}))
+                     "models": [{"name": base_model, "path": path, "learner_cpus": 1, "num_threads": 2}]}))
     print(f"started otray tinker at {url}", flush=True)
 
 
