@@ -85,6 +85,7 @@ def main() -> None:
     parser.add_argument("--warmup-steps", type=int, default=200)
     parser.add_argument("--warmup-accuracy", type=float, default=0.4)
     parser.add_argument("--rl-steps", type=int, default=20)
+    parser.add_argument("--rl-lr", type=float, default=1e-4)
     parser.add_argument("--group", type=int, default=8)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
@@ -125,7 +126,7 @@ def main() -> None:
                 data += [r.rl_datum(s, q, g - mean) for q, g in zip(seqs, group)]
         if data:
             tc.forward_backward(data, "importance_sampling")
-            tc.optim_step(types.AdamParams(learning_rate=5e-4))
+            tc.optim_step(types.AdamParams(learning_rate=args.rl_lr, grad_clip_norm=1.0))
         print(f"{clock} rl {step}: reward {sum(rewards) / len(rewards):.3f} ({len(data)} datums)", flush=True)
     after = accuracy(tc.save_weights_and_get_sampling_client().result(), r, held_out)
     print(f"{clock} held-out accuracy: {before:.1%} after SFT -> {after:.1%} after {args.rl_steps} RL steps")
