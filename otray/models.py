@@ -127,8 +127,7 @@ def train_tokenizer(seed: int, vocab_size: int):
 
 def build_tiny_model(path: str | os.PathLike, seed: int = 0, shape: str | TinyShape = "tiny") -> Path:
     """Build a randomly initialized Qwen2 model + tokenizer into ``path`` (HF format)."""
-    import torch
-    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2Config, Qwen2ForCausalLM
 
     spec = SHAPES[shape] if isinstance(shape, str) else shape
     if spec.builder:
@@ -154,14 +153,25 @@ def build_tiny_model(path: str | os.PathLike, seed: int = 0, shape: str | TinySh
         torch_dtype="float32",
         **spec.extra,
     )
+    save_seeded(Qwen2ForCausalLM, config, tokenizer, path, seed)
+    (path / "otray_tiny.json").write_text(json.dumps({"seed": seed, "shape": spec.__dict__}, sort_keys=True))
+    return path
+
+
+def save_seeded(model_class: Any, config: Any, tokenizer: Any, path: Path, seed: int) -> Any:
+    """``model_class(config)`` initialized from ``seed`` (the process's RNG left alone), with the tiny
+    tokenizer's end-of-turn ids as its generation defaults, saved with ``tokenizer`` into ``path``."""
+    import torch
+    from transformers import GenerationConfig
+
+    im_end, eot = tokenizer.convert_tokens_to_ids([IM_END, EOT])
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = Qwen2ForCausalLM(config)
+        model = model_class(config)
     model.generation_config = GenerationConfig(eos_token_id=[im_end, eot], pad_token_id=eot, bos_token_id=eot)
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
-    (path / "otray_tiny.json").write_text(json.dumps({"seed": seed, "shape": spec.__dict__}, sort_keys=True))
-    return path
+    return model
 
 
 def resolve_model_path(spec: str, cache_dir: str | os.PathLike = ".cache/models") -> str:

@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from otray.models import EOT, IM_END, chat_prompt_ids, is_vision_config, is_vision_model, train_tokenizer
+from otray.models import EOT, IM_END, chat_prompt_ids, is_vision_config, is_vision_model, save_seeded, train_tokenizer
 from otray.vision import Image, ImageError, images_of, template_content
 
 VISION_START, IMAGE_PAD, VISION_END = "<|vision_start|>", "<|image_pad|>", "<|vision_end|>"
@@ -48,8 +48,7 @@ DEFAULT_MAX_IMAGES = 8  # images one sequence may hold (``max_images`` in otray_
 
 def build_tiny_vlm(path: str | os.PathLike, seed: int = 0, shape: Any = None) -> Path:
     """Build a randomly initialized tiny Qwen2-VL + tokenizer + image processor into ``path``."""
-    import torch
-    from transformers import GenerationConfig, Qwen2VLConfig, Qwen2VLForConditionalGeneration
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     from otray.models import SHAPES
@@ -76,12 +75,7 @@ def build_tiny_vlm(path: str | os.PathLike, seed: int = 0, shape: Any = None) ->
                            patch_size=14, spatial_merge_size=2, temporal_patch_size=2),
         image_token_id=pad, video_token_id=pad, vision_start_token_id=start, vision_end_token_id=end,
         tie_word_embeddings=True, torch_dtype="float32")
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = Qwen2VLForConditionalGeneration(config)
-    model.generation_config = GenerationConfig(eos_token_id=[im_end, eot], pad_token_id=eot, bos_token_id=eot)
-    model.save_pretrained(path, safe_serialization=True)
-    tokenizer.save_pretrained(path)
+    save_seeded(Qwen2VLForConditionalGeneration, config, tokenizer, path, seed)
     pixels = TINY_IMAGE_SIDE * TINY_IMAGE_SIDE
     Qwen2VLImageProcessorPil(min_pixels=pixels, max_pixels=pixels).save_pretrained(path)
     (path / "otray_vision.json").write_text(json.dumps({"max_images": DEFAULT_MAX_IMAGES}))
