@@ -8,7 +8,8 @@ export VLLM_CPU_KVCACHE_SPACE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 export RAY_USAGE_STATS_ENABLED ?= 0
 
-.PHONY: demo test test-fast test-pure gpu-check bench bench-trl clean venv browser sandbox openreward-sdk tinker-cookbook
+.PHONY: demo test test-fast test-pure gpu-check bench bench-trl clean venv browser sandbox openreward-sdk tinker-cookbook \
+        alfworld
 
 venv: $(STAMP)
 
@@ -23,7 +24,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec || true
 	$(MAKE) openreward-sdk
 	$(MAKE) tinker-cookbook
-	$(BIN)/python -c "import transformers, vllm, ray, peft, openreward, textworld, verifiers, textarena, mcp, tinker_cookbook.rl.train"
+	$(MAKE) alfworld
+	$(BIN)/python -c "import transformers, vllm, ray, peft, openreward, textworld, verifiers, textarena, mcp, tinker_cookbook.rl.train, alfworld, fast_downward"
 	touch $(STAMP)
 
 # The OpenReward SDK (envs/openreward.py) pins sse-starlette==2.3.6, vLLM's mcp needs >= 3: one resolve
@@ -39,6 +41,15 @@ openreward-sdk:
 tinker-cookbook:
 	$(BIN)/pip install -q "chz>=0.4" "blobfile>=3" "pyrage>=1.4" "termcolor>=2" "datasets>=2.14"
 	$(BIN)/pip install -q --no-deps "tinker-cookbook==0.6.1"
+
+# ALFWorld (envs/alfworld_env.py) plays its games through TextWorld's PddlEnv, which needs Fast Downward
+# (fast-downward-textworld, a C++ planner shipped as source only). Under pip's build isolation its build
+# script runs without the standard library ("No module named 'glob'"): it builds here without isolation
+# (~1 min on 2 cores), after which alfworld itself is a pure-Python wheel.
+alfworld:
+	$(BIN)/pip install -q wheel setuptools
+	$(BIN)/pip install -q --no-build-isolation "fast-downward-textworld==20.6.4"
+	$(BIN)/pip install -q "alfworld==0.4.2"
 
 # `otray train` starts a local Ray, submits through the ResourceManager and streams the table.
 demo: $(STAMP)

@@ -105,15 +105,19 @@ def _infos() -> Any:
 class TextWorldEnv(Env):
     """One TextWorld game per episode (see the module docstring)."""
 
+    KIND = "a TextWorld env"
+    BUILDER = "envs.textworld_games:make_games"
+    KWARGS = ("admissible", "max_steps", "score_rewards", "win_reward", "lose_reward", "step_reward",
+              "invalid_action_reward", "reward_preset", "system_prompt")
+
     def __init__(self, admissible: bool = True, max_steps: int = 10, score_rewards: bool = True,
                  win_reward: float = 0.0, lose_reward: float = 0.0, step_reward: float = 0.0,
                  invalid_action_reward: float = 0.0, reward_preset: str | None = None,
                  system_prompt: str | None = SYSTEM_PROMPT, **unknown: Any):
         if unknown:
-            raise ConfigError(f"envs.<name>.kwargs: unknown key(s) {sorted(unknown)} for a TextWorld env; valid: "
-                              "admissible, max_steps, score_rewards, win_reward, lose_reward, step_reward, "
-                              "invalid_action_reward, reward_preset, system_prompt (the game comes from the task "
-                              "rows: build them with envs.textworld_games:make_games)")
+            raise ConfigError(f"envs.<name>.kwargs: unknown key(s) {sorted(unknown)} for {self.KIND}; valid: "
+                              f"{', '.join(self.KWARGS)} (the game comes from the task rows: build them with "
+                              f"{self.BUILDER})")
         if reward_preset is not None:
             if reward_preset not in PRESETS:
                 raise ConfigError(f"reward_preset {reward_preset!r} is unknown; known: {sorted(PRESETS)}")
@@ -133,25 +137,29 @@ class TextWorldEnv(Env):
     # ------------------------------------------------------------------ episode
 
     def reset(self, task: Task, seed: int | None = None) -> tuple[str, dict[str, Any]]:
-        import textworld
-
         self.close()
         path = task.data.get("game")
         if not path:
             raise DatasetError(f"task {task.id!r} names no 'game' file: build the rows with "
-                               "envs.textworld_games:make_games (or give each row a 'game' path)")
+                               f"{self.BUILDER} (or give each row a 'game' path)")
         if not Path(path).is_file():
             raise DatasetError(f"task {task.id!r}: the game file {path!r} does not exist (rebuild the dataset: "
                                "delete its directory and run the job again)")
-        check_story_file(path)
-        with warnings.catch_warnings():  # Jericho warns that it cannot track a generated game's score: TextWorld does
-            warnings.filterwarnings("ignore", message=".*is not fully supported")
-            self._game = textworld.start(str(path), request_infos=_infos())
+        self._game = self.open_game(Path(path))
         self._state = self._game.reset()
         self._live, self._steps, self._invalid, self._score = True, 0, 0, 0
         self._max_score = max(1, int(self._state.max_score or 0))
         opening = clean_feedback(self._state.feedback or "")
         return self._with_commands(opening), self._info()
+
+    def open_game(self, path: Path) -> Any:
+        """The game file as a started ``textworld`` environment (checked first: see :func:`check_story_file`)."""
+        import textworld
+
+        check_story_file(path)
+        with warnings.catch_warnings():  # Jericho warns that it cannot track a generated game's score: TextWorld does
+            warnings.filterwarnings("ignore", message=".*is not fully supported")
+            return textworld.start(str(path), request_infos=_infos())
 
     def step(self, action: str) -> StepResult:
         if not self._live:

@@ -140,11 +140,13 @@ def opening(path: Path) -> str:
         env.close()
 
 
-def play_walkthrough(row: dict[str, Any], env_kwargs: dict[str, Any] | None = None) -> tuple[list[dict[str, str]], bool]:
-    """The conversation of a player who types the row's walkthrough, and whether it won the game."""
+def play_walkthrough(row: dict[str, Any], env_kwargs: dict[str, Any] | None = None,
+                     env_class: type | None = None) -> tuple[list[dict[str, str]], bool]:
+    """The conversation of a player who types the row's walkthrough, and whether it won the game
+    (``env_class``: :class:`envs.textworld_env.TextWorldEnv` or a subclass, built with ``env_kwargs``)."""
     from envs.textworld_env import TextWorldEnv
 
-    env = TextWorldEnv(**(env_kwargs or {}))
+    env = (env_class or TextWorldEnv)(**(env_kwargs or {}))
     try:
         first, _ = env.reset(Task(row["id"], "textworld", row))
         msgs = ([{"role": "system", "content": env.system_prompt}] if env.system_prompt else [])
@@ -165,7 +167,12 @@ def make_demos(out_dir: str | Path, *, env_kwargs: dict[str, Any] | None = None,
     """Walkthrough demonstrations of :func:`make_games`'s games as chat rows (``demos-<digest>-train.jsonl``,
     ``demos_eval.jsonl``); ``env_kwargs`` as the env's (its ``admissible`` and ``system_prompt`` shape
     what the demonstrations show). A walkthrough that does not win its game is a ConfigError."""
-    rows = make_games(out_dir, **games)
+    return write_demos(make_games(out_dir, **games), None, env_kwargs)
+
+
+def write_demos(rows: dict[str, Path], env_class: type | None, env_kwargs: dict[str, Any] | None) -> dict[str, Path]:
+    """Each split's game rows (``rows``: split -> JSONL of ``{id, game, walkthrough}``) played through
+    ``env_class`` as chat rows beside them (``demos-<digest of env_kwargs>-<split>.jsonl``), once."""
     tag = hashlib.sha1(json.dumps(env_kwargs or {}, sort_keys=True).encode()).hexdigest()[:10]
     paths, built = dataset_paths(rows["train"].parent, {"train": f"demos-{tag}-train.jsonl",
                                                         "eval": f"demos-{tag}-eval.jsonl"})
@@ -175,7 +182,7 @@ def make_demos(out_dir: str | Path, *, env_kwargs: dict[str, Any] | None = None,
         out = []
         for line in Path(src).read_text().splitlines():
             row = json.loads(line)
-            msgs, won = play_walkthrough(row, env_kwargs)
+            msgs, won = play_walkthrough(row, env_kwargs, env_class)
             if not won:
                 raise ConfigError(f"game {row['id']}: its walkthrough {row['walkthrough']} does not win it")
             out.append(json.dumps({"id": f"demo-{row['id']}", "messages": msgs}))

@@ -85,9 +85,9 @@ BUNDLED = {
     "calculator": "envs.calculator:Calculator", "math_code": "envs.python_tool:MathWithCode",
     "bandit": "envs.bandit:Bandit", "guess_number": "envs.guess_number:GuessNumber",
     "openreward": "envs.openreward:OpenRewardEnv", "gymnasium": "otray.gym_env:GymnasiumEnv",
-    "textworld": "envs.textworld_env:TextWorldEnv", "mcp": "envs.mcp_env:McpToolEnv",
-    "verifiers": "envs.verifiers_env:VerifiersEnv", "count_shapes": "envs.shapes:CountShapes",
-    "shapes_times": "envs.shapes:ShapesTimes", "geometry3k": "envs.geometry3k:Geometry3K",
+    "textworld": "envs.textworld_env:TextWorldEnv", "alfworld": "envs.alfworld_env:AlfWorldEnv",
+    "mcp": "envs.mcp_env:McpToolEnv", "verifiers": "envs.verifiers_env:VerifiersEnv",
+    "count_shapes": "envs.shapes:CountShapes", "shapes_times": "envs.shapes:ShapesTimes", "geometry3k": "envs.geometry3k:Geometry3K",
 }
 
 

@@ -23,7 +23,8 @@ or touch something the caller does not own:
   reads a directory on the node); ``model.cache_dir`` stays the default.
 - **Files**: ``job.output_dir`` and ``infer.out`` stay the default (the job goes to the caller's area);
   dataset ``dir``\\ s and split ``path``\\ s must be relative, without ``..``, and are
-  rewritten into the caller's own area (``users/<name>/`` next to the registry).
+  rewritten into the caller's own area (``users/<name>/`` next to the registry); a builder's
+  ``data`` kwarg (a data folder, which builders read relative to ``dir``) must be relative too.
 
 Admins pass unchanged. Nothing here imports user code: modules are checked by name.
 """
@@ -45,7 +46,8 @@ from otray.types import OtrayError
 # The modules shipped with otray whose attributes a non-admin may name. Fixed here, not
 # discovered from the file system: a file a job managed to write is never on this list.
 BUNDLED_MODULES = frozenset({
-    "envs.answers", "envs.arithmetic", "envs.bandit", "envs.calculator", "envs.coin", "envs.connect_four_text",
+    "envs.alfworld_env", "envs.alfworld_scenes", "envs.answers", "envs.arithmetic", "envs.bandit", "envs.calculator",
+    "envs.coin", "envs.connect_four_text",
     "envs.frozen_lake", "envs.geometry3k", "envs.gomoku", "envs.guess_number", "envs.math_word", "envs.mcp_calc_server",
     "envs.mcp_env", "envs.openreward",
     "envs.openreward_examples", "envs.python_tool", "envs.rps", "envs.shapes", "envs.textworld_env", "envs.textworld_games",
@@ -261,6 +263,8 @@ def confine(cfg: Any, caller: Caller, allowed: frozenset[str], area: Path, urls:
     area = area / "data"
     for prefix, ds, splits in _dataset_sections(cfg):
         ds.dir = str(area / _relative(f"{prefix}.dataset.dir", ds.dir))
+        if isinstance(ds.kwargs.get("data"), str):  # a builder's data folder (ALFWorld's): inside ``dir``
+            _relative(f"{prefix}.dataset.kwargs.data", ds.kwargs["data"])
         for split, sc in splits.items():
             if sc.path:
                 sc.path = str(area / _relative(f"{prefix}.splits.{split}.path", sc.path))

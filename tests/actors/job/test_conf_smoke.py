@@ -44,6 +44,10 @@ SMOKE = {
                        "algo.batch_size=2", "eval.num_samples=2", "envs.treasure.num_rollouts=2",
                        *(f"{s}.dataset.kwargs.{k}={n}" for s in ("sft", "envs.treasure") for k, n in
                          (("num_train", 3), ("num_eval", 2)))],
+    "alfworld.yaml": ["sft.steps=2", "sft.stop_at_accuracy=null", "sft.batch_size=4", "algo.steps=2",
+                      "algo.batch_size=2", "eval.num_samples=2", "envs.alfworld.num_rollouts=2",
+                      *(f"{s}.dataset.kwargs.{k}={n}" for s in ("sft", "envs.alfworld") for k, n in
+                        (("num_train", 3), ("num_eval", 2)))],
     "count_shapes.yaml": ["sft.steps=2", "sft.stop_at_accuracy=null", "algo.steps=2", "algo.batch_size=2",
                           "eval.num_samples=4"],
     "shapes_times.yaml": ["sft.steps=2", "sft.stop_at_accuracy=null", "sft.batch_size=4", "algo.steps=2",
@@ -91,10 +95,11 @@ def test_config_runs_two_steps(ray_local, tmp_path, name):
 
 
 def test_gpu_configs_load():
-    """conf/gpu/ (one GPU: colocated, split 0.5/0.5, the 0.5B-shape throughput run, a real hub model)
-    load and ask for a GPU; they run on a GPU machine (NOTES.md, `make gpu-check`)."""
+    """conf/gpu/ (one GPU: colocated, split 0.5/0.5, the 0.5B-shape throughput run, a real hub model,
+    ALFWorld as OpenTinker trains it) load and ask for a GPU; they run on a GPU machine (NOTES.md,
+    `make gpu-check`; ALFWorld's also needs its download)."""
     found = sorted((ROOT / "conf" / "gpu").glob("*.yaml"))
-    assert len(found) == 4
+    assert len(found) == 5
     for path in found:
         cfg = config.load(path)
         assert cfg.resources.learner_gpus > 0 and cfg.model.dtype == "auto", path.name
