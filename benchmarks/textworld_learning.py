@@ -2,7 +2,9 @@
 
 Trains ``conf/textworld.yaml`` (treasure hunter games generated here; SFT warm-up on walkthroughs, then
 GRPO) once per seed with ``otray train``, one run after another (never beside the test suite: two cores),
-and saves ``benchmarks/results/textworld_learning.json``: per seed the held-out success rate of the base
+and saves ``benchmarks/results/textworld_learning.json``. ``--config conf/alfworld.yaml`` does the same for
+ALFWorld's games (rooms made here, games by ``alfworld-generate``) into ``alfworld_learning.json``.
+Per seed: the held-out success rate of the base
 model, after the SFT warm-up and at the end (greedy, on games never trained on), the invalid-action rate
 and turns at each, the wall time, and every eval row. The issue's bar: the end success rate is at least
 15 points above the base model's in both seeds (``passed``).
@@ -21,19 +23,22 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from collect_runs import collect  # noqa: E402
 
-OUT = ROOT / "benchmarks" / "results" / "textworld_learning.json"
+RESULTS = ROOT / "benchmarks" / "results"
 KEYS = ("success_rate", "invalid_action_rate", "turns_mean")
 
 
-def at(row: dict, env: str = "treasure") -> dict:
-    return {k: row.get(f"eval/{env}/{k}") for k in KEYS}
+def run_seed(config: Path, seed: int, overrides: list[str], runs: Path) -> dict:
+    from otray import config as otray_config
 
+    env = next(iter(otray_config.load(config).envs))
 
-def run_seed(seed: int, overrides: list[str], runs: Path) -> dict:
-    out = runs / f"tw_s{seed}"
+    def at(row: dict) -> dict:
+        return {k: row.get(f"eval/{env}/{k}") for k in KEYS}
+
+    out = runs / f"{config.stem}_s{seed}"
     start = time.monotonic()
-    cmd = [str(ROOT / ".venv" / "bin" / "otray"), "train", str(ROOT / "conf" / "textworld.yaml"),
-           f"job.seed={seed}", f"job.output_dir={out}", *overrides]
+    cmd = [str(ROOT / ".venv" / "bin" / "otray"), "train", str(config), f"job.seed={seed}", f"job.output_dir={out}",
+           *overrides]
     subprocess.run(cmd, check=True, cwd=ROOT)
     job_dir = max(out.iterdir(), key=lambda p: p.stat().st_mtime)
     run = collect(job_dir)
@@ -50,19 +55,22 @@ def run_seed(seed: int, overrides: list[str], runs: Path) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    parser.add_argument("--config", type=Path, default=ROOT / "conf" / "textworld.yaml")
     parser.add_argument("--runs", type=Path, default=ROOT / "runs" / "bench_textworld")
     parser.add_argument("overrides", nargs="*", help="config overrides (key=value) for every seed")
     args = parser.parse_args()
-    results = [run_seed(s, args.overrides, args.runs) for s in args.seeds]
-    summary = {"config": "conf/textworld.yaml", "overrides": args.overrides,
+    config = args.config.resolve()
+    results = [run_seed(config, s, args.overrides, args.runs) for s in args.seeds]
+    summary = {"config": str(config.relative_to(ROOT)), "overrides": args.overrides,
                "passed": all(r["gain_points"] >= 15 for r in results), "seeds": results}
-    OUT.write_text(json.dumps(summary, indent=1))
+    out = RESULTS / f"{config.stem}_learning.json"
+    out.write_text(json.dumps(summary, indent=1))
     for r in results:
         sft = r["after_sft"]["success_rate"] if r["after_sft"] else float("nan")
         print(f"seed {r['seed']}: held-out success {r['base']['success_rate']:.3f} (base) -> {sft:.3f} (after SFT) -> "
               f"{r['end']['success_rate']:.3f} (step {r['end_step']}); +{r['gain_points']:.1f} points; "
               f"invalid actions/turn {r['end']['invalid_action_rate']:.3f}; {r['wall_s']:.0f} s")
-    print(f"passed (>= 15 points in every seed): {summary['passed']}; saved {OUT.relative_to(ROOT)}")
+    print(f"passed (>= 15 points in every seed): {summary['passed']}; saved {out.relative_to(ROOT)}")
 
 
 if __name__ == "__main__":

@@ -97,7 +97,9 @@ def draw_scene(rng: random.Random, task_type: str) -> dict[str, Any]:
     if not candidates:
         return {}
     target, start = rng.choice(candidates)
-    dest = [k for k in holders if k not in (kinds[start], appliance) and target in RECEPTACLES[k][1]]
+    # a destination that holds no object of the target's type yet (else the goal holds before the first step)
+    taken = {kinds[w] for o, w in objects if o == target}
+    dest = [k for k in holders if k not in taken and k != appliance and target in RECEPTACLES[k][1]]
     if not dest:
         return {}
     return {"task_type": task_type, "receptacles": kinds, "objects": objects, "object": target,

@@ -120,6 +120,7 @@ class TinkerConfig:
     max_chunk_datums: int = 1024  # the SDK splits a forward_backward into requests of at most this many datums
     max_samples: int = 64  # num_samples per request
     max_tokens: int = 4096  # per sample
+    max_topk: int = 256  # K of topk_prompt_logprobs / topk_sample_logprobs / prompt_alt_tokens_k / target_prompt_logprobs
     # sampled sequences recorded for stable_reinforce (record_stability_info): kept this long after their
     # last use (Tinker: a day), at most this many (the least recently used go first); in memory only
     stability_ttl_s: float = 86400.0

@@ -30,8 +30,9 @@ import torch
 
 from otray.actors.sampling.backends.hf import HFBackend
 from otray.tinker.adapter_switch import AdapterSwitch
-from otray.actors.learner.core import (adamw_step, in_order, loss_inputs, new_adamw, plan_micro_batches, token_logprobs,
-                                      topk_logprobs, topk_weights)
+from otray.tinker.prompt_scores import PromptScores, Scoring, Targets, score
+from otray.actors.learner.core import (adamw_step, in_order, loss_inputs, new_adamw, plan_micro_batches,
+                                       position_log_softmax, token_logprobs, topk_logprobs, topk_weights)
 from otray.algos.losses import per_token_loss
 from otray.device import resolve_device, resolve_dtype
 from otray.models import load_model, load_tokenizer
@@ -82,20 +83,23 @@ class PassResult:
 @dataclass(frozen=True)
 class SampleJob:
     """Prompts that share a model (``adapter``: a sampler checkpoint's directory, or None for the
-    base) and sampling settings; ``prompt_logprobs`` asks for each prompt token's logprob too."""
+    base), sampling settings and what else to score (``scoring``: prompt logprobs, top-K, ...;
+    :mod:`otray.tinker.prompt_scores`)."""
 
     adapter: Optional[str]
     prompts: list[list[int]]
     params: SamplingParams
     n: int
-    prompt_logprobs: bool = False
+    scoring: Scoring = Scoring()
     images: Optional[list[tuple[Any, ...]]] = None  # each prompt's images (a vision-language base model)
+    targets: Optional[list[Optional[Targets]]] = None  # each prompt's target_prompt_logprobs
 
 
 @dataclass
 class SampleOut:
     samples: list[Sample]
     prompt_logprobs: Optional[list[Optional[float]]] = None
+    scores: Optional[PromptScores] = None  # top-K, targets, alternative tokens (when asked)
 
 
 def batch_loss(model: torch.nn.Module, batch: list[Datum], device: str, loss_fn: str,
@@ -351,14 +355,22 @@ class AdapterLearner:
             pictures = {"images": job.images} if job.images else {}
             samples = (backend.generate(job.prompts, job.params, job.n, **pictures) if job.params.max_tokens > 0
                        else [[]] * len(job.prompts))
-            prompt_lps = ([self._prompt_logprobs(model, p, job.images[i] if job.images else ())
-                           for i, p in enumerate(job.prompts)] if job.prompt_logprobs else None)
-        return [SampleOut(s, prompt_lps[i] if prompt_lps else None) for i, s in enumerate(samples)]
+            outs = [SampleOut(s) for s in samples]
+            if job.scoring != Scoring() or job.targets:
+                for i, (p, out) in enumerate(zip(job.prompts, outs)):
+                    out.scores = self._scores(model, job, i, [s.token_ids for s in out.samples])
+                    out.prompt_logprobs = out.scores.logprobs
+        return outs
 
-    def _prompt_logprobs(self, model: Any, prompt: list[int], images: tuple[Any, ...] = ()) -> list[Optional[float]]:
-        if len(prompt) < 2:
-            return [None] * len(prompt)
-        datum = Datum(prompt[:-1], prompt[1:], [1.0] * (len(prompt) - 1), [0.0] * (len(prompt) - 1),
-                      [0.0] * (len(prompt) - 1), images=tuple(images))
-        lp, _ = token_logprobs(model, [datum], self.device)  # the learner's own scoring (images, vision tokens)
-        return [None, *lp[0].tolist()]
+    def _scores(self, model: Any, job: SampleJob, i: int, samples: list[list[int]]) -> PromptScores:
+        """Prompt ``i`` of ``job``'s scores, from the learner's own forward pass (its images, its masked
+        vision tokens), as :mod:`otray.tinker.prompt_scores` describes."""
+        images = tuple(job.images[i]) if job.images else ()
+
+        def position_logprobs(tokens: list[int]) -> torch.Tensor:
+            datum = Datum(tokens[:-1], tokens[1:], [1.0] * (len(tokens) - 1), [0.0] * (len(tokens) - 1),
+                          [0.0] * (len(tokens) - 1), images=images)
+            return position_log_softmax(model, datum, self.device)
+
+        return score(position_logprobs, job.prompts[i], job.scoring, job.targets[i] if job.targets else None,
+                     job.params.temperature, job.params.seed, samples)

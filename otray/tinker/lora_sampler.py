@@ -97,7 +97,7 @@ class LoraSampler:
             got = self.backend.generate([jobs[j].prompts[i] for j, i, _ in group], params, n,
                                         adapters=[h for _, _, h in group])
             samples.update(((j, i), s) for (j, i, _), s in zip(group, got))
-        scored = [row for row in rows if jobs[row[0]].prompt_logprobs]
+        scored = [row for row in rows if jobs[row[0]].scoring.prompt_logprobs]
         lps = dict(zip([(j, i) for j, i, _ in scored], self.backend.prompt_logprobs(
             [jobs[j].prompts[i] for j, i, _ in scored], [h for _, _, h in scored]))) if scored else {}
         self.prompts += len(rows)

@@ -13,6 +13,7 @@ from typing import Any, Optional
 
 from otray.tinker.store import Checkpoint, Run
 from otray.tinker.images import chunk_image, image_tokens
+from otray.tinker.prompt_scores import parse_scoring
 from otray.tinker.wire import UserError, sampling_params
 from otray.vision import ImageError
 
@@ -127,15 +128,11 @@ def sample_wait(req: dict[str, Any], key: str, adapter: Optional[str], cfg: Any,
     if len(prompt) + params.max_tokens > limits.context:
         raise UserError(f"asample: a prompt of {len(prompt)} tokens plus max_tokens={params.max_tokens} is over the "
                         f"model's context of {limits.context} tokens; shorten the prompt or lower max_tokens")
-    unsupported = [k for k in ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k")
-                   if req.get(k)] + [k for k in ("target_prompt_logprobs",) if req.get(k) is not None]
-    if unsupported:
-        raise UserError(f"asample: {unsupported} are not offered by this service; leave them unset")
+    scoring, targets = parse_scoring(req, len(prompt), limits.vocab, cfg.max_topk)
     last_n = req.get("prompt_logprobs_last_n")
     if last_n is not None and not 1 <= last_n <= len(prompt) - 1:
         raise UserError(f"prompt_logprobs_last_n={last_n}: send 1 to len(prompt) - 1 = {len(prompt) - 1}")
-    return cls(f"sample:{key}", adapter, prompt, params, n, bool(req.get("prompt_logprobs")), last_n,
-               images=tuple(images))
+    return cls(f"sample:{key}", adapter, prompt, params, n, scoring, last_n, images=tuple(images), targets=targets)
 
 
 def _check_ids(ids: list[int], vocab: int, what: str) -> None:

@@ -25,6 +25,7 @@ from otray.tinker.learner import SampleJob
 from otray.tinker import runs as R
 from otray.tinker.engines import VllmSamplers
 from otray.tinker.futures import Futures, Outcome
+from otray.tinker.prompt_scores import Scoring, Targets, cut_before
 from otray.tinker.stability import Recorded
 from otray.tinker.wire import sample_output
 
@@ -38,13 +39,18 @@ class SampleWait:
     prompt: list[int]
     params: Any  # otray.types.SamplingParams (hashable: the grouping key)
     n: int
-    prompt_logprobs: bool
+    scoring: Scoring  # prompt logprobs, top-K, alternative tokens (otray.tinker.prompt_scores)
     last_n: Optional[int]
     record: Optional[tuple[str, str]] = None  # (owner, session): record each sample's stability info
     images: tuple[Any, ...] = ()  # the prompt's images (otray.vision.Image), whose tokens it holds
+    targets: Optional[Targets] = None  # target_prompt_logprobs
+
+    def learner_only(self) -> bool:
+        """Images, top-K, targets and alternative tokens: the vLLM samplers are not given them (yet)."""
+        return bool(self.images) or self.scoring.needs_learner() or self.targets is not None
 
 
-Groups = dict[tuple, list[SampleWait]]  # (owner, adapter, params, n, prompt_logprobs, images?) -> its requests
+Groups = dict[tuple, list[SampleWait]]  # (owner, adapter, params, n, scoring, learner only?) -> its requests
 
 
 class SampleBatcher:
@@ -78,8 +84,7 @@ class SampleBatcher:
                 self.calls = [*self.calls[-999:], len(batch)]
                 groups: Groups = {}
                 for owner, w in batch:
-                    groups.setdefault((owner, w.adapter, w.params, w.n, w.prompt_logprobs, bool(w.images)), []).append(w)
-                # prompts with images go to the learner: the vLLM samplers are not given images yet
+                    groups.setdefault((owner, w.adapter, w.params, w.n, w.scoring, w.learner_only()), []).append(w)
                 engine, fast = None, {k: ws for k, ws in groups.items() if self.engines.serves(base, k[1]) and not k[5]}
                 if fast:
                     try:
@@ -120,7 +125,9 @@ class SampleBatcher:
         promise gets its result, or the call's error. True when the sampler's actor died."""
         if not groups:
             return False
-        jobs = [SampleJob(k[1], [w.prompt for w in ws], k[2], k[3], k[4], [w.images for w in ws] if k[5] else None)
+        jobs = [SampleJob(k[1], [w.prompt for w in ws], k[2], k[3], k[4],
+                          [w.images for w in ws] if any(w.images for w in ws) else None,
+                          [w.targets for w in ws] if any(w.targets is not None for w in ws) else None)
                 for k, ws in groups.items()]
         try:
             results = await (sampler.sample.remote(jobs, owner) if name == "learner" else sampler.sample.remote(jobs))
@@ -142,7 +149,8 @@ class SampleBatcher:
                         self.record(f"{w.request_id}:{i}", Recorded(*w.record, prompt, np.asarray(s.token_ids, np.int32),
                                                                    np.asarray(s.logprobs, np.float32)))
                 lps = R.last_n(out.prompt_logprobs, w.last_n)
-                self.futures.finish(w.request_id, Outcome("proto", sample_output(out.samples, lps)))
+                scores = cut_before(out.scores, w.last_n) if out.scores is not None else None
+                self.futures.finish(w.request_id, Outcome("proto", sample_output(out.samples, lps, scores, w.targets)))
         return False
 
     async def _one_by_one(self, sampler: Any, name: str, groups: Groups, owner: str) -> bool:

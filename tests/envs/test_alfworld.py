@@ -44,6 +44,7 @@ def test_rooms_become_alfworld_games_in_its_layout(built):
     for row in rows["train"] + rows["eval"]:
         game = json.loads(open(row["game"]).read())
         assert game["solvable"] is True and game["walkthrough"] == row["walkthrough"]  # ALFWorld's planner's plan
+        assert len(row["walkthrough"]) >= 3  # go, take, go (, open), move: never won before the first step
         assert "(:domain alfred)" in game["pddl_problem"] and "UNKNOWN GOAL" not in game["grammar"]
     again = make_scenes(out, **SCENES)  # built once
     assert {p.read_text() for p in again.values()} == {p.read_text() for p in make_scenes(out, **SCENES).values()}

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from otray.tinker.learner import SAMPLER_CACHE, AdamStep, AdapterLearner, AdapterSpec, SampleJob
+from otray.tinker.prompt_scores import Scoring
 from otray.types import Datum, SamplingParams
 
 
@@ -21,7 +22,7 @@ def test_sampler_checkpoints_sample_what_was_saved_in_them(tiny_path, tokenizer,
         return learner.forward_backward(adapter, [datum], "cross_entropy", backward=False).logprobs[0]
 
     def sampled(where) -> list[float]:
-        out = learner.sample([SampleJob(str(where), [prompt], SamplingParams(max_tokens=1), 1, prompt_logprobs=True)])
+        out = learner.sample([SampleJob(str(where), [prompt], SamplingParams(max_tokens=1), 1, Scoring(True))])
         return out[0][0].prompt_logprobs[1:]
 
     seen = []

@@ -355,6 +355,7 @@ def test_a_batch_that_fails_is_sent_again_one_request_at_a_time(svc, tokenizer, 
     from otray.tinker.engines import VllmSamplers
     from otray.tinker.futures import Futures
     from otray.tinker.sampling import SampleBatcher, SampleWait
+    from otray.tinker.prompt_scores import Scoring
     from otray.tinker.service import NAME, NAMESPACE
     from otray.tinker.stability import Recordings
     from otray.types import SamplingParams
@@ -366,7 +367,7 @@ def test_a_batch_that_fails_is_sent_again_one_request_at_a_time(svc, tokenizer, 
     async def batch() -> list:
         futures = Futures(60)
         batcher = SampleBatcher({BASE: learner}, VllmSamplers({}, {}, NAME, NAMESPACE), futures, 0.05, Recordings().add)
-        waits = [SampleWait(f"r{i}", adapter, prompt, params, 1, False, None)
+        waits = [SampleWait(f"r{i}", adapter, prompt, params, 1, Scoring(), None)
                  for i, adapter in enumerate([None, "/nonexistent/sampler-checkpoint", None])]
         for w in waits:
             futures.new(w.request_id, "alice")

@@ -202,6 +202,13 @@ def token_logprobs(model: torch.nn.Module, batch: Sequence[Datum], device: str =
     return -F.cross_entropy(logits.transpose(1, 2), targets, reduction="none"), valid
 
 
+def position_log_softmax(model: torch.nn.Module, datum: Datum, device: str = "cpu") -> torch.Tensor:
+    """One datum's next-token distributions: the log-softmax over the vocabulary at each of its
+    positions, ``(len(datum), vocab)`` fp32 (vision tokens masked as in :func:`token_logprobs`)."""
+    logits, _ = _logits(model, [datum], device)
+    return torch.log_softmax(logits[0, :len(datum)], -1)
+
+
 def topk_logprobs(model: torch.nn.Module, batch: Sequence[Datum], device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
     """``(logprobs, valid)`` as :func:`token_logprobs`, for each row's K targets per position
     (``Datum.target_k``): ``(rows, longest row, K)``; padded positions read token 0."""
