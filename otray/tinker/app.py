@@ -12,6 +12,7 @@ request the service accepted comes back from ``retrieve_future`` as a failed pro
 
 from __future__ import annotations
 
+import datetime as dt
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -200,18 +201,35 @@ class TinkerGateway:
 
     @tinker_api.post("/save_weights")
     async def save_weights(self, request: Request) -> dict[str, Any]:
-        return await self._post(request, self.service.save_weights, "model_id", extra=(False,))
+        return await self._post(request, self.service.save_weights, "model_id", extra=("training",))
 
     @tinker_api.post("/save_weights_for_sampler")
     async def save_weights_for_sampler(self, request: Request) -> dict[str, Any]:
-        return await self._post(request, self.service.save_weights, "model_id", extra=(True,))
+        return await self._post(request, self.service.save_weights, "model_id", extra=("sampler",))
 
     @tinker_api.post("/save_weights_external")
     async def save_weights_external(self, request: Request) -> dict[str, Any]:
-        """Not served; refused here (not as an unknown route) so its seq_id is used up."""
-        return await self._post(request, self.service.refuse, "model_id", extra=(
-            "save_weights_external is not served by otray tinker: save with save_state / save_weights_for_sampler; "
-            "the files are under the service's storage (docs/tinker_compat.md)",))
+        return await self._post(request, self.service.save_weights, "model_id", extra=("external",))
+
+    @tinker_api.get("/training_runs/{model_id}/checkpoints/{segment}/{name}/external_weights_urls")
+    async def external_weights_urls(self, model_id: str, segment: str, name: str, request: Request) -> dict[str, Any]:
+        """One signed URL per file of an export (``<this service>/api/v1/external_weights/<token>``)."""
+        got = await self._call(request, self.service.rest, R.ExternalUrls(model_id, f"{segment}/{name}"))
+        base = str(request.base_url).rstrip("/") + ROUTE_PREFIX + "/external_weights/"
+        return {"urls": {f: base + token for f, token in got["files"].items()},
+                "expires": dt.datetime.fromtimestamp(got["expires"], dt.timezone.utc).isoformat()}
+
+    @tinker_api.get("/external_weights/{token}")
+    async def external_weights_file(self, token: str) -> Response:
+        """A signed URL's file: no API key (the token is the grant, for one file, until it expires)."""
+        try:
+            body = await self.service.external_file.remote(token)
+        except Exception as e:  # noqa: BLE001 - a UserError from the service, or the service failed
+            inner = _unwrap(e)
+            if isinstance(inner, UserError):
+                raise inner from None
+            raise UserError("the Tinker service failed to read the file", 500) from None
+        return Response(body, media_type="application/octet-stream")
 
     @tinker_api.post("/load_weights")
     async def load_weights(self, request: Request) -> dict[str, Any]:

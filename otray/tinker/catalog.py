@@ -7,8 +7,10 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Optional, Union
 
+from otray.tinker import external as X
 from otray.tinker import runs as R
 from otray.tinker.store import Checkpoint, Run, Sampler, Store, parse_path, session_of
 from otray.tinker.wire import UserError
@@ -85,14 +87,23 @@ class SessionView:
 
 # A REST call on the index (reads, and a checkpoint's deletion, publication or TTL), typed: the
 # gateway sends one, the service answers it.
+@dataclass(frozen=True)
+class ExternalUrls:
+    """``get_external_weights_urls``: a signed token per file of an external weights export."""
+
+    model_id: str
+    checkpoint_id: str
+
+
 RestQuery = Union[SamplerView, RunsView, RunView, CheckpointsView, DeleteCheckpoint, WeightsInfoView,
-                  UserCheckpointsView, Publish, SetTtl, SessionsView, SessionView]
+                  UserCheckpointsView, Publish, SetTtl, SessionsView, SessionView, ExternalUrls]
 MAX_TTL_S = 10 * 365 * 24 * 3600  # Tinker's upper bound: ten years
 
 
 class Catalog:
-    def __init__(self, store: Store, min_ttl_s: float = 3600.0):
+    def __init__(self, store: Store, min_ttl_s: float = 3600.0, secret: bytes = b"", url_ttl_s: float = 3600.0):
         self.store = store
+        self.secret, self.url_ttl_s = secret, url_ttl_s  # signed download URLs of external weights
         self.min_ttl_s = min_ttl_s  # the shortest TTL a user may set (Tinker: an hour)
 
     def run(self, owner: str, model_id: str) -> Run:
@@ -101,10 +112,13 @@ class Catalog:
             raise UserError(f"no training run {model_id!r} (unknown, or another user's)", 404)
         return run
 
-    def checkpoint(self, owner: str, path: str, *, read: bool = False) -> Checkpoint:
+    def checkpoint(self, owner: str, path: str, *, read: bool = False, use: bool = False) -> Checkpoint:
         """``owner``'s checkpoint at ``path``; with ``read``, also another user's published one (to
-        sample or load, never to change)."""
+        sample or load, never to change); with ``use`` (to sample or load it), not an external export."""
         model_id, kind, name = parse_path(path)
+        if use and kind == "external":
+            raise UserError(f"{path!r} is an external weights export, for download (RestClient."
+                            "get_external_weights_urls); load or sample a weights/ or sampler_weights/ checkpoint")
         ckpt = self.store.checkpoint(model_id, kind, name)
         run = self.store.run(model_id)
         mine = run is not None and (run.owner == owner or (read and ckpt is not None and ckpt.public))
@@ -147,6 +161,8 @@ class Catalog:
             return {"sessions": self.store.sessions(owner)[q.offset:q.offset + q.limit]}
         if isinstance(q, SessionView):
             return self.session(owner, q.session_id)
+        if isinstance(q, ExternalUrls):
+            return self.external_urls(owner, q)
         raise UserError(f"no REST view {type(q).__name__}", 404)
 
     async def sweep_expired(self, every_s: float) -> None:
@@ -163,6 +179,27 @@ class Catalog:
             raise UserError(f"ttl_seconds={q.ttl_seconds:g} is out of range: send {self.min_ttl_s:g} to {MAX_TTL_S} "
                             "seconds, or null for no expiry")
         self.store.update_checkpoint(ckpt, expires=None if q.ttl_seconds is None else time.time() + q.ttl_seconds)
+
+    def external_urls(self, owner: str, q: ExternalUrls) -> dict[str, Any]:
+        """``{"files": {file: token}, "expires": epoch s}`` for one of ``owner``'s exports (or a published one)."""
+        ckpt = self.checkpoint(owner, f"tinker://{q.model_id}/{q.checkpoint_id}", read=True)
+        if ckpt.kind != "external":
+            raise UserError(f"{ckpt.tinker_path} is not an external weights export: save one with "
+                            "TrainingClient.save_weights_external(name)")
+        tokens, expires = {}, 0.0
+        for name in X.files_of(Path(ckpt.path)):
+            tokens[name], expires = X.sign(self.secret, X.FileGrant(ckpt.model_id, ckpt.checkpoint_id, name),
+                                           self.url_ttl_s)
+        return {"files": tokens, "expires": expires}
+
+    def external_file(self, token: str) -> bytes:
+        """The file a signed URL names, while its checkpoint lives (no key: the token is the grant)."""
+        grant = X.verify(self.secret, token)
+        model_id, kind, name = parse_path(f"tinker://{grant.model_id}/{grant.checkpoint_id}")
+        ckpt = self.store.checkpoint(model_id, kind, name)
+        if ckpt is None or (ckpt.expires and ckpt.expires < time.time()) or grant.file not in X.files_of(Path(ckpt.path)):
+            raise UserError("no such file (its checkpoint was deleted or expired)", 404)
+        return (Path(ckpt.path) / grant.file).read_bytes()
 
     def session(self, owner: str, session_id: str) -> dict[str, Any]:
         """A session's training runs and samplers; another user's or an unknown one is a 404."""

@@ -129,6 +129,7 @@ class TinkerConfig:
     # JWT auth (the SDK exchanges its key for a short-lived token at /auth/token; RestClient.whoami needs it)
     jwt_auth: bool = True
     jwt_ttl_s: float = 900.0
+    external_url_ttl_s: float = 3600.0  # signed download URLs of external weights (save_weights_external)
     # SDK versions served (prefixes: "0.38" is every 0.38.x); another is refused at its first call with a
     # message naming both versions, not left to fail later on a route or field it does not know. [] = any.
     sdk_versions: list[str] = field(default_factory=lambda: ["0.38"])

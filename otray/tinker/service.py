@@ -50,7 +50,8 @@ class TinkerService:
 
         self.cfg: TinkerConfig = load_tinker(cfg)
         self.store = Store(self.cfg.storage)
-        self.catalog = Catalog(self.store, self.cfg.min_checkpoint_ttl_s)
+        self.catalog = Catalog(self.store, self.cfg.min_checkpoint_ttl_s, load_secret(self.store.root),
+                               self.cfg.external_url_ttl_s)
         self.futures = Futures(self.cfg.result_ttl_s)
         self.paths = {m.name: resolve_model_path(m.path, self.cfg.cache_dir) for m in self.cfg.models}
         self.models = {m.name: m for m in self.cfg.models}
@@ -213,13 +214,17 @@ class TinkerService:
     async def optim_step(self, owner: str, req: dict[str, Any]) -> dict[str, Any]:
         return self.training.optim_step(owner, req)
 
-    async def save_weights(self, owner: str, req: dict[str, Any], sampler: bool) -> dict[str, Any]:
-        return self.training.save_weights(owner, req, sampler)
+    async def save_weights(self, owner: str, req: dict[str, Any], kind: str) -> dict[str, Any]:
+        return self.training.save_weights(owner, req, kind)
+
+    async def external_file(self, token: str) -> bytes:
+        """A signed URL's file (no API key: the token is the grant; otray/tinker/external.py)."""
+        return self.catalog.external_file(token)
 
     async def load_weights(self, owner: str, req: dict[str, Any], api_key: Optional[str] = None) -> dict[str, Any]:
         """``load_weights``: into a live model (in its order), or create-via-load (a new model whose
         id the client computed: ``{session}:train:{n}``)."""
-        ckpt = self.catalog.checkpoint(owner, req["path"], read=True)
+        ckpt = self.catalog.checkpoint(owner, req["path"], read=True, use=True)
         source = self.store.run(ckpt.model_id)
         optimizer = bool(req.get("optimizer", False))
         if not req.get("session_id"):
@@ -249,7 +254,7 @@ class TinkerService:
         sid = f"{req['session_id']}:sampler:{int(req['sampling_session_seq_id'])}"
         self.sessions.add_sampler(owner, req["session_id"], sid, quota_of(self.cfg, owner).samplers)
         if req.get("model_path"):
-            ckpt = self.catalog.checkpoint(owner, req["model_path"], read=True)
+            ckpt = self.catalog.checkpoint(owner, req["model_path"], read=True, use=True)
             sampler = Sampler(sid, owner, self.store.run(ckpt.model_id).base_model, req["model_path"], ckpt.path)
         else:
             sampler = Sampler(sid, owner, self._base(req.get("base_model")), None, None)
@@ -265,7 +270,7 @@ class TinkerService:
             base, adapter, key = s.base_model, s.adapter_dir, f"{s.sampler_id}:{req.get('seq_id')}"
             session = session_of(s.sampler_id)
         elif req.get("model_path"):
-            ckpt = self.catalog.checkpoint(owner, req["model_path"], read=True)
+            ckpt = self.catalog.checkpoint(owner, req["model_path"], read=True, use=True)
             base, adapter, key = self.store.run(ckpt.model_id).base_model, ckpt.path, uuid.uuid4().hex
         else:
             base, adapter, key = self._base(req.get("base_model")), None, uuid.uuid4().hex

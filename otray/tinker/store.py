@@ -23,7 +23,8 @@ CREATE TABLE IF NOT EXISTS samplers (sampler_id TEXT PRIMARY KEY, owner TEXT, ba
 CREATE TABLE IF NOT EXISTS leases (model_id TEXT PRIMARY KEY, job_id TEXT, token TEXT);
 CREATE TABLE IF NOT EXISTS sessions (session_id TEXT PRIMARY KEY, owner TEXT);
 """
-SEGMENT = {"training": "weights", "sampler": "sampler_weights"}  # checkpoint kind -> tinker path segment
+# checkpoint kind -> tinker path segment (external: an adapter export for download, otray/tinker/external.py)
+SEGMENT = {"training": "weights", "sampler": "sampler_weights", "external": "external_weights"}
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,7 @@ class Run:
 @dataclass(frozen=True)
 class Checkpoint:
     model_id: str
-    kind: str  # training | sampler
+    kind: str  # training | sampler | external
     name: str
     path: str  # the directory holding its files
     created: float
@@ -74,15 +75,15 @@ def session_of(model_or_sampler_id: str) -> str:
 
 
 def parse_path(path: str) -> tuple[str, str, str]:
-    """``tinker://<model id>/{weights|sampler_weights}/<name>`` -> (model id, kind, name)."""
+    """``tinker://<model id>/{weights|sampler_weights|external_weights}/<name>`` -> (model id, kind, name)."""
     from otray.tinker.wire import UserError
 
     rest = path[len("tinker://"):] if path.startswith("tinker://") else None
     parts = rest.split("/") if rest else []
     kinds = {v: k for k, v in SEGMENT.items()}
     if len(parts) != 3 or parts[1] not in kinds or not parts[0] or not parts[2]:
-        raise UserError(f"{path!r} is not a checkpoint path: expected tinker://<run>/weights/<name> or "
-                        "tinker://<run>/sampler_weights/<name>")
+        raise UserError(f"{path!r} is not a checkpoint path: expected tinker://<run>/weights/<name>, "
+                        "tinker://<run>/sampler_weights/<name> or tinker://<run>/external_weights/<name>")
     return parts[0], kinds[parts[1]], parts[2]
 
 

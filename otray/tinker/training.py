@@ -226,19 +226,22 @@ class Training:
 
         return self._queue(owner, model_id, req.get("seq_id"), run)
 
-    def save_weights(self, owner: str, req: dict[str, Any], sampler: bool) -> dict[str, Any]:
-        """``save_weights`` (adapter + optimizer) or ``save_weights_for_sampler`` (adapter only; without
-        a name an ephemeral one, and the promise names a new sampling session)."""
+    def save_weights(self, owner: str, req: dict[str, Any], kind: str) -> dict[str, Any]:
+        """``save_weights`` (kind ``training``: adapter + optimizer), ``save_weights_for_sampler``
+        (``sampler``: adapter only; without a name an ephemeral one, and the promise names a new
+        sampling session) or ``save_weights_external`` (``external``: PEFT's adapter files for download,
+        encrypted to the request's age recipients if any: otray/tinker/external.py)."""
         model_id = req["model_id"]
         self.catalog.run(owner, model_id)
         self.learner_of(model_id)
         name = req.get("path")
-        ephemeral = sampler and not name
+        sampler = kind != "training"
+        ephemeral = kind == "sampler" and not name
         if ephemeral:
             name = f"ephemeral-{req.get('seq_id')}"
         with self.refused(owner, model_id, req.get("seq_id")):
             R.check_name(name)
-        kind = "sampler" if sampler else "training"
+            sealed_to = X.recipients(req.get("age_encryption_recipients")) if kind == "external" else []
         ttl = req.get("ttl_seconds")
         overwrite = bool(req.get("overwrite", False))
 
@@ -248,6 +251,9 @@ class Training:
             self._storage_room(owner)
             where = self.store.checkpoint_dir(owner, model_id, kind, name)
             size = await self._send(model_id, lambda learner: learner.save.remote(owner, model_id, str(where), not sampler))
+            if kind == "external":
+                size = X.keep_peft_files(where)
+                size = X.encrypt_in_place(where, sealed_to) if sealed_to else size
             ckpt = Checkpoint(model_id, kind, name, str(where), time.time(), int(size),
                               time.time() + ttl if ttl else None, req.get("user_metadata"))
             if ephemeral:
@@ -256,7 +262,8 @@ class Training:
                 self.store.prune_ephemeral(owner, model_id, EPHEMERAL_KEEP)
                 return Outcome("json", {"sampling_session_id": sid, "type": "save_weights_for_sampler"})
             self.store.add_checkpoint(ckpt)
-            return Outcome("json", {"path": ckpt.tinker_path, "type": "save_weights_for_sampler" if sampler else "save_weights"})
+            answer = {"training": "save_weights", "sampler": "save_weights_for_sampler", "external": "save_weights_external"}
+            return Outcome("json", {"path": ckpt.tinker_path, "type": answer[kind]})
 
         return self._queue(owner, model_id, req.get("seq_id"), run)
 

@@ -145,12 +145,7 @@ def test_what_is_not_served_is_a_quick_4xx_naming_it(svc, tokenizer, monkeypatch
         "RestClient.search_sessions": lambda: rest.search_sessions(types.SessionSearchRequest()),
         "RestClient.get_billing_usage": lambda: rest.get_billing_usage(now - dt.timedelta(days=1), now),
         "RestClient.get_current_checkpoint_storage_usage": lambda: rest.get_current_checkpoint_storage_usage(),
-        "RestClient.get_external_weights_urls": lambda: rest.get_external_weights_urls(
-            f"tinker://{tc.model_id}/external_weights/x"),
-        "TrainingClient.save_weights_external": lambda: tc.save_weights_external("ext"),
         "optim_step(DimuonParams)": lambda: tc.optim_step(types.DimuonParams(learning_rate=1e-3)),
-        "sample(topk_sample_logprobs)": lambda: tc.save_weights_and_get_sampling_client().result().sample(
-            types.ModelInput.from_ints([1, 2, 3]), 1, types.SamplingParams(max_tokens=2), topk_sample_logprobs=2),
     }
     for name, call in calls.items():
         t0 = time.time()

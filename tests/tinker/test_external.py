@@ -1,0 +1,111 @@
+"""External weights through the real SDK against ``otray tinker``: ``save_weights_external`` (plain and
+age-encrypted), ``RestClient.get_external_weights_urls`` (signed URLs on this service that need no key),
+and the cookbook's ``weights.download`` (for an export, and for a training checkpoint, which it exports,
+encrypted to a key of its own, downloads, decrypts and deletes) + ``weights.build_hf_model``, whose merged
+model transformers loads and scores as the training client does. Another user, a tampered or stale link,
+and an export used as a model are refused by name."""
+
+from __future__ import annotations
+
+import time
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+import torch
+
+from tests.conftest import tinker_fixture
+from tests.fixtures.tinker_data import problems, sft
+
+tinker = pytest.importorskip("tinker")
+pyrage = pytest.importorskip("pyrage")
+from tinker import types  # noqa: E402
+
+PORT = 8032
+URL = f"http://127.0.0.1:{PORT}"
+BASE = "Qwen/Qwen3-8B"
+
+svc = tinker_fixture(PORT, "tinker_external")
+
+
+def trained(svc, tokenizer):
+    """A LoRA client (its unembedding untouched: the tiny model ties it to the embedding, which the
+    cookbook's merge cannot take a LoRA on) after three steps, and a datum to score."""
+    sc = tinker.ServiceClient(base_url=URL, api_key=svc["alice"])
+    tc = sc.create_lora_training_client(base_model=BASE, rank=4, seed=0, train_unembed=False).result()
+    data = [sft(*p) for p in problems(tokenizer, 4)]
+    for _ in range(3):
+        tc.forward_backward(data, "cross_entropy").result()
+        tc.optim_step(types.AdamParams(learning_rate=2e-2)).result()
+    return sc, tc, data
+
+
+def merged_logprobs(path: str, datum: types.Datum) -> np.ndarray:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path)
+    ids = torch.tensor([datum.model_input.to_ints()])
+    with torch.no_grad():
+        lp = torch.log_softmax(model(input_ids=ids).logits[0].float(), -1)
+    return lp[torch.arange(ids.shape[1]), torch.tensor(datum.loss_fn_inputs["target_tokens"].tolist())].numpy()
+
+
+def test_the_cookbook_downloads_an_export_and_merges_it_into_a_model(svc, tokenizer, tiny_path, tmp_path, monkeypatch):
+    from tinker_cookbook import weights
+
+    sc, tc, data = trained(svc, tokenizer)
+    path = tc.save_weights_external("final").result().path
+    assert path == f"tinker://{tc.model_id}/external_weights/final"
+    urls = tinker.RestClient(base_url=URL, api_key=svc["alice"]).get_external_weights_urls(path).result()
+    assert sorted(urls.urls) == ["adapter_config.json", "adapter_model.safetensors"]
+    assert urls.expires.timestamp() > time.time() + 3000
+    with urllib.request.urlopen(urls.urls["adapter_config.json"]) as r:  # no key: the link is the grant
+        assert b'"r": 4' in r.read()
+    monkeypatch.setenv("TINKER_API_KEY", svc["alice"])
+    out = weights.download(tinker_path=path, output_dir=str(tmp_path / "adapter"), base_url=URL)
+    weights.build_hf_model(base_model=tiny_path, adapter_path=out, output_path=str(tmp_path / "model"))
+    want = tc.forward(data[:1], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()
+    assert np.allclose(merged_logprobs(str(tmp_path / "model"), data[0]), want, atol=1e-4)
+    # a training checkpoint: the cookbook exports it (encrypted to its own key), downloads, decrypts, deletes
+    state = tc.save_state("s").result().path
+    again = weights.download(tinker_path=state, output_dir=str(tmp_path / "from_state"), base_url=URL)
+    assert (tmp_path / "from_state" / "adapter_model.safetensors").read_bytes() == (
+        tmp_path / "adapter" / "adapter_model.safetensors").read_bytes()
+    assert again == str(tmp_path / "from_state")
+    sc.close("success").result()
+
+
+def test_encrypted_exports_links_and_refusals(svc, tokenizer):
+    sc, tc, data = trained(svc, tokenizer)
+    rest = tinker.RestClient(base_url=URL, api_key=svc["alice"])
+    key = pyrage.x25519.Identity.generate()
+    sealed = tc.save_weights_external("sealed", ttl_seconds=3600,
+                                      age_encryption_recipients=[str(key.to_public())]).result().path
+    urls = rest.get_external_weights_urls(sealed).result().urls
+    assert sorted(urls) == ["adapter_config.json.age", "adapter_model.safetensors.age"]
+    with urllib.request.urlopen(urls["adapter_config.json.age"]) as r:
+        body = r.read()
+    assert b'"r": 4' not in body and b'"r": 4' in pyrage.decrypt(body, [key])
+    # the link names one file: a changed token, another user, a deleted export are all "no such"
+    token = urls["adapter_config.json.age"]
+    for link in (token[:-3] + ("aaa" if not token.endswith("aaa") else "bbb"), URL + "/api/v1/external_weights/x"):
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(link)
+        assert err.value.code == 404
+    with pytest.raises(tinker.NotFoundError):
+        tinker.RestClient(base_url=URL, api_key=svc["bob"]).get_external_weights_urls(sealed).result()
+    with pytest.raises(Exception, match="external weights export, for download"):
+        sc.create_sampling_client(model_path=sealed).result().sample(
+            types.ModelInput.from_ints([1, 2]), 1, types.SamplingParams(max_tokens=1)).result(timeout=30)
+    rest.delete_checkpoint_from_tinker_path(sealed).result()
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(token)
+    assert err.value.code == 404
+    # a bad recipient is named, and the client's next request runs at once (its seq_id was used up)
+    with pytest.raises(Exception, match="not an age"):
+        tc.save_weights_external("bad", age_encryption_recipients=["age1nope"]).result(timeout=30)
+    t0 = time.time()
+    tc.forward(data[:1], "cross_entropy").result(timeout=30)
+    assert time.time() - t0 < 1.0
+    sc.close("success").result()
