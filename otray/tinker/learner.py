@@ -102,6 +102,20 @@ class SampleOut:
     scores: Optional[PromptScores] = None  # top-K, targets, alternative tokens (when asked)
 
 
+def scores_of(model: Any, job: SampleJob, i: int, samples: list[list[int]], device: str) -> PromptScores:
+    """Prompt ``i`` of ``job``'s scores, from the learner's own forward pass (its images, its masked
+    vision tokens), as :mod:`otray.tinker.prompt_scores` describes."""
+    images = tuple(job.images[i]) if job.images else ()
+
+    def position_logprobs(tokens: list[int]) -> torch.Tensor:
+        n = len(tokens) - 1
+        return position_log_softmax(model, Datum(tokens[:-1], tokens[1:], [1.0] * n, [0.0] * n, [0.0] * n,
+                                                 images=images), device)
+
+    return score(position_logprobs, job.prompts[i], job.scoring, job.targets[i] if job.targets else None,
+                 job.params.temperature, job.params.seed, samples)
+
+
 def batch_loss(model: torch.nn.Module, batch: list[Datum], device: str, loss_fn: str,
                cfg: dict[str, float]) -> tuple[torch.Tensor, torch.Tensor]:
     """One micro-batch's logprobs (``(rows, T)``, or ``(rows, T, K)`` for top-K datums) and per-token
@@ -358,19 +372,6 @@ class AdapterLearner:
             outs = [SampleOut(s) for s in samples]
             if job.scoring != Scoring() or job.targets:
                 for i, (p, out) in enumerate(zip(job.prompts, outs)):
-                    out.scores = self._scores(model, job, i, [s.token_ids for s in out.samples])
+                    out.scores = scores_of(model, job, i, [s.token_ids for s in out.samples], self.device)
                     out.prompt_logprobs = out.scores.logprobs
         return outs
-
-    def _scores(self, model: Any, job: SampleJob, i: int, samples: list[list[int]]) -> PromptScores:
-        """Prompt ``i`` of ``job``'s scores, from the learner's own forward pass (its images, its masked
-        vision tokens), as :mod:`otray.tinker.prompt_scores` describes."""
-        images = tuple(job.images[i]) if job.images else ()
-
-        def position_logprobs(tokens: list[int]) -> torch.Tensor:
-            datum = Datum(tokens[:-1], tokens[1:], [1.0] * (len(tokens) - 1), [0.0] * (len(tokens) - 1),
-                          [0.0] * (len(tokens) - 1), images=images)
-            return position_log_softmax(model, datum, self.device)
-
-        return score(position_logprobs, job.prompts[i], job.scoring, job.targets[i] if job.targets else None,
-                     job.params.temperature, job.params.seed, samples)

@@ -15,6 +15,7 @@ call."""
 from __future__ import annotations
 
 import asyncio
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -25,7 +26,7 @@ from otray.tinker.learner import SampleJob
 from otray.tinker import runs as R
 from otray.tinker.engines import VllmSamplers
 from otray.tinker.futures import Futures, Outcome
-from otray.tinker.prompt_scores import Scoring, Targets, cut_before
+from otray.tinker.prompt_scores import Scoring, Targets, cut_before, fill_response
 from otray.tinker.stability import Recorded
 from otray.tinker.wire import sample_output
 
@@ -149,8 +150,9 @@ class SampleBatcher:
                         self.record(f"{w.request_id}:{i}", Recorded(*w.record, prompt, np.asarray(s.token_ids, np.int32),
                                                                    np.asarray(s.logprobs, np.float32)))
                 lps = R.last_n(out.prompt_logprobs, w.last_n)
-                scores = cut_before(out.scores, w.last_n) if out.scores is not None else None
-                self.futures.finish(w.request_id, Outcome("proto", sample_output(out.samples, lps, scores, w.targets)))
+                fill = (functools.partial(fill_response, scores=cut_before(out.scores, w.last_n), targets=w.targets)
+                        if out.scores is not None else None)
+                self.futures.finish(w.request_id, Outcome("proto", sample_output(out.samples, lps, fill)))
         return False
 
     async def _one_by_one(self, sampler: Any, name: str, groups: Groups, owner: str) -> bool:

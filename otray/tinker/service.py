@@ -217,8 +217,7 @@ class TinkerService:
     async def save_weights(self, owner: str, req: dict[str, Any], kind: str) -> dict[str, Any]:
         return self.training.save_weights(owner, req, kind)
 
-    async def external_file(self, token: str) -> bytes:
-        """A signed URL's file (no API key: the token is the grant; otray/tinker/external.py)."""
+    async def external_file(self, token: str) -> bytes:  # a signed URL's file: the token is the grant
         return self.catalog.external_file(token)
 
     async def load_weights(self, owner: str, req: dict[str, Any], api_key: Optional[str] = None) -> dict[str, Any]:

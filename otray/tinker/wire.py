@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 
@@ -374,11 +374,11 @@ def sampling_params(raw: dict[str, Any]) -> SamplingParams:
         raise UserError(f"sampling_params: {e}") from None
 
 
-def sample_output(samples: list[Sample], prompt_logprobs: Optional[list[Optional[float]]], scores: Any = None,
-                  targets: Any = None) -> bytes:
+def sample_output(samples: list[Sample], prompt_logprobs: Optional[list[Optional[float]]],
+                  fill: Optional[Callable[[Any, Any], None]] = None) -> bytes:
     """A ``SampleResponse`` protobuf. The stop token (id or the one completing a stop string) is in
-    ``tokens``; finish reason ``length`` maps to LENGTH, anything else to STOP. ``scores`` / ``targets``:
-    the top-K, target and alternative-token answers (:mod:`otray.tinker.prompt_scores`)."""
+    ``tokens``; finish reason ``length`` maps to LENGTH, anything else to STOP. ``fill(pb module,
+    response)`` writes the rest (top-K, targets, alternative tokens: :mod:`otray.tinker.prompt_scores`)."""
     p = pb()
     out = p.SampleResponse()
     for s in samples:
@@ -389,8 +389,6 @@ def sample_output(samples: list[Sample], prompt_logprobs: Optional[list[Optional
     if prompt_logprobs is not None:
         vals = [math.nan if v is None else v for v in prompt_logprobs]
         out.prompt_logprobs = np.asarray(vals, dtype=np.float32).tobytes()
-    if scores is not None:
-        from otray.tinker.prompt_scores import fill_response
-
-        fill_response(p, out, scores, targets)
+    if fill is not None:
+        fill(p, out)
     return out.SerializeToString()
