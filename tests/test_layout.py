@@ -45,6 +45,7 @@ ACTOR_ROLES = {
     "RolloutWorker": "sampling",
     "ProtocolCoordinator": "coordinator",
     "TinkerService": "tinker", "SharedLearner": "tinker", "LoraSampler": "tinker", "TinkerGateway": "tinker",
+    "TinkerOpenAI": "tinker",
     "Gateway": "serve",
 }
 

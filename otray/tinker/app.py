@@ -323,6 +323,9 @@ def run(cfg: Any, *, blocking: bool = False) -> Any:
     """Start Serve at ``cfg.host:cfg.port`` on the connected cluster and deploy the Tinker app."""
     from otray.structured import to_dict
 
+    from otray.tinker.oai import OAI_PREFIX, TinkerOpenAI
+
     serve.start(http_options={"host": cfg.host, "port": cfg.port})
-    return serve.run(TinkerGateway.bind(to_dict(cfg)), name=APP_NAME, route_prefix=ROUTE_PREFIX,
-                     blocking=blocking)
+    handle = serve.run(TinkerGateway.bind(to_dict(cfg)), name=APP_NAME, route_prefix=ROUTE_PREFIX)
+    serve.run(TinkerOpenAI.bind(to_dict(cfg)), name=f"{APP_NAME}-openai", route_prefix=OAI_PREFIX, blocking=blocking)
+    return handle

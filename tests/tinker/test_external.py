@@ -109,3 +109,38 @@ def test_encrypted_exports_links_and_refusals(svc, tokenizer):
     tc.forward(data[:1], "cross_entropy").result(timeout=30)
     assert time.time() - t0 < 1.0
     sc.close("success").result()
+
+
+def test_openai_clients_sample_base_models_and_sampler_checkpoints(svc, tokenizer):
+    """``<service>/oai/api/v1``: the official openai client, a base model and a tinker:// sampler path, the
+    same greedy tokens as the SDK's sampling; another user's path is a 404, a wrong key a 401."""
+    import openai
+
+    from otray.models import chat_prompt_ids
+
+    sc, tc, _ = trained(svc, tokenizer)
+    path = tc.save_weights_for_sampler("s").result().path
+    client = openai.OpenAI(base_url=URL + "/oai/api/v1", api_key=svc["alice"])
+    assert BASE in [m.id for m in client.models.list().data]
+    greedy = types.SamplingParams(max_tokens=5, temperature=0.0)
+    got = client.completions.create(model=BASE, prompt="12+30=", max_tokens=5, temperature=0.0)
+    want = sc.create_sampling_client(base_model=BASE).result().sample(
+        types.ModelInput.from_ints(tokenizer.encode("12+30=", add_special_tokens=False)), 1, greedy).result()
+    assert got.choices[0].text == tokenizer.decode(want.sequences[0].tokens, skip_special_tokens=True)
+    messages = [{"role": "user", "content": "What is 12+30?"}]
+    chat = client.chat.completions.create(model=path, messages=messages, max_tokens=5, temperature=0.0, n=2)
+    mine = sc.create_sampling_client(model_path=path).result().sample(
+        types.ModelInput.from_ints(chat_prompt_ids(tokenizer, messages)), 1, greedy).result()
+    text = tokenizer.decode(mine.sequences[0].tokens, skip_special_tokens=True)
+    assert [c.message.content for c in chat.choices] == [text, text] and chat.usage.completion_tokens >= 2
+    streamed = client.chat.completions.create(model=f"{BASE};{path}", messages=messages, max_tokens=5,
+                                              temperature=0.0, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == text
+    with pytest.raises(openai.NotFoundError):
+        openai.OpenAI(base_url=URL + "/oai/api/v1", api_key=svc["bob"]).chat.completions.create(
+            model=path, messages=messages, max_tokens=2)
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=URL + "/oai/api/v1", api_key="tml-nope").models.list()
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client.completions.create(model=BASE, prompt="x", max_tokens=10**9)
+    sc.close("success").result()
