@@ -82,24 +82,24 @@ def _properties(otype: str) -> list[str]:
 
 
 def draw_scene(rng: random.Random, task_type: str) -> dict[str, Any]:
-    """A room: receptacle types (with their number), objects (type, receptacle index) and the task."""
+    """A room: receptacle types (one of each), objects (type, index of the receptacle it is in) and the
+    task; ``{}`` when the draw admits no task (the caller draws again)."""
     prop, appliance = TASKS[task_type]
     kinds = rng.sample(sorted(RECEPTACLES), rng.randint(2, 4))
     if appliance and appliance not in kinds:
         kinds[rng.randrange(len(kinds))] = appliance
-    holders = [k for k in kinds if RECEPTACLES[k][1]]
     objects = []
     for _ in range(rng.randint(1, 3)):
         where = rng.randrange(len(kinds))
         objects.append((rng.choice(RECEPTACLES[kinds[where]][1]), where))
-    candidates = [(o, w) for o, w in objects if prop is None or o in {"cleanable": CLEANABLE, "heatable": HEATABLE,
-                                                                       "coolable": COOLABLE}[prop]]
+    able = {"cleanable": CLEANABLE, "heatable": HEATABLE, "coolable": COOLABLE}
+    candidates = [(o, w) for o, w in objects if prop is None or o in able[prop]]
     if not candidates:
         return {}
     target, start = rng.choice(candidates)
     # a destination that holds no object of the target's type yet (else the goal holds before the first step)
     taken = {kinds[w] for o, w in objects if o == target}
-    dest = [k for k in holders if k not in taken and k != appliance and target in RECEPTACLES[k][1]]
+    dest = [k for k in kinds if k not in taken and k != appliance and target in RECEPTACLES[k][1]]
     if not dest:
         return {}
     return {"task_type": task_type, "receptacles": kinds, "objects": objects, "object": target,

@@ -215,7 +215,7 @@ class TinkerGateway:
     async def external_weights_urls(self, model_id: str, segment: str, name: str, request: Request) -> dict[str, Any]:
         """One signed URL per file of an export (``<this service>/api/v1/external_weights/<token>``)."""
         got = await self._call(request, self.service.rest, R.ExternalUrls(model_id, f"{segment}/{name}"))
-        base = str(request.base_url).rstrip("/") + ROUTE_PREFIX + "/external_weights/"
+        base = f"{request.url.scheme}://{request.url.netloc}{ROUTE_PREFIX}/external_weights/"
         return {"urls": {f: base + token for f, token in got["files"].items()},
                 "expires": dt.datetime.fromtimestamp(got["expires"], dt.timezone.utc).isoformat()}
 
