@@ -62,6 +62,26 @@ def split_model(model: str, bases: list[str]) -> tuple[str | None, str | None]:
     return base or None, path or None
 
 
+def _weights_info(path: str) -> Any:
+    from otray.tinker.catalog import WeightsInfoView
+
+    return WeightsInfoView(path)
+
+
+async def _stream(req: GenerationRequest, choices: list[Choice], prompt_tokens: int):
+    rid, created = new_id(req.chat), int(time.time())
+    for i, c in enumerate(choices):
+        yield sse(chunk_body(req, rid, created, i, c.text, None, first=True))
+        yield sse(chunk_body(req, rid, created, i, None, c.finish_reason))
+        await asyncio.sleep(0)
+    if req.include_usage:
+        from otray.serve.openai_api import usage
+
+        yield sse({"id": rid, "object": "chat.completion.chunk" if req.chat else "text_completion", "created": created,
+                   "model": req.model, "choices": [], "usage": usage(prompt_tokens, sum(c.completion_tokens for c in choices))})
+    yield sse("[DONE]")
+
+
 @serve.deployment(name="TinkerOpenAI", num_replicas=1, max_ongoing_requests=1000, ray_actor_options={"num_cpus": 0})
 @serve.ingress(oai_api)
 class TinkerOpenAI:
@@ -167,23 +187,3 @@ class TinkerOpenAI:
             finish = "stop" if stopped or seq.stop_reason == p.STOP_REASON_STOP else "length"
             out.append(Choice(text, finish, len(tokens)))
         return out
-
-
-def _weights_info(path: str) -> Any:
-    from otray.tinker.catalog import WeightsInfoView
-
-    return WeightsInfoView(path)
-
-
-async def _stream(req: GenerationRequest, choices: list[Choice], prompt_tokens: int):
-    rid, created = new_id(req.chat), int(time.time())
-    for i, c in enumerate(choices):
-        yield sse(chunk_body(req, rid, created, i, c.text, None, first=True))
-        yield sse(chunk_body(req, rid, created, i, None, c.finish_reason))
-        await asyncio.sleep(0)
-    if req.include_usage:
-        from otray.serve.openai_api import usage
-
-        yield sse({"id": rid, "object": "chat.completion.chunk" if req.chat else "text_completion", "created": created,
-                   "model": req.model, "choices": [], "usage": usage(prompt_tokens, sum(c.completion_tokens for c in choices))})
-    yield sse("[DONE]")

@@ -18,6 +18,7 @@ from typing import Any, Awaitable, Callable, Optional
 
 from otray.records import JobState
 from otray.tinker.learner import AdamStep, AdapterSpec
+from otray.tinker import external as X
 from otray.tinker import runs as R
 from otray.tinker.catalog import Catalog
 from otray.tinker.futures import Futures, OrderedExecutor, Outcome

@@ -96,7 +96,8 @@ def test_the_cookbooks_topk_self_distillation_moves_the_student_to_the_teacher(s
         for seq in sampler.sample(types.ModelInput.from_ints(prompt), 2,
                                   types.SamplingParams(max_tokens=6, seed=p)).result(timeout=60).sequences:
             full = prompt + seq.tokens
-            mask = [0.0] * (len(prompt) - 1) + [1.0] * len(seq.tokens)
+            mask = types.TensorData.from_numpy(np.asarray([0.0] * (len(prompt) - 1) + [1.0] * len(seq.tokens),
+                                                          dtype=np.float32))
             data.append(types.Datum(model_input=types.ModelInput.from_ints(full[:-1]),
                                     loss_fn_inputs={"target_tokens": full[1:], "mask": mask}))
             meta.append({"group_idx": p})
