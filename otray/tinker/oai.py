@@ -94,6 +94,7 @@ class TinkerOpenAI:
         self.limits = Limits(max_tokens=self.cfg.max_tokens, max_n=self.cfg.max_samples)
         self.tokenizers: dict[str, Any] = {}
         self._service: Any = None
+        self._callers: Any = None  # one Callers: its auth answer and JWT secret are cached
 
     @property
     def service(self) -> Any:
@@ -108,8 +109,10 @@ class TinkerOpenAI:
     async def _owner(self, request: Request) -> str:
         auth = request.headers.get("authorization") or ""
         key = auth[7:].strip() if auth.lower().startswith("bearer ") else request.headers.get("x-api-key") or ""
+        if self._callers is None:
+            self._callers = Callers(self.cfg, self.service)
         try:
-            return await Callers(self.cfg, self.service).owner(key)
+            return await self._callers.owner(key)
         except Exception as e:  # noqa: BLE001 - a wrong key is a 401 in OpenAI's shape
             raise api_error(e) from None
 
