@@ -127,7 +127,7 @@ class TinkerGateway:
                             "or ask the service's admin to add your version to sdk_versions", 400)
         return {"pjwt_auth_enabled": self.cfg.jwt_auth, "parallel_fwdbwd_chunks": True, "proto_compress_fwdbwd": False,
                 "fwdbwd_max_chunk_len": self.cfg.max_chunk_datums, "custom_loss_server_side": False,
-                "sample_use_retrieve_futures": False, "sample_join_sampling_session": False}
+                "sample_use_retrieve_futures": True, "sample_join_sampling_session": False}
 
     @tinker_api.post("/auth/token")
     async def auth_token(self, request: Request) -> dict[str, str]:
@@ -249,6 +249,10 @@ class TinkerGateway:
     @tinker_api.post("/asample")
     async def asample(self, request: Request) -> dict[str, Any]:
         return await self._post(request, self.service.asample, "prompt", "sampling_params")
+
+    @tinker_api.post("/retrieve_futures")
+    async def retrieve_futures(self, request: Request) -> dict[str, Any]:
+        return await self._post(request, self.service.retrieve_futures, "target")
 
     @tinker_api.post("/retrieve_future")
     async def retrieve_future(self, request: Request) -> Response:

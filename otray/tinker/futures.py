@@ -47,6 +47,7 @@ class Futures:
         self.ttl_s = ttl_s
         self.items: dict[str, _Entry] = {}
         self.open: dict[str, int] = {}  # owner -> requests not finished (quota.concurrent_requests)
+        self.on_finish: Optional[Callable[[str, Outcome], None]] = None  # told of every finished request
 
     def new(self, request_id: str, owner: str) -> bool:
         """Register a request; False when it exists already (a resubmission)."""
@@ -70,6 +71,8 @@ class Futures:
             entry.outcome, entry.finished = outcome, time.monotonic()
             self.open[entry.owner] -= 1
             entry.done.set()
+            if self.on_finish is not None:
+                self.on_finish(request_id, outcome)
 
     def owner(self, request_id: str) -> Optional[str]:
         entry = self.items.get(request_id)

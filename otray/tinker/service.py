@@ -25,6 +25,7 @@ import ray
 from otray.actors.control.resource_manager import get_or_create
 from otray.tinker.learner import AdapterSpec
 from otray.tinker.config import TinkerConfig, load_tinker, quota_of, shares_of
+from otray.tinker.session_feeds import SessionFeeds, poll_args
 from otray.tinker.sessions import Sessions
 from otray.tinker.shared_learner import SharedLearner
 from otray.tinker.engines import VllmSamplers
@@ -81,14 +82,15 @@ class TinkerService:
         self.engines = VllmSamplers(self.models, self.paths, NAME, NAMESPACE)
         self.batcher = SampleBatcher(self.learners, self.engines, self.futures, self.cfg.sample_batch_wait_ms / 1000,
                                      self.recordings.add)
+        self.feeds = SessionFeeds()  # retrieve_futures: each sampling session's finished requests, in order
+        self.futures.on_finish = self.feeds.finished
 
     async def until_gone(self) -> None:
         """Never answers: the ResourceManager holds this call and fails this service's leases when it
         fails (the actor died or restarted)."""
         await asyncio.Event().wait()
 
-    async def sample_calls(self) -> list[int]:
-        """Requests per sample batch, latest last (how well requests were batched)."""
+    async def sample_calls(self) -> list[int]:  # requests per sample batch, latest last (batching)
         return list(self.batcher.calls)
 
     async def learner_use(self) -> dict[str, dict[str, Any]]:
@@ -96,14 +98,11 @@ class TinkerService:
         names = sorted(self.learners)
         return dict(zip(names, await asyncio.gather(*[self.learners[n].usage.remote() for n in names])))
 
-    async def sample_engines(self) -> dict[str, Any]:
-        """Prompts sampled by each engine (``learner``, ``vllm``), and why a vLLM engine is not used."""
+    async def sample_engines(self) -> dict[str, Any]:  # prompts per engine; why a vLLM engine is not used
         return {**self.batcher.prompts, "down": dict(self.engines.down)}
 
-    async def stability(self) -> dict[str, int]:
-        """Sequences recorded with stability info, held now, and named by stable_reinforce requests."""
-        r = self.recordings
-        return {"recorded": r.recorded, "held": len(r.items), "trained": r.trained}
+    async def stability(self) -> dict[str, int]:  # sequences recorded, held now, named by stable_reinforce
+        return {"recorded": self.recordings.recorded, "held": len(self.recordings.items), "trained": self.recordings.trained}
 
     async def ready(self) -> list[str]:
         await asyncio.gather(*[h.ping.remote() for h in self.learners.values()])
@@ -193,8 +192,7 @@ class TinkerService:
             owner, model_id, base, req, api_key, make, {"model_id": model_id, "type": "create_model"}, rank))
 
     async def _opened(self, session_id: str, answer: dict[str, Any]) -> dict[str, Any]:
-        """A model made for a session that closed or expired meanwhile is unloaded at once (else it
-        would hold its adapter and lease with nobody to end them)."""
+        """A model made for a session that closed meanwhile is unloaded at once (nobody would end it)."""
         if session_id not in self.sessions.open:
             await self.training.unload(answer["model_id"], "its session was closed or expired")
         return answer
@@ -208,8 +206,6 @@ class TinkerService:
     async def forward_backward(self, owner: str, body: bytes) -> dict[str, Any]:
         return self.training.forward_backward(owner, body)
 
-    async def refuse(self, owner: str, req: dict[str, Any], why: str) -> None:
-        self.training.refuse(owner, req, why)
 
     async def optim_step(self, owner: str, req: dict[str, Any]) -> dict[str, Any]:
         return self.training.optim_step(owner, req)
@@ -287,10 +283,15 @@ class TinkerService:
         if wait.request_id not in self.futures.items:
             self.futures.room(owner, quota_of(self.cfg, owner).concurrent_requests)
         if self.futures.new(wait.request_id, owner):
+            self.feeds.watch(wait.request_id, req)
             self.batcher.submit(base, owner, wait)
         return {"request_id": wait.request_id, "sample_sequence_ids": ids}
 
     # ------------------------------------------------------------------ promises
+
+    async def retrieve_futures(self, owner: str, req: dict[str, Any]) -> dict[str, Any]:  # session_feeds.py
+        sid, clone, prev, timeout = poll_args(req)
+        return await self.feeds.poll((self.catalog.sampler(owner, sid).sampler_id, clone), prev, timeout)
 
     async def retrieve(self, owner: str, request_id: str) -> Optional[Outcome]:
         return await self.futures.wait(request_id, owner, self.cfg.long_poll_s)

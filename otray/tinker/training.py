@@ -202,12 +202,6 @@ class Training:
                     await self.unload(model_id, why, JobState.FAILED)
             await asyncio.sleep(1.0)
 
-    def refuse(self, owner: str, req: dict[str, Any], why: str) -> None:
-        """A training request of a route this service does not serve: refused, its seq_id used up (so
-        the client's next request does not wait for it)."""
-        with self.refused(owner, req.get("model_id"), req.get("seq_id")):
-            raise UserError(why, 404)
-
     def optim_step(self, owner: str, req: dict[str, Any]) -> dict[str, Any]:
         model_id = req["model_id"]
         self.catalog.run(owner, model_id)

@@ -111,3 +111,25 @@ def test_the_cookbooks_topk_self_distillation_moves_the_student_to_the_teacher(s
         losses.append(student.forward_backward(datums, "cross_entropy").result(timeout=60).metrics["loss:sum"])
         student.optim_step(types.AdamParams(learning_rate=2e-2)).result(timeout=60)
     assert losses[-1] < 0.8 * losses[0], losses  # the student's cross-entropy to the teacher's top-K falls
+
+
+def test_samples_complete_through_one_session_poll(svc):
+    """``sample_use_retrieve_futures``: the SDK's one poller per sampling session sees each request finish
+    (otray/tinker/session_feeds.py); another user's session is a 404, a malformed poll a 400."""
+    import httpx
+
+    sc = tinker.ServiceClient(base_url=URL, api_key=svc["alice"])
+    base = sc.create_sampling_client(base_model=STUDENT).result()
+    assert base.holder.get_client_config().sample_use_retrieve_futures
+    futures = [base.sample(types.ModelInput.from_ints(p), 2, types.SamplingParams(max_tokens=3, seed=i))
+               for i, p in enumerate(PROMPTS * 3)]
+    assert all(len(f.result(timeout=60).sequences) == 2 for f in futures)
+    poll = {"target": {"type": "sampling_session", "sampling_session_id": base._sampling_session_id,
+                       "cloned_sampler_id": 0}, "prev_cursor": 0, "timeout": 0}
+    seen = httpx.post(f"{URL}/api/v1/retrieve_futures", json=poll, headers={"X-API-Key": svc["alice"]}, timeout=30)
+    assert seen.status_code == 200 and isinstance(seen.json()["cursor"], int)
+    other = httpx.post(f"{URL}/api/v1/retrieve_futures", json=poll, headers={"X-API-Key": svc["bob"]}, timeout=30)
+    assert other.status_code == 404
+    bad = httpx.post(f"{URL}/api/v1/retrieve_futures", json={**poll, "prev_cursor": "x"},
+                     headers={"X-API-Key": svc["alice"]}, timeout=30)
+    assert bad.status_code == 400 and "prev_cursor" in bad.json()["detail"]
