@@ -240,8 +240,8 @@ def cmd_tinker(args: argparse.Namespace) -> int:
     _connect(args)  # the ResourceManager checks keys when auth is on
     run(cfg)
     print(f"Tinker API on http://{cfg.host}:{cfg.port}{ROUTE_PREFIX} (base models: "
-          f"{', '.join(m.name for m in cfg.models)}): TINKER_BASE_URL=http://{cfg.host}:{cfg.port}; Ctrl-C stops",
-          flush=True)
+          f"{', '.join(m.name for m in cfg.models)}): TINKER_BASE_URL=http://{cfg.host}:{cfg.port}; OpenAI-compatible "
+          f"at http://{cfg.host}:{cfg.port}/oai/api/v1; Ctrl-C stops", flush=True)
     return _until_interrupted()
 
 
