@@ -20,6 +20,7 @@ import asyncio
 import time
 from typing import Any
 
+import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
@@ -183,8 +184,6 @@ class TinkerOpenAI:
         msg.ParseFromString(outcome.body)
         out = []
         for seq in msg.sequences:
-            import numpy as np
-
             tokens = np.frombuffer(seq.tokens, dtype=np.int32).tolist()
             text, stopped = apply_stop(tok.decode(tokens, skip_special_tokens=True), req.stop)
             finish = "stop" if stopped or seq.stop_reason == p.STOP_REASON_STOP else "length"
