@@ -245,6 +245,12 @@ class GameSection:
     ``rotate_seats``, once per cyclic rotation of the seating as well, so a policy
     trains in every role); advantages are grouped by (seed, seating, role).
     ``text`` is a ``GameText`` or a function of ``kwargs`` returning one.
+
+    ``seatings`` (optional) lists the seatings played in training instead of ``policies`` and its
+    rotations, each mapping every agent to a policy, so each seat can have its own sparring partner
+    (e.g. a weaker opponent where the trained policy moves second) or a seat can be trained more often
+    (list it twice). ``policies`` still names the job's trained and frozen policies and the league's
+    base seating; evaluation is unchanged (every trained policy in every role against ``eval_opponents``).
     """
 
     entry: str = "???"  # "module:factory" of a PettingZoo AEC or Parallel env, e.g. envs.gomoku:env
@@ -252,6 +258,7 @@ class GameSection:
     text: str = "???"  # "module:GameText" (or a function of kwargs), e.g. envs.tictactoe_text:TEXT
     policies: dict[str, str] = field(default_factory=dict)
     rotate_seats: bool = False
+    seatings: list[dict[str, str]] = field(default_factory=list)  # training seatings; empty: policies (+ rotations)
     # game: each agent's whole game is one conversation; turn: each decision sees only the current
     # observation (long games in a small context), every decision is a datum carrying the game's reward
     context: str = "game"

@@ -10,7 +10,7 @@ from typing import Any
 
 from otray.device import DEVICES, DTYPES
 from otray.names import ADVANTAGE_NAMES, AGGREGATIONS, loss_config
-from otray.policies import eval_opponents, seating, trained_policies
+from otray.policies import eval_opponents, seating, trained_policies, training_seatings
 from otray.structured import one_of
 from otray.types import ConfigError
 
@@ -73,6 +73,7 @@ def check_values(cfg: Any) -> None:
             raise ConfigError(f"game.max_turns={cfg.game.max_turns}: give the moves after which an unfinished "
                               "game is a timeout (>= 1), or leave it out for no limit")
         check_league(cfg)
+        check_seatings(cfg)
         if cfg.game.elo_k <= 0:
             raise ConfigError(f"game.elo_k={cfg.game.elo_k} must be positive (16 is usual)")
         if not any(p.kind == "trained" for p in seating(cfg).values()):
@@ -113,6 +114,25 @@ def check_values(cfg: Any) -> None:
                               f"(it has: {', '.join(env.splits) or 'none'}); add envs.{name}.splits.train")
     if cfg.sft.steps and cfg.sft.env is not None and cfg.sft.env not in cfg.envs:
         raise ConfigError(f"sft.env={cfg.sft.env!r} names no env; defined envs: {', '.join(cfg.envs)}")
+
+
+def check_seatings(cfg: Any) -> None:
+    """``game.seatings``: each names the agents of ``game.policies``, trains one of its trained policies,
+    and is not combined with ``rotate_seats`` (list the rotations you want instead)."""
+    if not cfg.game.seatings:
+        return
+    if cfg.game.rotate_seats:
+        raise ConfigError("game.seatings lists the training seatings itself: set game.rotate_seats=false (list "
+                          "each rotation you want as a seating)")
+    trained = set(trained_policies(cfg))
+    for i, seats in enumerate(training_seatings(cfg)):
+        if set(seats) != set(cfg.game.policies):
+            raise ConfigError(f"game.seatings[{i}] must name the agents of game.policies {sorted(cfg.game.policies)}; "
+                              f"got {sorted(seats)}")
+        mine = {p.arg for p in seats.values() if p.kind == "trained"}
+        if not mine or not mine <= trained:
+            raise ConfigError(f"game.seatings[{i}] must seat at least one trained policy, and only those of "
+                              f"game.policies ({', '.join(sorted(trained))}); got {dict(cfg.game.seatings[i])}")
 
 
 def check_league(cfg: Any) -> None:

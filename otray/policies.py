@@ -109,6 +109,14 @@ def seating(cfg: Any) -> dict[str, PolicySpec]:
     return {} if cfg.game is None else {a: PolicySpec.parse(p, f"game.policies.{a}") for a, p in cfg.game.policies.items()}
 
 
+def training_seatings(cfg: Any) -> list[dict[str, PolicySpec]]:
+    """``game.seatings`` parsed (empty when the config gives none: ``policies`` and its rotations are played)."""
+    if cfg.game is None:
+        return []
+    return [{a: PolicySpec.parse(p, f"game.seatings[{i}].{a}") for a, p in seats.items()}
+            for i, seats in enumerate(cfg.game.seatings)]
+
+
 def eval_opponents(cfg: Any) -> list[PolicySpec]:
     """``game.eval_opponents`` parsed."""
     return [] if cfg.game is None else [PolicySpec.parse(p, "game.eval_opponents") for p in cfg.game.eval_opponents]
@@ -136,8 +144,8 @@ def league_on(cfg: Any) -> bool:
 
 def frozen_policies(cfg: Any) -> list[PolicySpec]:
     """The game's ``frozen:REF`` policies (seats, eval opponents, the league's fixed opponents), each once."""
-    return list(dict.fromkeys(p for p in [*seating(cfg).values(), *eval_opponents(cfg), *league_fixed(cfg)]
-                              if p.kind == "frozen"))
+    seated = [p for seats in [seating(cfg), *training_seatings(cfg)] for p in seats.values()]
+    return list(dict.fromkeys(p for p in [*seated, *eval_opponents(cfg), *league_fixed(cfg)] if p.kind == "frozen"))
 
 
 def league_workers(cfg: Any) -> int:

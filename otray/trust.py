@@ -147,6 +147,7 @@ def import_refs(cfg: Any) -> list[tuple[str, str]]:
     if cfg.game is not None:
         refs += [("game.entry", cfg.game.entry), ("game.text", cfg.game.text)]
         specs = [(f"game.policies.{a}", p) for a, p in cfg.game.policies.items()]
+        specs += [(f"game.seatings[{i}].{a}", p) for i, seats in enumerate(cfg.game.seatings) for a, p in seats.items()]
         specs += [(f"game.eval_opponents[{i}]", p) for i, p in enumerate(cfg.game.eval_opponents)]
         specs += [(f"game.league.fixed[{i}]", p) for i, p in enumerate(cfg.game.league.fixed)]
         refs += [(key, PolicySpec.parse(p).call()[0]) for key, p in specs if PolicySpec.parse(p).kind == "scripted"]

@@ -35,7 +35,7 @@ from otray.coordinator.agent_loop import Limits
 from otray.coordinator.protocol import GameResult, Played, Policy, ProtocolCoordinator
 from otray.coordinator.text_bridge import MoveRules
 from otray.games import GameText
-from otray.policies import PolicySpec, league_fixed, league_on, scripted_function
+from otray.policies import PolicySpec, league_fixed, league_on, scripted_function, training_seatings
 from otray.structured import import_object
 from otray.types import ConfigError, SamplingParams, Trajectory, TrajectoryGroup
 
@@ -79,7 +79,7 @@ class GameGroupSource:
         self.roles = list(make_env().possible_agents)
         if set(g.policies) != set(self.roles):
             raise ConfigError(f"game.policies must name exactly the game's agents {self.roles}; got {sorted(g.policies)}")
-        self.seatings = seatings(seating(cfg), self.roles, g.rotate_seats)
+        self.seatings = training_seatings(cfg) or seatings(seating(cfg), self.roles, g.rotate_seats)
         self.trained = list(trained_workers)
         self.opponents = eval_opponents(cfg)
         first = len(trained_policies(cfg)) * policy_bundles(cfg)  # bundles after the trained policies'
@@ -100,7 +100,8 @@ class GameGroupSource:
             library[f"{spec}/greedy"] = Policy("model", name=f"{spec}/greedy", workers=workers, params=greedy)
         if self.league is not None:
             library.update(self.league.library(sampled))
-        for spec in [*seating(cfg).values(), *self.opponents, *league_fixed(cfg)]:
+        seated = [p for seats in [seating(cfg), *self.seatings] for p in seats.values()]
+        for spec in [*seated, *self.opponents, *league_fixed(cfg)]:
             if spec.kind == "scripted":
                 library[str(spec)] = Policy("scripted", name=str(spec), fn=scripted_function(spec))
         self.coordinator = factory.start(ray.remote(num_cpus=0)(ProtocolCoordinator),

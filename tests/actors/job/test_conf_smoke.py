@@ -83,7 +83,7 @@ def test_config_runs_two_steps(ray_local, tmp_path, name):
             loss = "learner/loss" if len(trained) == 1 else f"policy/{name}/learner/loss"
             assert loss in last, sorted(last)
         assert last["elo/random"] == 1000.0 and all(f"elo/{n}" in last for n in trained), sorted(last)
-        seatings = len(g.policies) if g.rotate_seats else 1
+        seatings = len(g.seatings) or (len(g.policies) if g.rotate_seats else 1)
         assert last["games"] == 2 * 2 * seatings and last["games_errored"] == 0
     if len(cfg.envs) > 1:  # every metric per env and overall
         for env in cfg.envs:
