@@ -1,7 +1,7 @@
 """ResourceManager: the named, detached actor that owns jobs and their leases.
 
-Jobs wait in a FIFO queue until their placement group (``otray.actors.control.lease``) can be
-placed; a job that can never fit the cluster is rejected at submit with the missing
+Jobs wait in a queue (turns by user: ``otray.actors.control.scheduler``) until their placement group
+(``otray.actors.control.lease``) can be placed; a job that can never fit the cluster is rejected at submit with the missing
 resource named. The lease is released on every exit path: success, failure, cancel,
 job actor death.
 

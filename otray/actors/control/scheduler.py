@@ -1,7 +1,10 @@
-"""The ResourceManager's job queue: FIFO placement, starting drivers, watching them to the end.
+"""The ResourceManager's job queue: fair placement, starting drivers, watching them to the end.
 
 Jobs wait in ``queue`` until their placement group (``otray.actors.lease.bundles_for``) can
-be placed; the head of the queue blocks the rest (FIFO). A started job's driver gets its
+be placed. The next job to place is the oldest queued job of the user who holds the fewest
+running jobs (:func:`fair_pick`), so a user who queued many jobs takes turns with one who queued
+one; once its placement group is asked for it blocks the rest until it is placed (no job jumps
+a larger one that waits for room). A started job's driver gets its
 job token from the :class:`~otray.actors.gate.Gate`; its end (success, failure, cancel,
 driver death) frees the placement group and stores the innermost error (:func:`job_error`).
 Runs on the ResourceManager's event loop; the manager owns the one instance.
@@ -10,7 +13,7 @@ Runs on the ResourceManager's event loop; the manager owns the one instance.
 from __future__ import annotations
 
 import asyncio
-from collections import deque
+from collections import Counter, deque
 from pathlib import Path
 from typing import Any
 
@@ -67,11 +70,11 @@ class JobQueue:
             self._scheduler = asyncio.get_running_loop().create_task(self._schedule())
 
     async def _schedule(self) -> None:
-        """Place queued jobs in FIFO order; the head waits until its placement group fits."""
+        """Place queued jobs one at a time (:meth:`_head`); each waits until its placement group fits."""
         from ray.util.placement_group import placement_group
 
         while self.queue:
-            job_id = self.queue[0]
+            job_id = self._head()
             cfg = config_mod.load(self.registry.job(job_id).config)
             pg = self.pending.get(job_id) or placement_group(bundles_for(cfg), strategy=cfg.resources.strategy,
                                                              name=pg_name(job_id))
@@ -80,10 +83,18 @@ class JobQueue:
                 await asyncio.sleep(POLL_S)
                 if job_id not in self.pending:  # cancelled while waiting
                     break
-            if self.pending.pop(job_id, None) is None or not self.queue or self.queue[0] != job_id:
+            if self.pending.pop(job_id, None) is None or job_id not in self.queue:
                 continue
-            self.queue.popleft()
+            self.queue.remove(job_id)
             await self._start(job_id, cfg, pg)
+
+    def _head(self) -> str:
+        """The job being placed (its placement group asked for), else the fair pick of the queue."""
+        asked = next((j for j in self.queue if j in self.pending), None)
+        if asked is not None:
+            return asked
+        return fair_pick([(j, self.registry.job(j).owner) for j in self.queue],
+                         [self.registry.job(j).owner for j in self.running])
 
     async def _start(self, job_id: str, cfg: config_mod.Config, pg: Any) -> None:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -118,6 +129,17 @@ class JobQueue:
         if not self.registry.job(job_id).state.terminal:
             self.registry.set_state(job_id, state, error)
         self.kick()
+
+
+def fair_pick(queued: list[tuple[str, str]], running_owners: list[str]) -> str:
+    """The job to place next, of ``queued`` ((job id, owner) in submit order): the oldest job of the user
+    who holds the fewest running or starting jobs (``running_owners``: one owner per such job), ties to
+    the older job. Each user's own jobs start in the order they were submitted."""
+    held = Counter(running_owners)
+    first: dict[str, tuple[int, int, str]] = {}
+    for i, (job_id, owner) in enumerate(queued):
+        first.setdefault(owner, (held[owner], i, job_id))
+    return min(first.values())[2]
 
 
 def pg_name(job_id: str) -> str:
