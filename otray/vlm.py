@@ -22,6 +22,7 @@ How images reach a model (:class:`VisionInputs`, one per model directory):
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -224,3 +225,72 @@ def observation_prompt(tokenizer: Any, before: list[dict[str, Any]], observation
     ids = chat_prompt_ids(tokenizer, before + [{"role": "user", "content": template_content(observation)}],
                           tools=tools)
     return (vision.expand(ids, images) if vision else ids), images
+
+
+class FeatureCache:
+    """The vision tower's features per image, for sampling (no gradients): a ``generate`` over ``n``
+    samples of a prompt (rows that repeat its images) and an episode's later turns run the tower once
+    per distinct image, not once per row and turn. Keyed by the image's digest; the sampler calls
+    :meth:`clear` whenever its weights change (a LoRA may cover the vision tower). The learner does not
+    use it: its features carry gradients."""
+
+    def __init__(self, size: int = 256, version: Any = None, across_calls: bool = True):
+        """``version()``: the weights' version, when they can change without :meth:`clear` (a learner's model
+        sampled in place): the cache empties when it changes. ``across_calls`` False: each ``generate``
+        starts empty (weights that change with no version to tell)."""
+        self.size, self.version, self.across_calls = size, version, across_calls
+        self.seen: Any = None  # the version the cached features are of
+        self.items: OrderedDict[str, Any] = OrderedDict()
+        self.runs = 0  # images the tower ran on
+        self.hits = 0  # images answered from the cache
+
+    def clear(self) -> None:
+        self.items.clear()
+
+    @contextlib.contextmanager
+    def serving(self, model: Any, images: Sequence[Image]) -> Any:
+        """Within this block ``model``'s vision tower answers for ``images`` (every image of the batch, in
+        the order their pixels are given: :meth:`VisionInputs.model_kwargs`) from the cache, running only
+        on the images it has not seen. Any other call (a different image count) runs the tower as usual."""
+        now = self.version() if self.version is not None else None
+        if not self.across_calls or now != self.seen:
+            self.clear()
+            self.seen = now
+        owner = next(m for m in model.modules() if "get_image_features" in type(m).__dict__ and "visual" in m._modules)
+        tower = owner.get_image_features
+        digests = [im.digest for im in images]
+
+        def features(pixel_values: Any, image_grid_thw: Any = None, **kwargs: Any) -> Any:
+            if image_grid_thw is None or len(image_grid_thw) != len(digests):
+                return tower(pixel_values, image_grid_thw, **kwargs)
+            return self._features(tower, pixel_values, image_grid_thw, digests, kwargs)
+
+        owner.get_image_features = features
+        try:
+            yield self
+        finally:
+            del owner.get_image_features  # the class's method again
+
+    def _features(self, tower: Any, pixels: Any, grid: Any, digests: list[str], kwargs: dict[str, Any]) -> Any:
+        import torch
+        from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+        rows = grid.prod(-1).tolist()  # pixel rows (patches) per image
+        starts = [sum(rows[:i]) for i in range(len(rows))]
+        missing = {}  # digest -> the first image with it
+        for i, d in enumerate(digests):
+            if d not in self.items:
+                missing.setdefault(d, i)
+        if missing:
+            first = list(missing.values())
+            out = tower(torch.cat([pixels[starts[i]:starts[i] + rows[i]] for i in first]), grid[first], **kwargs)
+            for d, feats in zip(missing, out.pooler_output):
+                self.items[d] = feats
+        self.runs += len(missing)
+        self.hits += len(digests) - len(missing)
+        answer = tuple(self.items[d] for d in digests)
+        for d in digests:
+            self.items.move_to_end(d)
+        while len(self.items) > max(self.size, len(set(digests))):
+            self.items.popitem(last=False)
+        return BaseModelOutputWithPooling(pooler_output=answer)

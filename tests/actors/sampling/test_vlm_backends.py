@@ -93,3 +93,24 @@ def test_images_for_a_text_worker_are_refused(tiny_path, shown):
     text = RolloutWorker(tiny_path, "hf", max_model_len=128)
     with pytest.raises(ImageError, match="takes no images"):
         text.generate([shown[0][0]], SamplingParams(max_tokens=2), 1, [shown[0][1]])
+
+
+def test_the_hf_samplers_vision_tower_runs_once_per_distinct_image(worker, shown):
+    """n samples of a prompt, another prompt with the same picture, and the next call with it (an episode's
+    next turn) run the HF sampler's vision tower once per distinct picture (vLLM keeps its own encoder
+    cache); a weight update empties the cache (the update tests above check the features follow it)."""
+    if worker.backend.name != "hf":
+        pytest.skip("the HF backend's cache (vLLM caches encoder outputs itself)")
+    cache = worker.backend.features
+    cache.clear()
+    runs, hits = cache.runs, cache.hits
+    prompts = [shown[0], shown[1], shown[0]]
+    first = worker.generate([p for p, _ in prompts], SamplingParams(max_tokens=4, temperature=0.0), 4,
+                            [im for _, im in prompts])
+    assert cache.runs - runs == 2 and cache.hits - hits >= 10  # 12 rows, 2 pictures
+    again = worker.generate([shown[0][0]], SamplingParams(max_tokens=4, temperature=0.0), 1, [shown[0][1]])
+    assert cache.runs - runs == 2  # the next turn: from the cache, and the same greedy answer
+    assert again[0].samples[0].token_ids == first[0].samples[0].token_ids
+    assert again[0].samples[0].logprobs == pytest.approx(first[0].samples[0].logprobs, abs=1e-5)
+    worker.update_weights(PolicyLearner(worker.backend.model.config._name_or_path).weights())
+    assert not cache.items

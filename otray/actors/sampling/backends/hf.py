@@ -24,7 +24,7 @@ from otray.device import resolve_device, resolve_dtype
 from otray.models import end_of_turn_ids, load_model, load_tokenizer
 from otray.types import FinishReason, Sample, SamplingParams
 from otray.vision import Image
-from otray.vlm import NEVER, unsampled_ids, vision_inputs
+from otray.vlm import NEVER, FeatureCache, unsampled_ids, vision_inputs
 
 
 class ChosenLogprobs:
@@ -97,7 +97,8 @@ class HFBackend:
         if where != "cpu":
             model.to(where)
         # oneDNN's prepacked kernels are the CPU's; a GPU samples with the model's own layers
-        self._attach(model, load_tokenizer(model_path), max_model_len, max_batch, packed_linears and where == "cpu")
+        self._attach(model, load_tokenizer(model_path), max_model_len, max_batch, packed_linears and where == "cpu",
+                     owned=True)
 
     @classmethod
     def on_model(cls, model: Any, tokenizer: Any, *, max_model_len: int | None = None,
@@ -111,7 +112,7 @@ class HFBackend:
         return backend
 
     def _attach(self, model: Any, tokenizer: Any, max_model_len: int | None, max_batch: int,
-                packed_linears: bool, weights_version: Callable[[], Any] | None = None) -> None:
+                packed_linears: bool, weights_version: Callable[[], Any] | None = None, owned: bool = False) -> None:
         self.tokenizer = tokenizer
         self.model = model
         self.base_model = self.model
@@ -120,6 +121,9 @@ class HFBackend:
         self.stop_token_ids = end_of_turn_ids(self.tokenizer)
         self.pad_id = self.tokenizer.pad_token_id
         self.packed = PackedLinears(weights_version) if packed_linears else None
+        # the vision tower once per distinct image (a vision-language model); a model trained in place
+        # (on_model, not ``owned``) keeps features across calls only where weights_version() tells of changes
+        self.features = FeatureCache(version=weights_version, across_calls=owned or weights_version is not None)
 
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], params: SamplingParams, n: int,
@@ -160,9 +164,11 @@ class HFBackend:
             sampling.update(stop_strings=list(params.stop), tokenizer=self.tokenizer)
         eos = list(params.stop_token_ids or self.stop_token_ids)
         recorder = ChosenLogprobs()
-        if any(pictures):
+        images = [im for row in pictures for im in row]
+        if images:
             sampling.update(vision_inputs(self.model).model_kwargs(ids, pictures))
-        with self.packed.active(self.model) if self.packed else nullcontext():
+        with self.packed.active(self.model) if self.packed else nullcontext(), \
+                self.features.serving(self.model, images) if images else nullcontext():
             out = self.model.generate(
                 input_ids=ids, attention_mask=attn, max_new_tokens=budget, eos_token_id=eos, pad_token_id=self.pad_id,
                 logits_processor=processors(params, recorder, width, budget if params.ignore_eos else 0, eos,
@@ -203,6 +209,7 @@ class HFBackend:
     def _weights_changed(self) -> None:
         if self.packed:
             self.packed.invalidate()
+        self.features.clear()
 
     def load_lora(self, tensors: dict[str, Any], lora_config: dict[str, Any], version: int) -> None:
         from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
