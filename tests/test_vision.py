@@ -116,3 +116,24 @@ def test_shapes_times_needs_the_picture_and_the_calculator():
     assert env.step(f"The answer is {task.data['answer']}.").reward == 1.0
     env.reset(task)
     assert env.step(str(task.data["answer"] + 1)).reward == 0.0
+
+
+def test_episode_log_keeps_an_episodes_images_for_the_viewer(tmp_path):
+    """The trajectory viewer's rows carry the episode's pictures as data URLs, in the order of the
+    ``<image>`` markers in its messages, up to a byte budget (the rest counted, not logged)."""
+    from otray.actors.job.episodes import EpisodeLog, logged_images
+    from otray.types import Trajectory
+
+    pictures = [draw(scene(seed)[1]) for seed in range(3)]
+    traj = Trajectory(task=Task(id="t0", env="count_shapes", data={}),
+                      messages=[{"role": "user", "content": "<image>How many?"}, {"role": "assistant", "content": "2"}],
+                      images=pictures)
+    log = EpisodeLog(tmp_path)
+    log.add(4, [traj, Trajectory(task=Task(id="t1", env="arithmetic", data={}))], {})
+    row, text_row = log.take()
+    assert row["images"] == [p.data_url() for p in pictures] and row["images_omitted"] == 0
+    assert Image.from_data_url(row["images"][1]).data == pictures[1].data
+    assert "images" not in text_row  # a text episode's row is unchanged
+    budget = len(pictures[0].data) + len(pictures[1].data)
+    assert logged_images(traj, budget) == {"images": [p.data_url() for p in pictures[:2]], "images_omitted": 1}
+    assert logged_images(traj, 0) == {"images": [], "images_omitted": 3}

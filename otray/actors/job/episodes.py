@@ -22,6 +22,8 @@ from otray.structured import import_object
 from otray.types import DatasetError, Task, Trajectory
 
 
+LOGGED_IMAGE_BYTES = 512 * 1024  # an episode's images shown in the trajectory viewer, at most (encoded bytes)
+
 REDUCE: dict[str, Callable[[list[float]], float]] = {
     "sum": sum, "mean": statistics.fmean, "max": max, "min": min}
 
@@ -102,7 +104,8 @@ class EpisodeLog:
                  "messages": t.messages, "turn_rewards": t.turn_rewards, "reward": t.reward,
                  "advantage": advantage_of.get(id(t)), "finished": t.finished, "truncated": t.truncated,
                  "error": None if t.error is None else t.error.message,
-                 "info": {k: v for k, v in t.info.items() if isinstance(v, (int, float, str, bool))}} for t in trajs]
+                 "info": {k: v for k, v in t.info.items() if isinstance(v, (int, float, str, bool))},
+                 **logged_images(t)} for t in trajs]
         with self.path.open("a") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
         self.pending.extend(rows)
@@ -110,3 +113,18 @@ class EpisodeLog:
     def take(self) -> list[dict[str, Any]]:
         out, self.pending = self.pending, []
         return out
+
+
+def logged_images(traj: Trajectory, budget: int = LOGGED_IMAGE_BYTES) -> dict[str, Any]:
+    """The episode's images for the log, in the order their ``<image>`` markers appear in its messages:
+    ``images`` (data URLs, up to ``budget`` encoded bytes in all) and ``images_omitted`` (how many of the
+    rest did not fit). Nothing for a text episode."""
+    if not traj.images:
+        return {}
+    shown, used = [], 0
+    for image in traj.images:
+        if used + len(image.data) > budget:
+            break
+        shown.append(image.data_url())
+        used += len(image.data)
+    return {"images": shown, "images_omitted": len(traj.images) - len(shown)}
