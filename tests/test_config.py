@@ -74,10 +74,28 @@ GAME = {"entry": "envs.gomoku:env", "text": "envs.gomoku:text", "policies": {"bl
     ({}, {"sft": {"stop_at_accuracy": 0.5}}, "stop_at_accuracy needs an env"),
     ({"max_turns": 0}, {}, "game.max_turns=0"),
     ({"elo_k": -1}, {}, "game.elo_k=-1"),
+    ({"seatings": [{"black": "trained", "white": "random"}], "rotate_seats": True}, {}, "set game.rotate_seats=false"),
+    ({"seatings": [{"black": "trained"}]}, {}, r"seatings\[0\] must name the agents"),
+    ({"seatings": [{"black": "random", "white": "trained:other"}]}, {}, r"seatings\[0\] must seat at least one trained"),
+    ({"seatings": [{"black": "random", "white": "random"}]}, {}, "at least one trained policy"),
 ])
 def test_game_config_errors_name_the_problem(game, extra, match):
     with pytest.raises(ConfigError, match=match):
         config.load({"game": {**GAME, **game}, **extra})
+
+
+def test_seatings_list_the_training_seatings_and_their_frozen_policies_get_workers():
+    from otray.actors.control.resource_manager import bundles_for
+    from otray.policies import PolicySpec, training_seatings
+    from otray.trust import import_refs
+
+    seats = [{"black": "trained", "white": "random"}, {"black": "frozen:/ckpt", "white": "trained"},
+             {"black": "scripted:mine:weak(p=0.9)", "white": "trained"}]
+    cfg = config.load({"game": {**GAME, "seatings": seats}})
+    assert [s["black"] for s in training_seatings(cfg)] == [PolicySpec("trained", "main"), PolicySpec("frozen", "/ckpt"),
+                                                            PolicySpec("scripted", "mine:weak(p=0.9)")]
+    assert config.frozen_policies(cfg) == [PolicySpec("frozen", "/ckpt")] and len(bundles_for(cfg)) == 3
+    assert ("game.seatings[2].black", "mine:weak") in import_refs(cfg)  # checked like every import a user names
 
 
 def test_policy_sets_and_bundles():
