@@ -16,7 +16,8 @@ def collect(run_dir: Path) -> dict:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     config = json.loads((run_dir / "config.json").read_text())
     return {"run_dir": str(run_dir), "seed": config["job"]["seed"],
-            "summary": json.loads((run_dir / "summary.json").read_text()),
+            # a run stopped early has no summary
+            "summary": json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else None,
             "eval_rows": [{k: v for k, v in r.items() if k in ("step", "phase") or k.startswith(("eval/", "sft_", "elo/"))}
                           for r in rows if any(k.startswith("eval/") for k in r)]}
 
