@@ -66,7 +66,7 @@ SERVE_RANGES: dict[str, tuple[Any, Any]] = {  # ``otray serve`` (otray.serve.con
 TINKER_RANGES: dict[str, tuple[Any, Any]] = {  # ``otray tinker`` (otray.tinker.config)
     "port": (1, 65535), "long_poll_s": (GT(0), 40),  # the SDK gives up on a poll after 45 s
     "result_ttl_s": (GT(0), None), "gap_timeout_s": (GT(0), None), "session_timeout_s": (GT(0), None),
-    "max_body_bytes": (1, None), "sample_batch_wait_ms": (0, None), "max_chunk_datums": (1, None),
+    "max_body_bytes": (1, None), "sample_batch_wait_ms": (0, None), "sample_call_max_samples": (1, None), "max_chunk_datums": (1, None),
     "max_samples": (1, None), "max_tokens": (1, None), "max_topk": (1, 100_000),
     **{f"{where}.{k}": (0, None) for where in ("quota", "user_quotas.*")
        for k in ("training_clients", "lora_rank", "samplers", "concurrent_requests", "storage_gb")},

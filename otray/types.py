@@ -110,6 +110,9 @@ class Sample:
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: FinishReason
+    # prompt tokens the engine found in its prefix cache (vLLM's num_cached_tokens; 0 where the engine has
+    # no prefix cache, as HF generate): the same on every sample of one prompt
+    cached_prompt_tokens: int = 0
 
     def __post_init__(self) -> None:
         if len(self.token_ids) != len(self.logprobs):

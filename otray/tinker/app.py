@@ -142,7 +142,7 @@ class TinkerGateway:
     @tinker_api.post("/client/dynamic_config")
     async def dynamic_config(self, request: Request) -> dict[str, Any]:
         await self._owner(request)
-        return {"refresh_interval_sec": 300, "sample_cancel_enabled": False}
+        return {"refresh_interval_sec": 300, "sample_cancel_enabled": True}  # abandoned samples: cancel_future
 
     @tinker_api.post("/telemetry")
     async def telemetry(self) -> dict[str, str]:
@@ -253,6 +253,10 @@ class TinkerGateway:
     @tinker_api.post("/retrieve_futures")
     async def retrieve_futures(self, request: Request) -> dict[str, Any]:
         return await self._post(request, self.service.retrieve_futures, "target")
+
+    @tinker_api.post("/cancel_future")
+    async def cancel_future(self, request: Request) -> dict[str, Any]:
+        return await self._post(request, self.service.cancel_future, "request_id")
 
     @tinker_api.post("/retrieve_future")
     async def retrieve_future(self, request: Request) -> Response:

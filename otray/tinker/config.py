@@ -117,6 +117,10 @@ class TinkerConfig:
     # admin's choice, since the service then makes requests where a client points it
     fetch_image_urls: bool = False
     sample_batch_wait_ms: float = 30.0  # sample requests arriving within this window share one learner call
+    # samples in one vLLM engine call at most, taken in turns over the users waiting: a flood of one user's
+    # requests goes out in calls of this size, so another user's request waits for one call, not the flood
+    # (smaller: fairer; larger: fewer calls whose slowest sample holds the engine's freed slots idle)
+    sample_call_max_samples: int = 512
     max_chunk_datums: int = 1024  # the SDK splits a forward_backward into requests of at most this many datums
     max_samples: int = 64  # num_samples per request
     max_tokens: int = 4096  # per sample

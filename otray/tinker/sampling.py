@@ -10,11 +10,13 @@ turn (:class:`~otray.tinker.shared_learner.SharedLearner`, with the training cal
 does not wait for them, so one user's long sampling call delays another's requests by about one
 call, not all of it, and cannot fail them. The vLLM engine takes every user's requests of a batch
 together (its own scheduler interleaves them token by token); the next batch for it waits for that
-call."""
+call, so a batch for it holds at most ``sample_call_max_samples`` samples, taken in turns over the users
+waiting (:func:`fair_cut`): a request waits for at most one call of another user's flood."""
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import functools
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -28,7 +30,7 @@ from otray.tinker.engines import VllmSamplers
 from otray.tinker.futures import Futures, Outcome
 from otray.tinker.prompt_scores import Scoring, Targets, cut_before, fill_response
 from otray.tinker.stability import Recorded
-from otray.tinker.wire import sample_output
+from otray.tinker.wire import UserError, sample_output
 
 
 @dataclass
@@ -51,13 +53,41 @@ class SampleWait:
         return bool(self.images) or self.scoring.needs_learner() or self.targets is not None
 
 
-Groups = dict[tuple, list[SampleWait]]  # (owner, adapter, params, n, scoring, learner only?) -> its requests
+Groups = dict[tuple, list[SampleWait]]
+Queue = list[tuple[str, SampleWait]]  # (owner, request) in arrival order
+
+
+def fair_cut(queue: Queue, budget: int, capped: Callable[[SampleWait], bool]) -> tuple[Queue, Queue]:
+    """(the requests of this batch, those left for the next). Requests that are not ``capped`` (the
+    learner's: each user's go in calls of their own anyway) all go now. Capped ones (the vLLM engine's,
+    which takes a batch in one call) are taken in turns over their owners, each owner's in arrival order,
+    until their samples reach ``budget``; at least one always goes. So one user's flood is cut into calls,
+    and another user's request, taken in the first turn of the next batch, waits for one call of it."""
+    turns: dict[str, collections.deque] = {}
+    for owner, w in queue:
+        if capped(w):
+            turns.setdefault(owner, collections.deque()).append((owner, w))
+    taken: Queue = []
+    used = 0
+    while turns and (used < budget or not taken):
+        for owner in list(turns):
+            if used >= budget and taken:
+                break
+            item = turns[owner].popleft()
+            taken.append(item)
+            used += item[1].n
+            if not turns[owner]:
+                del turns[owner]
+    arrival = {id(w): i for i, (_, w) in enumerate(queue)}
+    left = sorted((item for items in turns.values() for item in items), key=lambda item: arrival[id(item[1])])
+    return [(o, w) for o, w in queue if not capped(w)] + taken, left  # (owner, adapter, params, n, scoring, learner only?) -> its requests
 
 
 class SampleBatcher:
     def __init__(self, learners: dict[str, Any], engines: VllmSamplers, futures: Futures, wait_s: float,
-                 record: Callable[[str, Recorded], None]):
+                 record: Callable[[str, Recorded], None], call_max_samples: int = 512):
         self.learners = learners
+        self.call_max_samples = call_max_samples  # per vLLM call, taken in turns over users (fair_cut)
         self.record = record  # (sequence id, what was sampled): stable_reinforce's stability info
         self.engines = engines  # the vLLM samplers, and which requests they take
         self.wait_s = wait_s  # a batch waits this long for requests sent together (the SDK sends one per prompt)
@@ -70,8 +100,11 @@ class SampleBatcher:
         self.learner_waiting: dict[tuple[str, str], Groups] = {}  # (base, owner) -> requests for the learner
         self.learner_busy: set[tuple[str, str]] = set()  # (base, owner) with a learner call running
         self.tasks: set[asyncio.Task] = set()
+        self.live: set[str] = set()  # request ids submitted and not finished (what cancel_future may name)
+        self.cancelled = {"waiting": 0, "running": 0}  # cancel_future calls by the state they found
 
     def submit(self, base: str, owner: str, wait: SampleWait) -> None:
+        self.live.add(wait.request_id)
         self.waiting[base].append((owner, wait))
         if not self.busy[base]:
             self.busy[base] = True
@@ -81,7 +114,8 @@ class SampleBatcher:
         try:
             while self.waiting[base]:
                 await asyncio.sleep(self.wait_s)
-                batch, self.waiting[base] = self.waiting[base], []
+                batch, self.waiting[base] = fair_cut(self.waiting[base], self.call_max_samples,
+                                                     lambda w: self.engines.serves(base, w.adapter) and not w.learner_only())
                 self.calls = [*self.calls[-999:], len(batch)]
                 groups: Groups = {}
                 for owner, w in batch:
@@ -152,7 +186,7 @@ class SampleBatcher:
                 lps = R.last_n(out.prompt_logprobs, w.last_n)
                 fill = (functools.partial(fill_response, scores=cut_before(out.scores, w.last_n), targets=w.targets)
                         if out.scores is not None else None)
-                self.futures.finish(w.request_id, Outcome("proto", sample_output(out.samples, lps, fill)))
+                self._finish(w.request_id, Outcome("proto", sample_output(out.samples, lps, fill)))
         return False
 
     async def _one_by_one(self, sampler: Any, name: str, groups: Groups, owner: str) -> bool:
@@ -169,4 +203,35 @@ class SampleBatcher:
     def _fail(self, groups: Groups, why: str) -> None:
         for ws in groups.values():
             for w in ws:
-                self.futures.finish(w.request_id, Outcome.error(why, "server"))
+                self._finish(w.request_id, Outcome.error(why, "server"))
+
+    def _finish(self, request_id: str, outcome: Outcome) -> None:
+        self.live.discard(request_id)
+        self.futures.finish(request_id, outcome)  # a cancelled request is finished already: this is a no-op
+
+    def cancel(self, request_id: str) -> str:
+        """Cancel a sampling request: ``waiting`` (taken out of its batch before any sampler saw it),
+        ``running`` (in a sampler call: that call goes on for the requests beside it, and this one's result
+        is dropped) or ``finished`` (its result stays). Its promise fails as cancelled."""
+        if request_id not in self.live:
+            if self.futures.items[request_id].outcome is None:
+                raise UserError("only sampling requests can be cancelled: a training request runs in its "
+                                "client's seq_id order, which the next request depends on", 400)
+            return "finished"
+        state = "running"
+        for base, queue in self.waiting.items():
+            kept = [(o, w) for o, w in queue if w.request_id != request_id]
+            state, self.waiting[base] = ("waiting" if len(kept) < len(queue) else state), kept
+        for groups in self.learner_waiting.values():
+            for key, ws in list(groups.items()):
+                kept_ws = [w for w in ws if w.request_id != request_id]
+                if len(kept_ws) < len(ws):
+                    state = "waiting"
+                    if kept_ws:
+                        groups[key] = kept_ws
+                    else:
+                        del groups[key]
+        self.cancelled[state] += 1
+        self._finish(request_id, Outcome.error("cancelled by its client (cancel_future): the SDK abandoned the "
+                                               "request (a timeout or a cancelled task)", "user"))
+        return state

@@ -45,6 +45,21 @@ NAME = "otray-tinker"
 NAMESPACE = "otray"
 
 
+def start_learners(cfg: TinkerConfig, paths: dict[str, str]) -> dict[str, Any]:
+    """One :class:`SharedLearner` actor per base model (found again by name after a service restart),
+    restarted if its process dies (its adapters are lost then)."""
+    learners, fair = {}, cfg.scheduling
+    for m in cfg.models:
+        threads = m.num_threads or max(1, int(m.learner_cpus))
+        remote = ray.remote(SharedLearner).options(
+            name=f"{NAME}-learner-{m.name}", namespace=NAMESPACE, get_if_exists=True, max_restarts=-1,
+            num_cpus=m.learner_cpus, num_gpus=m.learner_gpus, runtime_env={"env_vars": {"OMP_NUM_THREADS": str(threads)}})
+        learners[m.name] = remote.remote(paths[m.name], num_threads=threads, max_model_len=m.max_context_length,
+                                         dtype=m.dtype, policy=fair.policy, slice_tokens=fair.slice_tokens,
+                                         follow_s=fair.follow_ms / 1000, shares=shares_of(cfg))
+    return learners
+
+
 class TinkerService:
     def __init__(self, cfg: dict[str, Any]):
         from otray.models import resolve_model_path
@@ -57,17 +72,7 @@ class TinkerService:
         self.paths = {m.name: resolve_model_path(m.path, self.cfg.cache_dir) for m in self.cfg.models}
         self.models = {m.name: m for m in self.cfg.models}
         self.limits: dict[str, R.ModelLimits] = {}
-        self.learners: dict[str, Any] = {}
-        for m in self.cfg.models:
-            remote = ray.remote(SharedLearner).options(  # restarted if its process dies (its adapters are lost)
-                name=f"{NAME}-learner-{m.name}", namespace=NAMESPACE, get_if_exists=True, max_restarts=-1,
-                num_cpus=m.learner_cpus, num_gpus=m.learner_gpus,
-                runtime_env={"env_vars": {"OMP_NUM_THREADS": str(m.num_threads or max(1, int(m.learner_cpus)))}})
-            fair = self.cfg.scheduling
-            self.learners[m.name] = remote.remote(self.paths[m.name], num_threads=m.num_threads or max(1, int(m.learner_cpus)),
-                                                  max_model_len=m.max_context_length, dtype=m.dtype, policy=fair.policy,
-                                                  slice_tokens=fair.slice_tokens, follow_s=fair.follow_ms / 1000,
-                                                  shares=shares_of(self.cfg))
+        self.learners: dict[str, Any] = start_learners(self.cfg, self.paths)
         me = ray.get_runtime_context()
         self.leases = Leases(self.store, get_or_create(), (me.current_actor, me.get_actor_id()))
         self.secret, self.exchanges = load_secret(self.store.root), Exchanges()  # JWT auth
@@ -81,7 +86,7 @@ class TinkerService:
         self.tasks: list[asyncio.Task] = []  # the session sweep and the learners' watches
         self.engines = VllmSamplers(self.models, self.paths, NAME, NAMESPACE)
         self.batcher = SampleBatcher(self.learners, self.engines, self.futures, self.cfg.sample_batch_wait_ms / 1000,
-                                     self.recordings.add)
+                                     self.recordings.add, self.cfg.sample_call_max_samples)
         self.feeds = SessionFeeds()  # retrieve_futures: each sampling session's finished requests, in order
         self.futures.on_finish = self.feeds.finished
 
@@ -99,7 +104,7 @@ class TinkerService:
         return dict(zip(names, await asyncio.gather(*[self.learners[n].usage.remote() for n in names])))
 
     async def sample_engines(self) -> dict[str, Any]:  # prompts per engine; why a vLLM engine is not used
-        return {**self.batcher.prompts, "down": dict(self.engines.down)}
+        return {**self.batcher.prompts, "down": dict(self.engines.down), "cancelled": dict(self.batcher.cancelled)}
 
     async def stability(self) -> dict[str, int]:  # sequences recorded, held now, named by stable_reinforce
         return {"recorded": self.recordings.recorded, "held": len(self.recordings.items), "trained": self.recordings.trained}
@@ -288,6 +293,14 @@ class TinkerService:
         return {"request_id": wait.request_id, "sample_sequence_ids": ids}
 
     # ------------------------------------------------------------------ promises
+
+    async def cancel_future(self, owner: str, req: dict[str, Any]) -> dict[str, Any]:
+        """``cancel_future``: the SDK abandoned a sampling request (a timeout or a cancelled task): it leaves
+        its batch if it has not reached a sampler yet, and its promise fails as cancelled either way."""
+        rid = req["request_id"]
+        if not isinstance(rid, str) or self.futures.owner(rid) != owner:
+            raise UserError(f"no request {rid!r} (unknown, another user's, or its result expired)", 404)
+        return {"request_id": rid, "state": self.batcher.cancel(rid)}
 
     async def retrieve_futures(self, owner: str, req: dict[str, Any]) -> dict[str, Any]:  # session_feeds.py
         sid, clone, prev, timeout = poll_args(req)

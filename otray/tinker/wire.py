@@ -386,6 +386,7 @@ def sample_output(samples: list[Sample], prompt_logprobs: Optional[list[Optional
         seq.stop_reason = p.STOP_REASON_LENGTH if s.finish_reason is FinishReason.LENGTH else p.STOP_REASON_STOP
         seq.tokens = np.asarray(s.token_ids, dtype=np.int32).tobytes()
         seq.logprobs = np.asarray(s.logprobs, dtype=np.float32).tobytes()
+    out.prompt_cache_hit_tokens = samples[0].cached_prompt_tokens if samples else 0  # counted once per prompt
     if prompt_logprobs is not None:
         vals = [math.nan if v is None else v for v in prompt_logprobs]
         out.prompt_logprobs = np.asarray(vals, dtype=np.float32).tobytes()

@@ -20,6 +20,7 @@ from tinker import types  # noqa: E402
 PORT = 8023
 URL = f"http://127.0.0.1:{PORT}"
 BASE = "Qwen/Qwen3-8B"
+CALL = 4  # samples per vLLM call at most (sample_call_max_samples), taken in turns over users
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +30,8 @@ def svc(ray_local, tmp_path_factory, tiny_path):
     models = [{"name": BASE, "path": tiny_path, "sampler": {"engine": "vllm", "max_lora_rank": 8}},
               {"name": "fallback", "path": tiny_path, "learner_cpus": 0.5, "sampler": {"engine": "auto", **unplaceable}},
               {"name": "strict", "path": tiny_path, "learner_cpus": 0.5, "sampler": {"engine": "vllm", **unplaceable}}]
-    keys, stop = tinker_service(ray_local, tmp_path_factory.mktemp("tinker-vllm"), PORT, tiny_path, models=models)
+    keys, stop = tinker_service(ray_local, tmp_path_factory.mktemp("tinker-vllm"), PORT, tiny_path, models=models,
+                                sample_call_max_samples=CALL)
     yield keys
     stop()
 
@@ -120,6 +122,40 @@ def test_sampler_checkpoints_of_two_clients_and_the_base_sample_on_one_vllm_engi
 
 
 @pytest.mark.vllm
+def test_a_users_flood_goes_to_vllm_in_calls_and_another_users_request_in_the_first(svc, tokenizer, ray_local):
+    """sample_call_max_samples: alice's 8 requests of 2 samples go out in calls of at most CALL samples; bob's
+    request, sent after them, is taken in the first turn of the next call, not after the flood."""
+    from otray.tinker.service import NAME, NAMESPACE
+
+    prompt = types.ModelInput.from_ints(problems(tokenizer, 1)[0][0][:4])
+    params = types.SamplingParams(max_tokens=16, temperature=1.0)
+    alice = tinker.ServiceClient(base_url=URL, api_key=svc["alice"]).create_sampling_client(base_model=BASE).result()
+    bob = tinker.ServiceClient(base_url=URL, api_key=svc["bob"]).create_sampling_client(base_model=BASE).result()
+    before = len(ray_local.get(ray_local.get_actor(NAME, namespace=NAMESPACE).sample_calls.remote()))
+    flood = [alice.sample(prompt, 2, params) for _ in range(8)]
+    mine = bob.sample(prompt, 1, params)
+    for i, f in enumerate([mine, *flood]):
+        assert len(f.result(timeout=120).sequences) == (1 if i == 0 else 2)
+    calls = ray_local.get(ray_local.get_actor(NAME, namespace=NAMESPACE).sample_calls.remote())[before:]
+    assert len(calls) >= 4 and max(calls) <= 3, calls  # 17 samples in calls of 4: (2 + 1 + 2) or (2 + 2)
+    assert engines(ray_local)["vllm"] >= 9
+
+
+def test_prompt_cache_hit_tokens_come_from_vllms_prefix_cache(svc, tokenizer):
+    """``prompt_cache_hit_tokens``: 0 for a prompt the engine has not seen; when the same long prompt comes
+    again, the prompt tokens vLLM's prefix cache held (whole cache blocks, fewer than the prompt). The
+    learner's HF sampler has no prefix cache: always 0 there."""
+    prompt = types.ModelInput.from_ints([int(t) for t in np.random.default_rng(7).integers(10, 400, 300)])
+    params = types.SamplingParams(max_tokens=2, temperature=1.0)
+    first = tinker.ServiceClient(base_url=URL, api_key=svc["alice"]).create_sampling_client(base_model=BASE).result()
+    assert first.sample(prompt, 1, params).result(timeout=120).prompt_cache_hit_tokens == 0
+    again = first.sample(prompt, 2, params).result(timeout=120).prompt_cache_hit_tokens
+    assert 0 < again < 300, again
+    learner = tinker.ServiceClient(base_url=URL, api_key=svc["alice"]).create_sampling_client(base_model="fallback").result()
+    for _ in range(2):
+        assert learner.sample(prompt, 1, params).result(timeout=120).prompt_cache_hit_tokens == 0
+
+
 def test_an_engine_that_cannot_start_falls_back_under_auto_and_is_an_error_under_vllm(svc, tokenizer, ray_local):
     sc = tinker.ServiceClient(base_url=URL, api_key=svc["alice"])
     prompt = types.ModelInput.from_ints(tokenizer.encode("1+2="))

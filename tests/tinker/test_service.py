@@ -349,6 +349,55 @@ def test_a_poisoned_sample_request_fails_alone_and_the_other_users_request_is_se
         assert r.status_code == 400 and says in r.json()["detail"], (says, r.status_code, r.text)
 
 
+def test_an_abandoned_sample_is_cancelled_and_the_clients_next_one_served(svc, tokenizer, ray_local):
+    """cancel_future (on through the dynamic config): a request still waiting for its user's learner call
+    leaves it, one in a running call has its result dropped; both promises fail as cancelled. The SDK sends
+    it by itself when a sampling future is abandoned (result_async's timeout). Another user's request is a
+    404, as an unknown one is."""
+    from otray.tinker.service import NAME, NAMESPACE
+
+    service = ray_local.get_actor(NAME, namespace=NAMESPACE)
+    prompt = problems(tokenizer, 1)[0][0][:4]
+    alice = {"X-API-Key": svc["alice"]}
+
+    def asample(max_tokens: int, n: int = 1) -> str:
+        body = {"base_model": BASE, "num_samples": n, "prompt": {"chunks": [{"type": "encoded_text", "tokens": prompt}]},
+                "sampling_params": {"max_tokens": max_tokens}}
+        return httpx.post(f"{URL}/api/v1/asample", json=body, headers=alice).json()["request_id"]
+
+    def cancel(rid, headers=alice) -> httpx.Response:
+        return httpx.post(f"{URL}/api/v1/cancel_future", json={"request_id": rid}, headers=headers)
+
+    def cancelled() -> int:
+        return sum(ray_local.get(service.sample_engines.remote())["cancelled"].values())
+
+    running = asample(200, n=32)
+    time.sleep(0.5)  # on alice's learner call now: her next request waits for it
+    waiting = asample(4)
+    time.sleep(0.3)
+    assert cancel(running, {"X-API-Key": svc["bob"]}).status_code == 404
+    assert cancel(waiting).json()["state"] == "waiting"
+    assert cancel(running).json()["state"] == "running"
+    assert cancel(waiting).json()["state"] == "finished"  # a second cancel changes nothing
+    for rid in (waiting, running):
+        r = httpx.post(f"{URL}/api/v1/retrieve_future", json={"request_id": rid}, headers=alice, timeout=30)
+        assert "cancelled by its client" in r.text, r.text
+    assert cancel(None).status_code == 400 and cancel([1]).status_code == 400  # missing, not a string
+    # the SDK: a sampling future abandoned by a timeout is cancelled on the service
+    sampler = tinker.ServiceClient(base_url=URL, api_key=svc["alice"]).create_sampling_client(base_model=BASE).result()
+    before = cancelled()
+    abandoned = sampler.sample(types.ModelInput.from_ints(prompt), 32, types.SamplingParams(max_tokens=200))
+    with pytest.raises((asyncio.TimeoutError, TimeoutError)):
+        asyncio.run(abandoned.result_async(timeout=0.2))
+    deadline = time.time() + 15
+    while cancelled() == before:
+        assert time.time() < deadline, "the SDK did not send cancel_future"
+        time.sleep(0.1)
+    t0 = time.time()
+    assert sampler.sample(types.ModelInput.from_ints(prompt), 1, types.SamplingParams(max_tokens=4)).result(timeout=60)
+    assert time.time() - t0 < 10
+
+
 def test_a_batch_that_fails_is_sent_again_one_request_at_a_time(svc, tokenizer, ray_local):
     """What the checks at submit miss (here: a sampler checkpoint deleted while its request waited)
     fails the shared learner call; the batcher then sends each request alone, so only that one fails."""

@@ -7,6 +7,8 @@ returns are exactly the ids the learner trains on.
 
 from __future__ import annotations
 
+import dataclasses
+
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -67,4 +69,5 @@ def apply_stop_strings(sample: Sample, decode: Callable[[list[int]], str], stops
     k = stop_string_end(decode, sample.token_ids, stops)
     if k is None or (sample.finish_reason is FinishReason.STOP and k == len(sample.token_ids)):
         return sample
-    return Sample(sample.token_ids[:k], sample.logprobs[:k], FinishReason.STOP_STRING)
+    return dataclasses.replace(sample, token_ids=sample.token_ids[:k], logprobs=sample.logprobs[:k],
+                               finish_reason=FinishReason.STOP_STRING)

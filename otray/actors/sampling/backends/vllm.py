@@ -190,7 +190,7 @@ class VLLMBackend:
                 reason = FinishReason.STOP if c.finish_reason == "stop" else FinishReason.LENGTH
                 if isinstance(c.stop_reason, str):  # a stop string ended it (vLLM stops on the completing token)
                     reason = FinishReason.STOP_STRING
-                sample = Sample(ids, lps, reason)
+                sample = Sample(ids, lps, reason, cached_prompt_tokens=out.num_cached_tokens or 0)
                 result[i].append(apply_stop_strings(sample, self._decode, params.stop) if params.stop else sample)
         return result
 
