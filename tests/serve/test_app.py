@@ -181,8 +181,11 @@ def test_dashboard_in_headless_chromium(served, ray_local, tmp_path, tiny_path):
 
     from playwright.sync_api import sync_playwright
 
+    from envs.shapes import draw, scene
     from otray import config
     from otray.actors.control.resource_manager import get_or_create
+    from otray.actors.job.episodes import logged_images
+    from otray.types import Task, Trajectory
 
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
     assert chromium, "Debian's chromium is missing: `make test` installs it (apt-get install chromium)"
@@ -223,6 +226,18 @@ def test_dashboard_in_headless_chromium(served, ray_local, tmp_path, tiny_path):
                                       {step: 5, 'elo/main': 1100, 'elo/heuristic': 1200}], KEYS.elo_prefix));
             return [...svg.querySelectorAll('polyline')].map(p => [p.dataset.name, p.getAttribute('points').split(' ').length]); }""")
         assert drawn == [["heuristic", 1], ["main", 2], ["random", 1]]
+        # a visual env's logged episode: each <image> marker shows the next logged picture, decoded by the
+        # browser; a marker past the logged ones (too large to log) stays as text
+        traj = Trajectory(task=Task(id="t", env="count_shapes"), images=[draw(scene(s)[1]) for s in range(2)],
+                          messages=[{"role": "user", "content": "<image> and <image> and <image>: how many?"}])
+        episode = {"env": "count_shapes", "task": "t", "reward": 1.0, "advantage": 0.5, "messages": traj.messages,
+                   **logged_images(traj)}
+        shown = page.evaluate("""async (e) => { const div = turns(e)[0];
+            await Promise.all([...div.querySelectorAll('img')].map(i => i.decode()));
+            return [[...div.querySelectorAll('img')].map(i => [i.naturalWidth, i.src.slice(0, 22)]), div.textContent]; }""",
+                              episode)
+        assert shown == [[[56, "data:image/png;base64,"], [56, "data:image/png;base64,"]],
+                         "user:  and  and <image>: how many?"], shown
         assert "advantage" in page.inner_text("#episodes .episode .meta")
         page.click(f"button.cancel[data-id='{running}']")
         deadline = time.time() + 30

@@ -25,7 +25,7 @@ from typing import Any
 
 from otray import metric_keys as K
 from otray.actors.job.env_source import EnvRollouts
-from otray.actors.job.episodes import episode_metrics, load_splits
+from otray.actors.job.episodes import episode_metrics, load_splits, logged_images
 from otray.actors.job.runtime import ActorFactory
 from otray.config import Config, trained_policies
 from otray.actors.sampling.fleet import RolloutFleet
@@ -40,7 +40,8 @@ def episode_row(t: Trajectory) -> dict[str, Any]:
             "messages": t.messages, "response": replies[-1] if replies else None, "reward": t.reward,
             "turn_rewards": t.turn_rewards, "turns": t.num_turns, "finished": t.finished, "truncated": t.truncated,
             "info": {k: v for k, v in t.info.items() if isinstance(v, (int, float, str, bool, type(None)))},
-            "error": None if t.error is None else {"kind": t.error.kind, "message": t.error.message}}
+            "error": None if t.error is None else {"kind": t.error.kind, "message": t.error.message},
+            **logged_images(t)}
 
 
 class InferenceJob:
@@ -120,7 +121,8 @@ def viewer_row(row: dict[str, Any]) -> dict[str, Any]:
     return {"step": 1, "task": row["task"], "env": row["env"], "agent": row.get("agent"), "messages": row["messages"],
             "turn_rewards": row["turn_rewards"], "reward": row["reward"], "advantage": None,
             "finished": row["finished"], "truncated": row["truncated"], "info": row["info"],
-            "error": None if error is None else f"{error['kind']}: {error['message']}"}
+            "error": None if error is None else f"{error['kind']}: {error['message']}",
+            **{k: row[k] for k in ("images", "images_omitted") if k in row}}
 
 
 def run_job(cfg: Config, job_dir: str | Path, *, placement_group: Any = None,

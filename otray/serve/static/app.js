@@ -95,6 +95,21 @@ function prefixedLines(rows, prefix) {
     points: rows.filter((r) => typeof r[k] === "number" && r[KEYS.step] != null).map((r) => [r[KEYS.step], r[k]]) }));
 }
 
+// An episode's messages; each "<image>" marker in them shows the episode's next logged image (data URLs in
+// the order the markers appear; a marker past the logged ones stays as text: its image was too large to log).
+function turns(e) {
+  const images = e.images || [];
+  let next = 0;
+  return e.messages.map((m) => {
+    const pieces = String(m.content).split("<image>");
+    const parts = [m.role + ": " + pieces[0]];
+    pieces.slice(1).forEach((text) => {
+      parts.push(next < images.length ? el("img", { class: "observation", src: images[next++], alt: "image" }) : "<image>", text);
+    });
+    return el("div", { class: "turn " + m.role }, ...parts);
+  });
+}
+
 function renderEpisodes(data) {
   const select = document.getElementById("episode-step");
   const current = state.step == null ? data.steps[data.steps.length - 1] : state.step;
@@ -106,7 +121,7 @@ function renderEpisodes(data) {
       " · advantage " + (e.advantage == null ? "dropped" : fmt(e.advantage)) +
       (e.turn_rewards && e.turn_rewards.length ? " · turn rewards " + e.turn_rewards.map((r) => fmt(r, 2)).join(", ") : "")),
     ...(e.error ? [el("div", { class: "error" }, "error: " + e.error)] : []),
-    ...e.messages.map((m) => el("div", { class: "turn " + m.role }, m.role + ": " + m.content)))));
+    ...turns(e))));
   if (!data.episodes.length) box.replaceChildren(el("p", { class: "muted" }, "no episodes logged yet"));
 }
 

@@ -175,6 +175,17 @@ def _infer_through_the_cli(ray_local, tmp_path, ttt_checkpoint):
     assert (tmp_path / "runs" / job.id / "inference.jsonl").read_text().count("\n") == 4
     assert main(["infer", str(ROOT / "conf" / "arithmetic_grpo.yaml"), "--split", "nope", "--out", str(out),
                  f"envs.arithmetic.dataset.dir={tmp_path}/data", runs]) == 2  # a clear error naming the splits
+    # a visual env: the tiny VLM answers about pictures; each row (and the viewer's episode) carries them
+    from otray.vision import Image
+
+    out = tmp_path / "shapes.jsonl"
+    assert main(["infer", str(ROOT / "conf" / "count_shapes.yaml"), "--limit", "3", "--out", str(out), runs]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 3 and all(r["error"] is None and "<image>" in r["prompt"] for r in rows), rows
+    assert all(len(r["images"]) == 1 and Image.from_data_url(r["images"][0]).to_pil().size == (56, 56) for r in rows)
+    job = max((j for j in client.jobs() if j.kind == "infer" and j.name == "count_shapes"), key=lambda j: j.created)
+    viewer = ray_local.get(client.rm.episodes.remote(job.id))
+    assert [e["images"] for e in viewer.episodes] == [r["images"] for r in rows]
 
 def test_elo_table_and_outcome_rates_survive_resume(ray_local, tmp_path, ttt_checkpoint):
     """The checkpoint holds the Elo table as of its last eval; a resumed job goes on from it (its games
