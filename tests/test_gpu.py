@@ -2,7 +2,7 @@
 logprob gap in bf16 and float32, full and LoRA weight updates reaching the sampler, ``dtype: auto``,
 float32 master weights and Adam state that an lr-1e-6 step moves, a left-padded batch with stop
 strings, checkpoints (CUDA RNG included) saved and loaded on CUDA, colocated sampling, Ray actors
-holding GPU memory. Run on a lent GPU machine with ``make gpu-check`` (NOTES.md, "GPU check").
+holding GPU memory, the tiny VLM's learner and sampler. Run on a lent GPU machine with ``make gpu-check`` (NOTES.md, "GPU check").
 
 Without a GPU only the smoke run of ``benchmarks/gpu_check.py`` on the CPU runs here."""
 
@@ -127,6 +127,48 @@ def test_ray_actors_hold_gpu_memory(tiny_path):
         assert ray.get(worker.update_weights.remote(learner.weights.remote())) >= 0
     finally:
         ray.shutdown()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_vision_language_learner_and_sampler_on_cuda():
+    """The tiny VLM on CUDA: image prompts sampled (the vision tower once per distinct picture) with
+    logprobs within float32's bound of the learner's, before and after a full update (the vision
+    tower's weights included) reaches the sampler."""
+    from envs.shapes import draw, scene
+    from otray.actors.learner.policy_learner import PolicyLearner
+    from otray.actors.sampling.backends.hf import HFBackend
+    from otray.algos.datums import sft_datum
+    from otray.models import resolve_model_path
+    from otray.types import Datum, SamplingParams
+    from otray.vlm import observation_prompt
+    from tests.conftest import ROOT
+
+    vl = resolve_model_path("tiny-vl", ROOT / ".cache" / "models")
+    learner = PolicyLearner(vl, device="cuda", dtype="float32")
+    sampler = HFBackend(vl, device="cuda", dtype="float32")
+    pictures = [(draw(scene(s)[1]),) for s in range(2)]
+    prompts = [observation_prompt(sampler.tokenizer, [], [p[0], "How many shapes?"])[0] for p in pictures]
+
+    def gap() -> float:
+        out = sampler.generate(prompts, SamplingParams(max_tokens=8, temperature=1.0, seed=1), 3, pictures)
+        worst = 0.0
+        for prompt, images, samples in zip(prompts, pictures, out):
+            for s in samples:
+                seq, k = prompt + s.token_ids, len(prompt + s.token_ids) - 1
+                lp = learner.forward([Datum(seq[:-1], seq[1:], [0.0] * k, [0.0] * k, [0.0] * k, images=images)])[0]
+                worst = max([worst, *(abs(a - b) for a, b in zip(lp[len(prompt) - 1:], s.logprobs))])
+        return worst
+
+    runs = sampler.features.runs
+    assert gap() < 1e-3 and sampler.features.runs - runs == 2  # 6 rows, 2 pictures
+    batch = [sft_datum(p, [9, 10, 11], im) for p, im in zip(prompts, pictures)]
+    for _ in range(5):
+        learner.forward_backward(batch, "cross_entropy")
+        learner.optim_step(learning_rate=1e-2)
+    moved = gap()
+    sampler.load_full_weights(learner.weights().tensors)
+    assert gap() < 1e-3 < moved
 
 
 def test_the_gpu_check_runs_on_the_cpu(tmp_path, capsys):
