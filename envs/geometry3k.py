@@ -10,6 +10,10 @@ The reply's answer is its ``\\boxed{}`` content, else its last number; it earns 
 row's answer: numerically within ``rel_tol`` when both are numbers, else as text (spaces ignored).
 ``make_figures(path)`` writes a small file in this layout (right triangles with labelled legs, the
 hypotenuse asked for), for tests and a smoke run without the download.
+
+``geometry_figures`` (:class:`GeometryFigures`) is the data-free sibling: tasks from
+:func:`figure_task` (a right triangle's hypotenuse, a rectangle's area or perimeter, a triangle's area
+from its base and height), each figure drawn at reset with its two lengths written on it.
 """
 
 from __future__ import annotations
@@ -93,27 +97,72 @@ class Geometry3K(Env):
         return StepResult("", 1.0 if correct else 0.0, True, {"correct": correct, "expected": answer})
 
 
+TRIPLES = [(3, 4), (6, 8), (5, 12), (8, 15), (9, 12), (7, 24), (12, 16), (20, 21)]  # right triangles, whole hypotenuses
+# what each figure kind asks, and its answer from the two labelled lengths
+QUESTIONS = {"hypotenuse": ("Find the hypotenuse of the right triangle.", lambda a, b: math.hypot(a, b)),
+             "rectangle_area": ("Find the area of the rectangle.", lambda a, b: a * b),
+             "rectangle_perimeter": ("Find the perimeter of the rectangle.", lambda a, b: 2 * (a + b)),
+             "triangle_area": ("Find the area of the triangle.", lambda a, b: a * b / 2)}
+
+
+def figure(kind: str, a: int, b: int, size: int = 112) -> Image:
+    """A figure with two labelled lengths: a right triangle (legs ``a`` along the bottom, ``b`` up the left),
+    a rectangle (width ``a``, height ``b``) or a triangle with base ``a`` and its dashed height ``b``."""
+    from PIL import Image as PILImage, ImageDraw
+
+    pic = PILImage.new("RGB", (size, size), "white")
+    pen = ImageDraw.Draw(pic)
+    lo, hi = size // 10, size - size // 8
+    mid = (lo + hi) // 2
+    if kind == "hypotenuse":
+        pen.polygon([(lo, hi), (hi, hi), (lo, lo)], outline="black")
+    elif kind.startswith("rectangle"):
+        pen.rectangle([lo, lo + size // 6, hi, hi], outline="black")
+    elif kind == "triangle_area":
+        pen.polygon([(lo, hi), (hi, hi), (mid + size // 8, lo)], outline="black")
+        for y in range(lo, hi, 6):  # the height, dashed
+            pen.line([(mid + size // 8, y), (mid + size // 8, min(y + 3, hi))], fill="black")
+    else:
+        raise ValueError(f"no figure kind {kind!r}; choose one of {sorted(QUESTIONS)}")
+    pen.text((mid - 4, hi + 1), str(a), fill="black")
+    pen.text((0, mid), str(b), fill="black")
+    return Image.from_pil(pic)
+
+
+def figure_task(rng: random.Random, kinds: tuple[str, ...] = tuple(QUESTIONS)) -> dict[str, Any]:
+    """A data-free task: a figure kind and its two lengths (whole-number answers), and the answer."""
+    kind = rng.choice(list(kinds))
+    a, b = rng.choice(TRIPLES) if kind == "hypotenuse" else (rng.randint(2, 20), rng.randint(2, 20))
+    return {"kind": kind, "a": a, "b": b, "answer": f"{QUESTIONS[kind][1](a, b):g}"}
+
+
+class GeometryFigures(Geometry3K):
+    """Geometry3K's question shape without its download: a drawn figure with two labelled lengths
+    (:func:`figure`), a question about it and a numeric answer; the reply scored as Geometry3K's."""
+
+    def reset(self, task: Task, seed: int | None = None) -> tuple[list[Any], dict[str, Any]]:
+        missing = [k for k in ("kind", "a", "b") if k not in task.data]
+        if missing:
+            raise DatasetError(f"geometry figure task {task.id!r} lacks {missing} (make tasks with "
+                               "envs.geometry3k:figure_task)")
+        kind, a, b = task.data["kind"], int(task.data["a"]), int(task.data["b"])
+        if kind not in QUESTIONS:
+            raise DatasetError(f"geometry figure task {task.id!r}: no figure kind {kind!r}; one of {sorted(QUESTIONS)}")
+        self._answer = f"{QUESTIONS[kind][1](a, b):g}"
+        return [figure(kind, a, b), QUESTIONS[kind][0]], {}
+
+
 def make_figures(path: str | Path, n: int = 8, seed: int = 0) -> Path:
     """A Parquet file of ``n`` Geometry3K-layout rows: a right triangle with its legs labelled, find the hypotenuse."""
-    import io
-
     import pyarrow as pa
     import pyarrow.parquet as pq
-    from PIL import Image as PILImage, ImageDraw
 
     rng = random.Random(seed)
     rows = []
     for i in range(n):
-        a, b = rng.choice([(3, 4), (6, 8), (5, 12), (8, 15), (9, 12), (7, 24)])
-        pic = PILImage.new("RGB", (112, 112), "white")
-        pen = ImageDraw.Draw(pic)
-        pen.polygon([(10, 100), (100, 100), (10, 10)], outline="black")
-        pen.text((50, 101), str(a), fill="black")
-        pen.text((0, 50), str(b), fill="black")
-        buf = io.BytesIO()
-        pic.save(buf, format="PNG")
-        rows.append({"id": f"g3k-{i}", "images": [{"bytes": buf.getvalue(), "path": None}],
-                     "problem": f"{IMAGE_MARKER}Find the hypotenuse of the right triangle.", "answer": str(math.hypot(a, b))})
+        a, b = rng.choice(TRIPLES[:6])
+        rows.append({"id": f"g3k-{i}", "images": [{"bytes": figure("hypotenuse", a, b).data, "path": None}],
+                     "problem": f"{IMAGE_MARKER}{QUESTIONS['hypotenuse'][0]}", "answer": str(math.hypot(a, b))})
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     pq.write_table(pa.Table.from_pylist(rows), path)
@@ -121,3 +170,4 @@ def make_figures(path: str | Path, n: int = 8, seed: int = 0) -> Path:
 
 
 register("geometry3k", Geometry3K)
+register("geometry_figures", GeometryFigures)

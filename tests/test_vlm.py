@@ -215,3 +215,34 @@ def test_geometry3k_rows_from_parquet(tmp_path):
     broken = Task("b", "geometry3k", {"images": [{"bytes": b"junk"}], "problem": "<image>x?", "answer": "1"})
     with pytest.raises(DatasetError, match="image 0: unreadable image"):
         env.reset(broken)
+
+
+def test_geometry_figures_are_drawn_per_task_and_scored_like_geometry3k():
+    """The data-free sibling: each task's figure drawn with its two lengths (the same task, the same picture;
+    other lengths, another picture), every kind's question, the right number earns 1."""
+    import random
+
+    from envs.geometry3k import QUESTIONS, GeometryFigures, figure, figure_task
+    from otray.env import check_env, make
+    from otray.types import DatasetError
+
+    rng = random.Random(0)
+    tasks = [Task(f"t{i}", "geometry_figures", figure_task(rng)) for i in range(24)]
+    assert {t.data["kind"] for t in tasks} == set(QUESTIONS)
+    env = make("geometry_figures")
+    assert isinstance(env, GeometryFigures)
+    for task in tasks[:4]:
+        check_env(env, task)
+    for task in tasks:
+        first, _ = env.reset(task)
+        assert first[0].data == env.reset(task)[0][0].data and first[1] == QUESTIONS[task.data["kind"]][0]
+        assert env.step(f"The answer is \\boxed{{{task.data['answer']}}}.").reward == 1.0
+    right = tasks[0].data
+    env.reset(tasks[0])
+    assert env.step(f"\\boxed{{{float(right['answer']) + 1}}}").reward == 0.0
+    assert figure("rectangle_area", 3, 4).data != figure("rectangle_area", 3, 5).data  # the labels are drawn
+    assert figure_task(random.Random(1), ("hypotenuse",))["answer"] in {"5", "10", "13", "17", "15", "25", "20", "29"}
+    with pytest.raises(DatasetError, match="no figure kind 'circle'"):
+        env.reset(Task("c", "geometry_figures", {"kind": "circle", "a": 1, "b": 2}))
+    with pytest.raises(DatasetError, match=r"lacks \['b'\]"):
+        env.reset(Task("c", "geometry_figures", {"kind": "hypotenuse", "a": 1}))
