@@ -256,7 +256,11 @@ class FeatureCache:
         if not self.across_calls or now != self.seen:
             self.clear()
             self.seen = now
-        owner = next(m for m in model.modules() if "get_image_features" in type(m).__dict__ and "visual" in m._modules)
+        owner = next((m for m in model.modules() if "get_image_features" in type(m).__dict__ and "visual" in m._modules),
+                     None)
+        if owner is None:  # not a Qwen-VL layout (its tower is not ``visual``): the model encodes as it does
+            yield self
+            return
         tower = owner.get_image_features
         digests = [im.digest for im in images]
 
