@@ -234,6 +234,8 @@ class FeatureCache:
     :meth:`clear` whenever its weights change (a LoRA may cover the vision tower). The learner does not
     use it: its features carry gradients."""
 
+    LAYOUTS = ("qwen2_vl", "qwen2_5_vl")  # models whose features are the tower's pooled output alone
+
     def __init__(self, size: int = 256, version: Any = None, across_calls: bool = True):
         """``version()``: the weights' version, when they can change without :meth:`clear` (a learner's model
         sampled in place): the cache empties when it changes. ``across_calls`` False: each ``generate``
@@ -258,8 +260,8 @@ class FeatureCache:
             self.seen = now
         owner = next((m for m in model.modules() if "get_image_features" in type(m).__dict__ and "visual" in m._modules),
                      None)
-        if owner is None:  # not a Qwen-VL layout (its tower is not ``visual``): the model encodes as it does
-            yield self
+        if owner is None or getattr(model.config, "model_type", None) not in self.LAYOUTS:
+            yield self  # another layout (e.g. Qwen3-VL's deepstack features): the model encodes as it does
             return
         tower = owner.get_image_features
         digests = [im.digest for im in images]
