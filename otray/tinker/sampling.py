@@ -53,7 +53,7 @@ class SampleWait:
         return bool(self.images) or self.scoring.needs_learner() or self.targets is not None
 
 
-Groups = dict[tuple, list[SampleWait]]
+Groups = dict[tuple, list[SampleWait]]  # (owner, adapter, params, n, scoring, learner only?) -> its requests
 Queue = list[tuple[str, SampleWait]]  # (owner, request) in arrival order
 
 
@@ -80,7 +80,7 @@ def fair_cut(queue: Queue, budget: int, capped: Callable[[SampleWait], bool]) ->
                 del turns[owner]
     arrival = {id(w): i for i, (_, w) in enumerate(queue)}
     left = sorted((item for items in turns.values() for item in items), key=lambda item: arrival[id(item[1])])
-    return [(o, w) for o, w in queue if not capped(w)] + taken, left  # (owner, adapter, params, n, scoring, learner only?) -> its requests
+    return [(o, w) for o, w in queue if not capped(w)] + taken, left
 
 
 class SampleBatcher:
