@@ -171,8 +171,6 @@ def test_an_engine_that_cannot_start_falls_back_under_auto_and_is_an_error_under
 
 
 def test_sampler_config_errors_name_the_key_and_the_shipped_configs_load():
-    from pathlib import Path
-
     from otray.tinker.config import load_tinker
     from otray.types import ConfigError
 
