@@ -98,7 +98,7 @@ function prefixedLines(rows, prefix) {
 // An episode's messages; each "<image>" marker in them shows the episode's next logged image (data URLs in
 // the order the markers appear; a marker past the logged ones stays as text: its image was too large to log).
 function turns(e) {
-  const images = e.images || [];
+  const images = (e.images || []).filter((u) => typeof u === "string" && /^data:image\/(png|jpeg);base64,/.test(u));
   let next = 0;
   return e.messages.map((m) => {
     const pieces = String(m.content).split("<image>");
