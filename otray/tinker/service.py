@@ -230,6 +230,8 @@ class TinkerService:
         if not req.get("session_id"):
             return self.training.load_into(owner, req, ckpt, optimizer)
         self.sessions.check(owner, req["session_id"])
+        if req.get("model_seq_id") is None:
+            raise UserError("load_weights with a session_id creates a model: give its model_seq_id too")
         model_id = f"{req['session_id']}:train:{int(req['model_seq_id'])}"
         api_key = self.exchanges.key(self.secret, api_key)
         base = self._base(req.get("base_model") or source.base_model)

@@ -271,7 +271,10 @@ class Training:
 
     def load_into(self, owner: str, req: dict[str, Any], ckpt: Checkpoint, optimizer: bool) -> dict[str, Any]:
         """``load_weights`` into a live model, in its order."""
-        model_id = req["model_id"]
+        model_id = req.get("model_id")
+        if not model_id:
+            raise UserError("load_weights: give model_id (load into a live model), or session_id and model_seq_id "
+                            "(create a model from the checkpoint)")
         self.learner_of(model_id)
 
         async def run() -> Outcome:

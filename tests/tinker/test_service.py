@@ -269,6 +269,11 @@ def test_bad_input_gets_a_user_error_or_a_4xx_never_a_5xx_or_a_hang(svc, tokeniz
                               ("asample", {"num_samples": "abc"}, "num_samples must be an integer")):
         r = httpx.post(f"{URL}/api/v1/{route}", json=body, headers=headers)
         assert r.status_code == 400 and says in r.json()["detail"], (route, r.status_code, r.text)
+    saved = tc.save_state("bad-input").result().path  # load_weights naming neither target model (fuzz_tinker found a 500)
+    for body, says in (({"path": saved}, "give model_id"),
+                       ({"path": saved, "session_id": tc.model_id.split(":")[0]}, "give its model_seq_id")):
+        r = httpx.post(f"{URL}/api/v1/load_weights", json=body, headers=headers)
+        assert r.status_code == 400 and says in r.json()["detail"], (body, r.status_code, r.text)
     r = httpx.post(f"{URL}/api/v1/get_info", content=b"[" * 100_000 + b"]" * 100_000, headers=headers)
     assert r.status_code == 400 and "nests too deeply" in r.json()["detail"], r.text
     good = sft(*problems(tokenizer, 1)[0])
