@@ -41,6 +41,14 @@ def tiny_path() -> str:
 
 
 @pytest.fixture(scope="session")
+def vl_path() -> str:
+    """otray's tiny vision-language model (a Qwen2-VL), built once into the model cache."""
+    from otray.models import resolve_model_path
+
+    return resolve_model_path("tiny-vl", ROOT / ".cache" / "models")
+
+
+@pytest.fixture(scope="session")
 def tokenizer(tiny_path):
     from otray.models import load_tokenizer
 

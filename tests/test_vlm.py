@@ -14,20 +14,13 @@ from otray.actors.sampling.backends.hf import HFBackend
 from otray.algos.datums import build_datums
 from otray.coordinator.agent_loop import AgentLoop, Limits
 from otray.env import Env, StepResult
-from otray.models import LoraSpec, apply_lora, build_tiny_model, copy_side_files, load_model, resolve_model_path
+from otray.models import LoraSpec, apply_lora, build_tiny_model, copy_side_files, load_model
 from otray.types import GenerateResult, SamplingParams, Task, Trajectory
-from otray.vision import Image, ImageError, images_of
+from otray.vision import Image, ImageError
 from otray.vlm import VisionInputs, observation_prompt, unsampled_ids, vision_inputs
 from envs.shapes import draw, scene
 
 TOL = 1e-4  # the text path's sampler/learner tolerance (tests/actors/sampling)
-
-
-@pytest.fixture(scope="module")
-def vl_path(tmp_path_factory) -> str:
-    from tests.conftest import ROOT
-
-    return resolve_model_path("tiny-vl", ROOT / ".cache" / "models")
 
 
 @pytest.fixture(scope="module")

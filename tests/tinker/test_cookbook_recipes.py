@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 
 from envs.shapes import draw, scene
-from tests.conftest import ROOT, tinker_service
+from tests.conftest import tinker_service
 
 pytest.importorskip("tinker_cookbook")
 datasets = pytest.importorskip("datasets")
@@ -36,13 +36,6 @@ PORT = 8033
 URL = f"http://127.0.0.1:{PORT}"
 VL, TEXT = "Qwen/Qwen3-VL-30B-A3B-Instruct", "Qwen/Qwen3-8B"
 CLASSES = ["one", "two", "three", "four"]
-
-
-@pytest.fixture(scope="module")
-def vl_path() -> str:
-    from otray.models import resolve_model_path
-
-    return resolve_model_path("tiny-vl", ROOT / ".cache" / "models")
 
 
 @pytest.fixture(scope="module")

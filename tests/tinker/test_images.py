@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from envs.shapes import draw, scene
-from tests.conftest import ROOT, tinker_service
+from tests.conftest import tinker_service
 
 tinker = pytest.importorskip("tinker")
 from tinker import types  # noqa: E402
@@ -17,13 +17,6 @@ from tinker import types  # noqa: E402
 PORT = 8029
 URL = f"http://127.0.0.1:{PORT}"
 VL, TEXT = "otray/tiny-vl", "Qwen/Qwen3-8B"
-
-
-@pytest.fixture(scope="module")
-def vl_path() -> str:
-    from otray.models import resolve_model_path
-
-    return resolve_model_path("tiny-vl", ROOT / ".cache" / "models")
 
 
 @pytest.fixture(scope="module")

@@ -18,14 +18,6 @@ from otray.vlm import observation_prompt
 BACKENDS = ["hf", pytest.param("vllm", marks=pytest.mark.vllm)]
 
 
-@pytest.fixture(scope="module")
-def vl_path() -> str:
-    from otray.models import resolve_model_path
-    from tests.conftest import ROOT
-
-    return resolve_model_path("tiny-vl", ROOT / ".cache" / "models")
-
-
 @pytest.fixture(scope="module", params=BACKENDS)
 def worker(request, vl_path):
     if request.param == "vllm" and not torchvision_loads():
