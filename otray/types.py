@@ -302,6 +302,8 @@ class Datum:
     a weight each (top-K distillation's cross-entropy; Tinker's (N, K) ``target_tokens`` / ``weights``).
     ``images``: the sequence's images in order (``otray.vision.Image``), whose expanded image tokens
     ``input_ids`` holds; the learner passes their pixels with the ids (``otray.vlm``).
+    ``custom_inputs``: the arrays a Tinker custom loss reads besides the logprobs, in its declared
+    order (``otray.tinker.loss_graph``).
     """
 
     input_ids: list[int]
@@ -316,6 +318,7 @@ class Datum:
     target_k: list[list[int]] | None = None
     weights_k: list[list[float]] | None = None
     images: tuple[Any, ...] = ()
+    custom_inputs: tuple[Any, ...] = ()
 
     def __post_init__(self) -> None:
         n = len(self.input_ids)

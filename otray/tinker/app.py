@@ -13,6 +13,7 @@ request the service accepted comes back from ``retrieve_future`` as a failed pro
 from __future__ import annotations
 
 import datetime as dt
+import uuid
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -81,6 +82,31 @@ def _need(data: dict[str, Any], *keys: str) -> None:
         raise UserError(f"missing field(s) {missing}")
 
 
+async def _served(ref: Any) -> Any:
+    """A TinkerService call's answer; its UserError as itself, any other failure as a 500 saying what failed."""
+    try:
+        return await ref
+    except Exception as e:  # noqa: BLE001 - a UserError from the service, or the service failed
+        inner = _unwrap(e)
+        if isinstance(inner, UserError):
+            raise inner from None
+        raise UserError(f"the Tinker service failed: {str(inner).strip().splitlines()[-1][:500]}", 500) from None
+
+
+def _copy_query(data: dict[str, Any], request: Request) -> R.CopyWeights:
+    """A ``copy_weights`` body: into a session's ``model_seq_id`` slot, or a fresh run id."""
+    _need(data, "source_path")
+    if request.headers.get("x-tinker-weights-access-token"):
+        raise UserError("weights access tokens are not used here: ask the checkpoint's owner to publish it "
+                        "(RestClient.publish_checkpoint_from_tinker_path), then copy it by its path")
+    session = data.get("session_id")
+    if session is not None and data.get("model_seq_id") is None:
+        raise UserError("copy_weights with a session_id needs its model_seq_id too")
+    model_id = f"{session}:train:{data['model_seq_id']}" if session else f"c-{uuid.uuid4().hex[:16]}:train:0"
+    return R.CopyWeights(data["source_path"], model_id, session, data.get("ttl_seconds"),
+                         data.get("destination_project_id"), request.headers.get("x-idempotency-key"))
+
+
 @serve.deployment(name="TinkerGateway", num_replicas=1, max_ongoing_requests=1000, ray_actor_options={"num_cpus": 0})
 @serve.ingress(tinker_api)
 class TinkerGateway:
@@ -101,14 +127,7 @@ class TinkerGateway:
 
     async def _call(self, request: Request, method: Any, *args: Any) -> Any:
         """``method`` (a TinkerService actor method, e.g. ``self.service.heartbeat``) for the caller."""
-        owner = await self._owner(request)
-        try:
-            return await method.remote(owner, *args)
-        except Exception as e:  # noqa: BLE001 - a UserError from the service, or the service failed
-            inner = _unwrap(e)
-            if isinstance(inner, UserError):
-                raise inner from None
-            raise UserError(f"the Tinker service failed: {str(inner).strip().splitlines()[-1][:500]}", 500) from None
+        return await _served(method.remote(await self._owner(request), *args))
 
     # ------------------------------------------------------------------ handshake and sessions
 
@@ -126,7 +145,7 @@ class TinkerGateway:
                             f"is tinker {version or '(unknown)'}: install a served one (pip install 'tinker=={served[0]}.0'), "
                             "or ask the service's admin to add your version to sdk_versions", 400)
         return {"pjwt_auth_enabled": self.cfg.jwt_auth, "parallel_fwdbwd_chunks": True, "proto_compress_fwdbwd": False,
-                "fwdbwd_max_chunk_len": self.cfg.max_chunk_datums, "custom_loss_server_side": False,
+                "fwdbwd_max_chunk_len": self.cfg.max_chunk_datums, "custom_loss_server_side": self.cfg.custom_loss_server_side,
                 "sample_use_retrieve_futures": True, "sample_join_sampling_session": False}
 
     @tinker_api.post("/auth/token")
@@ -180,6 +199,14 @@ class TinkerGateway:
         return await self._post(request, self.service.create_model, "session_id", "model_seq_id", "base_model",
                                 extra=(request.headers.get("x-api-key"),))  # the lease is opened with it
 
+    @tinker_api.post("/create_custom_loss")
+    async def create_custom_loss(self, request: Request) -> dict[str, Any]:
+        if not self.cfg.custom_loss_server_side:
+            raise UserError("custom losses run client-side on this service (custom_loss_server_side: false); "
+                            "forward_backward_custom runs them", 404)
+        return await self._post(request, self.service.create_custom_loss, "session_id", "custom_loss_seq_id", "graph",
+                                "inputs")
+
     @tinker_api.post("/get_info")
     async def get_info(self, request: Request) -> dict[str, Any]:
         data = await _json(request, self.cfg.max_body_bytes)
@@ -222,14 +249,17 @@ class TinkerGateway:
     @tinker_api.get("/external_weights/{token}")
     async def external_weights_file(self, token: str) -> Response:
         """A signed URL's file: no API key (the token is the grant, for one file, until it expires)."""
-        try:
-            body = await self.service.external_file.remote(token)
-        except Exception as e:  # noqa: BLE001 - a UserError from the service, or the service failed
-            inner = _unwrap(e)
-            if isinstance(inner, UserError):
-                raise inner from None
-            raise UserError("the Tinker service failed to read the file", 500) from None
-        return Response(body, media_type="application/octet-stream")
+        return Response(await _served(self.service.external_file.remote(token)), media_type="application/octet-stream")
+
+    @tinker_api.post("/copy_weights")
+    async def copy_weights(self, request: Request) -> dict[str, Any]:
+        """A checkpoint copied into a new run of the caller's (Catalog.copy); answered at once, not as a promise."""
+        q = _copy_query(await _json(request, self.cfg.max_body_bytes), request)
+        return await self._call(request, self.service.copy_weights, q)
+
+    @tinker_api.get("/billing/usage/checkpoints/current")
+    async def storage_usage(self, request: Request) -> dict[str, Any]:  # no billing: the caller's bytes, no cost
+        return await self._call(request, self.service.rest, R.StorageUsage())
 
     @tinker_api.post("/load_weights")
     async def load_weights(self, request: Request) -> dict[str, Any]:

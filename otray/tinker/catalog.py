@@ -5,6 +5,8 @@ one (404)."""
 from __future__ import annotations
 
 import asyncio
+import os
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -95,8 +97,27 @@ class ExternalUrls:
     checkpoint_id: str
 
 
+@dataclass(frozen=True)
+class CopyWeights:
+    """``copy_weights``: a readable checkpoint (the caller's, or a published one) copied into a new run of the
+    caller's that cannot be trained (``model_id``: ``{session}:train:{n}`` when a session asked, else a fresh
+    id; ``project``: kept as the run's label, otray has no projects). ``key``: the SDK's idempotency key."""
+
+    source_path: str
+    model_id: str
+    session_id: Optional[str]  # the session asking (checked open and the caller's), or None
+    ttl_seconds: Optional[float]
+    project: Optional[str]
+    key: Optional[str]
+
+
+@dataclass(frozen=True)
+class StorageUsage:
+    """``get_current_checkpoint_storage_usage``: the caller's checkpoint files now (the quota's measure)."""
+
+
 RestQuery = Union[SamplerView, RunsView, RunView, CheckpointsView, DeleteCheckpoint, WeightsInfoView,
-                  UserCheckpointsView, Publish, SetTtl, SessionsView, SessionView, ExternalUrls]
+                  UserCheckpointsView, Publish, SetTtl, SessionsView, SessionView, ExternalUrls, StorageUsage]
 MAX_TTL_S = 10 * 365 * 24 * 3600  # Tinker's upper bound: ten years
 
 
@@ -105,6 +126,7 @@ class Catalog:
         self.store = store
         self.secret, self.url_ttl_s = secret, url_ttl_s  # signed download URLs of external weights
         self.min_ttl_s = min_ttl_s  # the shortest TTL a user may set (Tinker: an hour)
+        self.copies: dict[tuple[str, str], dict[str, str]] = {}  # (owner, idempotency key) -> the copy's answer
 
     def run(self, owner: str, model_id: str) -> Run:
         run = self.store.run(model_id)
@@ -163,7 +185,36 @@ class Catalog:
             return self.session(owner, q.session_id)
         if isinstance(q, ExternalUrls):
             return self.external_urls(owner, q)
+        if isinstance(q, StorageUsage):
+            size = self.store.usage(owner)
+            return {"data": [{"org_user_urn": f"tml:user:{owner}", "user_name": owner, "size_bytes": size,
+                              "checkpoint_count": len(self.store.user_checkpoints(owner)), "size_gigabytes": size / 1e9}]}
         raise UserError(f"no REST view {type(q).__name__}", 404)
+
+    def copy(self, owner: str, q: CopyWeights) -> dict[str, str]:
+        """Copy a checkpoint's files by hard links (no bytes duplicated; either copy's deletion or expiry leaves
+        the other whole) into a new run of ``owner``'s; the copy keeps its kind and name, not its expiry."""
+        if q.key and (owner, q.key) in self.copies:
+            return self.copies[(owner, q.key)]  # the SDK retried: one copy
+        src = self.checkpoint(owner, q.source_path, read=True)
+        self._check_ttl(q.ttl_seconds)
+        if self.store.run(q.model_id) is not None:
+            raise UserError(f"training run {q.model_id!r} exists already; copy into a new model_seq_id", 409)
+        source = self.store.run(src.model_id)
+        dest = self.store.checkpoint_dir(owner, q.model_id, src.kind, src.name)
+        shutil.copytree(src.path, dest, copy_function=_link)
+        self.store.add_run(q.model_id, owner, source.base_model, {**source.spec, "copied_from": src.tinker_path},
+                           {"project_id": q.project} if q.project else None)
+        copy = Checkpoint(q.model_id, src.kind, src.name, str(dest), time.time(), src.size,
+                          None if q.ttl_seconds is None else time.time() + q.ttl_seconds, src.user_metadata)
+        self.store.add_checkpoint(copy)
+        self.copies[(owner, q.key or copy.tinker_path)] = {"tinker_path": copy.tinker_path}
+        return {"tinker_path": copy.tinker_path}
+
+    def _check_ttl(self, ttl_seconds: Optional[float]) -> None:
+        if ttl_seconds is not None and not self.min_ttl_s <= ttl_seconds <= MAX_TTL_S:
+            raise UserError(f"ttl_seconds={ttl_seconds:g} is out of range: send {self.min_ttl_s:g} to {MAX_TTL_S} "
+                            "seconds, or null for no expiry")
 
     async def sweep_expired(self, every_s: float) -> None:
         """Delete expired checkpoints, rows and files, every ``every_s`` (a TTL is a promise to free the space)."""
@@ -175,9 +226,7 @@ class Catalog:
 
     def set_ttl(self, owner: str, q: SetTtl) -> None:
         ckpt = self.checkpoint(owner, f"tinker://{q.model_id}/{q.checkpoint_id}")
-        if q.ttl_seconds is not None and not self.min_ttl_s <= q.ttl_seconds <= MAX_TTL_S:
-            raise UserError(f"ttl_seconds={q.ttl_seconds:g} is out of range: send {self.min_ttl_s:g} to {MAX_TTL_S} "
-                            "seconds, or null for no expiry")
+        self._check_ttl(q.ttl_seconds)
         self.store.update_checkpoint(ckpt, expires=None if q.ttl_seconds is None else time.time() + q.ttl_seconds)
 
     def external_urls(self, owner: str, q: ExternalUrls) -> dict[str, Any]:
@@ -233,3 +282,11 @@ class Catalog:
     def get_sampler(self, owner: str, sampler_id: str) -> dict[str, Any]:
         s = self.sampler(owner, sampler_id)
         return {"sampler_id": s.sampler_id, "base_model": s.base_model, "model_path": s.model_path}
+
+
+def _link(src: str, dst: str) -> None:
+    """A hard link, or a copy where the two paths are on different file systems."""
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)

@@ -121,6 +121,9 @@ class TinkerConfig:
     # requests goes out in calls of this size, so another user's request waits for one call, not the flood
     # (smaller: fairer; larger: fewer calls whose slowest sample holds the engine's freed slots idle)
     sample_call_max_samples: int = 512
+    # custom losses (create_custom_loss) uploaded and run here from an allow-list of tensor operations
+    # (otray/tinker/loss_graph.py); false: the SDK runs them client-side (a forward, then a weighted backward)
+    custom_loss_server_side: bool = True
     max_chunk_datums: int = 1024  # the SDK splits a forward_backward into requests of at most this many datums
     max_samples: int = 64  # num_samples per request
     max_tokens: int = 4096  # per sample

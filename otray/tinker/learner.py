@@ -22,7 +22,7 @@ from __future__ import annotations
 import collections
 import json
 import random
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
@@ -30,6 +30,7 @@ import torch
 
 from otray.actors.sampling.backends.hf import HFBackend
 from otray.tinker.adapter_switch import AdapterSwitch
+from otray.tinker.loss_graph import LossGraph, add_sums, surrogate
 from otray.tinker.prompt_scores import PromptScores, Scoring, Targets, score
 from otray.actors.learner.core import (adamw_step, in_order, loss_inputs, new_adamw, plan_micro_batches,
                                        position_log_softmax, token_logprobs, topk_logprobs, topk_weights)
@@ -78,6 +79,7 @@ class PassResult:
     logprobs: list[list[float]]
     losses: list[list[float]]
     loss_sum: float
+    metric_sums: dict[str, float] = field(default_factory=dict)  # a custom loss's metrics, summed over datums
 
 
 @dataclass(frozen=True)
@@ -116,18 +118,21 @@ def scores_of(model: Any, job: SampleJob, i: int, samples: list[list[int]], devi
                  job.params.temperature, job.params.seed, samples)
 
 
-def batch_loss(model: torch.nn.Module, batch: list[Datum], device: str, loss_fn: str,
-               cfg: dict[str, float]) -> tuple[torch.Tensor, torch.Tensor]:
+def batch_loss(model: torch.nn.Module, batch: list[Datum], device: str, loss_fn: str, cfg: dict[str, float],
+               graph: Optional[LossGraph] = None) -> tuple[torch.Tensor, torch.Tensor, Optional[tuple[float, dict]]]:
     """One micro-batch's logprobs (``(rows, T)``, or ``(rows, T, K)`` for top-K datums) and per-token
-    losses (``(rows, T)``, zero past each row's end). Top-K: ``-sum_k w_k * logprob(target_k)``."""
+    losses (``(rows, T)``, zero past each row's end). Top-K: ``-sum_k w_k * logprob(target_k)``. A custom
+    loss (``graph``): its gradient's surrogate per token, and third its sum and metric sums."""
+    lp, valid = (topk_logprobs if batch[0].target_k is not None else token_logprobs)(model, batch, device)
+    if graph is not None:
+        tok, loss_sum, metrics = surrogate(graph, batch, lp, device)
+        return lp, tok * valid, (loss_sum, metrics)
     if batch[0].target_k is not None:
-        lp, valid = topk_logprobs(model, batch, device)
         tok = -(topk_weights(batch, lp.shape[1], device) * lp).sum(-1)
     else:
-        lp, valid = token_logprobs(model, batch, device)
         x = loss_inputs(batch, lp.shape[1], device, every_token=True)
         tok = per_token_loss(loss_fn, lp, x.sampler_logprobs, x.advantages, x.weights, **x.extras(), **cfg)
-    return lp, tok * valid
+    return lp, tok * valid, None
 
 
 class AdapterLearner:
@@ -218,26 +223,27 @@ class AdapterLearner:
 
     # ------------------------------------------------------------------ forward / backward
 
-    def forward_backward(self, adapter: str, datums: list[Datum], loss_fn: str,
-                         loss_fn_config: Optional[dict[str, float]] = None, backward: bool = True) -> PassResult:
+    def forward_backward(self, adapter: str, datums: list[Datum], loss_fn: str, loss_fn_config: Optional[dict[str, float]]
+                         = None, backward: bool = True, graph: Optional[LossGraph] = None) -> PassResult:
         """Add the gradient of ``sum(per-token loss)`` over every datum to ``adapter``'s gradients
         (``backward=False``: the same numbers, no gradient). Datums with K targets per position
-        (``target_k``, cross_entropy only) give back K logprobs per position, flattened."""
+        (``target_k``) give back K logprobs per position, flattened. ``graph``: a custom loss instead."""
         self._use(adapter)
         self._train_mode()
         batches, order = plan_micro_batches(datums, self.micro_batch_tokens)
-        lps, losses, total = [], [], 0.0
+        lps, losses, total, metrics = [], [], 0.0, {}
         for batch in batches:
             with torch.set_grad_enabled(backward):
-                lp, tok = batch_loss(self.model, batch, self.device, loss_fn, loss_fn_config or {})
+                lp, tok, custom = batch_loss(self.model, batch, self.device, loss_fn, loss_fn_config or {}, graph)
                 loss = tok.sum()
                 if backward:
                     loss.backward()
-            total += loss.item()
+            total += custom[0] if custom else loss.item()
+            metrics = add_sums(metrics, custom[1] if custom else {})
             lp, tok = lp.detach().cpu(), tok.detach().cpu()  # one host copy per micro-batch
             lps.extend(lp[i, :len(d)].reshape(-1).tolist() for i, d in enumerate(batch))
             losses.extend(tok[i, :len(d)].tolist() for i, d in enumerate(batch))
-        return PassResult(in_order(lps, order), in_order(losses, order), total)
+        return PassResult(in_order(lps, order), in_order(losses, order), total, metrics)
 
     def optim_step(self, adapter: str, p: AdamStep) -> dict[str, float]:
         """One AdamW step of ``adapter`` on its accumulated gradients; zeroes them."""

@@ -14,7 +14,8 @@ from typing import Any, Optional
 from otray.tinker.store import Checkpoint, Run
 from otray.tinker.images import chunk_image, image_tokens
 from otray.tinker.prompt_scores import parse_scoring
-from otray.tinker.wire import UserError, sampling_params
+from otray.tinker.sample_wire import sampling_params
+from otray.tinker.wire import UserError
 from otray.vision import ImageError
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
@@ -94,6 +95,19 @@ class ModelLimits:
         text = config.get_text_config()
         vision = VisionInputs.load(path, config) if is_vision_config(config) else None
         return cls(int(text.vocab_size), int(max_context_length or text.max_position_embeddings), vision)
+
+
+class LimitsBook:
+    """Each base model's :class:`ModelLimits`, read once (``paths``: name -> directory; ``models``: name
+    -> its config, for ``max_context_length``)."""
+
+    def __init__(self, paths: dict[str, str], models: dict[str, Any]):
+        self.paths, self.models, self.known = paths, models, {}
+
+    def of(self, base: str) -> ModelLimits:
+        if base not in self.known:
+            self.known[base] = ModelLimits.of(self.paths[base], self.models[base].max_context_length)
+        return self.known[base]
 
 
 def sample_wait(req: dict[str, Any], key: str, adapter: Optional[str], cfg: Any, cls: type,

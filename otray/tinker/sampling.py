@@ -30,7 +30,8 @@ from otray.tinker.engines import VllmSamplers
 from otray.tinker.futures import Futures, Outcome
 from otray.tinker.prompt_scores import Scoring, Targets, cut_before, fill_response
 from otray.tinker.stability import Recorded
-from otray.tinker.wire import UserError, sample_output
+from otray.tinker.sample_wire import sample_output
+from otray.tinker.wire import UserError
 
 
 @dataclass

@@ -31,7 +31,8 @@ from otray.tinker.shared_learner import SharedLearner
 from otray.tinker.engines import VllmSamplers
 from otray.tinker.futures import Futures, Outcome
 from otray.records import JobState
-from otray.tinker.catalog import Catalog, RestQuery
+from otray.tinker.catalog import Catalog, CopyWeights, RestQuery
+from otray.tinker.custom_losses import CustomLosses
 from otray.tinker.leases import Leases
 from otray.tinker.sampling import SampleBatcher, SampleWait
 from otray.tinker.stability import Recordings
@@ -71,7 +72,7 @@ class TinkerService:
         self.futures = Futures(self.cfg.result_ttl_s)
         self.paths = {m.name: resolve_model_path(m.path, self.cfg.cache_dir) for m in self.cfg.models}
         self.models = {m.name: m for m in self.cfg.models}
-        self.limits: dict[str, R.ModelLimits] = {}
+        self.limits = R.LimitsBook(self.paths, self.models)  # what every request for a base is checked against
         self.learners: dict[str, Any] = start_learners(self.cfg, self.paths)
         me = ray.get_runtime_context()
         self.leases = Leases(self.store, get_or_create(), (me.current_actor, me.get_actor_id()))
@@ -79,9 +80,10 @@ class TinkerService:
         self.recordings = Recordings(self.cfg.stability_ttl_s, self.cfg.stability_max_sequences,
                                      self.cfg.stability_max_tokens)
         self.training = Training(self.learners, self.store, self.catalog, self.futures, self.leases,
-                                 self.cfg.gap_timeout_s, self._model_limits, lambda user: quota_of(self.cfg, user),
-                                 self.recordings)
+                                 self.cfg.gap_timeout_s, lambda owner, m: self.limits.of(self.catalog.run(owner, m).base_model),
+                                 lambda user: quota_of(self.cfg, user), self.recordings)
         self.sessions = Sessions(self.store, self.cfg.session_timeout_s, self._session_closed)
+        self.losses = CustomLosses(self.store, self.futures, self.sessions)
         self.recovered = False  # leases a predecessor left open are closed on the first call
         self.tasks: list[asyncio.Task] = []  # the session sweep and the learners' watches
         self.engines = VllmSamplers(self.models, self.paths, NAME, NAMESPACE)
@@ -156,16 +158,6 @@ class TinkerService:
 
     # ------------------------------------------------------------------ runs
 
-    def _limits(self, base: str) -> R.ModelLimits:
-        """The vocabulary and context length of a base model: what every request for it is checked
-        against before it can reach a learner or a batch shared with other users."""
-        if base not in self.limits:
-            self.limits[base] = R.ModelLimits.of(self.paths[base], self.models[base].max_context_length)
-        return self.limits[base]
-
-    def _model_limits(self, owner: str, model_id: str) -> R.ModelLimits:
-        return self._limits(self.catalog.run(owner, model_id).base_model)
-
     def _base(self, name: Optional[str]) -> str:
         if name not in self.learners:
             raise UserError(f"base model {name!r} is not offered here; choose one of {sorted(self.learners)}", 404)
@@ -209,8 +201,10 @@ class TinkerService:
     # ------------------------------------------------------------------ training requests (Training's)
 
     async def forward_backward(self, owner: str, body: bytes) -> dict[str, Any]:
-        return self.training.forward_backward(owner, body)
+        return self.training.forward_backward(owner, body, self.losses.of_model(owner))
 
+    async def create_custom_loss(self, owner: str, req: dict[str, Any]) -> dict[str, Any]:  # custom_losses.py
+        return self.losses.create(owner, req)
 
     async def optim_step(self, owner: str, req: dict[str, Any]) -> dict[str, Any]:
         return self.training.optim_step(owner, req)
@@ -243,6 +237,12 @@ class TinkerService:
         return await self._opened(req["session_id"], await self.training.open(
             owner, model_id, base, req, api_key, make, {"path": req["path"], "model_id": model_id, "type": "load_weights"},
             int(source.spec["rank"])))
+
+    async def copy_weights(self, owner: str, q: CopyWeights) -> dict[str, str]:
+        if q.session_id is not None:
+            self.sessions.check(owner, q.session_id)
+        self.training.storage_room(owner)
+        return self.catalog.copy(owner, q)
 
     async def rest(self, owner: str, query: RestQuery) -> Any:
         """A read-only REST call (checkpoints, training runs, weights info, a sampler) or a checkpoint's
@@ -280,7 +280,7 @@ class TinkerService:
             raise UserError(f"the sampler weights at {adapter} were deleted: a training client keeps its latest "
                             f"{EPHEMERAL_KEEP} unnamed (ephemeral) sampler weights; name them "
                             "(save_weights_for_sampler(name)) to keep them", 404)
-        wait = R.sample_wait(req, key, adapter, self.cfg, SampleWait, self._limits(base))
+        wait = R.sample_wait(req, key, adapter, self.cfg, SampleWait, self.limits.of(base))
         if req.get("record_stability_info"):
             if session is None:
                 raise UserError("record_stability_info needs a sampling client of a session "

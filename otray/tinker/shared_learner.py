@@ -22,6 +22,7 @@ from typing import Any, Callable, Optional
 
 from otray.tinker.fair import FairQueue, Share, slices
 from otray.tinker.learner import AdamStep, AdapterLearner, AdapterSpec, PassResult, SampleJob, SampleOut
+from otray.tinker.loss_graph import LossGraph, add_sums
 from otray.types import Datum
 
 
@@ -66,13 +67,14 @@ class SharedLearner:
         await self._one(user, adapter, self.learner.drop, adapter)
 
     async def forward_backward(self, user: str, adapter: str, datums: list[Datum], loss_fn: str,
-                               loss_fn_config: Optional[dict[str, float]] = None, backward: bool = True) -> PassResult:
+                               loss_fn_config: Optional[dict[str, float]] = None, backward: bool = True,
+                               graph: Optional[LossGraph] = None) -> PassResult:
         parts = slices([len(d) for d in datums], self.slice_tokens) if self.slice_tokens else [range(len(datums))]
         results = await self.queue.run(user, adapter, [
-            self._step(self.learner.forward_backward, adapter, datums[p.start:p.stop], loss_fn, loss_fn_config, backward)
-            for p in parts], follow=backward)
+            self._step(self.learner.forward_backward, adapter, datums[p.start:p.stop], loss_fn, loss_fn_config, backward,
+                       graph) for p in parts], follow=backward)
         return PassResult([lp for r in results for lp in r.logprobs], [x for r in results for x in r.losses],
-                          sum(r.loss_sum for r in results))
+                          sum(r.loss_sum for r in results), functools.reduce(add_sums, [r.metric_sums for r in results]))
 
     async def optim_step(self, user: str, adapter: str, step: AdamStep) -> dict[str, float]:
         return await self._one(user, adapter, self.learner.optim_step, adapter, step)

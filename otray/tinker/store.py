@@ -22,6 +22,7 @@ CREATE TABLE IF NOT EXISTS samplers (sampler_id TEXT PRIMARY KEY, owner TEXT, ba
     model_path TEXT, adapter_dir TEXT);
 CREATE TABLE IF NOT EXISTS leases (model_id TEXT PRIMARY KEY, job_id TEXT, token TEXT);
 CREATE TABLE IF NOT EXISTS sessions (session_id TEXT PRIMARY KEY, owner TEXT);
+CREATE TABLE IF NOT EXISTS losses (loss_id TEXT PRIMARY KEY, owner TEXT, body TEXT);
 """
 # checkpoint kind -> tinker path segment (external: an adapter export for download, otray/tinker/external.py)
 SEGMENT = {"training": "weights", "sampler": "sampler_weights", "external": "external_weights"}
@@ -208,6 +209,15 @@ class Store:
 
     def drop_session(self, session_id: str) -> None:
         self.db.execute("DELETE FROM sessions WHERE session_id = ?", (session_id,))
+        self.db.execute("DELETE FROM losses WHERE substr(loss_id, 1, ?) = ?", (len(session_id) + 1, f"{session_id}:"))
+
+    def add_loss(self, loss_id: str, owner: str, body: str) -> None:
+        """A custom loss a session created (``{session}:loss:{n}``): its ``create_custom_loss`` JSON."""
+        self.db.execute("INSERT OR REPLACE INTO losses VALUES (?, ?, ?)", (loss_id, owner, body))
+
+    def loss(self, loss_id: str) -> Optional[tuple[str, str]]:
+        """A custom loss's (owner, JSON), or None."""
+        return self.db.execute("SELECT owner, body FROM losses WHERE loss_id = ?", (loss_id,)).fetchone()
 
     def session_owner(self, session_id: str) -> Optional[str]:
         row = self.db.execute("SELECT owner FROM sessions WHERE session_id = ?", (session_id,)).fetchone()

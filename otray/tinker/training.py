@@ -25,6 +25,8 @@ from otray.tinker.futures import Futures, OrderedExecutor, Outcome
 from otray.tinker.leases import LeaseEnded, Leases, LeaseSpec
 from otray.tinker.store import Checkpoint, Sampler, Store
 from otray.tinker.stability import Recordings, with_recordings
+from otray.tinker.callers import unwrap
+from otray.tinker.loss_graph import reduced
 from otray.tinker.wire import TrainCall, UserError, parse_train_call, train_output
 
 
@@ -170,9 +172,10 @@ class Training:
 
     # ------------------------------------------------------------------ requests
 
-    def forward_backward(self, owner: str, body: bytes) -> dict[str, Any]:
+    def forward_backward(self, owner: str, body: bytes, loss_of: Optional[Callable[[str, str], Any]] = None) -> dict[str, Any]:
+        """``loss_of(model_id, loss_id)``: the custom loss a ``custom`` request names (CustomLosses.of_model)."""
         with self.refused(owner, None, None):
-            call: TrainCall = parse_train_call(body, lambda m: self.limits(owner, m))
+            call: TrainCall = parse_train_call(body, lambda m: self.limits(owner, m), loss_of)
         if call.loss_fn == "stable_reinforce":
             with self.refused(owner, call.model_id, call.seq_id):
                 call.datums = with_recordings(call, self.recordings, owner)
@@ -181,12 +184,19 @@ class Training:
         check = self._lease_check(call.model_id)
 
         async def run() -> Outcome:
-            res = await self._send(call.model_id, lambda learner: learner.forward_backward.remote(
-                owner, call.model_id, call.datums, call.loss_fn, call.loss_fn_config, not call.forward_only), check)
+            try:
+                res = await self._send(call.model_id, lambda learner: learner.forward_backward.remote(
+                    owner, call.model_id, call.datums, call.loss_fn, call.loss_fn_config, not call.forward_only,
+                    call.graph), check)
+            except Exception as e:  # a custom loss failing on this data is the caller's error, not the service's
+                if isinstance(unwrap(e), UserError):
+                    raise unwrap(e) from None
+                raise
             if not call.forward_only:
                 self.leases.note_pass(call.model_id, res.loss_sum, sum(len(lp) for lp in res.logprobs))
             k = call.datums[0].target_k and len(call.datums[0].target_k[0])
-            return Outcome("proto", train_output(res.logprobs, res.losses, res.loss_sum, k or None))
+            return Outcome("proto", train_output(res.logprobs, res.losses, res.loss_sum, k or None,
+                                                 reduced(res.metric_sums, len(call.datums))))
 
         return self._queue(owner, call.model_id, call.seq_id, run)
 
@@ -243,7 +253,7 @@ class Training:
         async def run() -> Outcome:
             if self.store.checkpoint(model_id, kind, name) and not overwrite and not ephemeral:
                 raise UserError(f"checkpoint {name!r} exists for {model_id}; pick another name or pass overwrite")
-            self._storage_room(owner)
+            self.storage_room(owner)
             where = self.store.checkpoint_dir(owner, model_id, kind, name)
             size = await self._send(model_id, lambda learner: learner.save.remote(owner, model_id, str(where), not sampler))
             if kind == "external":
@@ -262,7 +272,7 @@ class Training:
 
         return self._queue(owner, model_id, req.get("seq_id"), run)
 
-    def _storage_room(self, owner: str) -> None:
+    def storage_room(self, owner: str) -> None:
         """Refuse a save while ``owner``'s checkpoint files take their storage quota or more."""
         limit, used = self.quotas(owner).storage_gb, self.store.usage(owner) / 1e9
         if used >= limit:

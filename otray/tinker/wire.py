@@ -23,7 +23,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from otray.tinker.images import image_tokens
-from otray.types import Datum, FinishReason, Sample, SamplingParams
+from otray.types import Datum
 from otray.vision import Image, ImageError
 
 LOSSES: dict[str, tuple[str, ...]] = {  # loss -> the loss_fn_inputs it needs besides target_tokens
@@ -71,11 +71,12 @@ class UserError(ValueError):
 # a dict lookup or a string method (a list as model_id used to be a 500); ints are within SQLite's range
 REQUEST_FIELDS: dict[str, type | tuple[type, ...]] = {
     **dict.fromkeys(("model_id", "session_id", "sampling_session_id", "request_id", "tinker_path", "path",
-                     "model_path", "base_model", "name", "loss_fn"), str),
+                     "model_path", "base_model", "name", "loss_fn", "source_path", "destination_project_id"), str),
     **dict.fromkeys(("seq_id", "model_seq_id", "sampling_session_seq_id", "num_samples",
-                     "prompt_logprobs_last_n"), int),
+                     "prompt_logprobs_last_n", "custom_loss_seq_id"), int),
     **dict.fromkeys(("lora_config", "sampling_params", "prompt", "adam_params", "optim_params",
-                     "optimizer_config", "user_metadata"), dict),
+                     "optimizer_config", "user_metadata", "graph"), dict),
+    "inputs": list,
     **dict.fromkeys(("prompt_logprobs", "overwrite", "optimizer", "record_stability_info"), bool),
     "ttl_seconds": (int, float),
 }
@@ -92,7 +93,7 @@ def check_request_fields(data: dict[str, Any]) -> None:
         kinds = want if isinstance(want, tuple) else (want,)
         if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
             names = " or ".join({str: "a string", int: "an integer", float: "a number", dict: "an object",
-                                 bool: "true or false"}[k] for k in kinds)
+                                 bool: "true or false", list: "a list"}[k] for k in kinds)
             raise UserError(f"{key} must be {names}, got {json.dumps(value)[:80]}")
         if isinstance(value, int) and not isinstance(value, bool) and not _INT_RANGE[0] <= value <= _INT_RANGE[1]:
             raise UserError(f"{key}={value} is out of range")
@@ -139,6 +140,7 @@ class TrainCall:
     forward_only: bool
     datums: list[Datum]
     spans: list[Optional[DatumSpans]]
+    graph: Any = None  # a custom loss's LossGraph (otray.tinker.loss_graph)
 
 
 def _tensor(msg: Any, name: str, where: str, n: int) -> np.ndarray:
@@ -188,10 +190,10 @@ def _densified(csr: Any, dtype: np.dtype, shape: list[int], what: str) -> np.nda
     return out
 
 
-def _datum(msg: Any, loss_fn: str, where: str, limits: Any) -> Datum:
+def _model_input(msg: Any, where: str, limits: Any) -> tuple[list[int], list[Any]]:
+    """A datum's ``model_input`` chunks -> its token ids (an image's expanded tokens included) and images."""
     tokens: list[int] = []
     images: list[Any] = []
-    vocab = limits.vocab
     for chunk in msg.model_input:
         kind = chunk.WhichOneof("chunk") if chunk.DESCRIPTOR.oneofs else None
         if kind == "image":
@@ -211,6 +213,42 @@ def _datum(msg: Any, loss_fn: str, where: str, limits: Any) -> Datum:
     n = len(tokens)
     if n == 0 or n > MAX_TOKENS_PER_DATUM:
         raise UserError(f"{where}: model_input has {n} tokens; send 1 to {MAX_TOKENS_PER_DATUM}")
+    if min(tokens) < 0 or max(tokens) >= limits.vocab:
+        raise UserError(f"{where}: model_input holds a token id outside the model's vocabulary [0, {limits.vocab})")
+    return tokens, images
+
+
+def _custom_datum(msg: Any, graph: Any, where: str, limits: Any) -> Datum:
+    """A datum for a custom loss (:class:`~otray.tinker.loss_graph.LossGraph`): ``target_tokens`` (1-D, or
+    (N, K) when the loss takes rank-2 logprobs) and each input the loss declares, at its declared rank."""
+    tokens, images = _model_input(msg, where, limits)
+    n, keys = len(tokens), ("target_tokens", *graph.input_names)
+    extra = sorted(set(msg.loss_fn_inputs) - set(keys))
+    if extra:
+        raise UserError(f"{where}: custom loss {graph.name!r} does not read loss_fn_inputs {extra}; it reads {list(keys)}")
+    arrays = []
+    for key, rank in (("target_tokens", graph.rank("logprobs")), *graph.inputs[1:]):
+        if key not in msg.loss_fn_inputs:
+            raise UserError(f"{where}: custom loss {graph.name!r} needs loss_fn_inputs[{key!r}]")
+        arr = _tensor(msg.loss_fn_inputs[key], key, where, n)
+        arr = arr.reshape(()) if rank == 0 and list(msg.loss_fn_inputs[key].shape) == [] and arr.size == 1 else arr
+        if arr.ndim != rank or (rank and len(arr) != n):
+            raise UserError(f"{where}: loss_fn_inputs[{key!r}] has shape {list(arr.shape)}; custom loss {graph.name!r} "
+                            f"declared rank {rank} ({['a scalar', f'[{n}]', f'[{n}, K]'][rank]})")
+        arrays.append(arr)
+    targets = arrays[0].astype(np.int64)
+    if targets.min() < 0 or targets.max() >= limits.vocab:
+        raise UserError(f"{where}: target_tokens holds a token id outside the model's vocabulary [0, {limits.vocab})")
+    ones, zeros = [1.0] * n, [0.0] * n
+    wide = targets.tolist() if targets.ndim == 2 else None
+    return Datum(tokens, [r[0] for r in wide] if wide else targets.tolist(), ones, zeros, zeros,
+                 target_k=wide, weights_k=[[0.0] * targets.shape[1]] * n if wide else None, images=tuple(images),
+                 custom_inputs=tuple(arrays[1:]))
+
+
+def _datum(msg: Any, loss_fn: str, where: str, limits: Any) -> Datum:
+    tokens, images = _model_input(msg, where, limits)
+    n, vocab = len(tokens), limits.vocab
     inputs = {name: _tensor(msg.loss_fn_inputs[name], name, where, n) for name in msg.loss_fn_inputs}
     needed = ("target_tokens", *LOSSES[loss_fn])
     missing = [k for k in needed if k not in inputs]
@@ -231,9 +269,8 @@ def _datum(msg: Any, loss_fn: str, where: str, limits: Any) -> Datum:
             wide and inputs["weights"].shape != inputs["target_tokens"].shape):
         raise UserError(f"{where}: 2-D target_tokens need weights of the same (N, K) shape, and 2-D weights 2-D "
                         f"target_tokens; got {[list(inputs[k].shape) for k in ('target_tokens', 'weights') if k in inputs]}")
-    for ids, what in ((np.asarray(tokens), "model_input"), (inputs["target_tokens"], "target_tokens")):
-        if ids.min() < 0 or ids.max() >= vocab:
-            raise UserError(f"{where}: {what} holds a token id outside the model's vocabulary [0, {vocab})")
+    if inputs["target_tokens"].min() < 0 or inputs["target_tokens"].max() >= vocab:
+        raise UserError(f"{where}: target_tokens holds a token id outside the model's vocabulary [0, {vocab})")
     if wide:  # top-K: the (N, K) targets and weights; the 1-D fields carry column 0 (unused by the loss)
         k_targets = inputs["target_tokens"].astype(np.int64).tolist()
         k_weights = inputs["weights"].astype(np.float32).tolist()
@@ -276,9 +313,11 @@ def _spans(msg: Any, where: str, n: int) -> Optional[DatumSpans]:
     return DatumSpans(*out)
 
 
-def parse_train_call(body: bytes, limits_of: Any) -> TrainCall:
+def parse_train_call(body: bytes, limits_of: Any, loss_of: Optional[Callable[[str, str], Any]] = None) -> TrainCall:
     """A ``/forward_backward`` protobuf body -> :class:`TrainCall`; ``limits_of(model_id)`` gives the
-    :class:`~otray.tinker.runs.ModelLimits` of the model it names (a :class:`UserError` for an unknown one)."""
+    :class:`~otray.tinker.runs.ModelLimits` of the model it names (a :class:`UserError` for an unknown one),
+    ``loss_of(model_id, loss_id)`` the :class:`~otray.tinker.loss_graph.LossGraph` a ``custom`` loss names
+    (None: custom losses are not served)."""
     msg = pb().ForwardBackwardRequest()
     try:
         msg.ParseFromString(body)
@@ -288,21 +327,27 @@ def parse_train_call(body: bytes, limits_of: Any) -> TrainCall:
     if not msg.model_id:
         raise UserError("forward_backward: model_id is missing")
     try:
-        return _train_call(msg, limits_of(msg.model_id))
+        return _train_call(msg, limits_of(msg.model_id), loss_of and (lambda i: loss_of(msg.model_id, i)))
     except UserError as e:
         e.model_id, e.seq_id = msg.model_id, int(msg.seq_id)
         raise
 
 
-def _train_call(msg: Any, limits: Any) -> TrainCall:
+def _train_call(msg: Any, limits: Any, loss_of: Optional[Callable[[str], Any]] = None) -> TrainCall:
     """A parsed ForwardBackwardRequest checked against the model's vocabulary (and image inputs)."""
-    loss = msg.loss_fn
-    if loss not in LOSSES:
-        raise UserError(f"loss_fn {loss!r} is not supported by this service; choose one of {', '.join(LOSSES)} "
-                        "(custom losses run client-side with forward_backward_custom)")
+    loss, graph = msg.loss_fn, None
     raw: dict[str, Any] = {k: v for k, v in msg.loss_fn_config.items()}
     for k, v in msg.loss_fn_config_v2.items():
         raw[k] = v.number if v.WhichOneof("value") == "number" else v.text
+    if loss == "custom" and loss_of is not None:
+        loss_id = raw.pop("loss_id", None)
+        if not isinstance(loss_id, str):
+            raise UserError("loss_fn 'custom' needs loss_fn_config {'loss_id': <the id create_custom_loss gave>}; "
+                            "pass the LossHandle to forward_backward_custom")
+        graph = loss_of(loss_id)
+    elif loss not in LOSSES:
+        raise UserError(f"loss_fn {loss!r} is not supported by this service; choose one of {', '.join(LOSSES)}, "
+                        "or a custom loss (ServiceClient.create_custom_loss + forward_backward_custom)")
     known = CONFIG_KEYS.get(loss, {})
     unknown = sorted(set(raw) - set(known))
     if unknown:
@@ -311,7 +356,8 @@ def _train_call(msg: Any, limits: Any) -> TrainCall:
         raise UserError(f"loss_fn_config values must be finite numbers, got {raw}")
     if not msg.data:
         raise UserError("forward_backward: data is empty; send at least one datum")
-    datums = [_datum(d, loss, f"datum {i}", limits) for i, d in enumerate(msg.data)]
+    datums = [_custom_datum(d, graph, f"datum {i}", limits) if graph else _datum(d, loss, f"datum {i}", limits)
+              for i, d in enumerate(msg.data)]
     widths = {None if d.target_k is None else len(d.target_k[0]) for d in datums}
     if len(widths) > 1:
         raise UserError(f"forward_backward: datums of one request must all be 1-D or all (N, K) with one K; "
@@ -322,7 +368,7 @@ def _train_call(msg: Any, limits: Any) -> TrainCall:
                         "(Datum.with_provenance naming the sequence_id of each sampled run; sample with "
                         "record_stability_info=True)")
     return TrainCall(msg.model_id, int(msg.seq_id), loss, {known[k]: float(v) for k, v in raw.items()},
-                     bool(msg.forward_only), datums, spans)
+                     bool(msg.forward_only), datums, spans, graph)
 
 
 def _batched(rows: list[list[float]], k: Optional[int] = None) -> Any:
@@ -336,60 +382,16 @@ def _batched(rows: list[list[float]], k: Optional[int] = None) -> Any:
 
 
 def train_output(logprobs: list[list[float]], losses: list[list[float]], loss_sum: float,
-                 k: Optional[int] = None) -> bytes:
+                 k: Optional[int] = None, metrics: Optional[dict[str, float]] = None) -> bytes:
     """A ``ForwardBackwardOutput`` protobuf: per datum ``logprobs`` ((N, k) for top-K datums) and
-    ``elementwise_loss``; metric ``loss:sum`` (the SDK sums it across the chunks of one call)."""
+    ``elementwise_loss``; metric ``loss:sum`` (the SDK sums it across the chunks of one call) and a custom
+    loss's ``metrics``."""
     p = pb()
     record = p.ArrayRecord(type_tag="ArrayRecord", num_datums=len(logprobs))
     record.fields["logprobs"].CopyFrom(_batched(logprobs, k))
     record.fields["elementwise_loss"].CopyFrom(_batched(losses))
     out = p.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord", loss_fn_outputs=[record])
     out.metrics["loss:sum"] = float(loss_sum)
-    return out.SerializeToString()
-
-
-def sampling_params(raw: dict[str, Any]) -> SamplingParams:
-    """Tinker's ``SamplingParams`` JSON -> otray's. ``stop``: None keeps the end-of-turn tokens, ``[]``
-    stops at nothing (exactly ``max_tokens``), strings or token ids replace them."""
-    stop = raw.get("stop")
-    strings: tuple[str, ...] = ()
-    ids: tuple[int, ...] = ()
-    if isinstance(stop, str):
-        strings = (stop,)
-    elif isinstance(stop, list) and stop:
-        if all(isinstance(s, str) for s in stop):
-            strings = tuple(stop)
-        elif all(isinstance(s, int) and not isinstance(s, bool) for s in stop):
-            ids = tuple(stop)
-        else:
-            raise UserError(f"sampling_params.stop mixes strings and token ids: {stop!r}; send one kind")
-    elif stop not in (None, []):
-        raise UserError(f"sampling_params.stop must be a string, a list of strings or of token ids; got {stop!r}")
-    try:
-        return SamplingParams(max_tokens=int(raw.get("max_tokens") or 64), temperature=float(raw.get("temperature", 1.0)),
-                              top_p=float(raw.get("top_p", 1.0)), top_k=int(raw.get("top_k", -1)),
-                              seed=raw.get("seed"), stop_token_ids=ids, stop=strings,
-                              ignore_eos=isinstance(stop, list) and not stop)
-    except (TypeError, ValueError) as e:
-        raise UserError(f"sampling_params: {e}") from None
-
-
-def sample_output(samples: list[Sample], prompt_logprobs: Optional[list[Optional[float]]],
-                  fill: Optional[Callable[[Any, Any], None]] = None) -> bytes:
-    """A ``SampleResponse`` protobuf. The stop token (id or the one completing a stop string) is in
-    ``tokens``; finish reason ``length`` maps to LENGTH, anything else to STOP. ``fill(pb module,
-    response)`` writes the rest (top-K, targets, alternative tokens: :mod:`otray.tinker.prompt_scores`)."""
-    p = pb()
-    out = p.SampleResponse()
-    for s in samples:
-        seq = out.sequences.add()
-        seq.stop_reason = p.STOP_REASON_LENGTH if s.finish_reason is FinishReason.LENGTH else p.STOP_REASON_STOP
-        seq.tokens = np.asarray(s.token_ids, dtype=np.int32).tobytes()
-        seq.logprobs = np.asarray(s.logprobs, dtype=np.float32).tobytes()
-    out.prompt_cache_hit_tokens = samples[0].cached_prompt_tokens if samples else 0  # counted once per prompt
-    if prompt_logprobs is not None:
-        vals = [math.nan if v is None else v for v in prompt_logprobs]
-        out.prompt_logprobs = np.asarray(vals, dtype=np.float32).tobytes()
-    if fill is not None:
-        fill(p, out)
+    for key, value in (metrics or {}).items():
+        out.metrics[key] = float(value)
     return out.SerializeToString()

@@ -1,7 +1,7 @@
 """The SDK 0.38 losses beyond the first five, through the real SDK against ``otray tinker``:
 stable_reinforce (sampling with record_stability_info, provenance on the datums), gspo with its
-sequence_ratio_mask, per-token clip thresholds, and custom losses (run client-side: the service
-advertises ``custom_loss_server_side: false``). Each is checked against a float64 reference
+sequence_ratio_mask, per-token clip thresholds, and custom losses (uploaded and run server-side:
+the service advertises ``custom_loss_server_side``; the client-side path is in test_rest.py). Each is checked against a float64 reference
 computed here from the service's own forward logprobs; each refusal is a user error naming the
 problem, and the same client's next request is served at once."""
 
@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 
 from tests.conftest import tinker_fixture
-from tests.fixtures.tinker_data import problems, sft
+from tests.fixtures.tinker_data import learner_logprobs, problems, sft
 
+torch = pytest.importorskip("torch")
 tinker = pytest.importorskip("tinker")
 from tinker import types  # noqa: E402
 
@@ -53,13 +54,6 @@ def refused_then_served(tc, call, says: str, good: list[types.Datum]) -> None:
     t0 = time.time()
     tc.forward(good, "cross_entropy").result(timeout=30)
     assert time.time() - t0 < 1.0, "the next request waited for the refused one"
-
-
-def learner_logprobs(tc, data: list[types.Datum]) -> list[np.ndarray]:
-    """The training client's logprobs of each datum's targets now (a forward: no gradient)."""
-    probe = [types.Datum(model_input=d.model_input, loss_fn_inputs={
-        "target_tokens": d.loss_fn_inputs["target_tokens"], "weights": [1.0] * d.model_input.length}) for d in data]
-    return [np.asarray(o["logprobs"].tolist(), np.float64) for o in tc.forward(probe, "cross_entropy").result().loss_fn_outputs]
 
 
 def test_stable_reinforce_weighs_against_the_recorded_sampler_logprobs(svc, tokenizer):
@@ -181,39 +175,98 @@ def test_gspo_and_per_token_clip_thresholds(svc, tokenizer):
     sc.close("success").result()
 
 
-def test_custom_losses_run_client_side_with_the_gradient_of_the_same_builtin_loss(svc, tokenizer):
-    """The service advertises no server-side custom losses, so the SDK runs them client-side (a
-    forward, then a weighted cross-entropy backward). A custom negative log-likelihood (a plain
-    function, and one traced by create_custom_loss) trains exactly as the built-in cross_entropy."""
+def neg_ll(logprobs, weights):
+    """A custom negative log-likelihood: the built-in cross_entropy, as a traced function."""
+    loss = -(logprobs * weights).sum()
+    return loss, {"custom/neg_ll:sum": loss, "custom/tokens:mean": (weights > 0).float().sum()}
+
+
+def clipped_pg(logprobs, old, advantages):
+    """The built-in ppo's objective (ratio clipped to [0.8, 1.2]), written as a custom loss."""
+    ratio = torch.exp(logprobs - old)
+    per_token = -torch.minimum(ratio * advantages, torch.clamp(ratio, 0.8, 1.2) * advantages)
+    return per_token.sum(), {"custom/ratio:mean": ratio.mean()}
+
+
+def test_custom_losses_run_server_side_and_train_as_the_same_builtin_loss(svc, tokenizer):
+    """The service advertises server-side custom losses: create_custom_loss uploads the traced graph
+    (a loss id comes back) and forward_backward_custom is one forward_backward request, interpreted on
+    the learner. A custom NLL trains exactly as cross_entropy, a custom clipped policy gradient as ppo
+    (loss, elementwise surrogate and the step); its metrics come back reduced by their suffix."""
     sc = tinker.ServiceClient(base_url=URL, api_key=svc["alice"])
     data = [sft(p, a) for p, a in problems(tokenizer, 3)]
+    nll = sc.create_custom_loss(neg_ll, input_ranks={"logprobs": 1, "weights": 1}).result()
+    pg = sc.create_custom_loss(clipped_pg, input_ranks={"logprobs": 1, "old": 1, "advantages": 1}).result()
+    assert nll.loss_id and pg.loss_id and nll.loss_id != pg.loss_id
+    probe = sc.create_lora_training_client(base_model=BASE, rank=4, seed=5).result()
+    lps = learner_logprobs(probe, data)
+    rng = np.random.default_rng(0)
+    old = [(lp + rng.normal(0, 0.2, len(lp))).astype(np.float32) for lp in lps]
+    adv = [rng.normal(0, 1, len(lp)).astype(np.float32) for lp in lps]
+    rl = [types.Datum(model_input=d.model_input, loss_fn_inputs={"target_tokens": d.loss_fn_inputs["target_tokens"],
+                                                                 "logprobs": q, "advantages": a})
+          for d, q, a in zip(data, old, adv)]
+    custom_rl = [types.Datum(model_input=d.model_input, loss_fn_inputs={
+        "target_tokens": d.loss_fn_inputs["target_tokens"], "old": q, "advantages": a}) for d, q, a in zip(data, old, adv)]
+    for builtin, batch, handle, custom_batch in (("cross_entropy", data, nll, data), ("ppo", rl, pg, custom_rl)):
+        after = []
+        for run in ("builtin", "custom"):
+            tc = sc.create_lora_training_client(base_model=BASE, rank=4, seed=5).result()
+            out = (tc.forward_backward(batch, builtin) if run == "builtin"
+                   else tc.forward_backward_custom(custom_batch, handle)).result()
+            if run == "builtin":
+                want = out
+            else:
+                assert out.metrics["loss:sum"] == pytest.approx(want.metrics["loss:sum"], rel=1e-4, abs=1e-5)
+                assert "surrogate_loss:sum" not in out.metrics  # one request: nothing ran client-side
+                for o, w in zip(out.loss_fn_outputs, want.loss_fn_outputs):
+                    assert np.allclose(o["logprobs"].tolist(), w["logprobs"].tolist(), atol=1e-5)
+            tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+            after.append(np.concatenate(learner_logprobs(tc, data)))
+        assert np.abs(after[0] - np.concatenate(lps)).max() > 1e-3  # the step moved the model
+        assert np.allclose(after[1], after[0], atol=1e-4), builtin
+    assert out.metrics["custom/ratio:mean"] == pytest.approx(
+        np.mean([np.exp(lp - q).mean() for lp, q in zip(lps, old)]), rel=1e-3)
+    tc = sc.create_lora_training_client(base_model=BASE, rank=4, seed=5).result()
+    metrics = tc.forward_backward_custom(data, nll).result().metrics
+    assert metrics["custom/tokens:mean"] == pytest.approx(np.mean([sum(w > 0 for w in d.loss_fn_inputs["weights"].tolist())
+                                                                  for d in data]))
+    sc.close("success").result()
 
-    def neg_ll(logprobs, weights):
-        loss = -(logprobs * weights).sum()
-        return loss, {"custom/neg_ll:sum": loss}
 
-    def neg_ll_list(batch, logprobs_list):
-        import torch
+def test_custom_loss_refusals_name_the_problem_and_leave_the_client_served(svc, tokenizer):
+    """A graph with a disallowed operation is refused at create_custom_loss naming the node; a loss id of
+    another session (another user's, or the same user's other ServiceClient) is a 404; an input at the
+    wrong rank or a gather out of range (a device-side assert on a GPU) fails as the user's error, and the
+    same client's next request is answered at once."""
+    sc = tinker.ServiceClient(base_url=URL, api_key=svc["alice"])
 
-        loss = sum(-(lp * torch.tensor(d.loss_fn_inputs["weights"].tolist())).sum() for d, lp in zip(batch, logprobs_list))
-        return loss, {"neg_ll": float(loss.detach())}
+    def outer(logprobs):
+        return torch.matmul(logprobs[:, None], logprobs[None, :]).sum(), {}
 
-    handle = sc.create_custom_loss(neg_ll, input_ranks={"logprobs": 1, "weights": 1}).result()
-    assert handle.loss_id is None  # not uploaded: this service runs custom losses client-side
-    fresh = sc.create_lora_training_client(base_model=BASE, rank=4, seed=5).result()
-    before = np.concatenate(learner_logprobs(fresh, data))
-    after = []
-    for loss in ("cross_entropy", neg_ll_list, handle):
-        tc = sc.create_lora_training_client(base_model=BASE, rank=4, seed=5).result()
-        out = (tc.forward_backward(data, loss) if isinstance(loss, str) else tc.forward_backward_custom(data, loss)).result()
-        if loss == "cross_entropy":
-            want = out.metrics["loss:sum"]
-        else:
-            assert out.metrics["loss:sum"] == pytest.approx(want, rel=1e-4)
-        tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
-        after.append(np.concatenate(learner_logprobs(tc, data)))
-    assert np.abs(after[0] - before).max() > 1e-3  # the step moved the model
-    assert np.allclose(after[1], after[0], atol=1e-4) and np.allclose(after[2], after[0], atol=1e-4)
+    with pytest.raises(Exception, match="torch.matmul is not on this service's list"):
+        sc.create_custom_loss(outer, input_ranks={"logprobs": 1}).result(timeout=30)
+
+    def far_gather(logprobs, index):
+        return -torch.gather(logprobs, 0, index.long()).sum(), {}
+
+    gather = sc.create_custom_loss(far_gather, input_ranks={"logprobs": 1, "index": 1}).result()
+    nll = sc.create_custom_loss(neg_ll, input_ranks={"logprobs": 1, "weights": 1}).result()
+    tc = sc.create_lora_training_client(base_model=BASE, rank=2).result()
+    good = [sft(*problems(tokenizer, 1)[0])]
+    n = good[0].model_input.length
+    far = [types.Datum(model_input=good[0].model_input, loss_fn_inputs={
+        "target_tokens": good[0].loss_fn_inputs["target_tokens"], "index": np.full(n, 10 ** 6, np.float32)})]
+    refused_then_served(tc, lambda: tc.forward_backward_custom(far, gather), "gather's index", good)
+    scalar = [types.Datum(model_input=good[0].model_input, loss_fn_inputs={
+        "target_tokens": good[0].loss_fn_inputs["target_tokens"], "weights": np.array(1.0, np.float32)})]
+    refused_then_served(tc, lambda: tc.forward(scalar, "custom", {"loss_id": nll.loss_id}), "declared rank 1", good)
+    for other in (tinker.ServiceClient(base_url=URL, api_key=svc["alice"]),
+                  tinker.ServiceClient(base_url=URL, api_key=svc["bob"])):
+        stranger = other.create_lora_training_client(base_model=BASE, rank=2).result()
+        refused_then_served(stranger, lambda: stranger.forward_backward(good, "custom", {"loss_id": nll.loss_id}),
+                            "no custom loss", good)
+        other.close("success").result()
     sc.close("success").result()
 
 

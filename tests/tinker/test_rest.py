@@ -2,17 +2,19 @@
 JWT auth (``/auth/token``, ``RestClient.whoami``), a user's checkpoints across runs, publishing a
 checkpoint to the service's other users, checkpoint TTLs (expired ones really deleted: the test's
 service allows a 1 s TTL and sweeps every 0.2 s), and the session views. Another user's ids get
-the same 404 as unknown ones."""
+the same 404 as unknown ones. This service runs custom losses client-side (custom_loss_server_side:
+false), so the SDK's client-side path is tested here."""
 
 from __future__ import annotations
 
 import time
 
 import httpx
+import numpy as np
 import pytest
 
 from tests.conftest import tinker_fixture
-from tests.fixtures.tinker_data import problems, sft
+from tests.fixtures.tinker_data import learner_logprobs, problems, sft
 
 tinker = pytest.importorskip("tinker")
 from tinker import types  # noqa: E402
@@ -22,7 +24,7 @@ URL = f"http://127.0.0.1:{PORT}"
 BASE = "Qwen/Qwen3-8B"
 
 
-svc = tinker_fixture(PORT, "tinker_rest", min_checkpoint_ttl_s=1, ttl_sweep_s=0.2)
+svc = tinker_fixture(PORT, "tinker_rest", min_checkpoint_ttl_s=1, ttl_sweep_s=0.2, custom_loss_server_side=False)
 
 
 def test_jwt_auth_and_whoami(svc, tokenizer):
@@ -125,26 +127,74 @@ def test_session_views(svc, tokenizer):
     sc.close("success").result()
 
 
-def test_what_is_not_served_is_a_quick_4xx_naming_it(svc, tokenizer, monkeypatch):
+def test_copy_weights_makes_an_independent_copy_that_shares_the_files(svc, tokenizer, monkeypatch):
+    """RestClient.copy_weights (into a project: a label here) and ServiceClient.copy_weights: a new run of the
+    caller's holds the checkpoint under its kind and name, its files hard links of the source's (no bytes
+    duplicated), so deleting the source leaves the copy loadable with the same weights. Another user's
+    unpublished checkpoint is a 404 and a published one copies; a TTL out of range and an access token are
+    400s naming them; the SDK's retry (the same idempotency key) makes one copy."""
+    monkeypatch.setenv("TINKER_PROJECT_ID", "archive")  # ServiceClient.copy_weights wants a project before it asks
+    sc = tinker.ServiceClient(base_url=URL, api_key=svc["alice"])
+    tc = sc.create_lora_training_client(base_model=BASE, rank=2, seed=3).result()
+    data = [sft(p, a) for p, a in problems(tokenizer, 2)]
+    tc.forward_backward(data, "cross_entropy").result()
+    tc.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+    state, weights = tc.save_state("s").result().path, tc.save_weights_for_sampler("w").result().path
+    rest = tinker.RestClient(base_url=URL, api_key=svc["alice"])
+    copy = rest.copy_weights(state, "archive", ttl_seconds=7200).result()
+    assert copy != state and copy.endswith("/weights/s")
+    (src,), (dst,) = (list(svc["store"].glob(f"checkpoints/alice/{p.split('/')[2].replace(':', '_')}/weights/s"))
+                      for p in (state, copy))
+    assert {f.name: f.stat().st_ino for f in src.iterdir()} == {f.name: f.stat().st_ino for f in dst.iterdir()}
+    mine = {c.tinker_path: c for c in rest.list_user_checkpoints().result().checkpoints}
+    assert mine[copy].expires_at is not None and mine[state].expires_at is None
+    (usage,) = rest.get_current_checkpoint_storage_usage().result().data
+    assert usage.org_user_urn == "tml:user:alice" and usage.checkpoint_count >= 3
+    assert usage.size_bytes >= 2 * sum(f.stat().st_size for f in src.iterdir())  # the quota counts each copy
+    sampler_copy = sc.copy_weights(weights).result()
+    assert sampler_copy.endswith("/sampler_weights/w") and sampler_copy != weights
+    rest.delete_checkpoint_from_tinker_path(state).result()
+    assert not src.exists() and all(f.stat().st_nlink == 1 for f in dst.iterdir())
+    restored = sc.create_training_client_from_state(copy).result()
+    assert np.allclose(np.concatenate(learner_logprobs(restored, data)), np.concatenate(learner_logprobs(tc, data)),
+                       atol=1e-5)
+    bob = tinker.RestClient(base_url=URL, api_key=svc["bob"])
+    with pytest.raises(tinker.NotFoundError):
+        bob.copy_weights(weights, "p").result()
+    rest.publish_checkpoint_from_tinker_path(weights).result()
+    theirs = bob.copy_weights(weights, "p").result()
+    prompt = types.ModelInput.from_ints(problems(tokenizer, 1)[0][0])
+    greedy = types.SamplingParams(max_tokens=4, temperature=0.0)
+    bob_sc = tinker.ServiceClient(base_url=URL, api_key=svc["bob"])
+    assert (bob_sc.create_sampling_client(model_path=theirs).sample(prompt, 1, greedy).result().sequences[0].tokens ==
+            sc.create_sampling_client(model_path=weights).sample(prompt, 1, greedy).result().sequences[0].tokens)
+    for call, says in [(lambda: rest.copy_weights(weights, "p", ttl_seconds=0), "out of range"),
+                       (lambda: rest.copy_weights(weights, "p", weights_access_token="t"), "publish")]:
+        with pytest.raises(tinker.BadRequestError, match=says):
+            call().result(timeout=30)
+    headers = {"X-API-Key": svc["alice"], "X-Idempotency-Key": "k-1"}
+    twice = [httpx.post(f"{URL}/api/v1/copy_weights", headers=headers, json={"source_path": weights}).json()
+             for _ in range(2)]
+    assert twice[0] == twice[1] and twice[0]["tinker_path"].endswith("/sampler_weights/w")
+    sc.close("success").result()
+    bob_sc.close("success").result()
+
+
+def test_what_is_not_served_is_a_quick_4xx_naming_it(svc, tokenizer):
     """The SDK 0.38 methods this service does not serve (docs/tinker_compat.md) fail at once with a 4xx
     that names the route or the option, never a 5xx (the SDK would retry it for minutes) or a hang."""
     import datetime as dt
 
-    monkeypatch.setenv("TINKER_PROJECT_ID", "p")  # ServiceClient.copy_weights wants a project before it asks
     rest = tinker.RestClient(base_url=URL, api_key=svc["alice"])
     sc = tinker.ServiceClient(base_url=URL, api_key=svc["alice"])
     tc = sc.create_lora_training_client(base_model=BASE, rank=2).result()
-    path = tc.save_state("x").result().path
     session = tc.model_id.split(":")[0]
     now = dt.datetime.now(dt.timezone.utc)
     calls = {
-        "RestClient.copy_weights": lambda: rest.copy_weights(path, "p"),
-        "ServiceClient.copy_weights": lambda: sc.copy_weights(path),
         "RestClient.export_session_trace": lambda: rest.export_session_trace(session),
         "RestClient.assign_session_project": lambda: rest.assign_session_project(session, "p"),
         "RestClient.search_sessions": lambda: rest.search_sessions(types.SessionSearchRequest()),
         "RestClient.get_billing_usage": lambda: rest.get_billing_usage(now - dt.timedelta(days=1), now),
-        "RestClient.get_current_checkpoint_storage_usage": lambda: rest.get_current_checkpoint_storage_usage(),
         "optim_step(DimuonParams)": lambda: tc.optim_step(types.DimuonParams(learning_rate=1e-3)),
     }
     for name, call in calls.items():
@@ -172,3 +222,42 @@ def test_an_sdk_of_another_version_is_told_so_at_its_first_call(svc, monkeypatch
     monkeypatch.setattr(internal_client_holder, "tinker_sdk_version", "0.38.7")  # any 0.38.x
     sc = tinker.ServiceClient(base_url=URL, api_key=svc["alice"])
     assert [m.model_name for m in sc.get_server_capabilities().supported_models] == [BASE]
+
+
+def test_custom_losses_run_client_side_with_the_gradient_of_the_same_builtin_loss(svc, tokenizer):
+    """This service advertises no server-side custom losses (custom_loss_server_side: false), so the SDK
+    runs them client-side (a forward, then a weighted cross-entropy backward). A custom negative
+    log-likelihood (a plain function, and one traced by create_custom_loss) trains exactly as the
+    built-in cross_entropy; the upload route answers a 404 saying why."""
+    sc = tinker.ServiceClient(base_url=URL, api_key=svc["alice"])
+    data = [sft(p, a) for p, a in problems(tokenizer, 3)]
+
+    def neg_ll(logprobs, weights):
+        loss = -(logprobs * weights).sum()
+        return loss, {"custom/neg_ll:sum": loss}
+
+    def neg_ll_list(batch, logprobs_list):
+        import torch
+
+        loss = sum(-(lp * torch.tensor(d.loss_fn_inputs["weights"].tolist())).sum() for d, lp in zip(batch, logprobs_list))
+        return loss, {"neg_ll": float(loss.detach())}
+
+    handle = sc.create_custom_loss(neg_ll, input_ranks={"logprobs": 1, "weights": 1}).result()
+    assert handle.loss_id is None  # not uploaded: this service runs custom losses client-side
+    refused = httpx.post(f"{URL}/api/v1/create_custom_loss", headers={"X-API-Key": svc["alice"]}, json={})
+    assert refused.status_code == 404 and "client-side" in refused.json()["detail"]
+    fresh = sc.create_lora_training_client(base_model=BASE, rank=4, seed=5).result()
+    before = np.concatenate(learner_logprobs(fresh, data))
+    after = []
+    for loss in ("cross_entropy", neg_ll_list, handle):
+        tc = sc.create_lora_training_client(base_model=BASE, rank=4, seed=5).result()
+        out = (tc.forward_backward(data, loss) if isinstance(loss, str) else tc.forward_backward_custom(data, loss)).result()
+        if loss == "cross_entropy":
+            want = out.metrics["loss:sum"]
+        else:
+            assert out.metrics["loss:sum"] == pytest.approx(want, rel=1e-4)
+        tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+        after.append(np.concatenate(learner_logprobs(tc, data)))
+    assert np.abs(after[0] - before).max() > 1e-3  # the step moved the model
+    assert np.allclose(after[1], after[0], atol=1e-4) and np.allclose(after[2], after[0], atol=1e-4)
+    sc.close("success").result()

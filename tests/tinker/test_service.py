@@ -365,9 +365,9 @@ def test_an_abandoned_sample_is_cancelled_and_the_clients_next_one_served(svc, t
     prompt = problems(tokenizer, 1)[0][0][:4]
     alice = {"X-API-Key": svc["alice"]}
 
-    def asample(max_tokens: int, n: int = 1) -> str:
+    def asample(max_tokens: int, n: int = 1) -> str:  # stop []: exactly max_tokens each (no early end-of-turn)
         body = {"base_model": BASE, "num_samples": n, "prompt": {"chunks": [{"type": "encoded_text", "tokens": prompt}]},
-                "sampling_params": {"max_tokens": max_tokens}}
+                "sampling_params": {"max_tokens": max_tokens, "stop": []}}
         return httpx.post(f"{URL}/api/v1/asample", json=body, headers=alice).json()["request_id"]
 
     def cancel(rid, headers=alice) -> httpx.Response:
@@ -376,7 +376,7 @@ def test_an_abandoned_sample_is_cancelled_and_the_clients_next_one_served(svc, t
     def cancelled() -> int:
         return sum(ray_local.get(service.sample_engines.remote())["cancelled"].values())
 
-    running = asample(200, n=32)
+    running = asample(400, n=32)  # seconds of generation: still running when cancelled below
     time.sleep(0.5)  # on alice's learner call now: her next request waits for it
     waiting = asample(4)
     time.sleep(0.3)

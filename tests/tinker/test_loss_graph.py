@@ -1,0 +1,147 @@
+"""The server-side custom loss interpreter (otray/tinker/loss_graph.py) on graphs the real SDK traces and
+encodes (``tinker``'s own ``trace_loss`` / ``encode_graph``): the interpreted loss, its gradient and its
+metrics equal the traced function's run directly by torch; each graph the allow-list does not cover, and
+each node that would touch more than the element budget, is a UserError naming the node. Pure: no Ray."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+tinker = pytest.importorskip("tinker")
+from tinker.lib.public_interfaces.custom_loss import encode_graph, trace_loss  # noqa: E402
+
+from otray.tinker.loss_graph import LossGraph, parse_graph, run_graph, surrogate  # noqa: E402
+from otray.tinker.wire import UserError  # noqa: E402
+from otray.types import Datum  # noqa: E402
+
+
+def upload(fn, ranks: dict[str, int]) -> dict:
+    """The JSON body ServiceClient.create_custom_loss sends for ``fn``."""
+    handle = trace_loss(fn, ranks, "s-test")
+    return {"session_id": "s-test", "custom_loss_seq_id": 0, "name": handle.name,
+            "inputs": [i.model_dump(mode="json") for i in handle.inputs],
+            "graph": encode_graph(handle).model_dump(mode="json")}
+
+
+def ppo_like(logprobs, old, advantages, mask):
+    ratio = torch.exp(logprobs - old)
+    clipped = torch.clamp(ratio, 0.8, 1.2)
+    per_token = -torch.minimum(ratio * advantages, clipped * advantages)
+    kept = per_token[mask > 0]
+    loss = kept.sum() / mask.sum().clamp(min=1.0) + 0.01 * F.softplus(-logprobs).mean()
+    worst = logprobs.abs().max(dim=0).values
+    return loss + 0.0 * worst, {"custom/ratio:mean": ratio.mean(), "custom/tokens:sum": mask.sum(),
+                                "custom/inf:sum": torch.where(torch.isfinite(logprobs), 0.0, math.inf).sum()}
+
+
+def topk_distill(logprobs, teacher, scale):
+    """Rank-2 logprobs [T, K] against a teacher's [T, K] log-distribution, with a scalar input."""
+    probs = torch.softmax(teacher, dim=-1)
+    picked = torch.gather(logprobs, 1, torch.argmax(teacher, dim=-1, keepdim=True))
+    return -scale * (probs * logprobs).sum() - picked.sum(), {"custom/k:mean": logprobs.shape[1] * torch.ones_like(scale)}
+
+
+def test_interpreted_losses_equal_the_traced_functions_value_gradient_and_metrics():
+    torch.manual_seed(0)
+    T, K = 7, 3
+    cases = [(ppo_like, {"logprobs": 1, "old": 1, "advantages": 1, "mask": 1},
+              [-torch.rand(T), -torch.rand(T), torch.randn(T), (torch.rand(T) > 0.3).float()]),
+             (topk_distill, {"logprobs": 2, "teacher": 2, "scale": 0},
+              [-torch.rand(T, K), torch.randn(T, K), torch.tensor(0.7)])]
+    for fn, ranks, values in cases:
+        graph = parse_graph(upload(fn, ranks))
+        assert isinstance(graph, LossGraph) and graph.input_names == tuple(ranks)[1:]
+        got_lp, want_lp = values[0].clone().requires_grad_(), values[0].clone().requires_grad_()
+        got, got_metrics = run_graph(graph, [got_lp, *values[1:]], "cpu")
+        want, want_metrics = fn(want_lp, *values[1:])
+        got.backward()
+        want.backward()
+        assert torch.allclose(got, want) and torch.allclose(got_lp.grad, want_lp.grad)
+        assert got_metrics.keys() == want_metrics.keys()
+        assert all(torch.allclose(got_metrics[k].float(), want_metrics[k].float()) for k in want_metrics)
+
+
+def test_the_surrogate_back_propagates_the_custom_losses_gradient():
+    """``surrogate``: the per-token ``w * lp`` whose gradient is the custom loss's, over padded rows."""
+    graph = parse_graph(upload(ppo_like, {"logprobs": 1, "old": 1, "advantages": 1, "mask": 1}))
+    torch.manual_seed(1)
+    lengths, width = [5, 3], 5
+    rows = [[-torch.rand(n), -torch.rand(n), torch.randn(n), torch.ones(n)] for n in lengths]
+    batch = [Datum([1] * n, [1] * n, [1.0] * n, [0.0] * n, [0.0] * n, custom_inputs=tuple(r[1:])) for n, r in
+             zip(lengths, rows)]
+    lp = torch.zeros(2, width)
+    for i, r in enumerate(rows):
+        lp[i, :lengths[i]] = r[0]
+    lp.requires_grad_()
+    tok, total, sums = surrogate(graph, batch, lp, "cpu")
+    tok.sum().backward()
+    for i, r in enumerate(rows):
+        leaf = r[0].clone().requires_grad_()
+        loss, _ = ppo_like(leaf, *r[1:])
+        loss.backward()
+        assert torch.allclose(lp.grad[i, :lengths[i]], leaf.grad, atol=1e-6)
+        assert lp.grad[i, lengths[i]:].abs().sum() == 0
+    assert total == pytest.approx(sum(float(ppo_like(r[0], *r[1:])[0]) for r in rows), rel=1e-5)
+    assert sums["custom/tokens:sum"] == pytest.approx(sum(lengths))
+
+
+def _mutated(body: dict, index: int, **changes) -> dict:
+    out = copy.deepcopy(body)
+    out["graph"]["nodes"][index].update(changes)
+    return out
+
+
+def test_graphs_outside_the_allow_list_are_refused_naming_the_node():
+    body = upload(ppo_like, {"logprobs": 1, "old": 1, "advantages": 1, "mask": 1})
+    nodes = body["graph"]["nodes"]
+    exp = next(i for i, n in enumerate(nodes) if n["target"] == "torch.exp")
+    bad = {
+        "os.system": _mutated(body, exp, target="os.system"),
+        "torch.zeros": _mutated(body, exp, target="torch.zeros"),  # takes a size
+        "torch.matmul": _mutated(body, exp, target="torch.matmul"),
+        "'add_'": _mutated(body, exp, op="call_method", target="add_"),  # in-place
+        "modules or captured tensors": _mutated(body, exp, op="get_attr", target="weight"),
+        "not an earlier node": _mutated(body, exp, args=[{"ref": "output"}]),
+        "writes into a tensor": _mutated(body, exp, kwargs={"out": {"ref": "logprobs"}}),
+        "reads an attribute other than": _mutated(body, exp, target="getattr", args=[{"ref": "logprobs"}, "__class__"]),
+        "not in the SDK's encoding": _mutated(body, exp, args=[{"code": "print(1)"}]),
+        "start with logprobs": {**body, "inputs": body["inputs"][1:]},
+    }
+    for says, graph in bad.items():
+        with pytest.raises(UserError, match=says):
+            parse_graph(graph)
+
+
+@pytest.mark.parametrize("fn, says", [
+    (lambda logprobs: ((logprobs[:, None] * logprobs[None, :]).sum(), {}), "over this datum's budget"),
+    (lambda logprobs: (logprobs[torch.argmax(logprobs, dim=0, keepdim=True)].sum(), {}), "integer tensor"),
+    (lambda logprobs: (torch.gather(logprobs, 0, (logprobs * 0 + 200_000).long()).sum(), {}), "gather's index"),
+    (lambda logprobs: (logprobs.sum() * 1.0, {"custom/x:sum": logprobs}), "one-element tensor"),
+    (lambda logprobs: (logprobs * 2, {}), "scalar float tensor"),
+])
+def test_nodes_that_would_harm_the_shared_learner_fail_as_the_users_error(fn, says):
+    """An outer product of a long row, integer-tensor indexing, an out-of-range gather (a device-side
+    assert on a GPU) and a malformed result: each a UserError at run time, before the node runs."""
+    def loss(logprobs):
+        return fn(logprobs)
+
+    graph = parse_graph(upload(loss, {"logprobs": 1}))
+    with pytest.raises(UserError, match=says):
+        run_graph(graph, [-torch.rand(100_000)], "cpu")
+
+
+def test_python_values_cannot_be_multiplied_into_memory_or_time():
+    """``"a" * 10**12`` and ``10 ** 10**9`` are refused or made floats, never computed as Python objects."""
+    body = upload(lambda logprobs: (logprobs.sum() * 2.0, {}), {"logprobs": 1})
+    node = next(i for i, n in enumerate(body["graph"]["nodes"]) if n["target"] == "operator.mul")
+    strings = _mutated(body, node, args=["a", 10 ** 12])
+    with pytest.raises(UserError, match="operands must be tensors or numbers"):
+        run_graph(parse_graph(strings), [-torch.rand(4)], "cpu")
+    power = _mutated(body, node, target="operator.pow", args=[10, 10 ** 9])
+    with pytest.raises(UserError, match="failed"):  # a float overflow, at once
+        run_graph(parse_graph(power), [-torch.rand(4)], "cpu")
