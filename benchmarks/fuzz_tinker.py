@@ -39,12 +39,22 @@ PREFIX = "/api/v1"  # otray.tinker.app.ROUTE_PREFIX: the schema's paths are unde
 FIELDS = ["model_id", "seq_id", "session_id", "base_model", "lora_config", "num_samples", "sampling_params",
           "prompt", "tinker_path", "path", "request_id", "model_path", "sampling_session_id", "adam_params",
           "prompt_logprobs", "prompt_logprobs_last_n", "ttl_seconds", "user_metadata", "name", "type",
-          "sampling_session_seq_id", "optimizer", "loss_fn", "overwrite", "tags", "sdk_version"]
+          "sampling_session_seq_id", "optimizer", "loss_fn", "overwrite", "tags", "sdk_version",
+          "custom_loss_seq_id", "graph", "inputs", "source_path", "destination_project_id"]
 HOSTILE = [None, True, -1, 0, 2**70, -2**63, 10**30, 1.5, float("nan"), float("1e308"), "", "x" * 10_000,
            "\u202e\u0000\ud7ff", "../../etc/passwd", "tinker://../../x", "tinker://s-nope:train:0/weights/x",
            [], [None], [1, 2], {}, {"a": {"b": []}}, {"chunks": [{"tokens": [10**12, -5]}]},
            {"chunks": [{"tokens": ["a"]}]}, {"chunks": "x"}, {"max_tokens": "abc"}, {"max_tokens": 10**9},
-           {"stop": [1.5, None]}, {"temperature": "hot"}, {"rank": 10**6}, {"learning_rate": "fast"}]
+           {"stop": [1.5, None]}, {"temperature": "hot"}, {"rank": 10**6}, {"learning_rate": "fast"},
+           # custom loss graphs and inputs (create_custom_loss): forbidden ops, malformed nodes and encodings
+           {"nodes": [{"op": "call_function", "name": "x", "target": "os.system", "args": ["ls"]}]},
+           {"nodes": [None, 5, "x"]}, {"nodes": "x"}, {"format": 2, "nodes": []},
+           {"nodes": [{"op": "placeholder", "name": "logprobs", "target": "logprobs"},
+                      {"op": "call_function", "name": "y", "target": "torch.exp", "args": [{"ref": 5}, {"slice": [1]},
+                                                                                            {"tuple": "x"}, {"dict": []},
+                                                                                            {"float": "1e999"}]},
+                      {"op": "output", "name": "output", "target": "output", "args": [{"tuple": [{"ref": "y"}, {}]}]}]},
+           [{"name": "logprobs", "rank": 7}], [{"name": 5, "rank": 1}], [{"name": "logprobs", "rank": True}]]
 PATH_VALUES = ["s-nope:train:0", "x" * 300, "..%2F..%2Fetc", "%00", "9" * 40, "-1", "\u00e9", "sampler_weights/x"]
 
 
@@ -111,7 +121,12 @@ def body(rng: random.Random, made: Made) -> bytes:
             "base_model": BASE, "tinker_path": made.sampler_path, "path": made.sampler_path,
             "model_path": made.sampler_path, "sampling_session_id": made.sampling_session_id,
             "num_samples": 1, "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 2, 3]}]},
-            "sampling_params": {"max_tokens": 2}}
+            "sampling_params": {"max_tokens": 2}, "custom_loss_seq_id": rng.randrange(3), "source_path": made.sampler_path,
+            "inputs": [{"name": "logprobs", "rank": 1}],
+            "graph": {"nodes": [{"op": "placeholder", "name": "logprobs", "target": "logprobs"},
+                                {"op": "call_method", "name": "s", "target": "sum", "args": [{"ref": "logprobs"}]},
+                                {"op": "output", "name": "output", "target": "output",
+                                 "args": [{"tuple": [{"ref": "s"}, {"dict": {}}]}]}]}}
     out = {k: v for k, v in real.items() if rng.random() < 0.6}
     for _ in range(rng.randrange(1, 4)):
         out[rng.choice(FIELDS + ["unknown_field"])] = rng.choice(HOSTILE)

@@ -2,7 +2,7 @@
 logprob gap in bf16 and float32, full and LoRA weight updates reaching the sampler, ``dtype: auto``,
 float32 master weights and Adam state that an lr-1e-6 step moves, a left-padded batch with stop
 strings, checkpoints (CUDA RNG included) saved and loaded on CUDA, colocated sampling, Ray actors
-holding GPU memory, the tiny VLM's learner and sampler. Run on a lent GPU machine with ``make gpu-check`` (NOTES.md, "GPU check").
+holding GPU memory, the tiny VLM's learner and sampler, the Tinker service's custom loss interpreter. Run on a lent GPU machine with ``make gpu-check`` (NOTES.md, "GPU check").
 
 Without a GPU only the smoke run of ``benchmarks/gpu_check.py`` on the CPU runs here."""
 
@@ -169,6 +169,49 @@ def test_vision_language_learner_and_sampler_on_cuda():
     moved = gap()
     sampler.load_full_weights(learner.weights().tensors)
     assert gap() < 1e-3 < moved
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_server_side_custom_loss_on_cuda_matches_the_cpu_and_a_bad_index_spares_the_learner(tiny_path):
+    """The Tinker service's custom loss interpreter on the CUDA learner (tests/fixtures/custom_loss.json, a
+    clipped policy gradient with a gather, as the SDK uploads it): loss, logprobs, surrogate and metric
+    equal the CPU learner's; a gather index out of range is the user's error before it reaches the GPU (a
+    device-side assert there would end the learner every user shares), and the learner goes on."""
+    import json
+
+    import numpy as np
+
+    from otray.tinker.learner import AdapterLearner, AdapterSpec
+    from otray.tinker.loss_graph import parse_graph
+    from otray.tinker.wire import UserError
+    from otray.types import Datum
+    from tests.conftest import ROOT
+
+    graph = parse_graph(json.loads((ROOT / "tests" / "fixtures" / "custom_loss.json").read_text()))
+    rng = np.random.default_rng(0)
+
+    def datum(n: int, far: bool = False) -> Datum:
+        ids = rng.integers(1, 200, n + 1).tolist()
+        index = np.full(n, 10 ** 6 if far else n - 1, np.float32)
+        return Datum(ids[:-1], ids[1:], [1.0] * n, [0.0] * n, [0.0] * n, custom_inputs=(
+            rng.normal(-3, 0.5, n).astype(np.float32), rng.normal(0, 1, n).astype(np.float32), index))
+
+    batch = [datum(12), datum(7)]
+    out = {}
+    for device in ("cpu", "cuda"):
+        learner = AdapterLearner(tiny_path, device=device, dtype="float32")
+        learner.create("a", AdapterSpec(8, seed=0))
+        out[device] = learner.forward_backward("a", batch, "custom", None, True, graph)
+    cpu, gpu = out["cpu"], out["cuda"]
+    assert abs(cpu.loss_sum - gpu.loss_sum) < 1e-3 * max(1.0, abs(cpu.loss_sum))
+    assert all(np.allclose(a, b, atol=1e-4) for a, b in zip(cpu.logprobs, gpu.logprobs))
+    assert all(np.allclose(a, b, atol=1e-4) for a, b in zip(cpu.losses, gpu.losses))
+    assert abs(cpu.metric_sums["custom/ratio:mean"] - gpu.metric_sums["custom/ratio:mean"]) < 1e-3
+    with pytest.raises(UserError, match="gather's index"):
+        learner.forward_backward("a", [datum(5, far=True)], "custom", None, True, graph)
+    again = learner.forward_backward("a", batch, "custom", None, True, graph)
+    assert abs(again.loss_sum - gpu.loss_sum) < 1e-3 * max(1.0, abs(gpu.loss_sum))  # the CUDA context survived
 
 
 def test_the_gpu_check_runs_on_the_cpu(tmp_path, capsys):

@@ -145,3 +145,21 @@ def test_python_values_cannot_be_multiplied_into_memory_or_time():
     power = _mutated(body, node, target="operator.pow", args=[10, 10 ** 9])
     with pytest.raises(UserError, match="failed"):  # a float overflow, at once
         run_graph(parse_graph(power), [-torch.rand(4)], "cpu")
+
+
+def gathered_pg(logprobs, old, advantages, index):
+    """tests/fixtures/custom_loss.json's loss (tests/test_gpu.py runs it on CUDA, where the SDK is not installed)."""
+    ratio = torch.exp(logprobs - old)
+    per_token = -torch.minimum(ratio * advantages, torch.clamp(ratio, 0.8, 1.2) * advantages)
+    picked = torch.gather(logprobs, 0, index.long())
+    return per_token.sum() - 0.1 * picked.sum(), {"custom/ratio:mean": ratio.mean()}
+
+
+def test_the_gpu_checks_custom_loss_fixture_is_what_the_sdk_sends_today():
+    import json
+    from pathlib import Path
+
+    fixture = json.loads((Path(__file__).parents[1] / "fixtures" / "custom_loss.json").read_text())
+    sent = upload(gathered_pg, {"logprobs": 1, "old": 1, "advantages": 1, "index": 1})
+    assert {k: sent[k] for k in ("name", "inputs", "graph")} == fixture
+    assert parse_graph(fixture).input_names == ("old", "advantages", "index")
