@@ -93,6 +93,12 @@ async def _served(ref: Any) -> Any:
         raise UserError(f"the Tinker service failed: {str(inner).strip().splitlines()[-1][:500]}", 500) from None
 
 
+async def _no_content(call: Any) -> Response:
+    """A call's 204 once it is done."""
+    await call
+    return Response(status_code=204)
+
+
 def _copy_query(data: dict[str, Any], request: Request) -> R.CopyWeights:
     """A ``copy_weights`` body: into a session's ``model_seq_id`` slot, or a fresh run id."""
     _need(data, "source_path")
@@ -169,19 +175,17 @@ class TinkerGateway:
 
     @tinker_api.post("/create_session")
     async def create_session(self, request: Request) -> dict[str, Any]:
-        return {"type": "create_session", "session_id": await self._call(request, self.service.create_session)}
+        return {"type": "create_session", "session_id": await self._post(request, self.service.create_session)}
 
     @tinker_api.post("/session_heartbeat")
     async def heartbeat(self, request: Request) -> dict[str, Any]:
-        data = await _json(request, self.cfg.max_body_bytes)
-        _need(data, "session_id")
-        await self._call(request, self.service.heartbeat, data["session_id"])
+        await self._post(request, self.service.heartbeat, "session_id")
         return {"type": "session_heartbeat"}
 
     @tinker_api.post("/sessions/{session_id}/finish")
     async def finish(self, session_id: str, request: Request) -> Response:
-        await self._call(request, self.service.finish_session, session_id)
-        return Response(status_code=204)
+        body = await _json(request, self.cfg.max_body_bytes)  # {reason: {type}, detail}: kept as the session's status
+        return await _no_content(self._call(request, self.service.finish_session, session_id, body))
 
     @tinker_api.get("/get_server_capabilities")
     async def capabilities(self, request: Request) -> dict[str, Any]:
@@ -209,9 +213,7 @@ class TinkerGateway:
 
     @tinker_api.post("/get_info")
     async def get_info(self, request: Request) -> dict[str, Any]:
-        data = await _json(request, self.cfg.max_body_bytes)
-        _need(data, "model_id")
-        return await self._call(request, self.service.get_info, data["model_id"])
+        return await self._post(request, self.service.get_info, "model_id")
 
     @tinker_api.post("/forward_backward")
     async def forward_backward(self, request: Request) -> dict[str, Any]:
@@ -317,8 +319,7 @@ class TinkerGateway:
     # a checkpoint id is "<weights|sampler_weights>/<name>": two path segments (names hold no "/")
     @tinker_api.delete("/training_runs/{model_id}/checkpoints/{segment}/{name}")
     async def delete_checkpoint(self, model_id: str, segment: str, name: str, request: Request) -> Response:
-        await self._call(request, self.service.rest, R.DeleteCheckpoint(model_id, f"{segment}/{name}"))
-        return Response(status_code=204)
+        return await _no_content(self._call(request, self.service.rest, R.DeleteCheckpoint(model_id, f"{segment}/{name}")))
 
     @tinker_api.get("/checkpoints")
     async def user_checkpoints(self, request: Request, limit: int = 100, offset: int = 0) -> dict[str, Any]:
@@ -327,19 +328,17 @@ class TinkerGateway:
 
     @tinker_api.post("/training_runs/{model_id}/checkpoints/{segment}/{name}/publish")
     async def publish(self, model_id: str, segment: str, name: str, request: Request) -> Response:
-        await self._call(request, self.service.rest, R.Publish(model_id, f"{segment}/{name}", True))
-        return Response(status_code=204)
+        return await _no_content(self._call(request, self.service.rest, R.Publish(model_id, f"{segment}/{name}", True)))
 
     @tinker_api.delete("/training_runs/{model_id}/checkpoints/{segment}/{name}/publish")
     async def unpublish(self, model_id: str, segment: str, name: str, request: Request) -> Response:
-        await self._call(request, self.service.rest, R.Publish(model_id, f"{segment}/{name}", False))
-        return Response(status_code=204)
+        return await _no_content(self._call(request, self.service.rest, R.Publish(model_id, f"{segment}/{name}", False)))
 
     @tinker_api.put("/training_runs/{model_id}/checkpoints/{segment}/{name}/ttl")
     async def set_ttl(self, model_id: str, segment: str, name: str, request: Request) -> Response:
         data = await _json(request, self.cfg.max_body_bytes)
-        await self._call(request, self.service.rest, R.SetTtl(model_id, f"{segment}/{name}", data.get("ttl_seconds")))
-        return Response(status_code=204)
+        ttl = R.SetTtl(model_id, f"{segment}/{name}", data.get("ttl_seconds"))
+        return await _no_content(self._call(request, self.service.rest, ttl))
 
     @tinker_api.get("/sessions")
     async def sessions(self, request: Request, limit: int = 20, offset: int = 0) -> dict[str, Any]:
@@ -349,6 +348,15 @@ class TinkerGateway:
     @tinker_api.get("/sessions/{session_id}")
     async def session(self, session_id: str, request: Request) -> dict[str, Any]:
         return await self._call(request, self.service.rest, R.SessionView(session_id))
+
+    @tinker_api.post("/sessions/search")
+    async def search_sessions(self, request: Request) -> dict[str, Any]:  # session_search.py
+        return await self._call(request, self.service.rest, R.SessionSearch(await _json(request, self.cfg.max_body_bytes)))
+
+    @tinker_api.put("/sessions/{session_id}/project")
+    async def assign_project(self, session_id: str, request: Request) -> Response:  # a label: otray has no projects
+        data = await _json(request, self.cfg.max_body_bytes)
+        return await _no_content(self._call(request, self.service.rest, R.SessionProject(session_id, data.get("project_id"))))
 
     @tinker_api.post("/weights_info")
     async def weights_info(self, request: Request) -> dict[str, Any]:

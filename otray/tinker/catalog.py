@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 from otray.tinker import external as X
+from otray.tinker import session_search
 from otray.tinker import runs as R
 from otray.tinker.store import Checkpoint, Run, Sampler, Store, parse_path, session_of
 from otray.tinker.wire import UserError
@@ -112,12 +113,28 @@ class CopyWeights:
 
 
 @dataclass(frozen=True)
+class SessionSearch:
+    """``search_sessions``: the SDK's SessionSearchRequest JSON (checked in session_search.py)."""
+
+    request: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class SessionProject:
+    """``assign_session_project``: the caller's session labelled with ``project_id``."""
+
+    session_id: str
+    project_id: Any
+
+
+@dataclass(frozen=True)
 class StorageUsage:
     """``get_current_checkpoint_storage_usage``: the caller's checkpoint files now (the quota's measure)."""
 
 
 RestQuery = Union[SamplerView, RunsView, RunView, CheckpointsView, DeleteCheckpoint, WeightsInfoView,
-                  UserCheckpointsView, Publish, SetTtl, SessionsView, SessionView, ExternalUrls, StorageUsage]
+                  UserCheckpointsView, Publish, SetTtl, SessionsView, SessionView, ExternalUrls, StorageUsage,
+                  SessionSearch, SessionProject]
 MAX_TTL_S = 10 * 365 * 24 * 3600  # Tinker's upper bound: ten years
 
 
@@ -185,6 +202,10 @@ class Catalog:
             return self.session(owner, q.session_id)
         if isinstance(q, ExternalUrls):
             return self.external_urls(owner, q)
+        if isinstance(q, SessionSearch):
+            return session_search.search(owner, self.store.session_infos(owner), q.request, lambda sid: self._stats(owner, sid))
+        if isinstance(q, SessionProject):
+            return self.assign_project(owner, q)
         if isinstance(q, StorageUsage):
             size = self.store.usage(owner)
             return {"data": [{"org_user_urn": f"tml:user:{owner}", "user_name": owner, "size_bytes": size,
@@ -250,13 +271,27 @@ class Catalog:
             raise UserError("no such file (its checkpoint was deleted or expired)", 404)
         return (Path(ckpt.path) / grant.file).read_bytes()
 
+    def _stats(self, owner: str, session_id: str) -> tuple[int, int]:
+        """A session's named checkpoints: how many, and their bytes."""
+        found = [c for r in self.store.runs(owner) if session_of(r.model_id) == session_id
+                 for c in self.store.checkpoints(r.model_id) if not c.name.startswith("ephemeral-")]
+        return len(found), sum(c.size for c in found)
+
+    def assign_project(self, owner: str, q: SessionProject) -> None:
+        if q.session_id not in [i.session_id for i in self.store.session_infos(owner)]:
+            raise UserError(f"no session {q.session_id!r} (unknown, or another user's)", 404)
+        if not isinstance(q.project_id, str) or not 0 < len(q.project_id) <= 200:
+            raise UserError("assign_session_project: project_id must be a name of 1 to 200 characters")
+        self.store.update_session_info(q.session_id, project_id=q.project_id)
+
     def session(self, owner: str, session_id: str) -> dict[str, Any]:
         """A session's training runs and samplers; another user's or an unknown one is a 404."""
         if session_id not in self.store.sessions(owner):
             raise UserError(f"no session {session_id!r} (unknown, or another user's)", 404)
         runs = [r.model_id for r in self.store.runs(owner) if session_of(r.model_id) == session_id]
         samplers = [s.sampler_id for s in self.store.samplers(owner) if session_of(s.sampler_id) == session_id]
-        return {"training_run_ids": runs, "sampler_ids": samplers, "user_metadata": None}
+        info = [i for i in self.store.session_infos(owner) if i.session_id == session_id]
+        return {"training_run_ids": runs, "sampler_ids": samplers, "user_metadata": info[0].user_metadata if info else None}
 
     def checkpoints(self, owner: str, model_id: str) -> list[dict[str, Any]]:
         self.run(owner, model_id)

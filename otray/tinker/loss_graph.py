@@ -47,14 +47,15 @@ _SHAPES = "reshape flatten squeeze unsqueeze transpose permute narrow select gat
 TORCH_FUNCTIONS = frozenset(f"torch.{n}" for n in f"{_ELEMENTWISE} {_REDUCTIONS} {_SHAPES} zeros_like ones_like "
                             "full_like tensor scalar_tensor".split())
 FUNCTIONAL = frozenset(f"torch.nn.functional.{n}" for n in """log_softmax softmax relu sigmoid silu tanh kl_div
-    mse_loss l1_loss smooth_l1_loss huber_loss binary_cross_entropy_with_logits normalize""".split()) | {"torch._C._nn.log_sigmoid", "torch._C._nn.softplus", "torch._C._nn.gelu"}
+    mse_loss l1_loss smooth_l1_loss huber_loss binary_cross_entropy_with_logits normalize""".split()) | {
+    "torch._C._nn.log_sigmoid", "torch._C._nn.softplus", "torch._C._nn.gelu"}  # F.logsigmoid, F.softplus, F.gelu
 OPERATORS = frozenset(f"operator.{n}" for n in "add sub mul truediv floordiv mod pow neg pos abs getitem lt le gt "
                       "ge eq ne and_ or_ xor invert".split())
 MATH = frozenset(f"math.{n}" for n in "log exp sqrt log1p expm1 pow fabs floor ceil tanh isfinite isnan".split())
 FUNCTIONS = TORCH_FUNCTIONS | FUNCTIONAL | OPERATORS | MATH
 METHODS = frozenset(f"{_ELEMENTWISE} {_REDUCTIONS} {_SHAPES} view view_as reshape_as expand_as t contiguous clone "
-                    "detach float double long int bool to type_as size dim numel chunk split unbind".split()) - {"cat", "concat",
-                                                                                                  "stack"}
+                    "detach float double long int bool to type_as size dim numel chunk split unbind".split()
+                    ) - {"cat", "concat", "stack"}
 ATTRIBUTES = frozenset({"shape", "ndim", "dtype", "device", "T", "values", "indices"})
 _DTYPES = frozenset({"float32", "float64", "float16", "bfloat16", "int64", "int32", "bool"})
 _CONSTANTS = {"layout": frozenset({"strided"}), "memory_format": frozenset({"contiguous_format", "preserve_format"})}
@@ -321,9 +322,10 @@ def _safe_operands(node: LossNode, args: list[Any], kwargs: dict[str, Any], at: 
         index = args[2] if len(args) > 2 else kwargs.get("index")
         if not (isinstance(src, torch.Tensor) and isinstance(index, torch.Tensor) and isinstance(dim, int)):
             raise UserError(f"{at}: gather(input, dim, index) needs tensors and an int dim")
-        if index.dtype != torch.int64 or -src.ndim > dim or dim >= src.ndim or index.numel() and (
-                int(index.min()) < 0 or int(index.max()) >= src.shape[dim]):
-            raise UserError(f"{at}: gather's index must be int64 within [0, {src.shape[dim] if -src.ndim <= dim < src.ndim else '?'})")
+        if not -src.ndim <= dim < src.ndim:
+            raise UserError(f"{at}: gather's dim {dim} is out of range for a {src.ndim}-d input")
+        if index.dtype != torch.int64 or index.numel() and (int(index.min()) < 0 or int(index.max()) >= src.shape[dim]):
+            raise UserError(f"{at}: gather's index must be int64 within [0, {src.shape[dim]})")
 
 
 def _within_budget(args: list[Any], kwargs: dict[str, Any], budget: int, at: str) -> None:

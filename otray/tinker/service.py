@@ -132,17 +132,17 @@ class TinkerService:
         return {"supported_models": [{"model_name": m.name, "max_context_length": m.max_context_length,
                                       "trainable": True, "sampleable": True} for m in self.cfg.models]}
 
-    async def create_session(self, owner: str) -> str:
+    async def create_session(self, owner: str, req: Optional[dict[str, Any]] = None) -> str:
         await self._recover()
         await self.sessions.expire()
-        return self.sessions.new(owner)
+        return self.sessions.new(owner, req)
 
-    async def heartbeat(self, owner: str, session_id: str) -> None:
-        self.sessions.heartbeat(owner, session_id)
+    async def heartbeat(self, owner: str, req: dict[str, Any]) -> None:
+        self.sessions.heartbeat(owner, req["session_id"])
 
-    async def finish_session(self, owner: str, session_id: str) -> None:
+    async def finish_session(self, owner: str, session_id: str, req: Optional[dict[str, Any]] = None) -> None:
         """The SDK's ``close()``: the session's adapters leave the learner (their checkpoints stay)."""
-        await self.sessions.finish(owner, session_id)
+        await self.sessions.finish(owner, session_id, (req or {}).get("reason"), (req or {}).get("detail"))
 
     async def _session_closed(self, session_id: str) -> None:
         for model_id in [m for m in self.training.live if session_of(m) == session_id]:
@@ -194,8 +194,8 @@ class TinkerService:
             await self.training.unload(answer["model_id"], "its session was closed or expired")
         return answer
 
-    async def get_info(self, owner: str, model_id: str) -> dict[str, Any]:
-        run = self.catalog.run(owner, model_id)
+    async def get_info(self, owner: str, req: dict[str, Any]) -> dict[str, Any]:
+        run = self.catalog.run(owner, req["model_id"])
         return R.info(run, self.paths[run.base_model])
 
     # ------------------------------------------------------------------ training requests (Training's)

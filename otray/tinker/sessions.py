@@ -13,10 +13,16 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from typing import Awaitable, Callable
+from typing import Any, Awaitable, Callable, Optional
 
-from otray.tinker.store import Store
+from otray.tinker.store import SessionInfo, Store
 from otray.tinker.wire import UserError
+
+FINISH_REASONS = ("success", "errored", "interrupted")  # the SDK's close() statuses
+
+
+def _text(value: Any, limit: int = 500) -> Optional[str]:
+    return value[:limit] if isinstance(value, str) and value else None
 
 
 class Sessions:
@@ -25,10 +31,17 @@ class Sessions:
         self.open: dict[str, tuple[str, float]] = {}  # session id -> (owner, last heartbeat)
         self.samplers: dict[str, tuple[str, str]] = {}  # sampling client id -> (owner, session)
 
-    def new(self, owner: str) -> str:
+    def new(self, owner: str, req: Optional[dict[str, Any]] = None) -> str:
+        """A session for ``owner``; ``req``: the create_session body (display_name, user_metadata, project_id:
+        kept for search_sessions)."""
+        req = req or {}
         sid = f"s-{uuid.uuid4().hex[:16]}"
         self.open[sid] = (owner, time.monotonic())
         self.store.add_session(sid, owner)
+        meta = req.get("user_metadata")
+        self.store.add_session_info(SessionInfo(
+            sid, owner, time.time(), _text(req.get("display_name")), {str(k): str(v) for k, v in meta.items()}
+            if isinstance(meta, dict) else None, _text(req.get("project_id")), {"type": "active"}))
         return sid
 
     def check(self, owner: str, session_id: str) -> None:
@@ -45,9 +58,13 @@ class Sessions:
         self.check(owner, session_id)
         self.open[session_id] = (owner, time.monotonic())
 
-    async def finish(self, owner: str, session_id: str) -> None:
-        """The SDK's ``close()``."""
+    async def finish(self, owner: str, session_id: str, reason: Any = None, detail: Any = None) -> None:
+        """The SDK's ``close(reason, detail)``: its status becomes ``client_finished`` with that reason."""
         self.check(owner, session_id)
+        kind = reason.get("type") if isinstance(reason, dict) else None
+        self.store.update_session_info(session_id, status={
+            "type": "client_finished", "reason": {"type": kind if kind in FINISH_REASONS else "success"},
+            "detail": _text(detail)})
         self.open[session_id] = (owner, float("-inf"))
         await self.expire()
 
@@ -69,7 +86,9 @@ class Sessions:
     async def expire(self) -> None:
         """Close the sessions whose client stopped heartbeating (or finished)."""
         cutoff = time.monotonic() - self.timeout_s
-        for sid in [s for s, (_, seen) in self.open.items() if seen < cutoff]:
+        for sid, (_, seen) in [(s, v) for s, v in self.open.items() if v[1] < cutoff]:
+            if seen != float("-inf"):  # expired, not finished by its client: its status is unknown
+                self.store.update_session_info(sid, status=None)
             del self.open[sid]
             self.store.drop_session(sid)
             for sampler in [k for k, (_, s) in self.samplers.items() if s == sid]:

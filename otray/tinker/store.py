@@ -23,6 +23,8 @@ CREATE TABLE IF NOT EXISTS samplers (sampler_id TEXT PRIMARY KEY, owner TEXT, ba
 CREATE TABLE IF NOT EXISTS leases (model_id TEXT PRIMARY KEY, job_id TEXT, token TEXT);
 CREATE TABLE IF NOT EXISTS sessions (session_id TEXT PRIMARY KEY, owner TEXT);
 CREATE TABLE IF NOT EXISTS losses (loss_id TEXT PRIMARY KEY, owner TEXT, body TEXT);
+CREATE TABLE IF NOT EXISTS session_info (session_id TEXT PRIMARY KEY, owner TEXT, created REAL, display_name TEXT,
+    user_metadata TEXT, project_id TEXT, status TEXT);
 """
 # checkpoint kind -> tinker path segment (external: an adapter export for download, otray/tinker/external.py)
 SEGMENT = {"training": "weights", "sampler": "sampler_weights", "external": "external_weights"}
@@ -58,6 +60,21 @@ class Checkpoint:
     @property
     def tinker_path(self) -> str:
         return f"tinker://{self.model_id}/{self.checkpoint_id}"
+
+
+@dataclass(frozen=True)
+class SessionInfo:
+    """What a session was created with, and how it ended, kept after it closed (search_sessions).
+    ``status``: Tinker's SessionStatus JSON (``{"type": "active"}``, ``client_finished`` with its reason),
+    None once it expired without its client finishing it."""
+
+    session_id: str
+    owner: str
+    created: float
+    display_name: Optional[str]
+    user_metadata: Optional[dict[str, str]]
+    project_id: Optional[str]
+    status: Optional[dict[str, Any]]
 
 
 @dataclass(frozen=True)
@@ -210,6 +227,22 @@ class Store:
     def drop_session(self, session_id: str) -> None:
         self.db.execute("DELETE FROM sessions WHERE session_id = ?", (session_id,))
         self.db.execute("DELETE FROM losses WHERE substr(loss_id, 1, ?) = ?", (len(session_id) + 1, f"{session_id}:"))
+
+    def add_session_info(self, i: SessionInfo) -> None:
+        self.db.execute("INSERT OR REPLACE INTO session_info VALUES (?, ?, ?, ?, ?, ?, ?)",
+                        (i.session_id, i.owner, i.created, i.display_name, json.dumps(i.user_metadata), i.project_id,
+                         json.dumps(i.status)))
+
+    def session_infos(self, owner: str) -> list[SessionInfo]:
+        rows = self.db.execute("SELECT * FROM session_info WHERE owner = ? ORDER BY created", (owner,)).fetchall()
+        return [SessionInfo(r[0], r[1], r[2], r[3], json.loads(r[4]), r[5], json.loads(r[6])) for r in rows]
+
+    def update_session_info(self, session_id: str, *, project_id: Any = ..., status: Any = ...) -> None:
+        """Set a session's project (a label) or status; ``...`` leaves a field as it is."""
+        if project_id is not ...:
+            self.db.execute("UPDATE session_info SET project_id = ? WHERE session_id = ?", (project_id, session_id))
+        if status is not ...:
+            self.db.execute("UPDATE session_info SET status = ? WHERE session_id = ?", (json.dumps(status), session_id))
 
     def add_loss(self, loss_id: str, owner: str, body: str) -> None:
         """A custom loss a session created (``{session}:loss:{n}``): its ``create_custom_loss`` JSON."""

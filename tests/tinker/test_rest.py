@@ -1,7 +1,7 @@
 """The SDK 0.38 routes beyond training and sampling, through the real SDK against ``otray tinker``:
 JWT auth (``/auth/token``, ``RestClient.whoami``), a user's checkpoints across runs, publishing a
 checkpoint to the service's other users, checkpoint TTLs (expired ones really deleted: the test's
-service allows a 1 s TTL and sweeps every 0.2 s), and the session views. Another user's ids get
+service allows a 1 s TTL and sweeps every 0.2 s), copies of checkpoints, the session views and search. Another user's ids get
 the same 404 as unknown ones. This service runs custom losses client-side (custom_loss_server_side:
 false), so the SDK's client-side path is tested here."""
 
@@ -180,6 +180,55 @@ def test_copy_weights_makes_an_independent_copy_that_shares_the_files(svc, token
     bob_sc.close("success").result()
 
 
+def test_search_sessions_and_project_labels(svc):
+    """search_sessions finds the caller's sessions by display-name words, user_metadata, project (a label:
+    set at creation or by assign_session_project) and status (active; client_finished with close()'s
+    reason), newest first, in pages a cursor continues; another user's session is never found, and cannot
+    be relabelled (404)."""
+    S = types.SessionSearchRequest
+
+    def opened(key: str, **kwargs) -> tinker.ServiceClient:
+        sc = tinker.ServiceClient(base_url=URL, api_key=key, **kwargs)
+        sc.create_sampling_client(base_model=BASE).result()  # the session starts with its first use
+        return sc
+
+    one = opened(svc["alice"], display_name="Addition sweep one", user_metadata={"exp": "x1"}, project_id="p1")
+    two = opened(svc["alice"], display_name="other run")
+    theirs = opened(svc["bob"], display_name="Addition sweep bob")
+    rest, bob = (tinker.RestClient(base_url=URL, api_key=svc[u]) for u in ("alice", "bob"))
+    (found,) = rest.search_sessions(S(display_name="sweep ADDITION")).result().sessions
+    assert (found.display_name, found.project_id, found.user_metadata, found.owner, found.status.type) == (
+        "Addition sweep one", "p1", {"exp": "x1"}, "tml:user:alice", "active")
+    assert [s.session_id for s in rest.search_sessions(S(user_metadata={"exp": "x1"})).result().sessions] == [
+        found.session_id]
+    assert rest.get_session(found.session_id).result().user_metadata == {"exp": "x1"}
+    two.close("interrupted").result()
+    done = rest.search_sessions(S(statuses=[types.ClientFinishedSessionStatusQuery(reasons=["interrupted"])]))
+    assert [s.display_name for s in done.result().sessions] == ["other run"]
+    assert not rest.search_sessions(S(statuses=[types.ClientFinishedSessionStatusQuery(reasons=["success"])],
+                                      display_name="other")).result().sessions
+    rest.assign_session_project(found.session_id, "p2").result()
+    assert [s.session_id for s in rest.search_sessions(S(project_ids=["p2"])).result().sessions] == [found.session_id]
+    (bobs,) = bob.search_sessions(S(display_name="bob")).result().sessions
+    with pytest.raises(tinker.NotFoundError):
+        bob.assign_session_project(found.session_id, "mine").result()
+    for owner in (types.AccessibleSearchOwner(), types.UserSearchOwner(owner_urns=["tml:user:bob"])):
+        assert bobs.session_id not in [s.session_id for s in rest.search_sessions(S(owner=owner)).result().sessions]
+    seen, cursor = [], None
+    while True:
+        page = rest.search_sessions(S(limit=2, cursor=cursor)).result()
+        seen += page.sessions
+        if page.next_cursor is None:
+            break
+        cursor = page.next_cursor
+    assert [s.created_at for s in seen] == sorted((s.created_at for s in seen), reverse=True)
+    ids = [s.session_id for s in seen]
+    assert len(ids) == len(set(ids)) >= 2 and found.session_id in ids and bobs.session_id not in ids
+    assert set(ids) <= set(rest.list_sessions(limit=1000).result().sessions)
+    for sc in (one, theirs):
+        sc.close("success").result()
+
+
 def test_what_is_not_served_is_a_quick_4xx_naming_it(svc, tokenizer):
     """The SDK 0.38 methods this service does not serve (docs/tinker_compat.md) fail at once with a 4xx
     that names the route or the option, never a 5xx (the SDK would retry it for minutes) or a hang."""
@@ -192,8 +241,6 @@ def test_what_is_not_served_is_a_quick_4xx_naming_it(svc, tokenizer):
     now = dt.datetime.now(dt.timezone.utc)
     calls = {
         "RestClient.export_session_trace": lambda: rest.export_session_trace(session),
-        "RestClient.assign_session_project": lambda: rest.assign_session_project(session, "p"),
-        "RestClient.search_sessions": lambda: rest.search_sessions(types.SessionSearchRequest()),
         "RestClient.get_billing_usage": lambda: rest.get_billing_usage(now - dt.timedelta(days=1), now),
         "optim_step(DimuonParams)": lambda: tc.optim_step(types.DimuonParams(learning_rate=1e-3)),
     }
