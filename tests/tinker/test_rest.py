@@ -308,3 +308,31 @@ def test_custom_losses_run_client_side_with_the_gradient_of_the_same_builtin_los
     assert np.abs(after[0] - before).max() > 1e-3  # the step moved the model
     assert np.allclose(after[1], after[0], atol=1e-4) and np.allclose(after[2], after[0], atol=1e-4)
     sc.close("success").result()
+
+
+def test_sampler_handles_and_pickled_sampling_clients_sample_the_same_sampler(svc, tokenizer):
+    """A SamplingClient passed to another process the SDK's two ways (pickle, and get_sampler_handle ->
+    from_sampler_handle with the other process's key) samples the same sampler: the same greedy tokens, its
+    results fetched through retrieve_futures under the copy's own clone id. A handle used with another
+    user's key is a 404, as an unknown sampler is."""
+    import pickle
+
+    sc = tinker.ServiceClient(base_url=URL, api_key=svc["alice"])
+    tc = sc.create_lora_training_client(base_model=BASE, rank=2, seed=4).result()
+    tc.forward_backward([sft(p, a) for p, a in problems(tokenizer, 2)], "cross_entropy").result()
+    tc.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+    sampler = tc.save_weights_and_get_sampling_client().result()
+    prompt = types.ModelInput.from_ints(problems(tokenizer, 1)[0][0])
+    greedy = types.SamplingParams(max_tokens=6, temperature=0.0)
+    want = sampler.sample(prompt, 2, greedy).result().sequences
+    handle = sampler.get_sampler_handle()
+    assert svc["alice"] not in handle  # a handle carries no credentials
+    copies = [pickle.loads(pickle.dumps(sampler)),
+              tinker.SamplingClient.from_sampler_handle(handle, api_key=svc["alice"])]
+    for copy in copies:
+        got = [copy.sample(prompt, 2, greedy) for _ in range(3)]  # several in flight, polled together
+        assert all([s.tokens for s in g.result(timeout=60).sequences] == [s.tokens for s in want] for g in got)
+    stranger = tinker.SamplingClient.from_sampler_handle(handle, api_key=svc["bob"])
+    with pytest.raises(tinker.NotFoundError):
+        stranger.sample(prompt, 1, greedy).result(timeout=60)
+    sc.close("success").result()
