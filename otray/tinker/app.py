@@ -23,6 +23,7 @@ from ray import serve
 from otray.tinker import catalog as R
 from otray.tinker import tokens
 from otray.tinker.callers import Callers, unwrap as _unwrap
+from otray.tinker.config import client_config
 from otray.tinker.wire import UserError, check_request_fields
 
 APP_NAME = "otray-tinker"
@@ -144,15 +145,7 @@ class TinkerGateway:
     @tinker_api.post("/client/config")
     async def client_config(self, request: Request) -> dict[str, Any]:
         await self._owner(request)
-        version = str((await _json(request, self.cfg.max_body_bytes)).get("sdk_version") or "")
-        served = self.cfg.sdk_versions
-        if served and not any(version == v or version.startswith(f"{v}.") for v in served):
-            raise UserError(f"this service serves the tinker SDK {' or '.join(f'{v}.x' for v in served)}, and this client "
-                            f"is tinker {version or '(unknown)'}: install a served one (pip install 'tinker=={served[0]}.0'), "
-                            "or ask the service's admin to add your version to sdk_versions", 400)
-        return {"pjwt_auth_enabled": self.cfg.jwt_auth, "parallel_fwdbwd_chunks": True, "proto_compress_fwdbwd": False,
-                "fwdbwd_max_chunk_len": self.cfg.max_chunk_datums, "custom_loss_server_side": self.cfg.custom_loss_server_side,
-                "sample_use_retrieve_futures": True, "sample_join_sampling_session": False}
+        return client_config(self.cfg, str((await _json(request, self.cfg.max_body_bytes)).get("sdk_version") or ""))
 
     @tinker_api.post("/auth/token")
     async def auth_token(self, request: Request) -> dict[str, str]:
@@ -357,6 +350,15 @@ class TinkerGateway:
     async def assign_project(self, session_id: str, request: Request) -> Response:  # a label: otray has no projects
         data = await _json(request, self.cfg.max_body_bytes)
         return await _no_content(self._call(request, self.service.rest, R.SessionProject(session_id, data.get("project_id"))))
+
+    @tinker_api.get("/sessions/{session_id}/trace_export")
+    async def trace_export(self, session_id: str, request: Request) -> dict[str, Any]:  # built at once, URL signed
+        token = await self._call(request, self.service.rest, R.TraceExport(session_id))
+        return {"status": "ready", "url": f"{request.url.scheme}://{request.url.netloc}{ROUTE_PREFIX}/traces/{token}"}
+
+    @tinker_api.get("/traces/{token}")
+    async def trace_file(self, token: str) -> Response:  # the token is the grant: no key
+        return Response(await _served(self.service.external_file.remote(token)), media_type="application/json")
 
     @tinker_api.post("/weights_info")
     async def weights_info(self, request: Request) -> dict[str, Any]:

@@ -16,6 +16,7 @@ from otray.tinker import external as X
 from otray.tinker import session_search
 from otray.tinker import runs as R
 from otray.tinker.store import Checkpoint, Run, Sampler, Store, parse_path, session_of
+from otray.tinker.timeline import Timeline, chrome_trace
 from otray.tinker.wire import UserError
 
 
@@ -128,19 +129,29 @@ class SessionProject:
 
 
 @dataclass(frozen=True)
+class TraceExport:
+    """``export_session_trace``: the caller's session's timeline (timeline.py), written as a file whose
+    signed token is the answer."""
+
+    session_id: str
+
+
+@dataclass(frozen=True)
 class StorageUsage:
     """``get_current_checkpoint_storage_usage``: the caller's checkpoint files now (the quota's measure)."""
 
 
 RestQuery = Union[SamplerView, RunsView, RunView, CheckpointsView, DeleteCheckpoint, WeightsInfoView,
                   UserCheckpointsView, Publish, SetTtl, SessionsView, SessionView, ExternalUrls, StorageUsage,
-                  SessionSearch, SessionProject]
+                  SessionSearch, SessionProject, TraceExport]
 MAX_TTL_S = 10 * 365 * 24 * 3600  # Tinker's upper bound: ten years
+TRACE = "trace"  # a signed file grant's "checkpoint" for a session's exported trace
 
 
 class Catalog:
-    def __init__(self, store: Store, min_ttl_s: float = 3600.0, secret: bytes = b"", url_ttl_s: float = 3600.0):
-        self.store = store
+    def __init__(self, store: Store, min_ttl_s: float = 3600.0, secret: bytes = b"", url_ttl_s: float = 3600.0,
+                 timeline: Optional[Timeline] = None):
+        self.store, self.timeline = store, timeline or Timeline()
         self.secret, self.url_ttl_s = secret, url_ttl_s  # signed download URLs of external weights
         self.min_ttl_s = min_ttl_s  # the shortest TTL a user may set (Tinker: an hour)
         self.copies: dict[tuple[str, str], dict[str, str]] = {}  # (owner, idempotency key) -> the copy's answer
@@ -206,6 +217,8 @@ class Catalog:
             return session_search.search(owner, self.store.session_infos(owner), q.request, lambda sid: self._stats(owner, sid))
         if isinstance(q, SessionProject):
             return self.assign_project(owner, q)
+        if isinstance(q, TraceExport):
+            return self.trace(owner, q.session_id)
         if isinstance(q, StorageUsage):
             size = self.store.usage(owner)
             return {"data": [{"org_user_urn": f"tml:user:{owner}", "user_name": owner, "size_bytes": size,
@@ -262,9 +275,24 @@ class Catalog:
                                            self.url_ttl_s)
         return {"files": tokens, "expires": expires}
 
+    def trace(self, owner: str, session_id: str) -> str:
+        """A signed token for ``owner``'s session's timeline, written now (the newest export replaces the last)."""
+        if session_id not in [i.session_id for i in self.store.session_infos(owner)]:
+            raise UserError(f"no session {session_id!r} (unknown, or another user's)", 404)
+        where = self.store.root / "traces" / f"{session_id}.json"
+        where.parent.mkdir(parents=True, exist_ok=True)
+        where.write_bytes(chrome_trace(session_id, self.timeline.spans(session_id)))
+        return X.sign(self.secret, X.FileGrant(session_id, TRACE, where.name), self.url_ttl_s)[0]
+
     def external_file(self, token: str) -> bytes:
-        """The file a signed URL names, while its checkpoint lives (no key: the token is the grant)."""
+        """The file a signed URL names, while its checkpoint lives (no key: the token is the grant); or a
+        session's exported trace."""
         grant = X.verify(self.secret, token)
+        if grant.checkpoint_id == TRACE:
+            where = self.store.root / "traces" / f"{grant.model_id}.json"
+            if not where.is_file() or grant.file != where.name:
+                raise UserError("no such trace (export it again)", 404)
+            return where.read_bytes()
         model_id, kind, name = parse_path(f"tinker://{grant.model_id}/{grant.checkpoint_id}")
         ckpt = self.store.checkpoint(model_id, kind, name)
         if ckpt is None or (ckpt.expires and ckpt.expires < time.time()) or grant.file not in X.files_of(Path(ckpt.path)):

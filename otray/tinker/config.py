@@ -15,6 +15,7 @@ from otray.device import DTYPES
 from otray.tinker.fair import POLICIES, Share
 from otray.ranges import TINKER_RANGES, check_ranges
 from otray.structured import load_structured, one_of
+from otray.tinker.wire import UserError
 from otray.types import ConfigError
 
 
@@ -176,3 +177,16 @@ def quota_of(cfg: TinkerConfig, user: str) -> TinkerQuota:
 def shares_of(cfg: TinkerConfig) -> dict[str, Share]:
     """Every user's share of a learner an admin set (``scheduling.users``; the others get :class:`Share`'s defaults)."""
     return {user: Share(u.weight, u.priority) for user, u in cfg.scheduling.users.items()}
+
+
+def client_config(cfg: TinkerConfig, version: str) -> dict[str, Any]:
+    """The ``client/config`` answer for an SDK of ``version``: what this service serves (the SDK reads the
+    flags once per client); an SDK version not in ``sdk_versions`` is refused naming both."""
+    served = cfg.sdk_versions
+    if served and not any(version == v or version.startswith(f"{v}.") for v in served):
+        raise UserError(f"this service serves the tinker SDK {' or '.join(f'{v}.x' for v in served)}, and this client "
+                        f"is tinker {version or '(unknown)'}: install a served one (pip install 'tinker=={served[0]}.0'), "
+                        "or ask the service's admin to add your version to sdk_versions", 400)
+    return {"pjwt_auth_enabled": cfg.jwt_auth, "parallel_fwdbwd_chunks": True, "proto_compress_fwdbwd": False,
+            "fwdbwd_max_chunk_len": cfg.max_chunk_datums, "custom_loss_server_side": cfg.custom_loss_server_side,
+            "sample_use_retrieve_futures": True, "sample_join_sampling_session": False}

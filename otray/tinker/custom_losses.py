@@ -39,7 +39,7 @@ class CustomLosses:
         self.store.add_loss(loss_id, owner, json.dumps({k: req.get(k) for k in ("name", "inputs", "graph")}))
         self.graphs[loss_id] = graph
         request_id = f"{loss_id}:create"
-        if self.futures.new(request_id, owner):
+        if self.futures.new(request_id, owner, "create_custom_loss"):
             self.futures.finish(request_id, Outcome("json", {"loss_id": loss_id, "type": "create_custom_loss"}))
         return {"request_id": request_id}
 

@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Optional
 
+from otray.tinker.timeline import Timeline
 from otray.tinker.wire import UserError
 
 
@@ -48,13 +49,16 @@ class Futures:
         self.items: dict[str, _Entry] = {}
         self.open: dict[str, int] = {}  # owner -> requests not finished (quota.concurrent_requests)
         self.on_finish: Optional[Callable[[str, Outcome], None]] = None  # told of every finished request
+        self.timeline = Timeline()  # each session's requests, for export_session_trace
 
-    def new(self, request_id: str, owner: str) -> bool:
-        """Register a request; False when it exists already (a resubmission)."""
+    def new(self, request_id: str, owner: str, kind: str = "request") -> bool:
+        """Register a request (``kind``: what it asks, for the session's timeline); False when it exists
+        already (a resubmission)."""
         self._expire()
         if request_id in self.items:
             return False
         self.items[request_id] = _Entry(owner)
+        self.timeline.opened(request_id, kind)
         self.open[owner] = self.open.get(owner, 0) + 1
         return True
 
@@ -70,6 +74,7 @@ class Futures:
         if entry is not None and entry.outcome is None:
             entry.outcome, entry.finished = outcome, time.monotonic()
             self.open[entry.owner] -= 1
+            self.timeline.closed(request_id, f"{outcome.body['category']} error" if outcome.kind == "error" else "ok")
             entry.done.set()
             if self.on_finish is not None:
                 self.on_finish(request_id, outcome)
@@ -122,8 +127,9 @@ class OrderedExecutor:
                 self.futures.finish(request_id, Outcome.error(f"{model_id}: {why}"))
             q.pending.clear()
 
-    def submit(self, model_id: str, seq_id: int, owner: str, run: Callable[[], Awaitable[Outcome]]) -> str:
-        """Queue ``run`` as request ``seq_id`` of ``model_id``; returns its request id."""
+    def submit(self, model_id: str, seq_id: int, owner: str, run: Callable[[], Awaitable[Outcome]],
+               kind: str = "request") -> str:
+        """Queue ``run`` as request ``seq_id`` of ``model_id`` (``kind``: what it asks); returns its request id."""
         q = self.queues.get(model_id)
         if q is None:
             raise UserError(f"no model {model_id!r} is loaded here (create it, or load a checkpoint)", 404)
@@ -133,7 +139,7 @@ class OrderedExecutor:
             raise UserError(f"{model_id}: seq_id {seq_id} was already used and its request expired; the next "
                             f"request of this model is seq_id {q.next_seq}")
         request_id = f"{model_id}:req:{seq_id}"
-        self.futures.new(request_id, owner)
+        self.futures.new(request_id, owner, kind)
         q.seen[seq_id] = request_id
         q.pending[seq_id] = (request_id, run)
         if seq_id > q.next_seq:
@@ -161,12 +167,13 @@ class OrderedExecutor:
         async def refused() -> Outcome:
             return Outcome.error(message)
 
-        self.submit(model_id, seq_id, owner, refused)
+        self.submit(model_id, seq_id, owner, refused, "refused")
 
     async def _drain(self, q: _Queue) -> None:
         try:
             while q.next_seq in q.pending:
                 request_id, run = q.pending.pop(q.next_seq)
+                self.futures.timeline.running(request_id)
                 try:
                     outcome = await run()
                 except UserError as e:
@@ -192,7 +199,7 @@ class OrderedExecutor:
 
         request_id = f"{model_id}:req:{missing}"
         owner = self.futures.owner(next(iter(q.pending.values()))[0]) or ""  # the model's: a late send reads it
-        self.futures.new(request_id, owner)
+        self.futures.new(request_id, owner, "missing")
         q.seen[missing] = request_id
         q.pending[missing] = (request_id, fail)
         if not q.running:

@@ -67,9 +67,9 @@ class TinkerService:
 
         self.cfg: TinkerConfig = load_tinker(cfg)
         self.store = Store(self.cfg.storage)
-        self.catalog = Catalog(self.store, self.cfg.min_checkpoint_ttl_s, load_secret(self.store.root),
-                               self.cfg.external_url_ttl_s)
         self.futures = Futures(self.cfg.result_ttl_s)
+        self.catalog = Catalog(self.store, self.cfg.min_checkpoint_ttl_s, load_secret(self.store.root),
+                               self.cfg.external_url_ttl_s, self.futures.timeline)
         self.paths = {m.name: resolve_model_path(m.path, self.cfg.cache_dir) for m in self.cfg.models}
         self.models = {m.name: m for m in self.cfg.models}
         self.limits = R.LimitsBook(self.paths, self.models)  # what every request for a base is checked against
@@ -289,7 +289,7 @@ class TinkerService:
         ids = [f"{wait.request_id}:{i}" for i in range(wait.n)]
         if wait.request_id not in self.futures.items:
             self.futures.room(owner, quota_of(self.cfg, owner).concurrent_requests)
-        if self.futures.new(wait.request_id, owner):
+        if self.futures.new(wait.request_id, owner, "sample"):
             self.feeds.watch(wait.request_id, req)
             self.batcher.submit(base, owner, wait)
         return {"request_id": wait.request_id, "sample_sequence_ids": ids}

@@ -88,7 +88,7 @@ class Training:
         if model_id not in self.holding:
             self.check_quota(owner, rank)
             self.futures.room(owner, self.quotas(owner).concurrent_requests)
-        if self.futures.new(request_id, owner):
+        if self.futures.new(request_id, owner, result["type"]):
             self.holding[model_id] = (owner, rank)
             try:
                 spec = await make()
@@ -161,14 +161,15 @@ class Training:
             await self.unload(model_id, str(e), JobState.CANCELLED)
             raise UserError(str(e)) from None
 
-    def _queue(self, owner: str, model_id: str, seq_id: Any, run: Callable[[], Awaitable[Outcome]]) -> dict[str, Any]:
+    def _queue(self, owner: str, model_id: str, seq_id: Any, run: Callable[[], Awaitable[Outcome]],
+               kind: str) -> dict[str, Any]:
         self.catalog.run(owner, model_id)
         self.store.touch(model_id)
         if not isinstance(seq_id, int) or seq_id < 1:
             raise UserError(f"{model_id}: seq_id must be an integer >= 1, got {seq_id!r}")
         if self.order.counts_against_quota(model_id, seq_id):
             self.futures.room(owner, self.quotas(owner).concurrent_requests)
-        return {"request_id": self.order.submit(model_id, seq_id, owner, run), "model_id": model_id}
+        return {"request_id": self.order.submit(model_id, seq_id, owner, run, kind), "model_id": model_id}
 
     # ------------------------------------------------------------------ requests
 
@@ -198,7 +199,7 @@ class Training:
             return Outcome("proto", train_output(res.logprobs, res.losses, res.loss_sum, k or None,
                                                  reduced(res.metric_sums, len(call.datums))))
 
-        return self._queue(owner, call.model_id, call.seq_id, run)
+        return self._queue(owner, call.model_id, call.seq_id, run, "forward" if call.forward_only else "forward_backward")
 
     async def watch(self, base: str) -> None:
         """When ``base``'s learner dies (Ray starts a new one, without adapters) its live models end
@@ -229,7 +230,7 @@ class Training:
                 await self.unload(model_id, str(e), JobState.CANCELLED)
             return Outcome("json", {"metrics": metrics, "type": "optim_step"})
 
-        return self._queue(owner, model_id, req.get("seq_id"), run)
+        return self._queue(owner, model_id, req.get("seq_id"), run, "optim_step")
 
     def save_weights(self, owner: str, req: dict[str, Any], kind: str) -> dict[str, Any]:
         """``save_weights`` (kind ``training``: adapter + optimizer), ``save_weights_for_sampler``
@@ -270,7 +271,7 @@ class Training:
             answer = {"training": "save_weights", "sampler": "save_weights_for_sampler", "external": "save_weights_external"}
             return Outcome("json", {"path": ckpt.tinker_path, "type": answer[kind]})
 
-        return self._queue(owner, model_id, req.get("seq_id"), run)
+        return self._queue(owner, model_id, req.get("seq_id"), run, f"save_weights_{kind}")
 
     def storage_room(self, owner: str) -> None:
         """Refuse a save while ``owner``'s checkpoint files take their storage quota or more."""
@@ -291,4 +292,4 @@ class Training:
             await self._send(model_id, lambda learner: learner.load.remote(owner, model_id, ckpt.path, optimizer, False))
             return Outcome("json", {"path": req["path"], "model_id": model_id, "type": "load_weights"})
 
-        return self._queue(owner, model_id, req.get("seq_id"), run)
+        return self._queue(owner, model_id, req.get("seq_id"), run, "load_weights")

@@ -237,10 +237,8 @@ def test_what_is_not_served_is_a_quick_4xx_naming_it(svc, tokenizer):
     rest = tinker.RestClient(base_url=URL, api_key=svc["alice"])
     sc = tinker.ServiceClient(base_url=URL, api_key=svc["alice"])
     tc = sc.create_lora_training_client(base_model=BASE, rank=2).result()
-    session = tc.model_id.split(":")[0]
     now = dt.datetime.now(dt.timezone.utc)
     calls = {
-        "RestClient.export_session_trace": lambda: rest.export_session_trace(session),
         "RestClient.get_billing_usage": lambda: rest.get_billing_usage(now - dt.timedelta(days=1), now),
         "optim_step(DimuonParams)": lambda: tc.optim_step(types.DimuonParams(learning_rate=1e-3)),
     }
@@ -335,4 +333,41 @@ def test_sampler_handles_and_pickled_sampling_clients_sample_the_same_sampler(sv
     stranger = tinker.SamplingClient.from_sampler_handle(handle, api_key=svc["bob"])
     with pytest.raises(tinker.NotFoundError):
         stranger.sample(prompt, 1, greedy).result(timeout=60)
+    sc.close("success").result()
+
+
+def test_a_sessions_timeline_exports_as_a_trace(svc, tokenizer):
+    """export_session_trace: a signed URL (fetched with no key) to the session's requests in the Trace Event
+    Format that ui.perfetto.dev opens: a track per training client and sampler, a slice per request named by
+    what it asked with the part its model spent running it inside, a refused request marked as the user's
+    error. Another user's session is a 404, and so is a tampered URL."""
+    sc = tinker.ServiceClient(base_url=URL, api_key=svc["alice"])
+    tc = sc.create_lora_training_client(base_model=BASE, rank=2).result()
+    data = [sft(p, a) for p, a in problems(tokenizer, 2)]
+    tc.forward_backward(data, "cross_entropy").result()
+    tc.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+    with pytest.raises(Exception, match="not supported"):
+        tc.forward_backward(data, "no_such_loss").result(timeout=30)
+    sampler = tc.save_weights_and_get_sampling_client().result()
+    sampler.sample(types.ModelInput.from_ints(problems(tokenizer, 1)[0][0]), 1, types.SamplingParams(max_tokens=3)).result()
+    session = tc.model_id.split(":")[0]
+    url = tinker.RestClient(base_url=URL, api_key=svc["alice"]).export_session_trace(session).result()
+    got = httpx.get(url)
+    assert got.status_code == 200, got.text
+    events = got.json()["traceEvents"]
+    slices = [e for e in events if e["ph"] == "X"]
+    tracks = {e["tid"]: e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    by_name = {}
+    for e in slices:
+        by_name.setdefault(e["name"], []).append(e)
+    assert {"create_model", "forward_backward", "optim_step", "save_weights_sampler", "sample", "running"} <= set(by_name)
+    assert [e["args"]["outcome"] for e in by_name["refused"]] == ["user error"]
+    assert {tracks[e["tid"]] for e in by_name["forward_backward"]} == {tc.model_id.split(":", 1)[1]}
+    assert any(":sampler:" in tracks[e["tid"]] for e in by_name["sample"])
+    (step,) = by_name["optim_step"]
+    inside = [r for r in by_name["running"] if r["tid"] == step["tid"] and step["ts"] <= r["ts"] <= step["ts"] + step["dur"]]
+    assert len(inside) == 1 and inside[0]["ts"] + inside[0]["dur"] <= step["ts"] + step["dur"] + 1
+    with pytest.raises(tinker.NotFoundError):
+        tinker.RestClient(base_url=URL, api_key=svc["bob"]).export_session_trace(session).result()
+    assert httpx.get(url[:-3] + ("abc" if not url.endswith("abc") else "xyz")).status_code == 404
     sc.close("success").result()
