@@ -30,7 +30,8 @@ import torch
 
 from otray.actors.sampling.backends.hf import HFBackend
 from otray.tinker.adapter_switch import AdapterSwitch
-from otray.tinker.loss_graph import LossGraph, add_sums, surrogate
+from otray.tinker.loss_graph import LossGraph
+from otray.tinker.loss_run import add_sums, surrogate
 from otray.tinker.prompt_scores import PromptScores, Scoring, Targets, score
 from otray.actors.learner.core import (adamw_step, in_order, loss_inputs, new_adamw, plan_micro_batches,
                                        position_log_softmax, token_logprobs, topk_logprobs, topk_weights)

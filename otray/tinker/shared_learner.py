@@ -22,7 +22,8 @@ from typing import Any, Callable, Optional
 
 from otray.tinker.fair import FairQueue, Share, slices
 from otray.tinker.learner import AdamStep, AdapterLearner, AdapterSpec, PassResult, SampleJob, SampleOut
-from otray.tinker.loss_graph import LossGraph, add_sums
+from otray.tinker.loss_graph import LossGraph
+from otray.tinker.loss_run import add_sums
 from otray.types import Datum
 
 
@@ -70,11 +71,27 @@ class SharedLearner:
                                loss_fn_config: Optional[dict[str, float]] = None, backward: bool = True,
                                graph: Optional[LossGraph] = None) -> PassResult:
         parts = slices([len(d) for d in datums], self.slice_tokens) if self.slice_tokens else [range(len(datums))]
+        saved: Optional[list] = [] if graph is not None and backward else None
         results = await self.queue.run(user, adapter, [
-            self._step(self.learner.forward_backward, adapter, datums[p.start:p.stop], loss_fn, loss_fn_config, backward,
-                       graph) for p in parts], follow=backward)
+            self._step(self._pass, adapter, datums[p.start:p.stop], loss_fn, loss_fn_config, backward, graph, saved)
+            for p in parts], follow=backward)
         return PassResult([lp for r in results for lp in r.logprobs], [x for r in results for x in r.losses],
                           sum(r.loss_sum for r in results), functools.reduce(add_sums, [r.metric_sums for r in results]))
+
+    def _pass(self, adapter: str, datums: list[Datum], loss_fn: str, cfg: Optional[dict[str, float]], backward: bool,
+              graph: Optional[LossGraph], saved: Optional[list]) -> PassResult:
+        """One slice, on the compute thread. ``saved`` (a custom loss's backward): the first slice keeps the
+        adapter's gradients as they were before the call, and a slice that fails puts them back, so a loss
+        that fails on some datum leaves no part of the call's gradient for the next optim_step."""
+        params = self.learner.switch.params(self.learner.model, adapter)
+        if saved is not None and not saved:
+            saved.append([None if p.grad is None else p.grad.clone() for p in params])
+        try:
+            return self.learner.forward_backward(adapter, datums, loss_fn, cfg, backward, graph)
+        except Exception:
+            for p, grad in zip(params, saved[0] if saved else ()):
+                p.grad = grad
+            raise
 
     async def optim_step(self, user: str, adapter: str, step: AdamStep) -> dict[str, float]:
         return await self._one(user, adapter, self.learner.optim_step, adapter, step)

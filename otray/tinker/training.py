@@ -26,7 +26,7 @@ from otray.tinker.leases import LeaseEnded, Leases, LeaseSpec
 from otray.tinker.store import Checkpoint, Sampler, Store
 from otray.tinker.stability import Recordings, with_recordings
 from otray.tinker.callers import unwrap
-from otray.tinker.loss_graph import reduced
+from otray.tinker.loss_run import reduced
 from otray.tinker.wire import TrainCall, UserError, parse_train_call, train_output
 
 

@@ -1,9 +1,12 @@
 """The AdapterLearner's sampler adapters (in-process, tiny model): a sampler checkpoint samples the
-weights saved in it, also after it is overwritten, and the learner keeps a bounded set of them."""
+weights saved in it, also after it is overwritten, and the learner keeps a bounded set of them; a
+custom loss failing part-way through a call leaves no partial gradient."""
 
 from __future__ import annotations
 
 import numpy as np
+import pytest
+import torch
 
 from otray.tinker.learner import SAMPLER_CACHE, AdamStep, AdapterLearner, AdapterSpec, SampleJob
 from otray.tinker.prompt_scores import Scoring
@@ -77,3 +80,40 @@ def test_the_base_samples_after_every_client_dropped_its_adapter(tiny_path):
     assert learner.sample([job])[0][0].samples[0].token_ids == before  # "a" left, the base still the base
     learner.drop("a")
     assert learner.sample([job])[0][0].samples[0].token_ids == before
+
+
+def test_a_custom_loss_failing_in_a_later_slice_leaves_the_gradient_as_it_was(tiny_path):
+    """A call in several slices (slice_tokens) whose custom loss fails on its last datum (a gather index
+    out of range): the slices before it had added their gradients, and the call puts the adapter's
+    gradients back as they were before it, so the client's pipelined optim_step does not apply part of it."""
+    import asyncio
+    import json
+
+    from otray.tinker.loss_graph import parse_graph
+    from otray.tinker.shared_learner import SharedLearner
+    from otray.tinker.wire import UserError
+    from tests.conftest import ROOT
+
+    graph = parse_graph(json.loads((ROOT / "tests" / "fixtures" / "custom_loss.json").read_text()))
+
+    def datum(seed: int, far: bool = False) -> Datum:
+        rng = np.random.default_rng(seed)
+        ids, n = rng.integers(1, 200, 9).tolist(), 8
+        return Datum(ids[:-1], ids[1:], [1.0] * n, [0.0] * n, [0.0] * n, custom_inputs=(
+            rng.normal(-3, 0.5, n).astype(np.float32), rng.normal(0, 1, n).astype(np.float32),
+            np.full(n, 10 ** 6 if far else 2, np.float32)))
+
+    async def scenario() -> None:
+        shared = SharedLearner(tiny_path, slice_tokens=8)  # one datum a slice
+        await shared.create("alice", "a", AdapterSpec(4, seed=0))
+        await shared.forward_backward("alice", "a", [datum(0)], "custom", None, True, graph)
+        params = shared.learner.switch.params(shared.learner.model, "a")
+        before = [p.grad.clone() for p in params]
+        with pytest.raises(UserError, match="gather's index"):
+            await shared.forward_backward("alice", "a", [datum(1), datum(2), datum(3, far=True)], "custom", None,
+                                          True, graph)
+        assert all(torch.equal(p.grad, g) for p, g in zip(params, before))
+        await shared.forward_backward("alice", "a", [datum(1)], "custom", None, True, graph)
+        assert any(not torch.equal(p.grad, g) for p, g in zip(params, before))  # the good datum's gradient adds
+
+    asyncio.run(scenario())

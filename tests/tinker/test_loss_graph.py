@@ -15,7 +15,8 @@ import torch.nn.functional as F
 tinker = pytest.importorskip("tinker")
 from tinker.lib.public_interfaces.custom_loss import encode_graph, trace_loss  # noqa: E402
 
-from otray.tinker.loss_graph import LossGraph, parse_graph, run_graph, surrogate  # noqa: E402
+from otray.tinker.loss_graph import LossGraph, parse_graph  # noqa: E402
+from otray.tinker.loss_run import run_graph, surrogate  # noqa: E402
 from otray.tinker.wire import UserError  # noqa: E402
 from otray.types import Datum  # noqa: E402
 
@@ -163,3 +164,27 @@ def test_the_gpu_checks_custom_loss_fixture_is_what_the_sdk_sends_today():
     sent = upload(gathered_pg, {"logprobs": 1, "old": 1, "advantages": 1, "index": 1})
     assert {k: sent[k] for k in ("name", "inputs", "graph")} == fixture
     assert parse_graph(fixture).input_names == ("old", "advantages", "index")
+
+
+def test_the_tensors_a_loss_makes_are_held_to_a_budget_and_deep_arguments_are_refused():
+    """Each node's result counts against the datum's budget (autograd keeps them for the backward pass):
+    a chain of 80 whole-sequence steps on a 100,000-token datum is refused at the node that crosses it;
+    the same chain on a short datum runs. An argument nested past Python's recursion limit is a UserError."""
+    def chain(logprobs):
+        x = logprobs
+        for _ in range(80):
+            x = x * 1.0001
+        return x.sum(), {}
+
+    graph = parse_graph(upload(chain, {"logprobs": 1}))
+    loss, _ = run_graph(graph, [-torch.rand(1000)], "cpu")
+    assert loss.ndim == 0
+    with pytest.raises(UserError, match="the loss's tensors reach"):
+        run_graph(graph, [-torch.rand(100_000)], "cpu")
+    body = upload(lambda logprobs: (logprobs.sum() * 2.0, {}), {"logprobs": 1})
+    deep: list = []
+    for _ in range(5000):
+        deep = [deep]
+    node = next(i for i, n in enumerate(body["graph"]["nodes"]) if n["target"] == "operator.mul")
+    with pytest.raises(UserError, match="nests too deeply"):
+        parse_graph(_mutated(body, node, args=[deep, 2.0]))

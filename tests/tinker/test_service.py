@@ -431,7 +431,7 @@ def test_a_batch_that_fails_is_sent_again_one_request_at_a_time(svc, tokenizer, 
 
     outcomes, splits, calls = asyncio.run(batch())
     assert calls == [3] and splits == 1  # one shared call for the three; it failed and was split
-    assert [o.kind for o in outcomes] == ["proto", "error", "proto"]
+    assert [o.kind for o in outcomes] == ["proto", "error", "proto"], [o.body for o in outcomes]
     assert "nonexistent" in outcomes[1].body["error"] or "No such file" in outcomes[1].body["error"], outcomes[1]
 
 
