@@ -137,13 +137,21 @@ class TraceExport:
 
 
 @dataclass(frozen=True)
+class JoinSampler:
+    """``join_sampling_session``: a copy of a sampling client (pickled, or from a sampler handle) asks for
+    its number among the session's clients; its request ids are made from it."""
+
+    sampler_id: Optional[str]
+
+
+@dataclass(frozen=True)
 class StorageUsage:
     """``get_current_checkpoint_storage_usage``: the caller's checkpoint files now (the quota's measure)."""
 
 
 RestQuery = Union[SamplerView, RunsView, RunView, CheckpointsView, DeleteCheckpoint, WeightsInfoView,
                   UserCheckpointsView, Publish, SetTtl, SessionsView, SessionView, ExternalUrls, StorageUsage,
-                  SessionSearch, SessionProject, TraceExport]
+                  SessionSearch, SessionProject, TraceExport, JoinSampler]
 MAX_TTL_S = 10 * 365 * 24 * 3600  # Tinker's upper bound: ten years
 TRACE = "trace"  # a signed file grant's "checkpoint" for a session's exported trace
 
@@ -219,6 +227,11 @@ class Catalog:
             return self.assign_project(owner, q)
         if isinstance(q, TraceExport):
             return self.trace(owner, q.session_id)
+        if isinstance(q, JoinSampler):
+            if not isinstance(q.sampler_id, str):
+                raise UserError("join_sampling_session: send the sampling_session_id to join")
+            return {"type": "join_sampling_session",
+                    "client_counter": self.store.next_clone(self.sampler(owner, q.sampler_id).sampler_id)}
         if isinstance(q, StorageUsage):
             size = self.store.usage(owner)
             return {"data": [{"org_user_urn": f"tml:user:{owner}", "user_name": owner, "size_bytes": size,

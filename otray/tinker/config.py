@@ -189,4 +189,4 @@ def client_config(cfg: TinkerConfig, version: str) -> dict[str, Any]:
                         "or ask the service's admin to add your version to sdk_versions", 400)
     return {"pjwt_auth_enabled": cfg.jwt_auth, "parallel_fwdbwd_chunks": True, "proto_compress_fwdbwd": False,
             "fwdbwd_max_chunk_len": cfg.max_chunk_datums, "custom_loss_server_side": cfg.custom_loss_server_side,
-            "sample_use_retrieve_futures": True, "sample_join_sampling_session": False}
+            "sample_use_retrieve_futures": True, "sample_join_sampling_session": True}

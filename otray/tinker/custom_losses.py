@@ -23,12 +23,15 @@ from otray.tinker.wire import UserError
 
 
 class CustomLosses:
-    def __init__(self, store: Store, futures: Futures, sessions: Sessions):
-        self.store, self.futures, self.sessions = store, futures, sessions
+    def __init__(self, store: Store, futures: Futures, sessions: Sessions, served: bool = True):
+        self.store, self.futures, self.sessions, self.served = store, futures, sessions, served
         self.graphs: dict[str, LossGraph] = {}  # parsed once per service life
 
     def create(self, owner: str, req: dict[str, Any]) -> dict[str, Any]:
         """``create_custom_loss``: a promise (already finished) of the stored loss's id."""
+        if not self.served:
+            raise UserError("custom losses run client-side on this service (custom_loss_server_side: false); "
+                            "forward_backward_custom runs them", 404)
         session = req.get("session_id")
         self.sessions.check(owner, session)
         seq = req.get("custom_loss_seq_id")

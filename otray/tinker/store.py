@@ -23,6 +23,7 @@ CREATE TABLE IF NOT EXISTS samplers (sampler_id TEXT PRIMARY KEY, owner TEXT, ba
 CREATE TABLE IF NOT EXISTS leases (model_id TEXT PRIMARY KEY, job_id TEXT, token TEXT);
 CREATE TABLE IF NOT EXISTS sessions (session_id TEXT PRIMARY KEY, owner TEXT);
 CREATE TABLE IF NOT EXISTS losses (loss_id TEXT PRIMARY KEY, owner TEXT, body TEXT);
+CREATE TABLE IF NOT EXISTS sampler_clones (sampler_id TEXT PRIMARY KEY, n INTEGER);
 CREATE TABLE IF NOT EXISTS session_info (session_id TEXT PRIMARY KEY, owner TEXT, created REAL, display_name TEXT,
     user_metadata TEXT, project_id TEXT, status TEXT);
 """
@@ -214,6 +215,12 @@ class Store:
         for smp in self.samplers(owner):
             seen[session_of(smp.sampler_id)] = None
         return list(seen)
+
+    def next_clone(self, sampler_id: str) -> int:
+        """The next copy's number of a sampling client (1, 2, ...; the original is 0), never given twice,
+        across restarts too (a copy's request ids are made from it)."""
+        return self.db.execute("INSERT INTO sampler_clones VALUES (?, 1) ON CONFLICT(sampler_id) DO UPDATE "
+                               "SET n = n + 1 RETURNING n", (sampler_id,)).fetchone()[0]
 
     def sampler(self, sampler_id: str) -> Optional[Sampler]:
         row = self.db.execute("SELECT * FROM samplers WHERE sampler_id = ?", (sampler_id,)).fetchone()

@@ -289,7 +289,8 @@ def test_custom_losses_run_client_side_with_the_gradient_of_the_same_builtin_los
 
     handle = sc.create_custom_loss(neg_ll, input_ranks={"logprobs": 1, "weights": 1}).result()
     assert handle.loss_id is None  # not uploaded: this service runs custom losses client-side
-    refused = httpx.post(f"{URL}/api/v1/create_custom_loss", headers={"X-API-Key": svc["alice"]}, json={})
+    refused = httpx.post(f"{URL}/api/v1/create_custom_loss", headers={"X-API-Key": svc["alice"]},
+                         json={"session_id": "s-x", "custom_loss_seq_id": 0, "graph": {"nodes": []}})
     assert refused.status_code == 404 and "client-side" in refused.json()["detail"]
     fresh = sc.create_lora_training_client(base_model=BASE, rank=4, seed=5).result()
     before = np.concatenate(learner_logprobs(fresh, data))
@@ -311,8 +312,9 @@ def test_custom_losses_run_client_side_with_the_gradient_of_the_same_builtin_los
 def test_sampler_handles_and_pickled_sampling_clients_sample_the_same_sampler(svc, tokenizer):
     """A SamplingClient passed to another process the SDK's two ways (pickle, and get_sampler_handle ->
     from_sampler_handle with the other process's key) samples the same sampler: the same greedy tokens, its
-    results fetched through retrieve_futures under the copy's own clone id. A handle used with another
-    user's key is a 404, as an unknown sampler is."""
+    results fetched through retrieve_futures under the number the copy got from join_sampling_session
+    (1, 2, ... per sampler, never twice). A handle used with another user's key is a 404, as an unknown
+    sampler is."""
     import pickle
 
     sc = tinker.ServiceClient(base_url=URL, api_key=svc["alice"])
@@ -330,6 +332,10 @@ def test_sampler_handles_and_pickled_sampling_clients_sample_the_same_sampler(sv
     for copy in copies:
         got = [copy.sample(prompt, 2, greedy) for _ in range(3)]  # several in flight, polled together
         assert all([s.tokens for s in g.result(timeout=60).sequences] == [s.tokens for s in want] for g in got)
+    assert sorted(c._cloned_sampler_id for c in copies) == [1, 2]  # the service numbered them
+    join = [httpx.post(f"{URL}/api/v1/join_sampling_session", headers={"X-API-Key": svc[u]},
+                       json={"sampling_session_id": sampler._sampling_session_id}) for u in ("alice", "bob")]
+    assert join[0].json()["client_counter"] == 3 and join[1].status_code == 404
     stranger = tinker.SamplingClient.from_sampler_handle(handle, api_key=svc["bob"])
     with pytest.raises(tinker.NotFoundError):
         stranger.sample(prompt, 1, greedy).result(timeout=60)
