@@ -92,21 +92,22 @@ def test_vlm_classifier_recipe_runs_unmodified(svc, tmp_path):
     """The recipe's supervised loop on image chunks its renderer makes (the image processor's token count
     checked by the service), its NLL evaluator on the test split and its sampling evaluator (image prompts
     sampled by the service, answers parsed). The tiny model at random init learns the answer's wording
-    (the last epoch's mean NLL is under 0.6 of the first batch's; it levels off near half, so one batch's
-    figure is too noisy to hold to 0.5), not yet the counts (accuracy stays near 0)."""
+    (5e-3 decaying linearly: the last two epochs' median batch NLL and the final test NLL fall from 6.16 to
+    ~1.7; a constant 1e-2 levelled off near half and let single batches spike, 9.1 once in a CI run), not
+    yet the counts (accuracy stays near 0)."""
     shapes_dataset(tmp_path / "dpdl-benchmark" / "caltech101", {"train": 64, "test": 16})
     recipe("tinker_cookbook.recipes.vlm_classifier.train",
            [f"experiment_dir={tmp_path / 'runs'}", f"base_url={URL}", f"model_name={VL}",
-            "renderer_name=qwen3_vl_instruct", "lora_rank=16", "learning_rate=1e-2", "lr_schedule=constant",
+            "renderer_name=qwen3_vl_instruct", "lora_rank=16", "learning_rate=5e-3", "lr_schedule=linear",
             "num_epochs=6", "batch_size=16", "eval_every=23", "save_every=20", "n_eval=16", "max_tokens=8"],
            svc, tmp_path)
     (run,) = (tmp_path / "runs").iterdir()
     rows = metrics(run)
     nll = [r["train_mean_nll"] for r in rows if "train_mean_nll" in r]
     assert len(nll) == 24, nll  # 64 pictures x 6 epochs / 16 a batch
-    assert sum(nll[-4:]) / 4 < 0.6 * nll[0], nll  # the last epoch, all 64 pictures
+    assert sorted(nll[-8:])[3] < 0.5 * nll[0], nll  # the last two epochs' (lower) median batch
     evals = [(r["step"], r["accuracy"], r["test/nll"]) for r in rows if "accuracy" in r]
-    assert [s for s, _, _ in evals] == [0, 23] and evals[-1][2] < 0.6 * evals[0][2], evals
+    assert [s for s, _, _ in evals] == [0, 23] and evals[-1][2] < 0.5 * evals[0][2], evals
     assert all(0.0 <= a <= 1.0 for _, a, _ in evals)
     checkpoints = [json.loads(line) for line in (run / "checkpoints.jsonl").read_text().splitlines()]
     assert checkpoints[-1]["sampler_path"].startswith("tinker://"), checkpoints
