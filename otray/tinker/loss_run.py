@@ -74,7 +74,7 @@ def run_graph(g: LossGraph, values: list[Any], device: Any) -> tuple[Any, dict[s
         args, kwargs = [decode(a) for a in node.args], {k: decode(v) for k, v in node.kwargs}
         if node.op == "output":
             return _result(g.name, *args[0])
-        _within_budget(args, kwargs, budget, at)
+        _within_budget(node, args, kwargs, budget, at)
         _safe_operands(node, args, kwargs, at)
         try:
             if node.op == "call_method":
@@ -139,7 +139,7 @@ def _elements(value: Any) -> int:
     return sum(_elements(v) for v in value) if isinstance(value, (tuple, list)) else 0
 
 
-def _within_budget(args: list[Any], kwargs: dict[str, Any], budget: int, at: str) -> None:
+def _within_budget(node: LossNode, args: list[Any], kwargs: dict[str, Any], budget: int, at: str) -> None:
     """Refuse a node whose tensor operands (broadcast together, or in total) or an integer-tensor
     index would exceed ``budget`` elements."""
     import torch
@@ -155,7 +155,7 @@ def _within_budget(args: list[Any], kwargs: dict[str, Any], budget: int, at: str
 
     collect(args)
     collect(list(kwargs.values()))
-    if at.endswith("(operator.getitem)") and len(args) == 2:
+    if node.target == "operator.getitem" and len(args) == 2:
         index = args[1] if isinstance(args[1], tuple) else (args[1],)
         if any(isinstance(i, torch.Tensor) and i.dtype != torch.bool for i in index):
             raise UserError(f"{at}: indexes with an integer tensor; use a boolean mask or torch.gather")
