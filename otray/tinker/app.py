@@ -248,6 +248,10 @@ class TinkerGateway:
         q = _copy_query(await _json(request, self.cfg.max_body_bytes), request)
         return await self._call(request, self.service.copy_weights, q)
 
+    @tinker_api.post("/merge_weights")
+    async def merge_weights(self, request: Request) -> dict[str, Any]:  # otray's own (no SDK call): merge.py
+        return await self._post(request, self.service.merge_weights, "path", "name")
+
     @tinker_api.get("/billing/usage/checkpoints/current")
     async def storage_usage(self, request: Request) -> dict[str, Any]:  # no billing: the caller's bytes, no cost
         return await self._call(request, self.service.rest, R.StorageUsage())
@@ -310,7 +314,7 @@ class TinkerGateway:
     async def checkpoints(self, model_id: str, request: Request) -> dict[str, Any]:
         return {"checkpoints": await self._call(request, self.service.rest, R.CheckpointsView(model_id))}
 
-    # a checkpoint id is "<weights|sampler_weights>/<name>": two path segments (names hold no "/")
+    # a checkpoint id is "<weights|sampler_weights|external_weights|merged_weights>/<name>": two path segments
     @tinker_api.delete("/training_runs/{model_id}/checkpoints/{segment}/{name}")
     async def delete_checkpoint(self, model_id: str, segment: str, name: str, request: Request) -> Response:
         return await _no_content(self._call(request, self.service.rest, R.DeleteCheckpoint(model_id, f"{segment}/{name}")))
@@ -320,19 +324,15 @@ class TinkerGateway:
         _page(limit, offset)
         return await self._call(request, self.service.rest, R.UserCheckpointsView(limit, offset))
 
-    @tinker_api.post("/training_runs/{model_id}/checkpoints/{segment}/{name}/publish")
-    async def publish(self, model_id: str, segment: str, name: str, request: Request) -> Response:
-        return await _no_content(self._call(request, self.service.rest, R.Publish(model_id, f"{segment}/{name}", True)))
-
-    @tinker_api.delete("/training_runs/{model_id}/checkpoints/{segment}/{name}/publish")
-    async def unpublish(self, model_id: str, segment: str, name: str, request: Request) -> Response:
-        return await _no_content(self._call(request, self.service.rest, R.Publish(model_id, f"{segment}/{name}", False)))
+    @tinker_api.api_route("/training_runs/{model_id}/checkpoints/{segment}/{name}/publish", methods=["POST", "DELETE"])
+    async def publish(self, model_id: str, segment: str, name: str, request: Request) -> Response:  # DELETE: unpublish
+        q = R.Publish(model_id, f"{segment}/{name}", request.method == "POST")
+        return await _no_content(self._call(request, self.service.rest, q))
 
     @tinker_api.put("/training_runs/{model_id}/checkpoints/{segment}/{name}/ttl")
     async def set_ttl(self, model_id: str, segment: str, name: str, request: Request) -> Response:
-        data = await _json(request, self.cfg.max_body_bytes)
-        ttl = R.SetTtl(model_id, f"{segment}/{name}", data.get("ttl_seconds"))
-        return await _no_content(self._call(request, self.service.rest, ttl))
+        ttl = (await _json(request, self.cfg.max_body_bytes)).get("ttl_seconds")
+        return await _no_content(self._call(request, self.service.rest, R.SetTtl(model_id, f"{segment}/{name}", ttl)))
 
     @tinker_api.get("/sessions")
     async def sessions(self, request: Request, limit: int = 20, offset: int = 0) -> dict[str, Any]:

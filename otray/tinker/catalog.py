@@ -15,7 +15,7 @@ from typing import Any, Optional, Union
 from otray.tinker import external as X
 from otray.tinker import session_search
 from otray.tinker import runs as R
-from otray.tinker.store import Checkpoint, Run, Sampler, Store, parse_path, session_of
+from otray.tinker.store import DOWNLOADS, Checkpoint, Run, Sampler, Store, parse_path, session_of
 from otray.tinker.timeline import Timeline, chrome_trace
 from otray.tinker.wire import UserError
 
@@ -174,7 +174,7 @@ class Catalog:
         """``owner``'s checkpoint at ``path``; with ``read``, also another user's published one (to
         sample or load, never to change); with ``use`` (to sample or load it), not an external export."""
         model_id, kind, name = parse_path(path)
-        if use and kind == "external":
+        if use and kind in DOWNLOADS:
             raise UserError(f"{path!r} is an external weights export, for download (RestClient."
                             "get_external_weights_urls); load or sample a weights/ or sampler_weights/ checkpoint")
         ckpt = self.store.checkpoint(model_id, kind, name)
@@ -244,7 +244,7 @@ class Catalog:
         if q.key and (owner, q.key) in self.copies:
             return self.copies[(owner, q.key)]  # the SDK retried: one copy
         src = self.checkpoint(owner, q.source_path, read=True)
-        self._check_ttl(q.ttl_seconds)
+        self.check_ttl(q.ttl_seconds)
         if self.store.run(q.model_id) is not None:
             raise UserError(f"training run {q.model_id!r} exists already; copy into a new model_seq_id", 409)
         source = self.store.run(src.model_id)
@@ -258,7 +258,7 @@ class Catalog:
         self.copies[(owner, q.key or copy.tinker_path)] = {"tinker_path": copy.tinker_path}
         return {"tinker_path": copy.tinker_path}
 
-    def _check_ttl(self, ttl_seconds: Optional[float]) -> None:
+    def check_ttl(self, ttl_seconds: Optional[float]) -> None:
         if ttl_seconds is not None and not self.min_ttl_s <= ttl_seconds <= MAX_TTL_S:
             raise UserError(f"ttl_seconds={ttl_seconds:g} is out of range: send {self.min_ttl_s:g} to {MAX_TTL_S} "
                             "seconds, or null for no expiry")
@@ -273,15 +273,15 @@ class Catalog:
 
     def set_ttl(self, owner: str, q: SetTtl) -> None:
         ckpt = self.checkpoint(owner, f"tinker://{q.model_id}/{q.checkpoint_id}")
-        self._check_ttl(q.ttl_seconds)
+        self.check_ttl(q.ttl_seconds)
         self.store.update_checkpoint(ckpt, expires=None if q.ttl_seconds is None else time.time() + q.ttl_seconds)
 
     def external_urls(self, owner: str, q: ExternalUrls) -> dict[str, Any]:
         """``{"files": {file: token}, "expires": epoch s}`` for one of ``owner``'s exports (or a published one)."""
         ckpt = self.checkpoint(owner, f"tinker://{q.model_id}/{q.checkpoint_id}", read=True)
-        if ckpt.kind != "external":
+        if ckpt.kind not in DOWNLOADS:
             raise UserError(f"{ckpt.tinker_path} is not an external weights export: save one with "
-                            "TrainingClient.save_weights_external(name)")
+                            "TrainingClient.save_weights_external(name), or merge it (POST /api/v1/merge_weights)")
         tokens, expires = {}, 0.0
         for name in X.files_of(Path(ckpt.path)):
             tokens[name], expires = X.sign(self.secret, X.FileGrant(ckpt.model_id, ckpt.checkpoint_id, name),

@@ -34,6 +34,7 @@ from otray.records import JobState
 from otray.tinker.catalog import Catalog, CopyWeights, RestQuery
 from otray.tinker.custom_losses import CustomLosses
 from otray.tinker.leases import Leases
+from otray.tinker.merge import Merges
 from otray.tinker.sampling import SampleBatcher, SampleWait
 from otray.tinker.stability import Recordings
 from otray.tinker.tokens import Exchanges, load_secret
@@ -84,6 +85,7 @@ class TinkerService:
                                  lambda user: quota_of(self.cfg, user), self.recordings)
         self.sessions = Sessions(self.store, self.cfg.session_timeout_s, self._session_closed)
         self.losses = CustomLosses(self.store, self.futures, self.sessions, self.cfg.custom_loss_server_side)
+        self.merges = Merges(self.store, self.catalog, self.futures, self.paths, self.training.storage_room)
         self.recovered = False  # leases a predecessor left open are closed on the first call
         self.tasks: list[asyncio.Task] = []  # the session sweep and the learners' watches
         self.engines = VllmSamplers(self.models, self.paths, NAME, NAMESPACE)
@@ -100,8 +102,7 @@ class TinkerService:
     async def sample_calls(self) -> list[int]:  # requests per sample batch, latest last (batching)
         return list(self.batcher.calls)
 
-    async def learner_use(self) -> dict[str, dict[str, Any]]:
-        """Per base model: learner seconds and steps by user (:meth:`SharedLearner.usage`)."""
+    async def learner_use(self) -> dict[str, dict[str, Any]]:  # per base: learner seconds and steps by user
         names = sorted(self.learners)
         return dict(zip(names, await asyncio.gather(*[self.learners[n].usage.remote() for n in names])))
 
@@ -148,12 +149,10 @@ class TinkerService:
         for model_id in [m for m in self.training.live if session_of(m) == session_id]:
             await self.training.unload(model_id, "its session was closed or expired")
 
-    async def jwt_secret(self) -> bytes:
-        """The key the gateway checks JWTs with (:mod:`otray.tinker.tokens`)."""
+    async def jwt_secret(self) -> bytes:  # the key the gateway checks JWTs with (otray/tinker/tokens.py)
         return self.secret
 
-    async def mint_token(self, user: str, key: str) -> str:
-        """A JWT for ``user`` (the gateway checked ``key`` is theirs); its key is kept for their leases."""
+    async def mint_token(self, user: str, key: str) -> str:  # a JWT for user (key checked theirs), key kept for leases
         return self.exchanges.mint(self.secret, user, key, self.cfg.jwt_ttl_s)
 
     # ------------------------------------------------------------------ runs
@@ -243,6 +242,9 @@ class TinkerService:
             self.sessions.check(owner, q.session_id)
         self.training.storage_room(owner)
         return self.catalog.copy(owner, q)
+
+    async def merge_weights(self, owner: str, req: dict[str, Any]) -> dict[str, str]:  # merge.py: a promise
+        return self.merges.start(owner, req)
 
     async def rest(self, owner: str, query: RestQuery) -> Any:
         """A read-only REST call (checkpoints, training runs, weights info, a sampler) or a checkpoint's

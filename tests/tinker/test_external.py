@@ -146,3 +146,48 @@ def test_openai_clients_sample_base_models_and_sampler_checkpoints(svc, tokenize
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
         client.completions.create(model=BASE, prompt="x", max_tokens=10**9)
     sc.close("success").result()
+
+
+def test_the_service_merges_a_checkpoint_into_a_model_to_download(svc, tokenizer, tmp_path):
+    """``POST /api/v1/merge_weights`` (otray's own route; ``request_merge`` calls it and waits): a training
+    checkpoint with the SDK's default LoRA (the tied unembedding included, which the cookbook's merge cannot
+    take) becomes ``merged_weights/<name>``, listed and handed out by signed URL; transformers loads the
+    download and scores exactly as the training client does. Refusals name the problem, and the same
+    client's next request runs at once."""
+    from otray.tinker.merge import request_merge
+
+    sc = tinker.ServiceClient(base_url=URL, api_key=svc["alice"])
+    tc = sc.create_lora_training_client(base_model=BASE, rank=4, seed=0).result()
+    data = [sft(*p) for p in problems(tokenizer, 4)]
+    for _ in range(3):
+        tc.forward_backward(data, "cross_entropy").result()
+        tc.optim_step(types.AdamParams(learning_rate=2e-2)).result()
+    state = tc.save_state("s").result().path
+    merged = request_merge(URL, svc["alice"], state, "m", ttl_seconds=7200)
+    assert merged == f"tinker://{tc.model_id}/merged_weights/m"
+    rest = tinker.RestClient(base_url=URL, api_key=svc["alice"])
+    listed = {c.tinker_path: c for c in rest.list_checkpoints(tc.model_id).result().checkpoints}
+    assert listed[merged].checkpoint_type == "external" and listed[merged].expires_at is not None
+    urls = rest.get_external_weights_urls(merged).result().urls
+    assert {"config.json", "model.safetensors", "tokenizer.json", "otray_merged.json"} <= set(urls)
+    (tmp_path / "model").mkdir()
+    for name, url in urls.items():  # no key: the links are the grant
+        with urllib.request.urlopen(url) as r:
+            (tmp_path / "model" / name).write_bytes(r.read())
+    want = tc.forward(data[:1], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()
+    assert np.allclose(merged_logprobs(str(tmp_path / "model"), data[0]), want, atol=1e-4)
+    for who, path, name, ttl, why in [("bob", state, "m2", None, "404 no checkpoint"),  # another user's
+                                      ("alice", state, "m", None, "exists"), ("alice", state, "a/b", None, "name"),
+                                      ("alice", state, "m3", -5, "ttl_seconds"), ("alice", merged, "m4", None, "download")]:
+        with pytest.raises(RuntimeError, match=why):
+            request_merge(URL, svc[who], path, name, ttl_seconds=ttl)
+    with pytest.raises(Exception, match="for download"):
+        sc.create_sampling_client(model_path=merged).result().sample(
+            types.ModelInput.from_ints([1, 2]), 1, types.SamplingParams(max_tokens=1)).result(timeout=30)
+    t0 = time.time()
+    tc.forward(data[:1], "cross_entropy").result(timeout=30)
+    assert time.time() - t0 < 1.0
+    rest.delete_checkpoint_from_tinker_path(merged).result()
+    with pytest.raises(tinker.NotFoundError):
+        rest.get_external_weights_urls(merged).result()
+    sc.close("success").result()
