@@ -314,7 +314,7 @@ class TinkerGateway:
     async def checkpoints(self, model_id: str, request: Request) -> dict[str, Any]:
         return {"checkpoints": await self._call(request, self.service.rest, R.CheckpointsView(model_id))}
 
-    # a checkpoint id is "<weights|sampler_weights|external_weights|merged_weights>/<name>": two path segments
+    # a checkpoint id is "<weights|sampler_weights|external_weights>/<name>": two path segments (no "/" in names)
     @tinker_api.delete("/training_runs/{model_id}/checkpoints/{segment}/{name}")
     async def delete_checkpoint(self, model_id: str, segment: str, name: str, request: Request) -> Response:
         return await _no_content(self._call(request, self.service.rest, R.DeleteCheckpoint(model_id, f"{segment}/{name}")))

@@ -15,7 +15,7 @@ from typing import Any, Optional, Union
 from otray.tinker import external as X
 from otray.tinker import session_search
 from otray.tinker import runs as R
-from otray.tinker.store import DOWNLOADS, Checkpoint, Run, Sampler, Store, parse_path, session_of
+from otray.tinker.store import Checkpoint, Run, Sampler, Store, parse_path, session_of
 from otray.tinker.timeline import Timeline, chrome_trace
 from otray.tinker.wire import UserError
 
@@ -174,7 +174,7 @@ class Catalog:
         """``owner``'s checkpoint at ``path``; with ``read``, also another user's published one (to
         sample or load, never to change); with ``use`` (to sample or load it), not an external export."""
         model_id, kind, name = parse_path(path)
-        if use and kind in DOWNLOADS:
+        if use and kind == "external":
             raise UserError(f"{path!r} is an external weights export, for download (RestClient."
                             "get_external_weights_urls); load or sample a weights/ or sampler_weights/ checkpoint")
         ckpt = self.store.checkpoint(model_id, kind, name)
@@ -279,7 +279,7 @@ class Catalog:
     def external_urls(self, owner: str, q: ExternalUrls) -> dict[str, Any]:
         """``{"files": {file: token}, "expires": epoch s}`` for one of ``owner``'s exports (or a published one)."""
         ckpt = self.checkpoint(owner, f"tinker://{q.model_id}/{q.checkpoint_id}", read=True)
-        if ckpt.kind not in DOWNLOADS:
+        if ckpt.kind != "external":
             raise UserError(f"{ckpt.tinker_path} is not an external weights export: save one with "
                             "TrainingClient.save_weights_external(name), or merge it (POST /api/v1/merge_weights)")
         tokens, expires = {}, 0.0

@@ -4,9 +4,12 @@ Tinker has no SDK call for this (its cookbook downloads the adapter and merges o
 ``tinker_cookbook.weights.build_hf_model``, which works here too). otray does it where the base model
 already is: ``POST /api/v1/merge_weights`` with ``{"path": "tinker://<run>/weights/<name>" (or
 sampler_weights), "name": ..., "ttl_seconds": null}`` answers a request id; its promise
-(``retrieve_future``) gives ``tinker://<run>/merged_weights/<name>``, a full Hugging Face model directory
-(config, tokenizer, safetensors) that ``RestClient.get_external_weights_urls`` hands out as signed
-URLs, and that ``transformers`` and ``otray serve`` load as they load any local model.
+(``retrieve_future``) gives ``tinker://<run>/external_weights/<name>``: an external-weights checkpoint (the
+SDK's word for files to download; its path parser knows no other segment, so a merged model is one) that
+holds a full Hugging Face model directory (config, tokenizer, safetensors, ``otray_merged.json``) instead
+of an adapter. ``RestClient.get_external_weights_urls`` hands its files out as signed URLs; delete, TTL
+and publish work on it as on any checkpoint; ``transformers`` and ``otray serve`` load the download as
+they load any local model.
 :func:`request_merge` makes the call and waits for it (stdlib HTTP, the SDK's API key).
 
 The merge is plain tensor arithmetic over the base's safetensors files, one shard at a time (the base
@@ -145,8 +148,8 @@ def merge_lora(base_dir: Path, adapter_dir: Path, out: Path) -> dict[str, Any]:
 class Merges:
     """The service's side of ``merge_weights``: checks a request at once (the caller's own training or sampler
     checkpoint, a fresh name, a TTL in range, storage left), runs the merge in a thread (the service's event
-    loop stays free) and keeps the result as the source run's ``merged`` checkpoint. Its promise finishes
-    with ``{"path": tinker://..., "type": "merge_weights"}`` or the error, by category."""
+    loop stays free) and keeps the result as an ``external`` checkpoint of the source's run. Its promise
+    finishes with ``{"path": tinker://..., "type": "merge_weights"}`` or the error, by category."""
 
     def __init__(self, store: Store, catalog: Catalog, futures: Futures, paths: dict[str, str],
                  storage_room: Callable[[str], None]):
@@ -162,8 +165,8 @@ class Merges:
         check_name(name)
         src = self.catalog.checkpoint(owner, req["path"], use=True)
         self.catalog.check_ttl(ttl)
-        if self.store.checkpoint(src.model_id, "merged", name) and not req.get("overwrite"):
-            raise UserError(f"merged checkpoint {name!r} exists for {src.model_id}; pick another name or pass "
+        if self.store.checkpoint(src.model_id, "external", name) and not req.get("overwrite"):
+            raise UserError(f"external weights {name!r} exist for {src.model_id}; pick another name or pass "
                             "overwrite: true", 409)
         self.storage_room(owner)
         base = self.base_dir(self.store.run(src.model_id).base_model)
@@ -192,11 +195,11 @@ class Merges:
     async def _run(self, owner: str, request_id: str, src: Checkpoint, base: Path, name: str,
                    ttl: Optional[float]) -> None:
         self.futures.timeline.running(request_id)
-        out = self.store.checkpoint_dir(owner, src.model_id, "merged", name)
+        out = self.store.checkpoint_dir(owner, src.model_id, "external", name)
         try:
             await asyncio.to_thread(merge_lora, base, Path(src.path), out)
             size = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
-            ckpt = Checkpoint(src.model_id, "merged", name, str(out), time.time(), size,
+            ckpt = Checkpoint(src.model_id, "external", name, str(out), time.time(), size,
                               time.time() + ttl if ttl else None, {"merged_from": src.tinker_path})
             self.store.add_checkpoint(ckpt)
             outcome = Outcome("json", {"path": ckpt.tinker_path, "type": "merge_weights"})

@@ -39,8 +39,7 @@ def _iso(t: Optional[float]) -> Optional[str]:
 
 
 def checkpoint_json(c: Checkpoint) -> dict[str, Any]:
-    kind = "external" if c.kind == "merged" else c.kind  # SDK 0.38 knows training | sampler | external: both downloads
-    return {"checkpoint_id": c.checkpoint_id, "checkpoint_type": kind, "time": _iso(c.created),
+    return {"checkpoint_id": c.checkpoint_id, "checkpoint_type": c.kind, "time": _iso(c.created),
             "tinker_path": c.tinker_path, "size_bytes": c.size, "public": c.public,
             "user_metadata": c.user_metadata, "expires_at": _iso(c.expires)}
 

@@ -27,11 +27,8 @@ CREATE TABLE IF NOT EXISTS sampler_clones (sampler_id TEXT PRIMARY KEY, n INTEGE
 CREATE TABLE IF NOT EXISTS session_info (session_id TEXT PRIMARY KEY, owner TEXT, created REAL, display_name TEXT,
     user_metadata TEXT, project_id TEXT, status TEXT);
 """
-# checkpoint kind -> tinker path segment (external: an adapter export for download, otray/tinker/external.py;
-# merged: a full model, the adapter folded into its base, for download too, otray/tinker/merge.py)
-SEGMENT = {"training": "weights", "sampler": "sampler_weights", "external": "external_weights",
-           "merged": "merged_weights"}
-DOWNLOADS = ("external", "merged")  # kinds that are files to fetch (signed URLs), never loaded or sampled
+# checkpoint kind -> tinker path segment (external: an adapter export for download, otray/tinker/external.py)
+SEGMENT = {"training": "weights", "sampler": "sampler_weights", "external": "external_weights"}
 
 
 @dataclass(frozen=True)
@@ -48,7 +45,7 @@ class Run:
 @dataclass(frozen=True)
 class Checkpoint:
     model_id: str
-    kind: str  # training | sampler | external | merged
+    kind: str  # training | sampler | external
     name: str
     path: str  # the directory holding its files
     created: float
@@ -97,8 +94,7 @@ def session_of(model_or_sampler_id: str) -> str:
 
 
 def parse_path(path: str) -> tuple[str, str, str]:
-    """``tinker://<model id>/{weights|sampler_weights|external_weights|merged_weights}/<name>`` -> (model id,
-    kind, name)."""
+    """``tinker://<model id>/{weights|sampler_weights|external_weights}/<name>`` -> (model id, kind, name)."""
     from otray.tinker.wire import UserError
 
     rest = path[len("tinker://"):] if path.startswith("tinker://") else None
@@ -106,8 +102,7 @@ def parse_path(path: str) -> tuple[str, str, str]:
     kinds = {v: k for k, v in SEGMENT.items()}
     if len(parts) != 3 or parts[1] not in kinds or not parts[0] or not parts[2]:
         raise UserError(f"{path!r} is not a checkpoint path: expected tinker://<run>/weights/<name>, "
-                        "tinker://<run>/sampler_weights/<name>, tinker://<run>/external_weights/<name> or "
-                        "tinker://<run>/merged_weights/<name>")
+                        "tinker://<run>/sampler_weights/<name> or tinker://<run>/external_weights/<name>")
     return parts[0], kinds[parts[1]], parts[2]
 
 

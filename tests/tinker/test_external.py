@@ -151,8 +151,8 @@ def test_openai_clients_sample_base_models_and_sampler_checkpoints(svc, tokenize
 def test_the_service_merges_a_checkpoint_into_a_model_to_download(svc, tokenizer, tmp_path):
     """``POST /api/v1/merge_weights`` (otray's own route; ``request_merge`` calls it and waits): a training
     checkpoint with the SDK's default LoRA (the tied unembedding included, which the cookbook's merge cannot
-    take) becomes ``merged_weights/<name>``, listed and handed out by signed URL; transformers loads the
-    download and scores exactly as the training client does. Refusals name the problem, and the same
+    take) becomes a full model as ``external_weights/<name>``, listed and handed out by signed URL;
+    transformers loads the download and scores exactly as the training client does. Refusals name the problem, and the same
     client's next request runs at once."""
     from otray.tinker.merge import request_merge
 
@@ -164,10 +164,11 @@ def test_the_service_merges_a_checkpoint_into_a_model_to_download(svc, tokenizer
         tc.optim_step(types.AdamParams(learning_rate=2e-2)).result()
     state = tc.save_state("s").result().path
     merged = request_merge(URL, svc["alice"], state, "m", ttl_seconds=7200)
-    assert merged == f"tinker://{tc.model_id}/merged_weights/m"
+    assert merged == f"tinker://{tc.model_id}/external_weights/m"
     rest = tinker.RestClient(base_url=URL, api_key=svc["alice"])
     listed = {c.tinker_path: c for c in rest.list_checkpoints(tc.model_id).result().checkpoints}
     assert listed[merged].checkpoint_type == "external" and listed[merged].expires_at is not None
+    assert listed[merged].user_metadata == {"merged_from": state}
     urls = rest.get_external_weights_urls(merged).result().urls
     assert {"config.json", "model.safetensors", "tokenizer.json", "otray_merged.json"} <= set(urls)
     (tmp_path / "model").mkdir()
@@ -177,7 +178,7 @@ def test_the_service_merges_a_checkpoint_into_a_model_to_download(svc, tokenizer
     want = tc.forward(data[:1], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()
     assert np.allclose(merged_logprobs(str(tmp_path / "model"), data[0]), want, atol=1e-4)
     for who, path, name, ttl, why in [("bob", state, "m2", None, "404 no checkpoint"),  # another user's
-                                      ("alice", state, "m", None, "exists"), ("alice", state, "a/b", None, "name"),
+                                      ("alice", state, "m", None, "exist"), ("alice", state, "a/b", None, "name"),
                                       ("alice", state, "m3", -5, "ttl_seconds"), ("alice", merged, "m4", None, "download")]:
         with pytest.raises(RuntimeError, match=why):
             request_merge(URL, svc[who], path, name, ttl_seconds=ttl)

@@ -90,3 +90,27 @@ def test_what_the_merge_cannot_honour_is_refused_by_name(tiny_path, tmp_path):
         merge_lora(bare, tmp_path / "lora", tmp_path / "model")
     with pytest.raises(UserError, match="no PEFT adapter"):
         lora_deltas(bare)
+
+
+@pytest.mark.vllm
+def test_vllm_serves_a_merged_model_as_transformers_does(tiny_path, tmp_path):
+    """The merged directory (an untied head of its own) is a model vLLM loads: its greedy tokens are
+    transformers' on the same directory, and not the base's."""
+    from otray.actors.sampling.backends.hf import HFBackend
+    from otray.actors.sampling.backends.vllm import VLLMBackend
+    from otray.types import SamplingParams
+
+    adapter(tiny_path, tmp_path / "lora", TARGETS)
+    merge_lora(Path(tiny_path), tmp_path / "lora", tmp_path / "model")
+    prompts, params = [[1, 5, 9, 30], [7, 2, 11]], SamplingParams(max_tokens=8, temperature=0.0)
+
+    def greedy(backend) -> list[list[int]]:
+        return [r[0].token_ids for r in backend.generate(prompts, params, 1)]
+
+    engine = VLLMBackend(str(tmp_path / "model"), max_model_len=128)
+    try:
+        got = greedy(engine)
+    finally:
+        engine.shutdown()
+    assert got == greedy(HFBackend(str(tmp_path / "model"), max_model_len=128))
+    assert got != greedy(HFBackend(tiny_path, max_model_len=128))
