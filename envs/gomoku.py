@@ -139,11 +139,15 @@ def render_board(board: np.ndarray) -> str:
     return "\n".join([header, *rows])
 
 
-def render_text(observation: dict[str, np.ndarray], agent: str) -> str:
-    """What the agent to move sees: the board from its side (X = its stones) and whose turn it is."""
+def render_text(observation: dict[str, np.ndarray], agent: str, list_moves: bool = False) -> str:
+    """What the agent to move sees: the board from its side (X = its stones) and whose turn it is; with
+    ``list_moves`` also the empty cells, as TextArena's games list their available moves."""
     planes = observation["observation"]
     board = planes[..., 0] + 2 * planes[..., 1]
-    return f"{render_board(board)}\nYou are X. Reply with your move as <move>E5</move>."
+    size = board.shape[0]
+    empty = " ".join(move_name(int(a), size) for a in np.flatnonzero(observation["action_mask"]))
+    listing = f"\nEmpty cells: {empty}" if list_moves else ""
+    return f"{render_board(board)}{listing}\nYou are X. Reply with your move as <move>E5</move>."
 
 
 _MOVE = re.compile(r"<move>\s*([A-Za-z])\s*(\d{1,2})\s*</move>")
@@ -164,6 +168,15 @@ def parse_move(text: str, size: int) -> int | None:
 def text(size: int = 9, **_: Any) -> GameText:
     """The game's ``GameText`` for a board of ``size`` (``game.text: envs.gomoku:text`` passes the kwargs)."""
     return GameText(render=render_text, parse=lambda reply: parse_move(reply, size),
+                    example=f"<move>{move_name(size * size - 1, size)}</move>")
+
+
+def text_listing_moves(size: int = 9, **_: Any) -> GameText:
+    """:func:`text` with the empty cells listed under the board (``game.text: envs.gomoku:text_listing_moves``):
+    naming a legal cell becomes copying one from the prompt, so a small model's moves are its own choice
+    rather than the bridge's random replacement for a taken cell."""
+    return GameText(render=lambda obs, agent: render_text(obs, agent, list_moves=True),
+                    parse=lambda reply: parse_move(reply, size),
                     example=f"<move>{move_name(size * size - 1, size)}</move>")
 
 
@@ -208,10 +221,11 @@ def heuristic(observation: dict[str, np.ndarray], agent: str, random_prob: float
 
 
 def make_chat_dataset(out_dir: str, *, size: int = 9, win_length: int = 5, seed: int = 0, num_train: int = 3000,
-                      num_eval: int = 100) -> dict[str, Any]:
+                      num_eval: int = 100, list_moves: bool = False) -> dict[str, Any]:
     """Chat JSONL (train/eval) for a format-only SFT warm-up of ``context: turn`` games: single decisions
-    from games of random legal moves, the board as :func:`render_text` writes it and a random legal move
-    as ``<move>B3</move>``. It teaches the reply format and nothing about good play."""
+    from games of random legal moves, the board as :func:`render_text` writes it (``list_moves`` as
+    :func:`text_listing_moves` does) and a random legal move as ``<move>B3</move>``. It teaches the reply
+    format and nothing about good play."""
 
     def play(rng: random.Random):
         game = env(size=size, win_length=win_length)
@@ -220,8 +234,9 @@ def make_chat_dataset(out_dir: str, *, size: int = 9, win_length: int = 5, seed:
             obs, _, term, trunc, _ = game.last()
             move = None if term or trunc else int(rng.choice(np.flatnonzero(obs["action_mask"])))
             if move is not None:
-                yield render_text(obs, agent), f"<move>{move_name(move, size)}</move>"
+                yield render_text(obs, agent, list_moves), f"<move>{move_name(move, size)}</move>"
             game.step(move)
 
-    return decision_dataset(out_dir, f"gomoku{size}x{size}-{win_length}", play, seed=seed, num_train=num_train,
+    tag = f"gomoku{size}x{size}-{win_length}" + ("-moves" if list_moves else "")
+    return decision_dataset(out_dir, tag, play, seed=seed, num_train=num_train,
                             num_eval=num_eval)

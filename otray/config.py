@@ -272,6 +272,9 @@ class GameSection:
     # trajectory that made it (context: turn = that decision alone); the game's own rewards, win/draw/loss
     # metrics and zero-sum checks are unaffected
     illegal_penalty: float = 0.0
+    # context: turn: the decision k of an agent's moves before its last gets discount**k of the game's
+    # outcome (1.0: every decision the whole outcome); credit to the moves near the end that decided it
+    discount: float = 1.0
     temperature: float = 1.0
     max_tokens_per_turn: int = 8
     max_tokens_per_episode: int = 64

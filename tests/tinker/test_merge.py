@@ -65,6 +65,31 @@ def test_an_untied_head_stays_tied_when_the_adapter_leaves_it(tiny_path, tmp_pat
         json.loads((Path(tiny_path) / "config.json").read_text())
 
 
+def test_a_sharded_base_merges_as_a_single_file_one(tiny_path, tmp_path):
+    """A base in two shards with an index (as large models ship): the same merged weights, the head that the
+    untying adds is in the index, and transformers loads the directory."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    sharded = tmp_path / "sharded"
+    shutil.copytree(tiny_path, sharded, ignore=shutil.ignore_patterns("*.safetensors"))
+    weights = load_file(str(Path(tiny_path) / "model.safetensors"))
+    names = sorted(weights)
+    halves = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for shard, keys in halves.items():
+        save_file({k: weights[k] for k in keys}, str(sharded / shard), metadata={"format": "pt"})
+    (sharded / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {k: shard for shard, keys in halves.items() for k in keys}}))
+    adapter(tiny_path, tmp_path / "lora", TARGETS)
+    merge_lora(Path(tiny_path), tmp_path / "lora", tmp_path / "one")
+    merge_lora(sharded, tmp_path / "lora", tmp_path / "two")
+    index = json.loads((tmp_path / "two" / "model.safetensors.index.json").read_text())["weight_map"]
+    assert set(index) == set(names) | {"lm_head.weight"}
+    assert all(k in load_file(str(tmp_path / "two" / shard)) for k, shard in index.items())
+    one, two = (AutoModelForCausalLM.from_pretrained(str(tmp_path / d)).eval() for d in ("one", "two"))
+    assert torch.equal(logits(one), logits(two))
+
+
 def test_what_the_merge_cannot_honour_is_refused_by_name(tiny_path, tmp_path):
     adapter(tiny_path, tmp_path / "lora", ["q_proj"])
     cfg_path = tmp_path / "lora" / "adapter_config.json"

@@ -4,7 +4,9 @@ One batch: ``algo.batch_size`` fresh game seeds, each played ``game.num_rollouts
 (and, with ``rotate_seats``, in every rotation of the seating) in one synchronized run of
 the ProtocolCoordinator actor. Each trained agent's trajectory carries its PettingZoo
 reward (minus ``game.illegal_penalty`` per illegal reply *in that trajectory*: with ``context: turn`` only
-the decision that made it pays, not the game's other decisions); trajectories are grouped by
+the decision that made it pays, not the game's other decisions; with ``context: turn`` and
+``game.discount`` < 1 a decision k of its agent's moves before the end gets ``discount**k`` of the
+outcome: :func:`training_rewards`); trajectories are grouped by
 (seed, seating, role) for each trained policy, and the RL step treats those groups exactly
 like an env's. Evaluation: each trained policy against each of ``game.eval_opponents`` in
 every role, win / draw / loss rates.
@@ -64,6 +66,15 @@ def seatings(seats: dict[str, PolicySpec], roles: list[str], rotate: bool) -> li
     specs = [seats[a] for a in roles]
     rotations = [{a: specs[(i - k) % len(specs)] for i, a in enumerate(roles)} for k in range(len(specs))]
     return list({tuple(r.items()): r for r in rotations}.values())
+
+
+def training_rewards(outcome: float, turns: list[Trajectory], discount: float, penalty: float) -> list[float]:
+    """Each of one agent's trajectories of a game (in move order) and its training reward: the game's
+    ``outcome`` times ``discount ** k`` for the decision ``k`` of the agent's moves before its last (the
+    last gets the outcome whole: with discount < 1 the move that lost or won the game is told most, the
+    opening least), minus ``penalty`` per unreadable or illegal reply of that trajectory itself."""
+    n = len(turns)
+    return [outcome * discount ** (n - 1 - i) - penalty * t.info.get("illegal_replies", 0) for i, t in enumerate(turns)]
 
 
 class GameGroupSource:
@@ -145,8 +156,10 @@ class GameGroupSource:
             me, by_key = f"trained:{name}", {}
             for (seed, k, _), r in zip(games, played.results):
                 for agent in (a for a, spec in r.seating.items() if spec == me):
-                    for t in r.agent_trajectories(agent):  # one per game, or one per decision (context: turn)
-                        t.reward = r.rewards[agent] - g.illegal_penalty * t.info.get("illegal_replies", 0)
+                    turns = r.agent_trajectories(agent)  # one per game, or one per decision (context: turn)
+                    rewards = training_rewards(r.rewards[agent], turns, g.discount, g.illegal_penalty)
+                    for t, reward in zip(turns, rewards):
+                        t.reward = reward
                         by_key.setdefault((seed, k, agent), []).append(t)
             groups[name] = [TrajectoryGroup(ts[0].task, ts, key=key, max_failing=g.max_failing_rollouts)
                             for key, ts in by_key.items()]

@@ -209,3 +209,23 @@ def test_elo_table_and_outcome_rates_survive_resume(ray_local, tmp_path, ttt_che
             assert sum(rates) == pytest.approx(1.0)
     per_eval = 2 * 2 * 4  # roles x opponents x eval_games, none of them timed out or failed
     assert elo_state(summary["last_checkpoint"])["games"]["main"] == saved["games"]["main"] + per_eval
+
+
+def test_training_rewards_discount_toward_the_deciding_move_and_charge_each_illegal_reply():
+    from otray.actors.job.game_source import training_rewards
+    from otray.types import Task, Trajectory
+
+    turns = [Trajectory(task=Task("g", "game"), info={"illegal_replies": n}) for n in (0, 1, 0)]
+    assert training_rewards(-1.0, turns, 1.0, 0.0) == [-1.0, -1.0, -1.0]  # today's rule: every decision the outcome
+    assert training_rewards(-1.0, turns, 0.5, 0.0) == [-0.25, -0.5, -1.0]  # the last move (the one that lost) most
+    assert training_rewards(1.0, turns, 0.5, 0.2) == pytest.approx([0.25, 0.3, 1.0])  # its own illegal reply only
+    assert training_rewards(1.0, turns[:1], 0.5, 0.0) == [1.0]  # one trajectory (context: game): the outcome whole
+
+
+def test_discount_needs_turn_context_and_lies_in_0_1():
+    with pytest.raises(Exception, match="context=turn"):
+        config.load(ROOT / "conf" / "gomoku_opentinker.yaml", ["game.context=game", "game.discount=0.5"])
+    for bad in ("0", "1.5"):
+        with pytest.raises(Exception, match="game.discount"):
+            config.load(ROOT / "conf" / "gomoku_opentinker.yaml", [f"game.discount={bad}"])
+    assert config.load(ROOT / "conf" / "gomoku_opentinker.yaml", ["game.discount=0.5"]).game.discount == 0.5
