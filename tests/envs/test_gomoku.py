@@ -126,3 +126,24 @@ def test_chat_dataset_holds_legal_moves_in_the_reply_format(tmp_path):
         assert action is not None
         cells = [line.split()[1:] for line in board.splitlines()[1:5]]  # rows "1 . X O ." under the header
         assert cells[action // 4][action % 4] == "."  # a random legal move: an empty cell
+
+
+def test_listing_moves_names_exactly_the_empty_cells_and_the_dataset_follows(tmp_path):
+    import json
+
+    e = gomoku.raw_env(size=4, win_length=3)
+    e.reset()
+    e.step(5)  # black at B2
+    e.step(0)  # white at A1
+    text = gomoku.text_listing_moves(size=4)
+    seen = text.render(e.observe("black"), "black")
+    listed = next(line for line in seen.splitlines() if line.startswith("Empty cells:")).split()[2:]
+    assert len(listed) == 14 and "A1" not in listed and "B2" not in listed and "D4" in listed
+    assert seen.startswith(gomoku.render_board(e.board)) and text.parse("<move>C3</move>") == 10
+    assert "Empty cells" not in gomoku.text(size=4).render(e.observe("black"), "black")
+    paths = gomoku.make_chat_dataset(str(tmp_path), size=4, win_length=3, num_train=20, num_eval=5, list_moves=True)
+    assert "-moves-" in paths["train"].name  # not the plain prompts' file
+    for row in map(json.loads, paths["train"].read_text().splitlines()):
+        prompt, reply = row["messages"][0]["content"], row["messages"][1]["content"]
+        empty = next(line for line in prompt.splitlines() if line.startswith("Empty cells:")).split()[2:]
+        assert reply[len("<move>"):-len("</move>")] in empty  # a random legal move, one the prompt lists
