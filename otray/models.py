@@ -65,6 +65,10 @@ SHAPES = {
     "tiny": TinyShape(),
     # the tiny model's language model in a Qwen2-VL, with a 2-block vision tower (otray.vlm)
     "vl": TinyShape(builder="otray.vlm:build_tiny_vlm"),
+    # ~4.6M parameters: the tiny model twice as wide and 1.5x as deep, for games the tiny one plays too weakly
+    # (benchmarks/gomoku_learning.py model.path=tiny-4m; NOTES.md, issue 35, session 27)
+    "4m": TinyShape(hidden_size=256, intermediate_size=768, num_hidden_layers=6, num_attention_heads=8,
+                    num_key_value_heads=2),
     # ~100M parameters, used by benchmarks/rollout_throughput.py.
     "100m": TinyShape(hidden_size=768, intermediate_size=2048, num_hidden_layers=16,
                       num_attention_heads=12, num_key_value_heads=4, max_position_embeddings=1024),
