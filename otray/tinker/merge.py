@@ -104,7 +104,8 @@ def merge_lora(base_dir: Path, adapter_dir: Path, out: Path) -> dict[str, Any]:
     shards, config = _shards(base_dir), json.loads((base_dir / "config.json").read_text())
     where = {name: shard for shard, names in shards.items() for name in names}
     embed = next((n for n in where if n.endswith("embed_tokens.weight")), None)
-    untie = [m for m in deltas if f"{m}.weight" not in where and m.endswith("lm_head") and _tied(config) and embed]
+    # a head tied to the embedding (whether or not the file also holds a copy of it) gets a weight of its own
+    untie = [m for m in deltas if m.endswith("lm_head") and _tied(config) and (embed or f"{m}.weight" in where)]
     missing = sorted(m for m in deltas if f"{m}.weight" not in where and m not in untie)
     if missing:
         raise UserError(f"the base model has no weight for the adapter's modules {missing[:4]}: the checkpoint "
@@ -116,7 +117,7 @@ def merge_lora(base_dir: Path, adapter_dir: Path, out: Path) -> dict[str, Any]:
             tensors = load_file(str(base_dir / shard))
             for module, (a, b) in deltas.items():
                 target = f"{module}.weight"
-                source = embed if module in untie else target
+                source = target if target in where else embed
                 if where.get(source) != shard:
                     continue
                 w = tensors[source]

@@ -90,6 +90,23 @@ def test_a_sharded_base_merges_as_a_single_file_one(tiny_path, tmp_path):
     assert torch.equal(logits(one), logits(two))
 
 
+def test_a_tied_head_stored_in_the_file_too_is_untied(tiny_path, tmp_path):
+    """Some tied checkpoints also store ``lm_head.weight``; transformers re-ties it on load, so the merge must
+    untie the config there too, or the head's LoRA would be lost."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    base = tmp_path / "base"
+    shutil.copytree(tiny_path, base)
+    weights = load_file(str(base / "model.safetensors"))
+    weights["lm_head.weight"] = weights["model.embed_tokens.weight"].clone()
+    save_file(weights, str(base / "model.safetensors"), metadata={"format": "pt"})
+    peft_model = adapter(tiny_path, tmp_path / "lora", ["lm_head"])
+    assert merge_lora(base, tmp_path / "lora", tmp_path / "model")["untied"] == ["lm_head"]
+    out = AutoModelForCausalLM.from_pretrained(str(tmp_path / "model")).eval()
+    assert torch.allclose(logits(out), logits(peft_model), atol=1e-4)
+
+
 def test_what_the_merge_cannot_honour_is_refused_by_name(tiny_path, tmp_path):
     adapter(tiny_path, tmp_path / "lora", ["q_proj"])
     cfg_path = tmp_path / "lora" / "adapter_config.json"
