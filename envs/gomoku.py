@@ -19,6 +19,7 @@ The text side (what an LLM sees and says) is :func:`render_text` and
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import re
 from typing import Any
@@ -175,9 +176,7 @@ def text_listing_moves(size: int = 9, **_: Any) -> GameText:
     """:func:`text` with the empty cells listed under the board (``game.text: envs.gomoku:text_listing_moves``):
     naming a legal cell becomes copying one from the prompt, so a small model's moves are its own choice
     rather than the bridge's random replacement for a taken cell."""
-    return GameText(render=lambda obs, agent: render_text(obs, agent, list_moves=True),
-                    parse=lambda reply: parse_move(reply, size),
-                    example=f"<move>{move_name(size * size - 1, size)}</move>")
+    return dataclasses.replace(text(size), render=lambda obs, agent: render_text(obs, agent, list_moves=True))
 
 
 def _line_through(stones: np.ndarray, row: int, col: int) -> int:

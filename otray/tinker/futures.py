@@ -43,6 +43,16 @@ class _Entry:
     finished: float = 0.0
 
 
+async def settle(run: Callable[[], Awaitable[Outcome]]) -> Outcome:
+    """``run()``'s outcome; a UserError it raises is a ``user`` error, any other exception a ``server`` one."""
+    try:
+        return await run()
+    except UserError as e:
+        return Outcome.error(str(e))
+    except Exception as e:  # noqa: BLE001 - reported to the caller as a server error
+        return Outcome.error(f"{type(e).__name__}: {e}"[:2000], "server")
+
+
 class Futures:
     def __init__(self, ttl_s: float):
         self.ttl_s = ttl_s
@@ -174,13 +184,7 @@ class OrderedExecutor:
             while q.next_seq in q.pending:
                 request_id, run = q.pending.pop(q.next_seq)
                 self.futures.timeline.running(request_id)
-                try:
-                    outcome = await run()
-                except UserError as e:
-                    outcome = Outcome.error(str(e))
-                except Exception as e:  # noqa: BLE001 - reported to the caller as a server error
-                    outcome = Outcome.error(f"{type(e).__name__}: {e}"[:2000], "server")
-                self.futures.finish(request_id, outcome)
+                self.futures.finish(request_id, await settle(run))
                 q.next_seq += 1
                 for old in [s for s in q.seen if s < q.next_seq - 1000]:
                     del q.seen[old]

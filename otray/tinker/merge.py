@@ -40,7 +40,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from otray.tinker.catalog import Catalog
-from otray.tinker.futures import Futures, Outcome
+from otray.tinker.futures import Futures, Outcome, settle
 from otray.tinker.runs import check_name
 from otray.tinker.store import Checkpoint, Store
 from otray.tinker.wire import UserError
@@ -197,18 +197,16 @@ class Merges:
                    ttl: Optional[float]) -> None:
         self.futures.timeline.running(request_id)
         out = self.store.checkpoint_dir(owner, src.model_id, "external", name)
-        try:
+
+        async def merged() -> Outcome:
             await asyncio.to_thread(merge_lora, base, Path(src.path), out)
             size = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
             ckpt = Checkpoint(src.model_id, "external", name, str(out), time.time(), size,
                               time.time() + ttl if ttl else None, {"merged_from": src.tinker_path})
             self.store.add_checkpoint(ckpt)
-            outcome = Outcome("json", {"path": ckpt.tinker_path, "type": "merge_weights"})
-        except UserError as e:
-            outcome = Outcome.error(str(e))
-        except Exception as e:  # noqa: BLE001 - reported to the caller as a server error
-            outcome = Outcome.error(f"{type(e).__name__}: {e}"[:2000], "server")
-        self.futures.finish(request_id, outcome)
+            return Outcome("json", {"path": ckpt.tinker_path, "type": "merge_weights"})
+
+        self.futures.finish(request_id, await settle(merged))
 
 
 def request_merge(base_url: str, api_key: str, path: str, name: str, *, ttl_seconds: Optional[float] = None,
