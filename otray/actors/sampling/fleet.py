@@ -50,6 +50,16 @@ class RolloutFleet:
                 status[i] = False
         return status
 
+    def _answers(self, i: int, timeout: float = 10.0) -> bool:
+        """Whether worker ``i`` answers a ping: a task that failed with an actor's death may have failed
+        on its *argument* (an ObjectRef whose producing actor died), with the worker itself alive."""
+        import ray
+
+        try:
+            return bool(ray.get(self.workers[i].ping.remote(), timeout=timeout))
+        except Exception:  # noqa: BLE001 - any failure means it does not answer
+            return False
+
     def _drop(self, i: int, err: BaseException) -> None:
         first_line = (str(err).strip().splitlines() or [""])[0]
         self.dead[i] = f"{type(err).__name__}: {first_line}"[:300]
@@ -98,6 +108,8 @@ class RolloutFleet:
             try:
                 versions.append(ray.get(ref))
             except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
+                if self._answers(i):  # the update's source (the learner) died, not this worker
+                    raise
                 self._drop(i, e)
         if not versions:
             raise RolloutError("no rollout worker accepted the weight update")

@@ -43,6 +43,19 @@ def test_fleet_routes_around_a_dead_worker(ray_local, tiny_path, tokenizer):
     prompts = [chat_prompt_ids(tokenizer, [{"role": "user", "content": f"{i}+1="}]) for i in range(6)]
     params = SamplingParams(max_tokens=3, temperature=1.0)
     assert len(fleet.generate(prompts, params)) == 6
+
+    @ray.remote
+    class Source:  # stands in for a learner that dies while it builds the update
+        def weights(self):
+            import time
+            time.sleep(60)
+
+    source = Source.remote()
+    update = source.weights.remote()
+    ray.kill(source)
+    with pytest.raises(ray.exceptions.RayActorError):  # the source's death, not the workers'
+        fleet.update_weights(update)
+    assert fleet.dead == {}
     ray.kill(workers[0])
     results = fleet.generate(prompts, params)
     assert len(results) == 6 and all(r.samples for r in results)
