@@ -31,7 +31,7 @@ _ENV = {  # one env's sampling and episode limits (envs.*) ...
 _GAME = {  # ... and a game's
     "num_rollouts": (1, 4096), "max_failing_rollouts": (0, None), "max_retries": (0, 100),
     "temperature": (0, None), "max_tokens_per_turn": (1, 1 << 20), "max_tokens_per_episode": (1, 1 << 22),
-    "eval_games": (1, 1_000_000), "discount": (GT(0), 1),
+    "eval_games": (1, 1_000_000), "discount": (GT(0), 1), "opening_plies": (0, 100_000),
 }
 
 RANGES: dict[str, tuple[Any, Any]] = {

@@ -156,6 +156,29 @@ def test_turn_context_gives_one_trajectory_per_decision(worker, tokenizer):
         ProtocolCoordinator(_gomoku, GOMOKU_TEXT, {}, context="chat")
 
 
+def test_openings_are_random_plies_a_seed_shares_and_no_trajectory_holds(worker, tokenizer):
+    model = Policy("model", generate=worker.generate, params=SamplingParams(max_tokens=6, temperature=1.0))
+    coord = ProtocolCoordinator(_gomoku, GOMOKU_TEXT, {"black": model, "white": Policy("scripted", fn=gomoku.heuristic)},
+                                tokenizer, rules=MoveRules(max_retries=0), context="turn",
+                                limits=Limits(max_turns=100, max_tokens_per_turn=6, max_tokens_per_episode=200,
+                                              max_model_len=512))
+    a, b, c, fresh, done = coord.run([5, 5, 5, 6, 7], openings=[3, 3, 3, 0, 100])
+    assert a.opening == b.opening == c.opening == 3 and a.moves[:4] == b.moves[:4] == c.moves[:4]
+    assert [agent for agent, _ in a.moves[:4]] == ["black", "white", "black", "white"]  # 3 random, then white's own
+    replay = ProtocolCoordinator(_gomoku, GOMOKU_TEXT, {"black": Policy("random"), "white": Policy("random")})
+    assert replay.run([5])[0].moves[:3] == a.moves[:3]  # the random policy's moves, seeded by the game
+    for game in (a, b, c):  # black decides from the 4th move on: 2 of its stones and 2 of white's on its first board
+        turns = game.agent_trajectories("black")
+        assert len(turns) == sum(agent == "black" for agent, _ in game.moves[3:])
+        board = turns[0].messages[0]["content"].split("You are")[0]
+        assert board.count("X") == 2 and board.count("O") == 2
+    assert fresh.opening == 0 and "X" not in fresh.agent_trajectories("black")[0].messages[0]["content"].split("You")[0]
+    assert done.error is None and done.agent_trajectories("black") == [] and done.opening == len(done.moves)
+    assert sum(done.rewards.values()) == 0  # random plies to the game's end: a result, no decisions
+    with pytest.raises(ValueError, match="openings"):
+        coord.run([1, 2], openings=[1])
+
+
 def _play_many(make_env, policies, n):
     return ProtocolCoordinator(make_env, GameText(), policies).run(range(n))
 

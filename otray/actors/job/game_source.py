@@ -6,7 +6,8 @@ the ProtocolCoordinator actor. Each trained agent's trajectory carries its Petti
 reward (minus ``game.illegal_penalty`` per illegal reply *in that trajectory*: with ``context: turn`` only
 the decision that made it pays, not the game's other decisions; with ``context: turn`` and
 ``game.discount`` < 1 a decision k of its agent's moves before the end gets ``discount**k`` of the
-outcome: :func:`training_rewards`); trajectories are grouped by
+outcome: :func:`training_rewards`); with ``game.opening_plies`` a seed's training games open with the
+same few random plies (:func:`opening_plies`), so a group's first decisions share a position; trajectories are grouped by
 (seed, seating, role) for each trained policy, and the RL step treats those groups exactly
 like an env's. Evaluation: each trained policy against each of ``game.eval_opponents`` in
 every role, win / draw / loss rates.
@@ -20,6 +21,7 @@ policies run inside it.
 from __future__ import annotations
 
 import functools
+import random
 import statistics
 import time
 from pathlib import Path
@@ -66,6 +68,12 @@ def seatings(seats: dict[str, PolicySpec], roles: list[str], rotate: bool) -> li
     specs = [seats[a] for a in roles]
     rotations = [{a: specs[(i - k) % len(specs)] for i, a in enumerate(roles)} for k in range(len(specs))]
     return list({tuple(r.items()): r for r in rotations}.values())
+
+
+def opening_plies(seed: int, most: int) -> int:
+    """How many random plies open the training games of ``seed`` (``game.opening_plies``): 0..``most``,
+    drawn from the seed, so every rollout and seating of the seed opens alike (and again after a resume)."""
+    return random.Random(seed * 104_729 + 17).randint(0, most) if most else 0
 
 
 def training_rewards(outcome: float, turns: list[Trajectory], discount: float, penalty: float) -> list[float]:
@@ -127,12 +135,12 @@ class GameGroupSource:
         self.generate_s = 0.0
         self.first_rollout_at: float | None = None
 
-    def play(self, seeds: list[int], seats: list[dict[str, str]]) -> Played:
+    def play(self, seeds: list[int], seats: list[dict[str, str]], openings: list[int] | None = None) -> Played:
         import ray
 
         if self.first_rollout_at is None:
             self.first_rollout_at = time.time()
-        played = ray.get(self.coordinator.play.remote(seeds, seats))
+        played = ray.get(self.coordinator.play.remote(seeds, seats, openings))
         self.generate_s += played.generate_s
         return played
 
@@ -147,7 +155,8 @@ class GameGroupSource:
         seat_lists = {s: (self.league.seatings(seating(self.cfg), s, seed_step) if i < n_league else plain)
                       for i, s in enumerate(seeds)}  # the first seeds of the step meet the league
         games = [(s, k, seats) for s in seeds for k, seats in enumerate(seat_lists[s]) for _ in range(g.num_rollouts)]
-        played = self.play([s for s, _, _ in games], [seats for *_, seats in games])
+        played = self.play([s for s, _, _ in games], [seats for *_, seats in games],
+                           [opening_plies(s, g.opening_plies) for s, _, _ in games])
         rollout_s = time.perf_counter() - t0
         groups: dict[str, list[TrajectoryGroup]] = {}
         metrics: dict[str, Any] = {}

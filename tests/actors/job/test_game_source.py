@@ -229,3 +229,15 @@ def test_discount_needs_turn_context_and_lies_in_0_1():
         with pytest.raises(Exception, match="game.discount"):
             config.load(ROOT / "conf" / "gomoku_opentinker.yaml", [f"game.discount={bad}"])
     assert config.load(ROOT / "conf" / "gomoku_opentinker.yaml", ["game.discount=0.5"]).game.discount == 0.5
+
+
+def test_opening_plies_are_drawn_per_seed_within_the_bound():
+    from otray.actors.job.game_source import opening_plies
+
+    drawn = [opening_plies(seed, 4) for seed in range(200)]
+    assert set(drawn) == {0, 1, 2, 3, 4}  # every length, each seed's own
+    assert drawn == [opening_plies(seed, 4) for seed in range(200)]  # the same after a resume
+    assert {opening_plies(seed, 0) for seed in range(50)} == {0}
+    with pytest.raises(Exception, match="game.opening_plies"):
+        config.load(ROOT / "conf" / "gomoku_opentinker.yaml", ["game.opening_plies=-1"])
+    assert config.load(ROOT / "conf" / "gomoku_opentinker.yaml", ["game.opening_plies=4"]).game.opening_plies == 4
