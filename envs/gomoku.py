@@ -193,6 +193,13 @@ def _line_through(stones: np.ndarray, row: int, col: int) -> int:
     return best
 
 
+def winning_cells(stones: np.ndarray, mask: np.ndarray, win_length: int) -> list[int]:
+    """The empty cells (``mask``) where a stone of ``stones`` (one player's plane) would complete a line of
+    ``win_length``: that player's immediate threats."""
+    size = stones.shape[0]
+    return [int(a) for a in np.flatnonzero(mask) if _line_through(stones, *divmod(int(a), size)) >= win_length]
+
+
 def heuristic(observation: dict[str, np.ndarray], agent: str, random_prob: float = 0.0,
               rng: random.Random | None = None) -> int:
     """A scripted player: the empty cell that makes its longest line, or blocks the opponent's longer one

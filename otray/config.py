@@ -275,10 +275,13 @@ class GameSection:
     # context: turn: the decision k of an agent's moves before its last gets discount**k of the game's
     # outcome (1.0: every decision the whole outcome); credit to the moves near the end that decided it
     discount: float = 1.0
-    # training games of a seed start after k plies of random legal moves, k drawn per seed from
-    # 0..opening_plies; the seed's rollouts share that opening, so their first decision is from one position
-    # (the group compares moves from the same state); evaluation games start from the env's reset
+    # training games of a seed start after k plies, k drawn per seed from 0..opening_plies: random legal
+    # moves (openings: random), or the first k moves of a game of the previous step (openings: played,
+    # k < that game's length: positions the policies reach, up to the one before its deciding move); the
+    # seed's rollouts share the opening, so their first decision is from one position (the group compares
+    # moves from the same state); evaluation games start from the env's reset
     opening_plies: int = 0
+    openings: str = "random"  # random | played
     temperature: float = 1.0
     max_tokens_per_turn: int = 8
     max_tokens_per_episode: int = 64

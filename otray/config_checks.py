@@ -69,6 +69,7 @@ def check_values(cfg: Any) -> None:
                 raise ConfigError(f"game.{key} is missing: give an import path 'module:attr'")
         one_of(cfg.game.on_exhausted, ("random", "forfeit"), "game.on_exhausted")
         one_of(cfg.game.context, ("game", "turn"), "game.context")
+        one_of(cfg.game.openings, ("random", "played"), "game.openings")
         if cfg.game.discount != 1.0 and cfg.game.context != "turn":
             raise ConfigError(f"game.discount={cfg.game.discount} splits a game's reward over its decisions, which "
                               "only game.context=turn makes separate trajectories: set context: turn, or discount: 1")

@@ -46,6 +46,9 @@ from otray.games import GameText
 from otray.types import ErrorRecord, FinishReason, SamplingParams, Task, Trajectory
 
 
+Opening = int | Sequence[Any]  # random plies, or the actions to replay (``ProtocolCoordinator.run``)
+
+
 @dataclass
 class Policy:
     """How an agent decides: ``kind`` is ``model``, ``scripted`` or ``random``."""
@@ -79,7 +82,7 @@ class GameResult:
     error: ErrorRecord | None = None
     seating: dict[str, str] = field(default_factory=dict)  # agent -> policy name
     earlier_turns: dict[str, list[Trajectory]] = field(default_factory=dict)  # context="turn": all but the last
-    opening: int = 0  # the first ``opening`` of ``moves`` were random plies (``run(openings=...)``)
+    opening: int = 0  # the first ``opening`` of ``moves`` were the opening (``run(openings=...)``), no policy's
 
     def agent_trajectories(self, agent: str) -> list[Trajectory]:
         """Everything ``agent`` sampled in this game: one conversation, or one per decision (context="turn")."""
@@ -118,7 +121,7 @@ class _Game:
         self.moves: list[tuple[str, int | str]] = []
         self.error: ErrorRecord | None = None
         self.phases = 0
-        self.opening = 0  # moves played at random before the seated policies took over
+        self.opening = 0  # moves played before the seated policies took over (random or replayed)
 
     def waiting(self) -> list[str]:
         return [] if self.error is not None else self.bridge.waiting()
@@ -153,24 +156,25 @@ class ProtocolCoordinator:
         return True
 
     def run(self, seeds: Sequence[int], seating: dict[str, str] | Sequence[dict[str, str]] | None = None,
-            openings: Sequence[int] | None = None) -> list[GameResult]:
+            openings: Sequence[Opening] | None = None) -> list[GameResult]:
         """Play one game per seed. ``seating``: agent -> policy name, for all games or one per game;
-        None when ``policies`` is keyed by agent. ``openings``: per game, how many plies of uniformly random
-        legal moves (seeded by the game's seed, so games of one seed share them) are played before the
-        seated policies take over; they are in the game's ``moves`` but in no trajectory."""
+        None when ``policies`` is keyed by agent. ``openings``: per game, what is played before the seated
+        policies take over: a number of plies of uniformly random legal moves (seeded by the game's seed, so
+        games of one seed share them) or a list of actions, replayed in turn (another game's first moves);
+        they are in the game's ``moves`` but in no trajectory."""
         seatings = list(seating) if isinstance(seating, (list, tuple)) else [seating] * len(seeds)
         openings = list(openings) if openings is not None else [0] * len(seeds)
         if not len(seatings) == len(openings) == len(seeds):
             raise ValueError(f"{len(seeds)} seeds but {len(seatings)} seatings and {len(openings)} openings")
         games = []
-        for seed, seats, plies in zip(seeds, seatings, openings):
+        for seed, seats, opening in zip(seeds, seatings, openings):
             env = self.make_env()
             seats = dict(seats) if seats is not None else {a: a for a in env.possible_agents}
             missing = sorted(a for a in env.possible_agents if seats.get(a) not in self.policies)
             if missing:
                 raise ValueError(f"no policy for agent(s) {missing}; seating {seats}, policies {sorted(self.policies)}")
             games.append(_Game(seed, env, bridge_for(env, self.text, self.rules, seed), seats))
-            self._open(games[-1], plies)
+            self._open(games[-1], opening)
         while True:
             by_policy: dict[str, list[tuple[_Game, str]]] = {}
             for g in games:
@@ -187,24 +191,29 @@ class ProtocolCoordinator:
         return [self._result(g) for g in games]
 
     def play(self, seeds: Sequence[int], seating: dict[str, str] | Sequence[dict[str, str]] | None = None,
-             openings: Sequence[int] | None = None) -> Played:
+             openings: Sequence[Opening] | None = None) -> Played:
         """:meth:`run`, timed: wall time and the part of it spent inside generate calls."""
         gen0, calls0, t0 = self.generate_s, self.generate_calls, time.perf_counter()
         results = self.run(seeds, seating, openings)
         return Played(results, time.perf_counter() - t0, self.generate_s - gen0, self.generate_calls - calls0)
 
-    def _open(self, g: _Game, plies: int) -> None:
-        """Play ``plies`` rounds of random legal moves (one move in an AEC game, one per live agent in a
-        parallel one); an opening that ends the game leaves it with no decisions."""
+    def _open(self, g: _Game, opening: Opening) -> None:
+        """Play the opening: ``opening`` rounds of random legal moves (one move in an AEC game, one per live
+        agent in a parallel one), or the listed actions in turn; one that ends the game leaves no decisions."""
+        moves = iter(opening) if isinstance(opening, (list, tuple)) else None
         try:
-            for _ in range(plies):
+            for _ in range(len(opening) if moves is not None else opening):
                 for agent in g.waiting():
                     legal = g.bridge.legal(agent)
                     if not legal:
                         raise ValueError(f"{agent} has no listed legal moves to open the game with; "
                                          "set game.opening_plies: 0 for this game")
-                    self._apply(g, agent, g.bridge.play(agent, random.Random(g.seed * 7919 + len(g.moves)).choice(legal)))
-        except Exception as e:  # noqa: BLE001 - an env's failure ends that game only
+                    action = next(moves) if moves is not None else \
+                        random.Random(g.seed * 7919 + len(g.moves)).choice(legal)
+                    self._apply(g, agent, g.bridge.play(agent, action))
+        except StopIteration:  # a parallel game's rounds take several actions: the listed ones ran out
+            pass
+        except Exception as e:  # noqa: BLE001 - an env's failure (or a replayed move that is illegal here) ends that game only
             self._fail(g, "env_exception", e)
         g.opening = len(g.moves)
 

@@ -175,6 +175,11 @@ def test_openings_are_random_plies_a_seed_shares_and_no_trajectory_holds(worker,
     assert fresh.opening == 0 and "X" not in fresh.agent_trajectories("black")[0].messages[0]["content"].split("You")[0]
     assert done.error is None and done.agent_trajectories("black") == [] and done.opening == len(done.moves)
     assert sum(done.rewards.values()) == 0  # random plies to the game's end: a result, no decisions
+    replayed, other = coord.run([8, 8], openings=[[m for _, m in a.moves[:5]], [0, 0]])
+    assert replayed.moves[:5] == a.moves[:5] and replayed.opening == 5  # another seed's first moves, replayed
+    board = replayed.agent_trajectories("black")[0].messages[0]["content"].split("You are")[0]
+    assert board.count("X") == 3 and board.count("O") == 3  # black's first decision: after white's own 6th move
+    assert other.error.kind == "env_exception" and "not legal" in other.error.message  # a taken cell: that game only
     with pytest.raises(ValueError, match="openings"):
         coord.run([1, 2], openings=[1])
 

@@ -7,7 +7,7 @@ reward (minus ``game.illegal_penalty`` per illegal reply *in that trajectory*: w
 the decision that made it pays, not the game's other decisions; with ``context: turn`` and
 ``game.discount`` < 1 a decision k of its agent's moves before the end gets ``discount**k`` of the
 outcome: :func:`training_rewards`); with ``game.opening_plies`` a seed's training games open with the
-same few random plies (:func:`opening_plies`), so a group's first decisions share a position; trajectories are grouped by
+same opening (:func:`opening`: random plies, or the first moves of a game of the step before), so a group's first decisions share a position; trajectories are grouped by
 (seed, seating, role) for each trained policy, and the RL step treats those groups exactly
 like an env's. Evaluation: each trained policy against each of ``game.eval_opponents`` in
 every role, win / draw / loss rates.
@@ -70,10 +70,17 @@ def seatings(seats: dict[str, PolicySpec], roles: list[str], rotate: bool) -> li
     return list({tuple(r.items()): r for r in rotations}.values())
 
 
-def opening_plies(seed: int, most: int) -> int:
-    """How many random plies open the training games of ``seed`` (``game.opening_plies``): 0..``most``,
-    drawn from the seed, so every rollout and seating of the seed opens alike (and again after a resume)."""
-    return random.Random(seed * 104_729 + 17).randint(0, most) if most else 0
+def opening(seed: int, most: int, played: list[list[Any]] | None = None) -> int | list[Any]:
+    """What opens the training games of ``seed`` (``game.opening_plies`` = ``most``), drawn from the seed so
+    every rollout and seating of the seed opens alike: 0..``most`` random plies, or, given ``played`` (the
+    moves of earlier games), the first k of one of them, k below its length (never its deciding move)."""
+    if not most:
+        return 0
+    rng = random.Random(seed * 104_729 + 17)
+    if not played:
+        return rng.randint(0, most)
+    moves = rng.choice(played)
+    return list(moves[:rng.randint(0, min(most, len(moves) - 1))])
 
 
 def training_rewards(outcome: float, turns: list[Trajectory], discount: float, penalty: float) -> list[float]:
@@ -134,6 +141,7 @@ class GameGroupSource:
         self.elo = EloTable(k=g.elo_k, anchor="random")  # every player evaluated so far, by label
         self.generate_s = 0.0
         self.first_rollout_at: float | None = None
+        self.openings: list[list[Any]] = []  # game.openings=played: the last step's games' moves
 
     def play(self, seeds: list[int], seats: list[dict[str, str]], openings: list[int] | None = None) -> Played:
         import ray
@@ -156,7 +164,9 @@ class GameGroupSource:
                       for i, s in enumerate(seeds)}  # the first seeds of the step meet the league
         games = [(s, k, seats) for s in seeds for k, seats in enumerate(seat_lists[s]) for _ in range(g.num_rollouts)]
         played = self.play([s for s, _, _ in games], [seats for *_, seats in games],
-                           [opening_plies(s, g.opening_plies) for s, _, _ in games])
+                           [opening(s, g.opening_plies, self.openings) for s, _, _ in games])
+        if g.openings == "played":  # the next step's openings: this step's finished games
+            self.openings = [[a for _, a in r.moves] for r in played.results if r.error is None and r.moves]
         rollout_s = time.perf_counter() - t0
         groups: dict[str, list[TrajectoryGroup]] = {}
         metrics: dict[str, Any] = {}

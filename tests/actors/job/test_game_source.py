@@ -231,13 +231,22 @@ def test_discount_needs_turn_context_and_lies_in_0_1():
     assert config.load(ROOT / "conf" / "gomoku_opentinker.yaml", ["game.discount=0.5"]).game.discount == 0.5
 
 
-def test_opening_plies_are_drawn_per_seed_within_the_bound():
-    from otray.actors.job.game_source import opening_plies
+def test_openings_are_drawn_per_seed_random_or_from_played_games():
+    from otray.actors.job.game_source import opening
 
-    drawn = [opening_plies(seed, 4) for seed in range(200)]
-    assert set(drawn) == {0, 1, 2, 3, 4}  # every length, each seed's own
-    assert drawn == [opening_plies(seed, 4) for seed in range(200)]  # the same after a resume
-    assert {opening_plies(seed, 0) for seed in range(50)} == {0}
+    drawn = [opening(seed, 4) for seed in range(200)]
+    assert set(drawn) == {0, 1, 2, 3, 4}  # random plies: every length, each seed's own
+    assert drawn == [opening(seed, 4) for seed in range(200)]  # the same after a resume
+    assert {opening(seed, 0, [[1, 2, 3]]) for seed in range(50)} == {0}
+    played = [[5, 6, 7, 8, 9, 10, 11], [3, 2], [12, 13, 14]]
+    prefixes = [opening(seed, 5, played) for seed in range(300)]
+    assert prefixes == [opening(seed, 5, played) for seed in range(300)]
+    for p in prefixes:  # the first moves of one game, never the whole game (its deciding move is left to decide)
+        assert any(p == g[:len(p)] and len(p) < len(g) for g in played) and len(p) <= 5
+    assert {len(p) for p in prefixes} == {0, 1, 2, 3, 4, 5} and [5, 6, 7, 8, 9] in prefixes and [12, 13] in prefixes
     with pytest.raises(Exception, match="game.opening_plies"):
         config.load(ROOT / "conf" / "gomoku_opentinker.yaml", ["game.opening_plies=-1"])
-    assert config.load(ROOT / "conf" / "gomoku_opentinker.yaml", ["game.opening_plies=4"]).game.opening_plies == 4
+    with pytest.raises(Exception, match="game.openings"):
+        config.load(ROOT / "conf" / "gomoku_opentinker.yaml", ["game.openings=book"])
+    cfg = config.load(ROOT / "conf" / "gomoku_opentinker.yaml", ["game.opening_plies=4", "game.openings=played"])
+    assert (cfg.game.opening_plies, cfg.game.openings) == (4, "played")
