@@ -4,10 +4,10 @@ Plays white against OpenTinker's opponent as black (the longest-line heuristic w
 eval opponent of ``conf/gomoku_opentinker.yaml``) on the same 4x4 / three-in-a-row board and the same fixed
 eval seeds as a job's evaluation, for each model directory given (a checkpoint's ``model/``, sampled at
 temperature 1 with the job's move rule: an unreadable or taken cell is replaced by a random one) and for
-scripted white players beside them (random; the heuristic with 60%, 30% and 0% random moves). At every
-white move it reads the board: where black threatens to complete a line next move at exactly one cell and
-white cannot win at once, a move on that cell is a *block*; where white can win at once, taking a winning
-cell is a *win taken*. Prints and saves ``benchmarks/results/gomoku_blocks.json``.
+scripted white players beside them (random; the heuristic with 60%, 30% and 0% random moves), and each
+model and random as black too. At every move of the player's it reads the board: where the opponent
+threatens to complete a line next move at exactly one cell and the player cannot win at once, a move on
+that cell is a *block*; where the player can win at once, taking a winning cell is a *win taken*. Prints and saves ``benchmarks/results/gomoku_blocks.json``.
 
 Why: white's win rate in the Gomoku experiment rises a few points and stops (NOTES.md, issue 35); this
 says whether the trained policy learned to block at all, against what the scripted players do.
@@ -33,14 +33,14 @@ SIZE, LINE = 4, 3
 EVAL_SEEDS = 10**9  # the first of a job's fixed eval seeds (otray/actors/job/game_source.py)
 
 
-def white_moves(game: GameResult) -> tuple[int, int, int, int]:
-    """Replays ``game``: (single threats white faced, blocked, wins white could take, taken)."""
+def seat_moves(game: GameResult, seat: str) -> tuple[int, int, int, int]:
+    """Replays ``game``: (single threats ``seat`` faced, blocked, wins it could take, taken)."""
     env = gomoku.env(size=SIZE, win_length=LINE)
     env.reset(seed=game.seed)
     threats = blocks = chances = taken = 0
     for agent, action in game.moves:
-        if agent == "white":
-            obs = env.observe("white")
+        if agent == seat:
+            obs = env.observe(seat)
             planes, mask = obs["observation"], obs["action_mask"]
             mine = gomoku.winning_cells(planes[..., 0], mask, LINE)
             theirs = gomoku.winning_cells(planes[..., 1], mask, LINE)
@@ -52,22 +52,24 @@ def white_moves(game: GameResult) -> tuple[int, int, int, int]:
     return threats, blocks, chances, taken
 
 
-def summary(games: list[GameResult]) -> dict[str, float]:
-    counts = [white_moves(g) for g in games]
+def summary(games: list[GameResult], seat: str) -> dict[str, float]:
+    counts = [seat_moves(g, seat) for g in games]
     threats, blocks, chances, taken = (sum(c[i] for c in counts) for i in range(4))
-    return {"games": len(games), "win_rate": sum(g.rewards["white"] > 0 for g in games) / len(games),
-            "illegal_per_game": sum(g.counts["white"]["illegal"] for g in games) / len(games),
+    return {"games": len(games), "win_rate": sum(g.rewards[seat] > 0 for g in games) / len(games),
+            "illegal_per_game": sum(g.counts[seat]["illegal"] for g in games) / len(games),
             "threats_per_game": threats / len(games), "block_rate": blocks / max(threats, 1),
             "win_chances_per_game": chances / len(games), "wins_taken_rate": taken / max(chances, 1)}
 
 
-def play(white: Policy, games: int, tokenizer=None) -> dict[str, float]:
-    black = Policy("scripted", name="heuristic", fn=functools.partial(gomoku.heuristic, random_prob=0.3))
+def play(player: Policy, games: int, tokenizer=None, seat: str = "white") -> dict[str, float]:
+    """``player`` in ``seat`` against OpenTinker's opponent in the other, ``games`` eval seeds."""
+    opponent = Policy("scripted", name="heuristic", fn=functools.partial(gomoku.heuristic, random_prob=0.3))
+    seats = {"black": player, "white": opponent} if seat == "black" else {"black": opponent, "white": player}
     coord = ProtocolCoordinator(functools.partial(gomoku.env, size=SIZE, win_length=LINE), gomoku.text(SIZE),
-                                {"black": black, "white": white}, tokenizer, rules=MoveRules(0, "random"),
+                                seats, tokenizer, rules=MoveRules(0, "random"),
                                 limits=Limits(max_turns=16, max_tokens_per_turn=10, max_tokens_per_episode=100,
                                               max_model_len=512), context="turn")
-    return summary(coord.run(range(EVAL_SEEDS, EVAL_SEEDS + games)))
+    return summary(coord.run(range(EVAL_SEEDS, EVAL_SEEDS + games)), seat)
 
 
 def main() -> None:
@@ -80,6 +82,7 @@ def main() -> None:
     for p in (1.0, 0.6, 0.3, 0.0):
         fn = functools.partial(gomoku.heuristic, random_prob=p)
         rows[f"heuristic p={p}" if p < 1 else "random"] = play(Policy("scripted", fn=fn), args.games)
+    rows["random as black"] = play(Policy("random"), args.games, seat="black")
     for spec in args.model:
         from transformers import AutoTokenizer
 
@@ -89,13 +92,16 @@ def main() -> None:
         worker = RolloutWorker(path, "hf", max_model_len=512, seed=0)
         model = Policy("model", name=label, generate=worker.generate,
                        params=SamplingParams(max_tokens=10, temperature=1.0))
-        rows[label] = play(model, args.games, AutoTokenizer.from_pretrained(path))
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        rows[label] = play(model, args.games, tokenizer)
+        rows[f"{label} as black"] = play(model, args.games, tokenizer, seat="black")
     for label, r in rows.items():
         print(f"{label:>24}: win {r['win_rate']:.3f}  blocks {r['block_rate']:.3f} of {r['threats_per_game']:.2f} "
               f"threats/game  wins taken {r['wins_taken_rate']:.3f} of {r['win_chances_per_game']:.2f}/game  "
               f"illegal/game {r['illegal_per_game']:.2f}")
-    Path(args.out).write_text(json.dumps({"opponent": "heuristic(random_prob=0.3) as black", "board": [SIZE, LINE],
-                                          "models": args.model, "white": rows}, indent=1))
+    Path(args.out).write_text(json.dumps({"opponent": "heuristic(random_prob=0.3) in the other seat",
+                                          "board": [SIZE, LINE], "models": args.model, "white unless named": rows},
+                                         indent=1))
     print("saved", args.out)
 
 

@@ -147,3 +147,15 @@ def test_listing_moves_names_exactly_the_empty_cells_and_the_dataset_follows(tmp
         prompt, reply = row["messages"][0]["content"], row["messages"][1]["content"]
         empty = next(line for line in prompt.splitlines() if line.startswith("Empty cells:")).split()[2:]
         assert reply[len("<move>"):-len("</move>")] in empty  # a random legal move, one the prompt lists
+
+
+def test_winning_cells_are_the_empty_cells_that_complete_a_line():
+    stones = np.zeros((4, 4), dtype=np.int8)
+    stones[0, 0] = stones[0, 1] = 1  # A1 B1: C1 completes three (row 1)
+    stones[2, 2] = 1  # C3: with A1 on the diagonal, B2 completes A1-B2-C3
+    mask = np.ones(16, dtype=np.int8)
+    mask[[0, 1, 10]] = 0
+    assert gomoku.winning_cells(stones, mask, 3) == [2, 5]
+    mask[5] = 0  # B2 taken (by the other player): no longer a threat
+    assert gomoku.winning_cells(stones, mask, 3) == [2]
+    assert gomoku.winning_cells(stones, mask, 4) == []  # nothing makes four
