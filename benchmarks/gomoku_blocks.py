@@ -7,7 +7,8 @@ temperature 1 with the job's move rule: an unreadable or taken cell is replaced 
 scripted white players beside them (random; the heuristic with 60%, 30% and 0% random moves), and each
 model and random as black too. At every move of the player's it reads the board: where the opponent
 threatens to complete a line next move at exactly one cell and the player cannot win at once, a move on
-that cell is a *block*; where the player can win at once, taking a winning cell is a *win taken*. Prints and saves ``benchmarks/results/gomoku_blocks.json``.
+that cell is a *block*; where the player can win at once, taking a winning cell is a *win taken*.
+Prints and saves ``benchmarks/results/gomoku_blocks.json``.
 
 Why: white's win rate in the Gomoku experiment rises a few points and stops (NOTES.md, issue 35); this
 says whether the trained policy learned to block at all, against what the scripted players do.

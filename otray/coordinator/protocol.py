@@ -203,7 +203,10 @@ class ProtocolCoordinator:
         moves = iter(opening) if isinstance(opening, (list, tuple)) else None
         try:
             for _ in range(len(opening) if moves is not None else opening):
-                for agent in g.waiting():
+                waiting = g.waiting()
+                if not waiting:  # the opening ended the game
+                    break
+                for agent in waiting:
                     legal = g.bridge.legal(agent)
                     if not legal:
                         raise ValueError(f"{agent} has no listed legal moves to open the game with; "
@@ -213,7 +216,7 @@ class ProtocolCoordinator:
                     self._apply(g, agent, g.bridge.play(agent, action))
         except StopIteration:  # a parallel game's rounds take several actions: the listed ones ran out
             pass
-        except Exception as e:  # noqa: BLE001 - an env's failure (or a replayed move that is illegal here) ends that game only
+        except Exception as e:  # noqa: BLE001 - an env's failure or an illegal replayed move: this game only
             self._fail(g, "env_exception", e)
         g.opening = len(g.moves)
 

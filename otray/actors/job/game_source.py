@@ -6,10 +6,10 @@ the ProtocolCoordinator actor. Each trained agent's trajectory carries its Petti
 reward (minus ``game.illegal_penalty`` per illegal reply *in that trajectory*: with ``context: turn`` only
 the decision that made it pays, not the game's other decisions; with ``context: turn`` and
 ``game.discount`` < 1 a decision k of its agent's moves before the end gets ``discount**k`` of the
-outcome: :func:`training_rewards`); with ``game.opening_plies`` a seed's training games open with the
-same opening (:func:`opening`: random plies, or the first moves of a game of the step before), so a group's first decisions share a position; trajectories are grouped by
-(seed, seating, role) for each trained policy, and the RL step treats those groups exactly
-like an env's. Evaluation: each trained policy against each of ``game.eval_opponents`` in
+outcome: :func:`training_rewards`); with ``game.opening_plies`` a seed's training games share one
+opening (:func:`opening`: random plies, or the first moves of a game of the step before), so a group's
+first decisions are from one position; trajectories are grouped by (seed, seating, role) for each
+trained policy, and the RL step treats those groups exactly like an env's. Evaluation: each trained policy against each of ``game.eval_opponents`` in
 every role, win / draw / loss rates.
 
 The coordinator actor holds the games' envs (bundle 0, no CPU of its own) and is given
@@ -36,7 +36,7 @@ from otray.algos.ratings import EloTable, game_score
 from otray.actors.job.league import League
 from otray.config import Config, eval_opponents, frozen_policies, policy_bundles, seating, trained_policies
 from otray.coordinator.agent_loop import Limits
-from otray.coordinator.protocol import GameResult, Played, Policy, ProtocolCoordinator
+from otray.coordinator.protocol import GameResult, Opening, Played, Policy, ProtocolCoordinator
 from otray.coordinator.text_bridge import MoveRules
 from otray.games import GameText
 from otray.policies import PolicySpec, league_fixed, league_on, scripted_function, training_seatings
@@ -70,7 +70,7 @@ def seatings(seats: dict[str, PolicySpec], roles: list[str], rotate: bool) -> li
     return list({tuple(r.items()): r for r in rotations}.values())
 
 
-def opening(seed: int, most: int, played: list[list[Any]] | None = None) -> int | list[Any]:
+def opening(seed: int, most: int, played: list[list[Any]] | None = None) -> Opening:
     """What opens the training games of ``seed`` (``game.opening_plies`` = ``most``), drawn from the seed so
     every rollout and seating of the seed opens alike: 0..``most`` random plies, or, given ``played`` (the
     moves of earlier games), the first k of one of them, k below its length (never its deciding move)."""
@@ -143,7 +143,7 @@ class GameGroupSource:
         self.first_rollout_at: float | None = None
         self.openings: list[list[Any]] = []  # game.openings=played: the last step's games' moves
 
-    def play(self, seeds: list[int], seats: list[dict[str, str]], openings: list[int] | None = None) -> Played:
+    def play(self, seeds: list[int], seats: list[dict[str, str]], openings: list[Opening] | None = None) -> Played:
         import ray
 
         if self.first_rollout_at is None:
