@@ -25,12 +25,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from envs import gomoku  # noqa: E402
+from otray import config  # noqa: E402
 from otray.coordinator.agent_loop import Limits  # noqa: E402
 from otray.coordinator.protocol import GameResult, Policy, ProtocolCoordinator  # noqa: E402
 from otray.coordinator.text_bridge import MoveRules  # noqa: E402
 from otray.types import SamplingParams  # noqa: E402
 
-SIZE, LINE = 4, 3
+GAME = config.load(ROOT / "conf" / "gomoku_opentinker.yaml").game  # the board, limits and move rule of the experiment
+SIZE, LINE = GAME.kwargs["size"], GAME.kwargs["win_length"]
 EVAL_SEEDS = 10**9  # the first of a job's fixed eval seeds (otray/actors/job/game_source.py)
 
 
@@ -67,9 +69,10 @@ def play(player: Policy, games: int, tokenizer=None, seat: str = "white") -> dic
     opponent = Policy("scripted", name="heuristic", fn=functools.partial(gomoku.heuristic, random_prob=0.3))
     seats = {"black": player, "white": opponent} if seat == "black" else {"black": opponent, "white": player}
     coord = ProtocolCoordinator(functools.partial(gomoku.env, size=SIZE, win_length=LINE), gomoku.text(SIZE),
-                                seats, tokenizer, rules=MoveRules(0, "random"),
-                                limits=Limits(max_turns=16, max_tokens_per_turn=10, max_tokens_per_episode=100,
-                                              max_model_len=512), context="turn")
+                                seats, tokenizer, rules=MoveRules(GAME.max_retries, GAME.on_exhausted),
+                                limits=Limits(max_turns=GAME.max_turns, max_tokens_per_turn=GAME.max_tokens_per_turn,
+                                              max_tokens_per_episode=GAME.max_tokens_per_episode, max_model_len=512),
+                                context=GAME.context)
     return summary(coord.run(range(EVAL_SEEDS, EVAL_SEEDS + games)), seat)
 
 
@@ -92,7 +95,7 @@ def main() -> None:
         label, path = spec.split("=", 1)
         worker = RolloutWorker(path, "hf", max_model_len=512, seed=0)
         model = Policy("model", name=label, generate=worker.generate,
-                       params=SamplingParams(max_tokens=10, temperature=1.0))
+                       params=SamplingParams(max_tokens=GAME.max_tokens_per_turn, temperature=GAME.temperature))
         tokenizer = AutoTokenizer.from_pretrained(path)
         rows[label] = play(model, args.games, tokenizer)
         rows[f"{label} as black"] = play(model, args.games, tokenizer, seat="black")

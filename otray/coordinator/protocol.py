@@ -126,6 +126,11 @@ class _Game:
     def waiting(self) -> list[str]:
         return [] if self.error is not None else self.bridge.waiting()
 
+    def rng(self) -> random.Random:
+        """The randomness of the game's next move (a random or scripted one), seeded by game and move, so
+        its games replay exactly."""
+        return random.Random(self.seed * 7919 + len(self.moves))
+
 
 class ProtocolCoordinator:
     def __init__(self, make_env: Callable[[], Any], text: GameText, policies: dict[str, Policy], tokenizer: Any = None,
@@ -211,8 +216,7 @@ class ProtocolCoordinator:
                     if not legal:
                         raise ValueError(f"{agent} has no listed legal moves to open the game with; "
                                          "set game.opening_plies: 0 for this game")
-                    action = next(moves) if moves is not None else \
-                        random.Random(g.seed * 7919 + len(g.moves)).choice(legal)
+                    action = next(moves) if moves is not None else g.rng().choice(legal)
                     self._apply(g, agent, g.bridge.play(agent, action))
         except StopIteration:  # a parallel game's rounds take several actions: the listed ones ran out
             pass
@@ -225,7 +229,7 @@ class ProtocolCoordinator:
         if policy.kind != "model":
             for g, agent in decisions:
                 try:
-                    rng = random.Random(g.seed * 7919 + len(g.moves))  # the game's decisions replay exactly
+                    rng = g.rng()
                     if policy.kind == "random":
                         action = rng.choice(g.bridge.legal(agent))
                     else:
