@@ -66,16 +66,17 @@ class NeverSample:
 
 
 def processors(params: SamplingParams, recorder: ChosenLogprobs, prompt_width: int, min_new: int,
-               eos: list[int], never: list[int] | None = None) -> Any:
+               eos: list[int], never: list[int] | None = None, device: str = "cpu") -> Any:
     """The recorder first (after ``never``'s tokens are ruled out), then what shapes the sampling
-    distribution (after the raw logprobs are taken)."""
+    distribution (after the raw logprobs are taken). ``device``: the model's, where the min-new-tokens
+    rule keeps its end-of-sequence ids (on a GPU, ids left on the CPU fail the first step)."""
     from transformers import (LogitsProcessorList, MinNewTokensLengthLogitsProcessor, TemperatureLogitsWarper,
                               TopKLogitsWarper, TopPLogitsWarper)
 
     out = LogitsProcessorList([NeverSample(never)] if never else [])
     out.append(recorder)
     if min_new:
-        out.append(MinNewTokensLengthLogitsProcessor(prompt_width, min_new, eos))
+        out.append(MinNewTokensLengthLogitsProcessor(prompt_width, min_new, eos, device=device))
     if not params.greedy:
         if params.temperature != 1.0:
             out.append(TemperatureLogitsWarper(params.temperature))
@@ -172,7 +173,7 @@ class HFBackend:
             out = self.model.generate(
                 input_ids=ids, attention_mask=attn, max_new_tokens=budget, eos_token_id=eos, pad_token_id=self.pad_id,
                 logits_processor=processors(params, recorder, width, budget if params.ignore_eos else 0, eos,
-                                            unsampled_ids(self.model.config)),
+                                            unsampled_ids(self.model.config), str(self.model.device)),
                 return_dict_in_generate=True, **sampling)
         new = out.sequences[:, width:]
         chosen = recorder.finish(new).cpu()
