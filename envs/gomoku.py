@@ -226,6 +226,21 @@ def heuristic(observation: dict[str, np.ndarray], agent: str, random_prob: float
     return max((int(a) for a in np.flatnonzero(mask)), key=score)
 
 
+def tactics(observation: dict[str, np.ndarray], agent: str, action: int, win_length: int = 5, win: float = 0.5,
+            block: float = 0.5) -> float:
+    """A shaping reward for one move (``game.move_reward: envs.gomoku:tactics(win_length=3, ...)``): ``win``
+    when the player had a line to complete and completed one, ``block`` when it had none but the opponent
+    had exactly one and the move took that cell; 0 otherwise. These are the two things the outcome teaches a
+    small policy slowest (NOTES.md, issue 35: trained policies took ~20% of their wins and blocked ~15% of
+    single threats); a forced defence against two threats earns nothing (no move saves it)."""
+    planes, mask = observation["observation"], observation["action_mask"]
+    mine = winning_cells(planes[..., 0], mask, win_length)
+    if mine:
+        return win if int(action) in mine else 0.0
+    theirs = winning_cells(planes[..., 1], mask, win_length)
+    return block if len(theirs) == 1 and int(action) == theirs[0] else 0.0
+
+
 def make_chat_dataset(out_dir: str, *, size: int = 9, win_length: int = 5, seed: int = 0, num_train: int = 3000,
                       num_eval: int = 100, list_moves: bool = False) -> dict[str, Any]:
     """Chat JSONL (train/eval) for a format-only SFT warm-up of ``context: turn`` games: single decisions

@@ -282,6 +282,12 @@ class GameSection:
     # moves from the same state); evaluation games start from the env's reset
     opening_plies: int = 0
     openings: str = "random"  # random | played
+    # a training reward per decision from the game itself (reward shaping): "module:fn" or "module:fn(k=v, ...)",
+    # called as fn(observation, agent, action) -> float for every legal move a trained policy chose (the
+    # observation before the move) and added to that decision's training reward (context: turn; context: game,
+    # its game's); the game's own rewards, the win/draw/loss metrics, Elo and evaluation are unaffected.
+    # E.g. envs.gomoku:tactics(win_length=3, win=0.5, block=0.5)
+    move_reward: str = ""
     temperature: float = 1.0
     max_tokens_per_turn: int = 8
     max_tokens_per_episode: int = 64

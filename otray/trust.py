@@ -151,6 +151,8 @@ def import_refs(cfg: Any) -> list[tuple[str, str]]:
         specs += [(f"game.eval_opponents[{i}]", p) for i, p in enumerate(cfg.game.eval_opponents)]
         specs += [(f"game.league.fixed[{i}]", p) for i, p in enumerate(cfg.game.league.fixed)]
         refs += [(key, PolicySpec.parse(p).call()[0]) for key, p in specs if PolicySpec.parse(p).kind == "scripted"]
+        if cfg.game.move_reward:
+            refs.append(("game.move_reward", PolicySpec("scripted", cfg.game.move_reward).call()[0]))
     return refs
 
 

@@ -39,11 +39,12 @@ ATTACKS = {  # the seven kinds, as the report used them
     "game.entry": _game_cfg(entry="os:system"),
     "game.text": _game_cfg(text="planted_by_a_job:TEXT"),
     "scripted policy": _game_cfg(policies={"player_0": "trained", "player_1": "scripted:planted_by_a_job:move"}),
+    "game.move_reward": _game_cfg(move_reward="planted_by_a_job:shape(bonus=1)"),  # an eighth, added later
 }
 
 
 @pytest.mark.parametrize("kind", ATTACKS)
-def test_seven_import_paths_refused_for_users_allowed_for_admins(kind, tmp_path):
+def test_import_paths_refused_for_users_allowed_for_admins(kind, tmp_path):
     with pytest.raises(ForbiddenConfigError, match="not code this cluster lets users run"):
         confine(config.load(ATTACKS[kind]), ALICE, BUNDLED_MODULES, tmp_path)
     cfg = config.load(ATTACKS[kind])

@@ -20,7 +20,9 @@ sampled are mask 1 (with the sampler's logprobs); it never sees another agent's
 observation. Its reward is its PettingZoo reward for the game; ``info`` holds the
 agent's counts for the game (``illegal``, ``random_moves``, ``forfeits``) and
 ``illegal_replies``, the unreadable or illegal replies in that trajectory itself
-(with ``context="turn"``, one trajectory per decision: 0 or 1 without retries).
+(with ``context="turn"``, one trajectory per decision: 0 or 1 without retries), and, given a
+``move_reward`` function (reward shaping: ``fn(observation, agent, action) -> float`` for each
+legal move a model chose, on the observation it chose from), ``move_reward``, their sum.
 
 ``policies`` is either keyed by agent (every game seats the same policies) or a
 library keyed by policy name, with a *seating* (agent -> policy name) per game given
@@ -32,6 +34,7 @@ games' envs live in the coordinator's process and only dataclasses cross.
 from __future__ import annotations
 
 import inspect
+import math
 import random
 import time
 import traceback
@@ -135,11 +138,13 @@ class _Game:
 class ProtocolCoordinator:
     def __init__(self, make_env: Callable[[], Any], text: GameText, policies: dict[str, Policy], tokenizer: Any = None,
                  *, rules: MoveRules | None = None, limits: Limits | None = None, system_prompt: str | None = None,
-                 env_name: str = "game", context: str = "game"):
+                 env_name: str = "game", context: str = "game",
+                 move_reward: Callable[[Any, str, Any], float] | None = None):
         if context not in ("game", "turn"):
             raise ValueError(f"context must be 'game' (one conversation per agent and game) or 'turn' (each "
                              f"decision sees only the current observation), got {context!r}")
         self.make_env, self.text, self.policies, self.context = make_env, text, policies, context
+        self.move_reward = move_reward
         self.rules = rules or MoveRules()
         self.limits = limits or Limits(max_turns=10_000, max_tokens_per_turn=16, max_tokens_per_episode=10_000,
                                        max_model_len=2048)
@@ -265,9 +270,25 @@ class ProtocolCoordinator:
             seat.traj.messages.append({"role": "assistant", "content": reply})
             seat.traj.num_turns += 1
             illegal_before = g.bridge.counts[agent]["illegal"]
-            self._apply(g, agent, g.bridge.act(agent, reply))
+            observed = g.bridge.observation(agent) if self.move_reward is not None else None
+            decision = g.bridge.act(agent, reply)
+            self._apply(g, agent, decision)
             seat.traj.info["illegal_replies"] = (seat.traj.info.get("illegal_replies", 0)
                                                  + g.bridge.counts[agent]["illegal"] - illegal_before)
+            if self.move_reward is not None and decision.kind == "played":
+                self._reward_move(g, seat, agent, observed, decision.action)
+
+    def _reward_move(self, g: _Game, seat: _Seat, agent: str, observed: Any, action: Any) -> None:
+        """``move_reward`` of a model's own legal move, added to its trajectory's ``info``; the function's
+        failure (or a value that is not a finite number) ends that game only, as an env's would."""
+        try:
+            value = float(self.move_reward(observed, agent, action))
+            if not math.isfinite(value):
+                raise ValueError(f"move_reward returned {value} for {agent}'s move {action!r}: give a finite number")
+        except Exception as e:  # noqa: BLE001 - the shaping function's bug ends this game, not the others
+            self._fail(g, "env_exception", e)
+            return
+        seat.traj.info["move_reward"] = seat.traj.info.get("move_reward", 0.0) + value
 
     def _prepare(self, decisions: list[tuple[_Game, str]]) -> list[tuple[_Game, str]]:
         """Add each deciding agent's current observation to its conversation (the phase's texts tokenized in one

@@ -156,6 +156,62 @@ def test_turn_context_gives_one_trajectory_per_decision(worker, tokenizer):
         ProtocolCoordinator(_gomoku, GOMOKU_TEXT, {}, context="chat")
 
 
+def _first_empty_cell_player(tokenizer):
+    """A model policy's generate function that reads the board in each prompt (through the tokenizer, as a
+    model sees it) and replies with its first empty cell, except every third reply, which is unreadable."""
+    import re
+
+    from otray.types import FinishReason, GenerateResult, Sample
+
+    calls = []
+
+    def generate(prompts, params, n):
+        out = []
+        for ids in prompts:
+            calls.append(1)
+            rows = re.findall(r"^\s*(\d+) ([.XO](?: [.XO])*)$", tokenizer.decode(ids), re.M)
+            cell = next(f"{'ABCDE'[c // 2]}{r}" for r, line in rows for c, v in enumerate(line) if v == ".")
+            reply = "no idea" if len(calls) % 3 == 0 else f"<move>{cell}</move>"
+            toks = tokenizer.encode(reply)
+            out.append(GenerateResult([Sample(toks, [0.0] * len(toks), FinishReason.LENGTH)], 0))
+        return out
+
+    return generate
+
+
+def test_move_reward_scores_each_legal_model_move_on_the_board_it_was_chosen_from(tokenizer):
+    seen = []
+
+    def stones_before(obs, agent, action):  # the shaping function: the stones on the board it chose from
+        assert obs["action_mask"][action] == 1  # called before the move is played, for a legal move only
+        seen.append(agent)
+        return float(obs["observation"].sum())
+
+    model = Policy("model", generate=_first_empty_cell_player(tokenizer), params=SamplingParams(max_tokens=10))
+    kwargs = dict(rules=MoveRules(max_retries=0), context="turn",
+                  limits=Limits(max_turns=100, max_tokens_per_turn=10, max_tokens_per_episode=200, max_model_len=512))
+    policies = {"black": model, "white": Policy("scripted", fn=first_legal)}
+    shaped = ProtocolCoordinator(_gomoku, GOMOKU_TEXT, policies, tokenizer, move_reward=stones_before, **kwargs)
+    own = unreadable = 0
+    for game in shaped.run(range(3)):
+        assert game.error is None
+        for t in game.agent_trajectories("black"):
+            board = t.messages[0]["content"].split("You are")[0]
+            if t.info["illegal_replies"]:  # the bridge's random replacement is not the policy's move: no reward
+                unreadable += 1
+                assert "move_reward" not in t.info
+            else:
+                own += 1
+                assert t.info["move_reward"] == board.count("X") + board.count("O")
+    assert own > unreadable > 0 and seen == ["black"] * own  # the model's own moves only, not the opponent's
+    plain = ProtocolCoordinator(_gomoku, GOMOKU_TEXT, policies, tokenizer, **kwargs).run(range(1))[0]
+    assert all("move_reward" not in t.info for t in plain.agent_trajectories("black"))
+    for bad, says in ((lambda obs, agent, action: 1 / 0, "ZeroDivisionError"),
+                      (lambda obs, agent, action: float("nan"), "finite number")):
+        games = ProtocolCoordinator(_gomoku, GOMOKU_TEXT, policies, tokenizer, move_reward=bad, **kwargs).run(range(2))
+        assert all(g.error.kind == "env_exception" and says in g.error.message for g in games)  # a game, not the run
+
+
 def test_openings_are_random_plies_a_seed_shares_and_no_trajectory_holds(worker, tokenizer):
     model = Policy("model", generate=worker.generate, params=SamplingParams(max_tokens=6, temperature=1.0))
     coord = ProtocolCoordinator(_gomoku, GOMOKU_TEXT, {"black": model, "white": Policy("scripted", fn=gomoku.heuristic)},

@@ -159,3 +159,27 @@ def test_winning_cells_are_the_empty_cells_that_complete_a_line():
     mask[5] = 0  # B2 taken (by the other player): no longer a threat
     assert gomoku.winning_cells(stones, mask, 3) == [2]
     assert gomoku.winning_cells(stones, mask, 4) == []  # nothing makes four
+
+
+def _observation(mine: list[int], theirs: list[int], size: int = 4) -> dict[str, np.ndarray]:
+    planes = np.zeros((size, size, 2), dtype=np.int8)
+    for plane, cells in ((0, mine), (1, theirs)):
+        for a in cells:
+            planes[divmod(a, size) + (plane,)] = 1
+    mask = np.ones(size * size, dtype=np.int8)
+    mask[mine + theirs] = 0
+    return {"observation": planes, "action_mask": mask}
+
+
+def test_tactics_rewards_taking_a_win_and_blocking_a_single_threat_only():
+    reward = lambda obs, action: gomoku.tactics(obs, "black", action, win_length=3, win=1.0, block=0.5)  # noqa: E731
+    own_win = _observation(mine=[0, 1], theirs=[4, 5])  # A1 B1 (C1 wins) against A2 B2 (C2 would win)
+    assert reward(own_win, 2) == 1.0  # took the win
+    assert reward(own_win, 6) == 0.0  # blocked instead of winning: no reward
+    assert reward(own_win, 15) == 0.0
+    threat = _observation(mine=[15], theirs=[0, 1])  # the opponent's A1 B1: C1 is the one block
+    assert reward(threat, 2) == 0.5 and reward(threat, 3) == 0.0
+    double = _observation(mine=[15], theirs=[0, 1, 4])  # C1 and A3 both win for them: no saving move
+    assert gomoku.winning_cells(double["observation"][..., 1], double["action_mask"], 3) == [2, 8]
+    assert [reward(double, a) for a in (2, 8)] == [0.0, 0.0]
+    assert reward(_observation(mine=[], theirs=[]), 5) == 0.0

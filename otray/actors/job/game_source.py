@@ -6,7 +6,8 @@ the ProtocolCoordinator actor. Each trained agent's trajectory carries its Petti
 reward (minus ``game.illegal_penalty`` per illegal reply *in that trajectory*: with ``context: turn`` only
 the decision that made it pays, not the game's other decisions; with ``context: turn`` and
 ``game.discount`` < 1 a decision k of its agent's moves before the end gets ``discount**k`` of the
-outcome: :func:`training_rewards`); with ``game.opening_plies`` a seed's training games share one
+outcome: :func:`training_rewards`; plus the ``game.move_reward`` its moves earned, the shaping the
+coordinator computes); with ``game.opening_plies`` a seed's training games share one
 opening (:func:`opening`: random plies, or the first moves of a game of the step before), so a group's
 first decisions are from one position; trajectories are grouped by (seed, seating, role) for each
 trained policy, and the RL step treats those groups exactly like an env's. Evaluation: each trained policy against each of ``game.eval_opponents`` in
@@ -87,9 +88,11 @@ def training_rewards(outcome: float, turns: list[Trajectory], discount: float, p
     """Each of one agent's trajectories of a game (in move order) and its training reward: the game's
     ``outcome`` times ``discount ** k`` for the decision ``k`` of the agent's moves before its last (the
     last gets the outcome whole: with discount < 1 the move that lost or won the game is told most, the
-    opening least), minus ``penalty`` per unreadable or illegal reply of that trajectory itself."""
+    opening least), minus ``penalty`` per unreadable or illegal reply of that trajectory itself, plus the
+    ``move_reward`` its moves earned (``game.move_reward``; 0 without it)."""
     n = len(turns)
-    return [outcome * discount ** (n - 1 - i) - penalty * t.info.get("illegal_replies", 0) for i, t in enumerate(turns)]
+    return [outcome * discount ** (n - 1 - i) - penalty * t.info.get("illegal_replies", 0)
+            + t.info.get("move_reward", 0.0) for i, t in enumerate(turns)]
 
 
 class GameGroupSource:
@@ -135,7 +138,8 @@ class GameGroupSource:
             make_env, text, library, tokenizer, rules=MoveRules(g.max_retries, g.on_exhausted),
             limits=Limits(max_turns=g.max_turns or 10_000, max_tokens_per_turn=g.max_tokens_per_turn,
                           max_tokens_per_episode=g.max_tokens_per_episode, max_model_len=max_model_len),
-            env_name=g.entry, context=g.context)
+            env_name=g.entry, context=g.context,
+            move_reward=scripted_function(PolicySpec("scripted", g.move_reward)) if g.move_reward else None)
         ray.get(self.coordinator.ping.remote())
         self.next_seed = cfg.job.seed * 1_000_003  # the data position: seeds are used once
         self.elo = EloTable(k=g.elo_k, anchor="random")  # every player evaluated so far, by label
@@ -209,6 +213,9 @@ class GameGroupSource:
                 out[prefix + K.REWARD_MEAN] = statistics.fmean(r.rewards[a] for a, r in mine)
                 out[prefix + "win_rate"] = statistics.fmean(r.rewards[a] > 0 for a, r in mine)
                 out[prefix + "illegal_per_game"] = statistics.fmean(r.counts[a]["illegal"] for a, r in mine)
+                if self.game.move_reward:  # the shaping a game of this seat earned
+                    out[prefix + "move_reward_per_game"] = statistics.fmean(
+                        sum(t.info.get("move_reward", 0.0) for t in r.agent_trajectories(a)) for a, r in mine)
         return out
 
     def eval_games(self, greedy: bool, count: int | None = None

@@ -220,6 +220,20 @@ def test_training_rewards_discount_toward_the_deciding_move_and_charge_each_ille
     assert training_rewards(-1.0, turns, 0.5, 0.0) == [-0.25, -0.5, -1.0]  # the last move (the one that lost) most
     assert training_rewards(1.0, turns, 0.5, 0.2) == pytest.approx([0.25, 0.3, 1.0])  # its own illegal reply only
     assert training_rewards(1.0, turns[:1], 0.5, 0.0) == [1.0]  # one trajectory (context: game): the outcome whole
+    turns[1].info["move_reward"] = 0.5  # game.move_reward: what the decision's own move earned, on top
+    assert training_rewards(-1.0, turns, 1.0, 0.2) == pytest.approx([-1.0, -0.7, -1.0])
+
+
+def test_move_reward_is_a_function_spec_checked_at_load():
+    cfg = config.load(ROOT / "conf" / "gomoku_opentinker.yaml",
+                      ["game.move_reward=envs.gomoku:tactics(win_length=3, win=0.5, block=0.25)"])
+    from otray.policies import PolicySpec, scripted_function
+
+    shaping = scripted_function(PolicySpec("scripted", cfg.game.move_reward))  # what the job hands the coordinator
+    assert shaping.keywords == {"win_length": 3, "win": 0.5, "block": 0.25}
+    for bad, says in (("envs.gomoku:tactics(3)", "name=literal"), ("not a function", "module:fn")):
+        with pytest.raises(Exception, match=f"game.move_reward: .*{says}"):
+            config.load(ROOT / "conf" / "gomoku_opentinker.yaml", [f"game.move_reward={bad}"])
 
 
 def test_discount_needs_turn_context_and_lies_in_0_1():
