@@ -140,15 +140,42 @@ def render_board(board: np.ndarray) -> str:
     return "\n".join([header, *rows])
 
 
-def render_text(observation: dict[str, np.ndarray], agent: str, list_moves: bool = False) -> str:
+def lines_of(size: int, win_length: int) -> list[list[int]]:
+    """Every run of ``win_length`` cells in a row, column or diagonal of a ``size`` board (cell indices)."""
+    out = []
+    for r in range(size):
+        for c in range(size):
+            for dr, dc in ((0, 1), (1, 0), (1, 1), (1, -1)):
+                end_r, end_c = r + dr * (win_length - 1), c + dc * (win_length - 1)
+                if 0 <= end_r < size and 0 <= end_c < size:
+                    out.append([(r + dr * k) * size + c + dc * k for k in range(win_length)])
+    return out
+
+
+def render_lines(board: np.ndarray, win_length: int) -> str:
+    """The board's open lines, one a row: its cells' names and what holds them (``A1 B1 C1: X X .``), for
+    every line of ``win_length`` with a stone and an empty cell. A line to complete or to block is then a
+    local pattern in the text (two of a kind and a dot), not one spread over the board's rows."""
+    size, flat = board.shape[0], board.reshape(-1)
+    rows = []
+    for line in lines_of(size, win_length):
+        held = [int(flat[a]) for a in line]
+        if any(held) and not all(held):
+            rows.append(" ".join(move_name(a, size) for a in line) + ": " + " ".join(".XO"[v] for v in held))
+    return "\n".join(rows)
+
+
+def render_text(observation: dict[str, np.ndarray], agent: str, list_moves: bool = False, win_length: int = 0) -> str:
     """What the agent to move sees: the board from its side (X = its stones) and whose turn it is; with
-    ``list_moves`` also the empty cells, as TextArena's games list their available moves."""
+    ``list_moves`` also the empty cells, as TextArena's games list their available moves; with
+    ``win_length`` also the open lines (:func:`render_lines`)."""
     planes = observation["observation"]
     board = planes[..., 0] + 2 * planes[..., 1]
     size = board.shape[0]
     empty = " ".join(move_name(int(a), size) for a in np.flatnonzero(observation["action_mask"]))
     listing = f"\nEmpty cells: {empty}" if list_moves else ""
-    return f"{render_board(board)}{listing}\nYou are X. Reply with your move as <move>E5</move>."
+    lines = f"\nLines:\n{render_lines(board, win_length)}" if win_length else ""
+    return f"{render_board(board)}{listing}{lines}\nYou are X. Reply with your move as <move>E5</move>."
 
 
 _MOVE = re.compile(r"<move>\s*([A-Za-z])\s*(\d{1,2})\s*</move>")
@@ -177,6 +204,13 @@ def text_listing_moves(size: int = 9, **_: Any) -> GameText:
     naming a legal cell becomes copying one from the prompt, so a small model's moves are its own choice
     rather than the bridge's random replacement for a taken cell."""
     return dataclasses.replace(text(size), render=lambda obs, agent: render_text(obs, agent, list_moves=True))
+
+
+def text_with_lines(size: int = 9, win_length: int = 5, **_: Any) -> GameText:
+    """:func:`text` with the board's open lines under it (``game.text: envs.gomoku:text_with_lines``; the
+    game's ``win_length`` comes from ``game.kwargs``): taking a win or blocking one becomes reading one row
+    of text (NOTES.md, issue 35: on the board alone a tiny policy learned neither, even by imitation)."""
+    return dataclasses.replace(text(size), render=lambda obs, agent: render_text(obs, agent, win_length=win_length))
 
 
 def _line_through(stones: np.ndarray, row: int, col: int) -> int:
@@ -242,11 +276,16 @@ def tactics(observation: dict[str, np.ndarray], agent: str, action: int, win_len
 
 
 def make_chat_dataset(out_dir: str, *, size: int = 9, win_length: int = 5, seed: int = 0, num_train: int = 3000,
-                      num_eval: int = 100, list_moves: bool = False) -> dict[str, Any]:
+                      num_eval: int = 100, list_moves: bool = False, teacher: str = "random",
+                      lines: bool = False) -> dict[str, Any]:
     """Chat JSONL (train/eval) for a format-only SFT warm-up of ``context: turn`` games: single decisions
     from games of random legal moves, the board as :func:`render_text` writes it (``list_moves`` as
-    :func:`text_listing_moves` does) and a random legal move as ``<move>B3</move>``. It teaches the reply
-    format and nothing about good play."""
+    :func:`text_listing_moves` does, ``lines`` as :func:`text_with_lines` does) and a random legal move as
+    ``<move>B3</move>``. It teaches the reply
+    format and nothing about good play. ``teacher="heuristic"`` labels the same positions with
+    :func:`heuristic`'s move instead (imitation: can the model learn to read lines off the board?)."""
+    if teacher not in ("random", "heuristic"):
+        raise ValueError(f"teacher must be random or heuristic, got {teacher!r}")
 
     def play(rng: random.Random):
         game = env(size=size, win_length=win_length)
@@ -255,9 +294,12 @@ def make_chat_dataset(out_dir: str, *, size: int = 9, win_length: int = 5, seed:
             obs, _, term, trunc, _ = game.last()
             move = None if term or trunc else int(rng.choice(np.flatnonzero(obs["action_mask"])))
             if move is not None:
-                yield render_text(obs, agent, list_moves), f"<move>{move_name(move, size)}</move>"
+                label = heuristic(obs, agent) if teacher == "heuristic" else move
+                yield (render_text(obs, agent, list_moves, win_length if lines else 0),
+                       f"<move>{move_name(label, size)}</move>")
             game.step(move)
 
-    tag = f"gomoku{size}x{size}-{win_length}" + ("-moves" if list_moves else "")
+    tag = f"gomoku{size}x{size}-{win_length}" + ("-moves" if list_moves else "") + ("-heuristic" if teacher != "random" else "") \
+        + ("-lines" if lines else "")
     return decision_dataset(out_dir, tag, play, seed=seed, num_train=num_train,
                             num_eval=num_eval)

@@ -128,6 +128,28 @@ def test_chat_dataset_holds_legal_moves_in_the_reply_format(tmp_path):
         assert cells[action // 4][action % 4] == "."  # a random legal move: an empty cell
 
 
+def test_heuristic_teacher_labels_the_same_positions_with_the_heuristics_move(tmp_path):
+    import json
+
+    from envs.gomoku import heuristic, make_chat_dataset, parse_move
+
+    taught = make_chat_dataset(str(tmp_path), size=4, win_length=3, num_train=40, num_eval=5, teacher="heuristic")
+    plain = make_chat_dataset(str(tmp_path), size=4, win_length=3, num_train=40, num_eval=5)
+    assert taught["train"] != plain["train"] and "-heuristic" in taught["train"].name
+    rows = [[json.loads(line)["messages"] for line in p["train"].read_text().splitlines()] for p in (taught, plain)]
+    assert [r[0] for r in rows[0]] == [r[0] for r in rows[1]]  # the same boards (one random game stream)
+    differ = 0
+    for (board, reply), (_, random_reply) in zip(rows[0], rows[1]):
+        lines = [line.split()[1:] for line in board["content"].splitlines()[1:5]]
+        planes = np.array([[[v == "X", v == "O"] for v in line] for line in lines], dtype=np.int8)
+        mask = np.array([v == "." for line in lines for v in line], dtype=np.int8)
+        assert parse_move(reply["content"], 4) == heuristic({"observation": planes, "action_mask": mask}, "black")
+        differ += reply["content"] != random_reply["content"]
+    assert differ > 10
+    with pytest.raises(ValueError, match="teacher"):
+        make_chat_dataset(str(tmp_path), size=4, win_length=3, teacher="expert")
+
+
 def test_listing_moves_names_exactly_the_empty_cells_and_the_dataset_follows(tmp_path):
     import json
 
@@ -183,3 +205,24 @@ def test_tactics_rewards_taking_a_win_and_blocking_a_single_threat_only():
     assert gomoku.winning_cells(double["observation"][..., 1], double["action_mask"], 3) == [2, 8]
     assert [reward(double, a) for a in (2, 8)] == [0.0, 0.0]
     assert reward(_observation(mine=[], theirs=[]), 5) == 0.0
+
+
+def test_open_lines_name_every_run_that_holds_a_stone_and_an_empty_cell(tmp_path):
+    import json
+
+    assert len(gomoku.lines_of(4, 3)) == 24 and len(gomoku.lines_of(9, 5)) == 9 * 5 + 9 * 5 + 5 * 5 + 5 * 5
+    assert sorted(map(len, gomoku.lines_of(5, 4))) == [4] * 28  # 5x5 / four: 2 a row and a column, 4 + 4 diagonals
+    board = np.zeros((4, 4), dtype=np.int8)
+    board[0, 0] = board[0, 1] = 2  # their A1 B1
+    board[1, 1] = 1  # my B2
+    shown = gomoku.render_lines(board, 3).splitlines()
+    assert "A1 B1 C1: O O ." in shown and "A1 B2 C3: O X ." in shown  # their threat at C1, a mixed diagonal
+    assert "D2 D3 D4: . . ." not in "\n".join(shown)  # empty lines are left out
+    assert all(line.count(".") >= 1 for line in shown)
+    obs = {"observation": np.stack([board == 1, board == 2], -1).astype(np.int8),
+           "action_mask": (board.reshape(-1) == 0).astype(np.int8)}
+    text = gomoku.text_with_lines(size=4, win_length=3).render(obs, "white")
+    assert text.startswith(gomoku.render_board(board)) and "Lines:\nA1 B1 C1: O O ." in text
+    paths = gomoku.make_chat_dataset(str(tmp_path), size=4, win_length=3, num_train=10, num_eval=2, lines=True)
+    assert "-lines" in paths["train"].name
+    assert all("Lines:" in json.loads(row)["messages"][0]["content"] for row in paths["train"].read_text().splitlines())
