@@ -209,7 +209,7 @@ def text_listing_moves(size: int = 9, **_: Any) -> GameText:
 def text_with_lines(size: int = 9, win_length: int = 5, **_: Any) -> GameText:
     """:func:`text` with the board's open lines under it (``game.text: envs.gomoku:text_with_lines``; the
     game's ``win_length`` comes from ``game.kwargs``): taking a win or blocking one becomes reading one row
-    of text (NOTES.md, issue 35: on the board alone a tiny policy learned neither, even by imitation)."""
+    of text. (It did not help the tiny models imitate the heuristic in 600 SFT steps: NOTES.md, issue 35.)"""
     return dataclasses.replace(text(size), render=lambda obs, agent: render_text(obs, agent, win_length=win_length))
 
 
@@ -281,9 +281,9 @@ def make_chat_dataset(out_dir: str, *, size: int = 9, win_length: int = 5, seed:
     """Chat JSONL (train/eval) for a format-only SFT warm-up of ``context: turn`` games: single decisions
     from games of random legal moves, the board as :func:`render_text` writes it (``list_moves`` as
     :func:`text_listing_moves` does, ``lines`` as :func:`text_with_lines` does) and a random legal move as
-    ``<move>B3</move>``. It teaches the reply
-    format and nothing about good play. ``teacher="heuristic"`` labels the same positions with
-    :func:`heuristic`'s move instead (imitation: can the model learn to read lines off the board?)."""
+    ``<move>B3</move>``: it teaches the reply format and nothing about good play. ``teacher="heuristic"``
+    labels the same positions with :func:`heuristic`'s move instead (imitation: can the model learn to read
+    lines off the board?)."""
     if teacher not in ("random", "heuristic"):
         raise ValueError(f"teacher must be random or heuristic, got {teacher!r}")
 
@@ -299,7 +299,6 @@ def make_chat_dataset(out_dir: str, *, size: int = 9, win_length: int = 5, seed:
                        f"<move>{move_name(label, size)}</move>")
             game.step(move)
 
-    tag = f"gomoku{size}x{size}-{win_length}" + ("-moves" if list_moves else "") + ("-heuristic" if teacher != "random" else "") \
-        + ("-lines" if lines else "")
-    return decision_dataset(out_dir, tag, play, seed=seed, num_train=num_train,
-                            num_eval=num_eval)
+    tag = (f"gomoku{size}x{size}-{win_length}" + ("-moves" if list_moves else "") + ("-lines" if lines else "")
+           + ("" if teacher == "random" else f"-{teacher}"))
+    return decision_dataset(out_dir, tag, play, seed=seed, num_train=num_train, num_eval=num_eval)

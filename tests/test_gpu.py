@@ -18,6 +18,7 @@ DEVICE = os.environ.get("OTRAY_GPU_TESTS_DEVICE", "cuda" if torch.cuda.is_availa
 on_device = pytest.mark.skipif(DEVICE == "cuda" and not torch.cuda.is_available(), reason="needs a CUDA GPU")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
+
 def _gap(learner, sampler, tokenizer) -> float:
     from otray.algos.datums import sft_datum
     from otray.models import chat_prompt_ids
