@@ -10,7 +10,7 @@ from typing import Any
 
 from otray.device import DEVICES, DTYPES
 from otray.names import ADVANTAGE_NAMES, AGGREGATIONS, loss_config
-from otray.policies import PolicySpec, eval_opponents, seating, trained_policies, training_seatings
+from otray.policies import eval_opponents, move_reward_call, seating, trained_policies, training_seatings
 from otray.structured import one_of
 from otray.types import ConfigError
 
@@ -71,10 +71,7 @@ def check_values(cfg: Any) -> None:
         one_of(cfg.game.context, ("game", "turn"), "game.context")
         one_of(cfg.game.openings, ("random", "played"), "game.openings")
         if cfg.game.move_reward:
-            try:
-                PolicySpec("scripted", cfg.game.move_reward).call()
-            except ValueError as e:
-                raise ConfigError(f"game.move_reward: {e}".replace("scripted policy", "the function")) from None
+            move_reward_call(cfg)
         if cfg.game.discount != 1.0 and cfg.game.context != "turn":
             raise ConfigError(f"game.discount={cfg.game.discount} splits a game's reward over its decisions, which "
                               "only game.context=turn makes separate trajectories: set context: turn, or discount: 1")

@@ -27,7 +27,7 @@ from typing import Any
 from otray.types import ConfigError
 
 KINDS = ("trained", "frozen", "random", "scripted")
-_SCRIPTED = re.compile(r"([\w.]+:[\w.]+)(?:\((.*)\))?", re.S)
+_FUNCTION_CALL = re.compile(r"([\w.]+:[\w.]+)(?:\((.*)\))?", re.S)  # module:fn or module:fn(...)
 
 
 @dataclass(frozen=True)
@@ -54,20 +54,7 @@ class PolicySpec:
 
     def call(self) -> tuple[str, dict[str, Any]]:
         """A scripted policy's import path and keyword arguments: ``m:fn(k=1)`` -> ``("m:fn", {"k": 1})``."""
-        found = _SCRIPTED.fullmatch(self.arg.strip())
-        if found is None:
-            raise ValueError(f"scripted policy {self.arg!r}: write module:fn or module:fn(name=value, ...)")
-        kwargs: dict[str, Any] = {}
-        if found.group(2) and found.group(2).strip():
-            try:
-                call = ast.parse(f"f({found.group(2)})", mode="eval").body
-                if not isinstance(call, ast.Call) or call.args:
-                    raise ValueError("positional arguments")
-                kwargs = {kw.arg: ast.literal_eval(kw.value) for kw in call.keywords if kw.arg}
-            except (SyntaxError, ValueError) as e:
-                raise ValueError(f"scripted policy {self.arg!r}: its arguments must be name=literal pairs "
-                                 f"(numbers, strings, booleans), e.g. heuristic(random_prob=0.3) ({e})") from None
-        return found.group(1), kwargs
+        return function_call(self.arg, f"scripted policy {self.arg!r}")
 
     def __str__(self) -> str:
         return self.kind if self.kind == "random" else f"{self.kind}:{self.arg}"
@@ -84,21 +71,61 @@ class PolicySpec:
         return str(self).split(":")[-1]
 
 
-def scripted_function(spec: PolicySpec) -> Callable[..., Any]:
-    """The function a ``scripted:`` spec names, its keyword arguments bound; a ConfigError when it cannot be
-    imported or does not take them."""
+def function_call(text: str, what: str) -> tuple[str, dict[str, Any]]:
+    """``module:fn`` or ``module:fn(name=literal, ...)`` -> its import path and keyword arguments
+    (``"m:fn(k=1)"`` -> ``("m:fn", {"k": 1})``); a ValueError that starts with ``what`` when it is neither.
+    Scripted policies and ``game.move_reward`` are written this way."""
+    found = _FUNCTION_CALL.fullmatch(str(text).strip())
+    if found is None:
+        raise ValueError(f"{what}: write module:fn or module:fn(name=value, ...)")
+    kwargs: dict[str, Any] = {}
+    if found.group(2) and found.group(2).strip():
+        try:
+            call = ast.parse(f"f({found.group(2)})", mode="eval").body
+            if not isinstance(call, ast.Call) or call.args:
+                raise ValueError("positional arguments")
+            kwargs = {kw.arg: ast.literal_eval(kw.value) for kw in call.keywords if kw.arg}
+        except (SyntaxError, ValueError) as e:
+            raise ValueError(f"{what}: its arguments must be name=literal pairs (numbers, strings, booleans), "
+                             f"e.g. heuristic(random_prob=0.3) ({e})") from None
+    return found.group(1), kwargs
+
+
+def bound_function(path: str, kwargs: dict[str, Any], what: str) -> Callable[..., Any]:
+    """The function at ``path`` with ``kwargs`` bound (its first two parameters, observation and agent,
+    left free); a ConfigError starting with ``what`` when it cannot be imported or does not take them."""
     import functools
     import inspect
 
     from otray.structured import import_object
 
-    path, kwargs = spec.call()
     fn = import_object(path)
     try:
         inspect.signature(fn).bind_partial(None, None, **kwargs)
     except TypeError as e:
-        raise ConfigError(f"scripted policy {spec.arg!r}: {path} does not take these arguments ({e})") from None
+        raise ConfigError(f"{what}: {path} does not take these arguments ({e})") from None
     return functools.partial(fn, **kwargs) if kwargs else fn
+
+
+def scripted_function(spec: PolicySpec) -> Callable[..., Any]:
+    """The function a ``scripted:`` spec names, its keyword arguments bound (:func:`bound_function`)."""
+    return bound_function(*spec.call(), what=f"scripted policy {spec.arg!r}")
+
+
+def move_reward_function(cfg: Any) -> Callable[..., Any] | None:
+    """``game.move_reward`` (``module:fn(k=v)``, called as ``fn(observation, agent, action)``) imported with
+    its arguments bound; None when the config sets none; a ConfigError naming the key when it is malformed."""
+    if cfg.game is None or not cfg.game.move_reward:
+        return None
+    return bound_function(*move_reward_call(cfg), what="game.move_reward")
+
+
+def move_reward_call(cfg: Any) -> tuple[str, dict[str, Any]]:
+    """``game.move_reward`` parsed (:func:`function_call`) without importing it; a ConfigError naming the key."""
+    try:
+        return function_call(cfg.game.move_reward, f"game.move_reward: {cfg.game.move_reward!r}")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 # ------------------------------------------------------------------ a job config's policies (cfg: otray.config.Config)

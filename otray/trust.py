@@ -134,7 +134,7 @@ def normal_url(url: str) -> str:
 def import_refs(cfg: Any) -> list[tuple[str, str]]:
     """(config key, ``module:attr`` or ``module``) of everything in ``cfg`` that imports code."""
     from otray.env import BUNDLED
-    from otray.policies import PolicySpec
+    from otray.policies import PolicySpec, move_reward_call
 
     refs: list[tuple[str, str]] = []
     for prefix, ds, _ in _dataset_sections(cfg):
@@ -152,7 +152,7 @@ def import_refs(cfg: Any) -> list[tuple[str, str]]:
         specs += [(f"game.league.fixed[{i}]", p) for i, p in enumerate(cfg.game.league.fixed)]
         refs += [(key, PolicySpec.parse(p).call()[0]) for key, p in specs if PolicySpec.parse(p).kind == "scripted"]
         if cfg.game.move_reward:
-            refs.append(("game.move_reward", PolicySpec("scripted", cfg.game.move_reward).call()[0]))
+            refs.append(("game.move_reward", move_reward_call(cfg)[0]))
     return refs
 
 

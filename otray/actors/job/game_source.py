@@ -40,7 +40,7 @@ from otray.coordinator.agent_loop import Limits
 from otray.coordinator.protocol import GameResult, Opening, Played, Policy, ProtocolCoordinator
 from otray.coordinator.text_bridge import MoveRules
 from otray.games import GameText
-from otray.policies import PolicySpec, league_fixed, league_on, scripted_function, training_seatings
+from otray.policies import PolicySpec, league_fixed, league_on, move_reward_function, scripted_function, training_seatings
 from otray.structured import import_object
 from otray.types import ConfigError, SamplingParams, Trajectory, TrajectoryGroup
 
@@ -139,7 +139,7 @@ class GameGroupSource:
             limits=Limits(max_turns=g.max_turns or 10_000, max_tokens_per_turn=g.max_tokens_per_turn,
                           max_tokens_per_episode=g.max_tokens_per_episode, max_model_len=max_model_len),
             env_name=g.entry, context=g.context,
-            move_reward=scripted_function(PolicySpec("scripted", g.move_reward)) if g.move_reward else None)
+            move_reward=move_reward_function(cfg))
         ray.get(self.coordinator.ping.remote())
         self.next_seed = cfg.job.seed * 1_000_003  # the data position: seeds are used once
         self.elo = EloTable(k=g.elo_k, anchor="random")  # every player evaluated so far, by label

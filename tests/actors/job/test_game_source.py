@@ -227,10 +227,14 @@ def test_training_rewards_discount_toward_the_deciding_move_and_charge_each_ille
 def test_move_reward_is_a_function_spec_checked_at_load():
     cfg = config.load(ROOT / "conf" / "gomoku_opentinker.yaml",
                       ["game.move_reward=envs.gomoku:tactics(win_length=3, win=0.5, block=0.25)"])
-    from otray.policies import PolicySpec, scripted_function
+    from otray.policies import move_reward_function
 
-    shaping = scripted_function(PolicySpec("scripted", cfg.game.move_reward))  # what the job hands the coordinator
+    shaping = move_reward_function(cfg)  # what the job hands the coordinator
     assert shaping.keywords == {"win_length": 3, "win": 0.5, "block": 0.25}
+    assert move_reward_function(config.load(ROOT / "conf" / "gomoku_opentinker.yaml")) is None  # none set
+    with pytest.raises(Exception, match="game.move_reward: envs.gomoku:tactics does not take these arguments"):
+        move_reward_function(config.load(ROOT / "conf" / "gomoku_opentinker.yaml",
+                                         ["game.move_reward=envs.gomoku:tactics(reach=3)"]))
     for bad, says in (("envs.gomoku:tactics(3)", "name=literal"), ("not a function", "module:fn")):
         with pytest.raises(Exception, match=f"game.move_reward: .*{says}"):
             config.load(ROOT / "conf" / "gomoku_opentinker.yaml", [f"game.move_reward={bad}"])
