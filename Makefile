@@ -8,7 +8,7 @@ export VLLM_CPU_KVCACHE_SPACE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 export RAY_USAGE_STATS_ENABLED ?= 0
 
-.PHONY: demo test test-fast test-pure gpu-check bench bench-trl clean venv browser sandbox openreward-sdk tinker-cookbook \
+.PHONY: demo test test-fast test-pure gpu-check gpu-gomoku bench bench-trl clean venv browser sandbox openreward-sdk tinker-cookbook \
         alfworld
 
 venv: $(STAMP)
@@ -91,6 +91,20 @@ gpu-check:
 	  timeout -k 5 150 $(PY) benchmarks/gpu_check.py --out $(GPU_OUT)/gpu_check.json || status=1; \
 	  timeout -k 5 300 $(PY) benchmarks/learner_fairness.py --gpu --shape 0.5b --slice-tokens 2048 --seconds 10 \
 	    --warmup 3 --out $(GPU_OUT)/learner_fairness.json || status=1; exit $$status
+
+# Issue 35's Gomoku run where the CPU ran out (conf/gpu/gomoku_4m.yaml: tiny-4m, 8x the games a step), after
+# gpu-check on a lent GPU: one seed per call (SEED=1 for the second); job directories under /tmp (checkpoints
+# are large), the JSON and PNG in GPU_OUT. Capped at 9 minutes: the JSON is written from what finished.
+# GOMOKU_ARGS passes config overrides (e.g. algo.steps=200).
+SEED ?= 0
+GOMOKU_ARGS ?=
+gpu-gomoku:
+	mkdir -p $(GPU_OUT)
+	timeout -k 5 540 $(PY) benchmarks/gomoku_learning.py --config conf/gpu/gomoku_4m.yaml --seeds $(SEED) \
+	  --runs /tmp/gomoku_gpu --out $(GPU_OUT)/gomoku_learning_gpu_s$(SEED).json $(GOMOKU_ARGS); status=$$?; \
+	  [ -f $(GPU_OUT)/gomoku_learning_gpu_s$(SEED).json ] || $(PY) benchmarks/gomoku_learning.py --seeds $(SEED) --config conf/gpu/gomoku_4m.yaml \
+	    --collect $$(ls -dt /tmp/gomoku_gpu/gomoku_s$(SEED)/*/ | head -1) --out $(GPU_OUT)/gomoku_learning_gpu_s$(SEED).json; \
+	  exit $$status
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/rollout_throughput.py

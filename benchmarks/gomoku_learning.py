@@ -1,6 +1,6 @@
 """OpenTinker's Gomoku experiment on the tiny model: ``python benchmarks/gomoku_learning.py [--seeds 0 1] [OVERRIDE ...]``.
 
-Trains ``conf/gomoku_opentinker.yaml`` (4x4, three in a row; the policy in both seats against the
+Trains ``conf/gomoku_opentinker.yaml`` (or ``--config``: ``conf/gpu/gomoku_4m.yaml`` on a GPU; 4x4, three in a row; the policy in both seats against the
 longest-line heuristic with 60% random moves, evaluated against OpenTinker's 30%) once per seed with ``otray train``, one
 run after another (never beside the test suite: two cores). Saves
 ``benchmarks/results/gomoku_learning.json`` (per seed and seat: OpenTinker's four rates and illegal
@@ -37,10 +37,10 @@ def seat_rates(row: dict, seat: str, opponent: str = OPPONENT) -> dict:
     return {k: row.get(f"eval/{seat}_vs_{opponent}/{k}") for k in RATES}
 
 
-def run_seed(seed: int, overrides: list[str], runs: Path) -> dict:
+def run_seed(seed: int, overrides: list[str], runs: Path, config: str = CONFIG) -> dict:
     out = runs / f"gomoku_s{seed}"
-    start = time.monotonic()
-    cmd = [str(ROOT / ".venv" / "bin" / "otray"), "train", str(ROOT / CONFIG), f"job.seed={seed}",
+    start = time.monotonic()  # this interpreter's otray (a GPU machine has no .venv)
+    cmd = [sys.executable, "-m", "otray.cli", "train", str(ROOT / config), f"job.seed={seed}",
            f"job.output_dir={out}", *overrides]
     subprocess.run(cmd, check=True, cwd=ROOT)
     return summarize(seed, max(out.iterdir(), key=lambda p: p.stat().st_mtime), time.monotonic() - start)
@@ -88,6 +88,7 @@ def plot(results: list[dict], path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    parser.add_argument("--config", default=CONFIG, help="a Gomoku game config (conf/gpu/gomoku_4m.yaml on a GPU)")
     parser.add_argument("--runs", type=Path, default=ROOT / "runs" / "bench_gomoku")
     parser.add_argument("--out", type=Path, default=OUT)
     parser.add_argument("--collect", type=Path, nargs="+", help="only summarize these job directories (seeds in order)")
@@ -96,8 +97,8 @@ def main() -> None:
     if args.collect:
         results = [summarize(s, d, None) for s, d in zip(args.seeds, args.collect)]
     else:
-        results = [run_seed(s, args.overrides, args.runs) for s in args.seeds]
-    summary = {"config": CONFIG, "overrides": args.overrides, "opponent": "scripted:envs.gomoku:heuristic(random_prob=0.3)",
+        results = [run_seed(s, args.overrides, args.runs, args.config) for s in args.seeds]
+    summary = {"config": args.config, "overrides": args.overrides, "opponent": "scripted:envs.gomoku:heuristic(random_prob=0.3)",
                "passed": all(g >= 15 for r in results for g in r["gain_points"].values()), "seeds": results}
     args.out.write_text(json.dumps(summary, indent=1))
     plot(results, args.out.with_suffix(".png"))

@@ -275,6 +275,16 @@ def tactics(observation: dict[str, np.ndarray], agent: str, action: int, win_len
     return block if len(theirs) == 1 and int(action) == theirs[0] else 0.0
 
 
+def tactical_move(observation: dict[str, np.ndarray], win_length: int) -> int | None:
+    """The one right move where the position has exactly one: the player's single winning cell, else (no
+    win) the opponent's single winning cell, to block; None where there is none or more than one."""
+    planes, mask = observation["observation"], observation["action_mask"]
+    mine = winning_cells(planes[..., 0], mask, win_length)
+    theirs = [] if mine else winning_cells(planes[..., 1], mask, win_length)
+    found = mine or theirs
+    return found[0] if len(found) == 1 else None
+
+
 def make_chat_dataset(out_dir: str, *, size: int = 9, win_length: int = 5, seed: int = 0, num_train: int = 3000,
                       num_eval: int = 100, list_moves: bool = False, teacher: str = "random",
                       lines: bool = False) -> dict[str, Any]:
@@ -283,9 +293,11 @@ def make_chat_dataset(out_dir: str, *, size: int = 9, win_length: int = 5, seed:
     :func:`text_listing_moves` does, ``lines`` as :func:`text_with_lines` does) and a random legal move as
     ``<move>B3</move>``: it teaches the reply format and nothing about good play. ``teacher="heuristic"``
     labels the same positions with :func:`heuristic`'s move instead (imitation: can the model learn to read
-    lines off the board?)."""
-    if teacher not in ("random", "heuristic"):
-        raise ValueError(f"teacher must be random or heuristic, got {teacher!r}")
+    lines off the board?). ``teacher="tactics"`` keeps only the positions with one tactical answer (one cell
+    that wins, or no win and one cell that blocks the opponent's) labelled with it: a held-out match is then
+    the share of wins taken and threats blocked (can the model learn the tactic at all, given the answer?)."""
+    if teacher not in ("random", "heuristic", "tactics"):
+        raise ValueError(f"teacher must be random, heuristic or tactics, got {teacher!r}")
 
     def play(rng: random.Random):
         game = env(size=size, win_length=win_length)
@@ -293,8 +305,9 @@ def make_chat_dataset(out_dir: str, *, size: int = 9, win_length: int = 5, seed:
         for agent in game.agent_iter():
             obs, _, term, trunc, _ = game.last()
             move = None if term or trunc else int(rng.choice(np.flatnonzero(obs["action_mask"])))
-            if move is not None:
-                label = heuristic(obs, agent) if teacher == "heuristic" else move
+            label = None if move is None else tactical_move(obs, win_length) if teacher == "tactics" else (
+                heuristic(obs, agent) if teacher == "heuristic" else move)
+            if label is not None:
                 yield (render_text(obs, agent, list_moves, win_length if lines else 0),
                        f"<move>{move_name(label, size)}</move>")
             game.step(move)

@@ -150,6 +150,25 @@ def test_heuristic_teacher_labels_the_same_positions_with_the_heuristics_move(tm
         make_chat_dataset(str(tmp_path), size=4, win_length=3, teacher="expert")
 
 
+def test_tactics_teacher_keeps_positions_with_one_winning_or_blocking_cell(tmp_path):
+    import json
+
+    from envs.gomoku import make_chat_dataset, parse_move, winning_cells
+
+    taught = make_chat_dataset(str(tmp_path), size=4, win_length=3, num_train=60, num_eval=5, teacher="tactics")
+    kinds = set()
+    for line in taught["train"].read_text().splitlines():
+        board, reply = json.loads(line)["messages"]
+        cells = [row.split()[1:] for row in board["content"].splitlines()[1:5]]
+        planes = np.array([[[v == "X", v == "O"] for v in row] for row in cells], dtype=np.int8)
+        mask = np.array([v == "." for row in cells for v in row], dtype=np.int8)
+        mine, theirs = winning_cells(planes[..., 0], mask, 3), winning_cells(planes[..., 1], mask, 3)
+        label = parse_move(reply["content"], 4)
+        assert (mine == [label]) or (not mine and theirs == [label])  # the one right move: win, else block
+        kinds.add("win" if mine else "block")
+    assert kinds == {"win", "block"}
+
+
 def test_listing_moves_names_exactly_the_empty_cells_and_the_dataset_follows(tmp_path):
     import json
 

@@ -40,7 +40,8 @@ from otray.coordinator.agent_loop import Limits
 from otray.coordinator.protocol import GameResult, Opening, Played, Policy, ProtocolCoordinator
 from otray.coordinator.text_bridge import MoveRules
 from otray.games import GameText
-from otray.policies import PolicySpec, league_fixed, league_on, move_reward_function, scripted_function, training_seatings
+from otray.policies import (PolicySpec, league_fixed, league_on, move_reward_function, scripted_function,
+                            training_seatings)
 from otray.structured import import_object
 from otray.types import ConfigError, SamplingParams, Trajectory, TrajectoryGroup
 

@@ -96,10 +96,10 @@ def test_config_runs_two_steps(ray_local, tmp_path, name):
 
 def test_gpu_configs_load():
     """conf/gpu/ (one GPU: colocated, split 0.5/0.5, the 0.5B-shape throughput run, a real hub model,
-    ALFWorld as OpenTinker trains it, geometry figures on a hub VLM) load and ask for a GPU; they run on a
-    GPU machine (NOTES.md, `make gpu-check`; ALFWorld's also needs its download)."""
+    ALFWorld as OpenTinker trains it, geometry figures on a hub VLM, Gomoku with tiny-4m) load and ask for
+    a GPU; they run on a GPU machine (NOTES.md, `make gpu-check`; ALFWorld's also needs its download)."""
     found = sorted((ROOT / "conf" / "gpu").glob("*.yaml"))
-    assert len(found) == 6
+    assert len(found) == 7
     for path in found:
         cfg = config.load(path)
         assert cfg.resources.learner_gpus > 0 and cfg.model.dtype == "auto", path.name
