@@ -8,8 +8,10 @@ moves per game against that opponent at every eval, the Elo table, wall time) an
 ``benchmarks/results/gomoku_learning.png`` (win rate per seat over steps, and Elo).
 
 The issue's bar (``passed``): in both seeds the win rate against the opponent rises by at least 15
-points in both seats, from the start of RL (after the format-only SFT warm-up, which teaches the reply
-format and nothing about play) to the end.
+points in both seats, from the start of RL to the end. The start of RL is the end of the SFT warm-up: since
+session 30 a tactics SFT (positions with one winning or blocking cell, labelled by the rules, not by the
+opponent); before it a format-only SFT (random legal moves). ``gain_from_base_points`` also counts the
+warm-up (from the untrained model's eval row, where the run has one).
 """
 
 from __future__ import annotations
@@ -56,9 +58,12 @@ def summarize(seed: int, job_dir: Path, wall_s: float | None) -> dict:
               "vs_random": {s: seat_rates(r, s, "random")["win_rate"] for s in SEATS},
               "elo": {k[4:]: v for k, v in r.items() if k.startswith("elo/")}} for r in rows]
     gains = {s: 100 * (seat_rates(end, s)["win_rate"] - seat_rates(start_row, s)["win_rate"]) for s in SEATS}
+    base = rows[0] if rows[0]["phase"] == "base" else None  # the untrained model (a job with an SFT warm-up)
+    from_base = {s: 100 * (seat_rates(end, s)["win_rate"] - seat_rates(base, s)["win_rate"]) for s in SEATS} if base else None
     best = max(curve[1:], key=lambda c: sum(c[s]["win_rate"] for s in SEATS))
     return {"seed": seed, "wall_s": wall_s, "job_dir": str(job_dir), "best_step": best["step"], "rl_start": {s: seat_rates(start_row, s) for s in SEATS},
             "end": {s: seat_rates(end, s) for s in SEATS}, "end_step": end["step"], "gain_points": gains,
+            "gain_from_base_points": from_base,
             "curve": curve, "run": run}
 
 

@@ -59,7 +59,7 @@ class TrainJob:
         self.rollouts = (EnvRollouts(cfg, self.tokenizer, main.fleet.generate, main.info.max_model_len)
                          if main.fleet is not None and cfg.envs else None)
         self.source: GroupSource | None = None
-        if cfg.game is not None:
+        if cfg.game is not None and cfg.job.kind == "rl":  # an SFT job of a game config: its chat data only
             from otray.actors.job.game_source import GameGroupSource
 
             self.source = GameGroupSource(cfg, factory, self.tokenizer, main.info.max_model_len,

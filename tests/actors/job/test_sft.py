@@ -1,8 +1,10 @@
 """SFT jobs (``job.kind: sft``): chat datums (pure), then whole jobs on a local Ray cluster."""
 
 import json
+from pathlib import Path
 
 import pytest
+import yaml
 
 from otray import config
 from otray.algos.datums import chat_datum
@@ -123,3 +125,19 @@ def test_sft_row_without_messages_is_a_clear_error(run_job, tmp_path):
     data["sft"]["splits"] = {"train": {"path": str(bad)}}
     with pytest.raises(DatasetError, match="SFT row 'r1' has no 'messages' field"):
         run_job(tmp_path, data, "bad")
+
+
+def test_sft_job_of_a_game_config_trains_on_its_chat_data_only(run_job, tmp_path):
+    """``job.kind=sft`` on a game config (e.g. an imitation check on Gomoku's teacher data): the SFT on the
+    game's chat data and a checkpoint; no games are played (no rollout workers), so no game rows."""
+    data = yaml.safe_load((Path(__file__).resolve().parents[3] / "conf" / "gomoku_opentinker.yaml").read_text())
+    data["job"].update(kind="sft", output_dir=str(tmp_path / "runs"))
+    data["model"]["cache_dir"] = str(tmp_path.parent / "models")
+    data["sft"].update(steps=2, warmup_steps=1)
+    kwargs = {"size": 4, "win_length": 3, "num_train": 64, "num_eval": 8, "teacher": "tactics"}
+    data["sft"]["dataset"].update(dir=str(tmp_path / "chat"), kwargs=kwargs)
+    summary, job_dir = run_job(tmp_path, data, "game_sft")
+    rows = _rows(job_dir)
+    assert [r["phase"] for r in rows] == ["init", "sft", "sft"] and summary["backend"] is None
+    assert "eval/sft_loss" in rows[-1] and not any(k.startswith("eval/black") for r in rows for k in r)
+    assert (job_dir / "checkpoints" / "step-000002" / "model" / "config.json").exists()
