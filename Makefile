@@ -8,7 +8,7 @@ export VLLM_CPU_KVCACHE_SPACE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 export RAY_USAGE_STATS_ENABLED ?= 0
 
-.PHONY: demo test test-fast test-pure gpu-check gpu-gomoku gpu-gomoku-sft bench bench-trl clean venv browser sandbox openreward-sdk tinker-cookbook \
+.PHONY: demo test test-fast test-pure gpu-check gpu-gomoku bench bench-trl clean venv browser sandbox openreward-sdk tinker-cookbook \
         alfworld
 
 venv: $(STAMP)
@@ -92,7 +92,7 @@ gpu-check:
 	  timeout -k 5 300 $(PY) benchmarks/learner_fairness.py --gpu --shape 0.5b --slice-tokens 2048 --seconds 10 \
 	    --warmup 3 --out $(GPU_OUT)/learner_fairness.json || status=1; exit $$status
 
-# Issue 35's Gomoku run where the CPU ran out (conf/gpu/gomoku_4m.yaml: tiny-4m, 8x the games a step), after
+# Issue 35's Gomoku recipe scaled up (conf/gpu/gomoku_4m.yaml: tiny-4m, 2x the tactics SFT, 8x the games a step), after
 # gpu-check on a lent GPU: one seed per call (SEED=1 for the second); job directories under /tmp (checkpoints
 # are large), the JSON and PNG in GPU_OUT. Capped at 9 minutes: the JSON is written from what finished.
 # GOMOKU_ARGS passes config overrides (e.g. algo.steps=200).
@@ -105,20 +105,6 @@ gpu-gomoku:
 	  [ -f $(GPU_OUT)/gomoku_learning_gpu_s$(SEED).json ] || $(PY) benchmarks/gomoku_learning.py --seeds $(SEED) --config conf/gpu/gomoku_4m.yaml \
 	    --collect $$(ls -dt /tmp/gomoku_gpu/gomoku_s$(SEED)/*/ | head -1) --out $(GPU_OUT)/gomoku_learning_gpu_s$(SEED).json; \
 	  exit $$status
-
-# Can a tiny model learn Gomoku's tactics when told the answer, given data at scale? (On the CPU, 1500 SFT
-# steps x 32 on positions with one winning or blocking cell left the held-out loss at chance: NOTES.md, issue
-# 35, session 30.) A tactics SFT of tiny-4m, 3000 x 256 rows on the GPU, then benchmarks/gomoku_blocks.py on
-# its checkpoint (wins taken, threats blocked) into GPU_OUT. Run it before gpu-gomoku: if this does not learn
-# the tactics, more RL will not.
-gpu-gomoku-sft:
-	mkdir -p $(GPU_OUT)
-	timeout -k 5 420 $(PY) -m otray.cli train conf/gpu/gomoku_4m.yaml job.kind=sft job.output_dir=/tmp/gomoku_sft \
-	  sft.dataset.kwargs.teacher=tactics sft.dataset.kwargs.num_train=200000 sft.steps=3000 sft.batch_size=256 \
-	  sft.eval_samples=500 checkpoint.save_every=500 $(GOMOKU_ARGS); status=$$?; \
-	  cp $$(ls -dt /tmp/gomoku_sft/*/ | head -1)metrics.jsonl $(GPU_OUT)/gomoku_tactics_sft_metrics.jsonl; \
-	  timeout -k 5 120 $(PY) benchmarks/gomoku_blocks.py --games 200 --out $(GPU_OUT)/gomoku_blocks_tactics_sft.json \
-	    --model tactics-sft=$$(ls -d /tmp/gomoku_sft/*/checkpoints/step-*/model | tail -1) || status=1; exit $$status
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/rollout_throughput.py

@@ -81,7 +81,7 @@ def plot(results: list[dict], path: Path) -> None:
                        label=f"seed {r['seed']}: policy")
             right.plot([c["step"] for c in rl], [c["elo"].get(OPPONENT) for c in rl], ":",
                        label=f"seed {r['seed']}: opponent")
-        left.set(xlabel="RL step (0 = after the format-only SFT)", ylabel="win rate vs heuristic, p_random=0.3 (%)",
+        left.set(xlabel="RL step (0 = after the SFT warm-up)", ylabel="win rate vs heuristic, p_random=0.3 (%)",
                  title="Gomoku 4x4, three in a row")
         right.set(xlabel="RL step", ylabel="Elo (random = 1000)", title="Elo table of the job")
         left.legend(fontsize=8)
