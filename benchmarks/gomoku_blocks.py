@@ -43,10 +43,7 @@ def seat_moves(game: GameResult, seat: str) -> tuple[int, int, int, int]:
     threats = blocks = chances = taken = 0
     for agent, action in game.moves:
         if agent == seat:
-            obs = env.observe(seat)
-            planes, mask = obs["observation"], obs["action_mask"]
-            mine = gomoku.winning_cells(planes[..., 0], mask, LINE)
-            theirs = gomoku.winning_cells(planes[..., 1], mask, LINE)
+            mine, theirs = gomoku.threats(env.observe(seat), LINE)
             if mine:
                 chances, taken = chances + 1, taken + (action in mine)
             elif len(theirs) == 1:

@@ -260,6 +260,14 @@ def heuristic(observation: dict[str, np.ndarray], agent: str, random_prob: float
     return max((int(a) for a in np.flatnonzero(mask)), key=score)
 
 
+def threats(observation: dict[str, np.ndarray], win_length: int) -> tuple[list[int], list[int]]:
+    """(the player's winning cells, the opponent's winning cells): the second is empty when the player can win
+    (blocking only matters when it cannot). What :func:`tactics` and :func:`tactical_move` read."""
+    planes, mask = observation["observation"], observation["action_mask"]
+    mine = winning_cells(planes[..., 0], mask, win_length)
+    return mine, [] if mine else winning_cells(planes[..., 1], mask, win_length)
+
+
 def tactics(observation: dict[str, np.ndarray], agent: str, action: int, win_length: int = 5, win: float = 0.5,
             block: float = 0.5) -> float:
     """A shaping reward for one move (``game.move_reward: envs.gomoku:tactics(win_length=3, ...)``): ``win``
@@ -267,20 +275,16 @@ def tactics(observation: dict[str, np.ndarray], agent: str, action: int, win_len
     had exactly one and the move took that cell; 0 otherwise. These are the two things the outcome teaches a
     small policy slowest (NOTES.md, issue 35: trained policies took ~20% of their wins and blocked ~15% of
     single threats); a forced defence against two threats earns nothing (no move saves it)."""
-    planes, mask = observation["observation"], observation["action_mask"]
-    mine = winning_cells(planes[..., 0], mask, win_length)
+    mine, theirs = threats(observation, win_length)
     if mine:
         return win if int(action) in mine else 0.0
-    theirs = winning_cells(planes[..., 1], mask, win_length)
     return block if len(theirs) == 1 and int(action) == theirs[0] else 0.0
 
 
 def tactical_move(observation: dict[str, np.ndarray], win_length: int) -> int | None:
     """The one right move where the position has exactly one: the player's single winning cell, else (no
     win) the opponent's single winning cell, to block; None where there is none or more than one."""
-    planes, mask = observation["observation"], observation["action_mask"]
-    mine = winning_cells(planes[..., 0], mask, win_length)
-    theirs = [] if mine else winning_cells(planes[..., 1], mask, win_length)
+    mine, theirs = threats(observation, win_length)
     found = mine or theirs
     return found[0] if len(found) == 1 else None
 
