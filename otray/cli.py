@@ -72,7 +72,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     job = client.submit(args.config, args.overrides)
     print(f"submitted job {job.id}", flush=True)
     tag_ray_job(job.id)
-    seen, state = 0, None
+    seen, state, told = 0, None, Told()
     while True:
         st = job.status()
         rows = job.metrics(seen)
@@ -82,6 +82,8 @@ def cmd_train(args: argparse.Namespace) -> int:
             print(f"[{job.id}] {state.value}", flush=True)
             if state is JobState.RUNNING:
                 print(HEADER, flush=True)
+        if st.waiting and told.due(st.waiting):
+            print(f"[{job.id}] QUEUED: {st.waiting}", flush=True)
         for row in rows:
             print(table_row(row), flush=True)
         if st.terminal and not rows:
@@ -95,6 +97,22 @@ def cmd_train(args: argparse.Namespace) -> int:
     if start is not None:
         print(f"held-out accuracy: {start[K.EVAL_ACCURACY]:.3f} before RL -> {evals[-1][K.EVAL_ACCURACY]:.3f} after")
     return 0
+
+
+class Told:
+    """When to print why a queued job waits: after it has waited ``first_s``, then when the reason
+    changes, at most every ``every_s`` (the free resources it names change often)."""
+
+    def __init__(self, first_s: float = 10.0, every_s: float = 60.0):
+        self.start, self.first_s, self.every_s = time.monotonic(), first_s, every_s
+        self.last: tuple[float, str] | None = None
+
+    def due(self, reason: str) -> bool:
+        now = time.monotonic()
+        if now - self.start < self.first_s or (self.last and (self.last[1] == reason or now - self.last[0] < self.every_s)):
+            return False
+        self.last = (now, reason)
+        return True
 
 
 def tag_ray_job(job_id: str) -> str | None:

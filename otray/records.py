@@ -46,6 +46,7 @@ class JobStatus:
     created: float = 0.0
     started: float | None = None
     finished: float | None = None
+    waiting: str | None = None  # a QUEUED job: why it has not started (the scheduler's words)
 
     @property
     def terminal(self) -> bool:

@@ -161,3 +161,15 @@ def test_cli_auth_errors_are_one_line_and_exit_2(cluster, capsys):
         assert main(argv) == 2, argv
         err = capsys.readouterr().err
         assert err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err, (argv, err)
+
+
+def test_the_cli_says_why_a_queued_job_waits_when_the_reason_changes_not_every_poll():
+    from otray.cli import Told
+
+    told = Told(first_s=0.0, every_s=0.0)
+    assert told.due("behind job A") and not told.due("behind job A")  # the same reason: said once
+    assert told.due("it needs CPU 3 (free now 1)")
+    quiet = Told(first_s=3600.0)
+    assert not quiet.due("behind job A")  # a job placed within seconds is not talked about
+    slow = Told(first_s=0.0, every_s=3600.0)
+    assert slow.due("it needs CPU 3 (free now 1)") and not slow.due("it needs CPU 3 (free now 2)")

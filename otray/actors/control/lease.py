@@ -35,13 +35,18 @@ def bundles_for(cfg: config_mod.Config) -> list[dict[str, float]]:
             + [bundle(res.rollout_cpus, res.rollout_gpus) for _ in range(config_mod.league_workers(cfg))])
 
 
-def missing_resources(bundles: list[dict[str, float]], strategy: str) -> list[str]:
-    """Why ``bundles`` can never fit this cluster (empty when they can)."""
-    total = ray.cluster_resources()
+def _summed(bundles: list[dict[str, float]]) -> dict[str, float]:
     need: dict[str, float] = {}
     for b in bundles:
         for k, v in b.items():
             need[k] = need.get(k, 0.0) + v
+    return need
+
+
+def missing_resources(bundles: list[dict[str, float]], strategy: str) -> list[str]:
+    """Why ``bundles`` can never fit this cluster (empty when they can)."""
+    total = ray.cluster_resources()
+    need = _summed(bundles)
     problems = [f"{k}: needs {v:g}, the cluster has {total.get(k, 0):g}" for k, v in need.items() if v > total.get(k, 0)]
     nodes = [n["Resources"] for n in ray.nodes() if n["Alive"]]
     if strategy == "STRICT_PACK":
@@ -56,6 +61,22 @@ def missing_resources(bundles: list[dict[str, float]], strategy: str) -> list[st
             problems.append(f"bundle {b}: no node has that much")
             break
     return problems
+
+
+def placement_wait(pg: Any, bundles: list[dict[str, float]]) -> str:
+    """Why ``pg`` (asked for ``bundles``) is not placed yet, in words for a user: what the job needs
+    against what the cluster has free now (other jobs and actors hold the rest), and Ray's own state
+    of the placement group when the resources look free (then Ray, not otray, is the one to ask)."""
+    from ray.util import placement_group_table
+
+    need, free = _summed(bundles), ray.available_resources()
+    short = [f"{k} {v:g} (free now {free.get(k, 0.0):g})" for k, v in need.items() if v > free.get(k, 0.0) + 1e-9]
+    if short:
+        return "waiting for resources that other jobs or actors hold; it needs " + ", ".join(short)
+    state = placement_group_table(pg).get("state", "unknown")
+    asked = ", ".join(f"{k} {v:g}" for k, v in need.items())
+    return (f"its placement group ({len(bundles)} bundles: {asked}) is {state} in Ray although that much is free "
+            f"now: `ray status` and the raylet logs say why")
 
 
 @ray.remote(num_cpus=0)

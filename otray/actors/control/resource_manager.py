@@ -19,6 +19,7 @@ Start or find it with :func:`get_or_create`.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from pathlib import Path
@@ -34,7 +35,7 @@ from otray.names import parse_ref
 from otray.actors.control.gate import Gate
 from otray.actors.control.lease_watch import LeaseWatch
 from otray.actors.control.lease import NAME, NAMESPACE, JobDriver, bundles_for, missing_resources  # noqa: F401 (re-exported)
-from otray.actors.control.registry import AuthError, Registry
+from otray.actors.control.registry import AuthError, JobRecord, Registry
 from otray.actors.control.scheduler import JobQueue, job_error  # noqa: F401 (re-exported)
 from otray.records import EpisodePage, Identity, JobState, JobStatus, ServableJob, UserInfo
 from otray.types import ConfigError
@@ -90,11 +91,16 @@ class ResourceManager:
         return job_id
 
     async def status(self, job_id: str, api_key: str | None = None) -> JobStatus:
-        return self.gate.own(job_id, api_key).status()
+        return self._seen(self.gate.own(job_id, api_key))
 
     async def jobs(self, api_key: str | None = None) -> list[JobStatus]:
         who = self.gate.caller(api_key)
-        return [j.status() for j in self.registry.jobs(None if who.admin else who.name)]
+        return [self._seen(j) for j in self.registry.jobs(None if who.admin else who.name)]
+
+    def _seen(self, job: JobRecord) -> JobStatus:
+        """A job's status, a queued one's with why it waits."""
+        st = job.status()
+        return dataclasses.replace(st, waiting=self.jobs_.waiting(st.id)) if st.state is JobState.QUEUED else st
 
     async def cancel(self, job_id: str, api_key: str | None = None) -> JobStatus:
         if not self.gate.own(job_id, api_key).state.terminal:

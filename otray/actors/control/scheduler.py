@@ -21,7 +21,7 @@ import ray
 
 from otray import config as config_mod
 from otray.actors.control.gate import Gate
-from otray.actors.control.lease import JobDriver, bundles_for
+from otray.actors.control.lease import JobDriver, bundles_for, placement_wait
 from otray.actors.control.registry import JobState, Registry
 
 POLL_S = 0.2
@@ -70,23 +70,51 @@ class JobQueue:
             self._scheduler = asyncio.get_running_loop().create_task(self._schedule())
 
     async def _schedule(self) -> None:
-        """Place queued jobs one at a time (:meth:`_head`); each waits until its placement group fits."""
-        from ray.util.placement_group import placement_group
-
+        """Place queued jobs one at a time (:meth:`_head`); each waits until its placement group fits.
+        A job that cannot be placed at all (its stored config no longer loads, Ray refuses its placement
+        group) ends FAILED with the reason, and the queue goes on: nothing else waits behind it forever."""
         while self.queue:
             job_id = self._head()
-            cfg = config_mod.load(self.registry.job(job_id).config)
-            pg = self.pending.get(job_id) or placement_group(bundles_for(cfg), strategy=cfg.resources.strategy,
-                                                             name=pg_name(job_id))
-            self.pending[job_id] = pg
-            while not ray.wait([pg.ready()], timeout=0)[0]:
-                await asyncio.sleep(POLL_S)
-                if job_id not in self.pending:  # cancelled while waiting
-                    break
-            if self.pending.pop(job_id, None) is None or job_id not in self.queue:
-                continue
-            self.queue.remove(job_id)
-            await self._start(job_id, cfg, pg)
+            try:
+                await self._place(job_id)
+            except Exception as e:  # noqa: BLE001 - one job's failure, not the queue's
+                if job_id in self.queue:
+                    self.queue.remove(job_id)
+                pg = self.pending.pop(job_id, None)
+                if pg is not None:
+                    ray.util.remove_placement_group(pg)
+                if not self.registry.job(job_id).state.terminal:
+                    self.registry.set_state(job_id, JobState.FAILED, f"SchedulerError: the job could not be placed: "
+                                                                     f"{job_error(e)}")
+
+    async def _place(self, job_id: str) -> None:
+        """Ask for ``job_id``'s placement group, wait until Ray places it, start the job."""
+        from ray.util.placement_group import placement_group
+
+        cfg = config_mod.load(self.registry.job(job_id).config)
+        pg = self.pending.get(job_id) or placement_group(bundles_for(cfg), strategy=cfg.resources.strategy,
+                                                         name=pg_name(job_id))
+        self.pending[job_id] = pg
+        while not ray.wait([pg.ready()], timeout=0)[0]:
+            await asyncio.sleep(POLL_S)
+            if job_id not in self.pending:  # cancelled while waiting
+                break
+        if self.pending.pop(job_id, None) is None or job_id not in self.queue:
+            return
+        self.queue.remove(job_id)
+        await self._start(job_id, cfg, pg)
+
+    def waiting(self, job_id: str) -> str | None:
+        """Why a queued job has not started (None: it is not queued): the job placed before it, or what
+        its placement group waits for (:func:`~otray.actors.control.lease.placement_wait`)."""
+        if job_id not in self.queue:
+            return None
+        pg = self.pending.get(job_id)
+        if pg is None:
+            ahead = next((j for j in self.queue if j in self.pending), None)
+            return (f"behind job {ahead}, which is being placed (jobs are placed one at a time)" if ahead
+                    else "next to be placed")
+        return placement_wait(pg, bundles_for(config_mod.load(self.registry.job(job_id).config)))
 
     def _head(self) -> str:
         """The job being placed (its placement group asked for), else the fair pick of the queue."""

@@ -64,6 +64,14 @@ def test_jobs_run_to_success_one_at_a_time_and_free_their_leases(rm, ray_local, 
     _wait(handle, ray_local, first, {"RUNNING"})
     pg_id = ray_local.get(handle.placement_group_id.remote(first))
     assert ray_local.get(handle.status.remote(second)).state == "QUEUED"
+    # why it waits, in the status: the CPUs the first job holds (once the queue has asked for its group)
+    deadline, waiting = time.monotonic() + 10, ""
+    while "it needs CPU 3 (free now" not in waiting and time.monotonic() < deadline:
+        st = ray_local.get(handle.status.remote(second))
+        waiting = st.waiting or ("" if st.state == "QUEUED" else f"left the queue: {st.state}")
+        time.sleep(0.1)
+    assert waiting.startswith("waiting for resources that other jobs or actors hold; it needs CPU 3 (free now"), waiting
+    assert ray_local.get(handle.status.remote(first)).waiting is None
     for job_id in (first, second):
         st = _wait(handle, ray_local, job_id, {"SUCCEEDED", "FAILED"})
         assert st.state == "SUCCEEDED", st.error

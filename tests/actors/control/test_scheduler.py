@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from otray.actors.control.gate import Gate
 from otray.actors.control.registry import JobState, Registry
 from otray.actors.control.scheduler import JobQueue, fair_pick
@@ -28,5 +30,26 @@ def test_the_queue_places_the_fair_pick_and_keeps_a_job_being_placed_at_the_head
         assert queue._head() == jobs["b1"]
         queue.pending[jobs["a1"]] = "its placement group"  # asked for already: it stays next until placed
         assert queue._head() == jobs["a1"]
+    finally:
+        registry.close()
+
+
+def test_a_job_that_cannot_be_placed_fails_with_the_reason_and_the_queue_goes_on(tmp_path):
+    """A queued job whose stored config no longer loads (a registry written by another otray, picked up
+    by a restarted manager) used to end the scheduling task silently, leaving every later job QUEUED for
+    ever. Now it ends FAILED with the reason, and the next job is tried (here: also unloadable)."""
+    registry = Registry(tmp_path / "otray.db")
+    try:
+        old = [registry.create_job("alice", f"old{i}", {"nonsense_key": i}) for i in range(2)]
+        queue = JobQueue(registry, Gate(registry, False), str(tmp_path))  # a restarted manager: both queued
+        assert list(queue.queue) == old
+        assert queue.waiting(old[1]) == "next to be placed" and queue.waiting("nope") is None
+        asyncio.run(queue._schedule())
+        for job_id in old:
+            job = registry.job(job_id)
+            assert job.state is JobState.FAILED
+            assert job.error.startswith("SchedulerError: the job could not be placed: ConfigError: unknown config "
+                                        "key 'nonsense_key'"), job.error
+        assert not queue.queue and not queue.pending
     finally:
         registry.close()
