@@ -95,16 +95,19 @@ gpu-check:
 # Issue 35's Gomoku recipe scaled up (conf/gpu/gomoku_4m.yaml: tiny-4m, 2x the tactics SFT, 8x the games a step), after
 # gpu-check on a lent GPU: one seed per call (SEED=1 for the second); job directories under /tmp (checkpoints
 # are large), the JSON and PNG in GPU_OUT. Capped at 9 minutes: the JSON is written from what finished.
-# GOMOKU_ARGS passes config overrides (e.g. algo.steps=200).
+# GOMOKU_ARGS passes config overrides (e.g. algo.steps=200). The job runs through `python -m otray.train` (--local, no
+# ResourceManager): on the H200 of session 31 `otray train`'s job stayed QUEUED for all of its 6.5 minutes, its placement
+# group never placed (not understood; `otray status` and `otray train` now print why a queued job waits).
 SEED ?= 0
 GOMOKU_ARGS ?=
 gpu-gomoku:
 	mkdir -p $(GPU_OUT)
-	timeout -k 5 540 $(PY) benchmarks/gomoku_learning.py --config conf/gpu/gomoku_4m.yaml --seeds $(SEED) \
+	timeout -k 5 540 $(PY) benchmarks/gomoku_learning.py --local --config conf/gpu/gomoku_4m.yaml --seeds $(SEED) \
 	  --runs /tmp/gomoku_gpu --out $(GPU_OUT)/gomoku_learning_gpu_s$(SEED).json $(GOMOKU_ARGS); status=$$?; \
-	  [ -f $(GPU_OUT)/gomoku_learning_gpu_s$(SEED).json ] || $(PY) benchmarks/gomoku_learning.py --seeds $(SEED) --config conf/gpu/gomoku_4m.yaml \
-	    --collect $$(ls -dt /tmp/gomoku_gpu/gomoku_s$(SEED)/*/ | head -1) --out $(GPU_OUT)/gomoku_learning_gpu_s$(SEED).json; \
-	  exit $$status
+	  job=$$(ls -dt /tmp/gomoku_gpu/gomoku_s$(SEED)/*/ 2>/dev/null | head -1); \
+	  [ -f $(GPU_OUT)/gomoku_learning_gpu_s$(SEED).json ] || [ -z "$$job" ] || $(PY) benchmarks/gomoku_learning.py \
+	    --seeds $(SEED) --config conf/gpu/gomoku_4m.yaml --collect $$job --out $(GPU_OUT)/gomoku_learning_gpu_s$(SEED).json; \
+	  [ -z "$$job" ] || cp $$job/metrics.jsonl $(GPU_OUT)/gomoku_gpu_s$(SEED)_metrics.jsonl; exit $$status
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/rollout_throughput.py

@@ -39,11 +39,13 @@ def seat_rates(row: dict, seat: str, opponent: str = OPPONENT) -> dict:
     return {k: row.get(f"eval/{seat}_vs_{opponent}/{k}") for k in RATES}
 
 
-def run_seed(seed: int, overrides: list[str], runs: Path, config: str = CONFIG) -> dict:
+def run_seed(seed: int, overrides: list[str], runs: Path, config: str = CONFIG, local: bool = False) -> dict:
+    """One seed's run with ``otray train`` (through the ResourceManager), or ``local``: ``python -m otray.train``
+    (the job on a local Ray without the manager; what ``make gpu-gomoku`` uses, see its comment)."""
     out = runs / f"gomoku_s{seed}"
     start = time.monotonic()  # this interpreter's otray (a GPU machine has no .venv)
-    cmd = [sys.executable, "-m", "otray.cli", "train", str(ROOT / config), f"job.seed={seed}",
-           f"job.output_dir={out}", *overrides]
+    entry = ["otray.train"] if local else ["otray.cli", "train"]
+    cmd = [sys.executable, "-m", *entry, str(ROOT / config), f"job.seed={seed}", f"job.output_dir={out}", *overrides]
     subprocess.run(cmd, check=True, cwd=ROOT)
     return summarize(seed, max(out.iterdir(), key=lambda p: p.stat().st_mtime), time.monotonic() - start)
 
@@ -96,13 +98,14 @@ def main() -> None:
     parser.add_argument("--config", default=CONFIG, help="a Gomoku game config (conf/gpu/gomoku_4m.yaml on a GPU)")
     parser.add_argument("--runs", type=Path, default=ROOT / "runs" / "bench_gomoku")
     parser.add_argument("--out", type=Path, default=OUT)
+    parser.add_argument("--local", action="store_true", help="python -m otray.train: no ResourceManager")
     parser.add_argument("--collect", type=Path, nargs="+", help="only summarize these job directories (seeds in order)")
     parser.add_argument("overrides", nargs="*", help="config overrides (key=value) for every seed")
     args = parser.parse_args()
     if args.collect:
         results = [summarize(s, d, None) for s, d in zip(args.seeds, args.collect)]
     else:
-        results = [run_seed(s, args.overrides, args.runs, args.config) for s in args.seeds]
+        results = [run_seed(s, args.overrides, args.runs, args.config, args.local) for s in args.seeds]
     summary = {"config": args.config, "overrides": args.overrides, "opponent": "scripted:envs.gomoku:heuristic(random_prob=0.3)",
                "passed": all(g >= 15 for r in results for g in r["gain_points"].values()), "seeds": results}
     args.out.write_text(json.dumps(summary, indent=1))
