@@ -69,10 +69,15 @@ def placement_wait(pg: Any, bundles: list[dict[str, float]]) -> str:
     of the placement group when the resources look free (then Ray, not otray, is the one to ask)."""
     from ray.util import placement_group_table
 
-    need, free = _summed(bundles), ray.available_resources()
-    short = [f"{k} {v:g} (free now {free.get(k, 0.0):g})" for k, v in need.items() if v > free.get(k, 0.0) + 1e-9]
+    need, free, total = _summed(bundles), ray.available_resources(), ray.cluster_resources()
+    short = [f"{k} {v:g} (free now {free.get(k, 0.0):g} of {total.get(k, 0.0):g})" for k, v in need.items()
+             if v > free.get(k, 0.0) + 1e-9]
     if short:
-        return "waiting for resources that other jobs or actors hold; it needs " + ", ".join(short)
+        others = sorted(t.get("name") or pg_id for pg_id, t in placement_group_table().items()
+                        if t.get("state") == "CREATED" and pg_id != pg.id.hex())
+        return ("waiting for resources that other jobs or actors hold; it needs " + ", ".join(short) + "; "
+                + (f"placement groups holding some now: {', '.join(others)}" if others else
+                   "no other placement group holds any (actors outside jobs, or a cluster still starting)"))
     state = placement_group_table(pg).get("state", "unknown")
     asked = ", ".join(f"{k} {v:g}" for k, v in need.items())
     return (f"its placement group ({len(bundles)} bundles: {asked}) is {state} in Ray although that much is free "

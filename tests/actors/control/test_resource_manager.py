@@ -71,6 +71,7 @@ def test_jobs_run_to_success_one_at_a_time_and_free_their_leases(rm, ray_local, 
         waiting = st.waiting or ("" if st.state == "QUEUED" else f"left the queue: {st.state}")
         time.sleep(0.1)
     assert waiting.startswith("waiting for resources that other jobs or actors hold; it needs CPU 3 (free now"), waiting
+    assert f"of 4); placement groups holding some now: otray-job-{first}" in waiting, waiting  # the first job's group
     assert ray_local.get(handle.status.remote(first)).waiting is None
     for job_id in (first, second):
         st = _wait(handle, ray_local, job_id, {"SUCCEEDED", "FAILED"})
