@@ -114,7 +114,10 @@ class JobQueue:
             ahead = next((j for j in self.queue if j in self.pending), None)
             return (f"behind job {ahead}, which is being placed (jobs are placed one at a time)" if ahead
                     else "next to be placed")
-        return placement_wait(pg, bundles_for(config_mod.load(self.registry.job(job_id).config)))
+        try:
+            return placement_wait(pg, bundles_for(config_mod.load(self.registry.job(job_id).config)))
+        except Exception as e:  # noqa: BLE001 - a status call must not fail for want of a reason
+            return f"its placement group is not placed yet (why could not be read: {job_error(e)})"
 
     def _head(self) -> str:
         """The job being placed (its placement group asked for), else the fair pick of the queue."""
