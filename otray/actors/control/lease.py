@@ -63,12 +63,13 @@ def missing_resources(bundles: list[dict[str, float]], strategy: str) -> list[st
     return problems
 
 
-def placement_wait(pg: Any, bundles: list[dict[str, float]]) -> str:
-    """Why ``pg`` (asked for ``bundles``) is not placed yet, in words for a user: what the job needs
+def placement_wait(pg: Any) -> str:
+    """Why ``pg`` is not placed yet, in words for a user: what the job needs (its bundles, as asked)
     against what the cluster has free now (other jobs and actors hold the rest), and Ray's own state
     of the placement group when the resources look free (then Ray, not otray, is the one to ask)."""
     from ray.util import placement_group_table
 
+    bundles = pg.bundle_specs
     need, free, total = _summed(bundles), ray.available_resources(), ray.cluster_resources()
     short = [f"{k} {v:g} (free now {free.get(k, 0.0):g} of {total.get(k, 0.0):g})" for k, v in need.items()
              if v > free.get(k, 0.0) + 1e-9]

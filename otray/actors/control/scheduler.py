@@ -115,7 +115,7 @@ class JobQueue:
             return (f"behind job {ahead}, which is being placed (jobs are placed one at a time)" if ahead
                     else "next to be placed")
         try:
-            return placement_wait(pg, bundles_for(config_mod.load(self.registry.job(job_id).config)))
+            return placement_wait(pg)
         except Exception as e:  # noqa: BLE001 - a status call must not fail for want of a reason
             return f"its placement group is not placed yet (why could not be read: {job_error(e)})"
 
