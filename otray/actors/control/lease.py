@@ -7,6 +7,8 @@ bundle 0 and reports to the ResourceManager with the job token it was given.
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +85,22 @@ def placement_wait(pg: Any) -> str:
     asked = ", ".join(f"{k} {v:g}" for k, v in need.items())
     return (f"its placement group ({len(bundles)} bundles: {asked}) is {state} in Ray although that much is free "
             f"now: `ray status` and the raylet logs say why")
+
+
+async def placed(pg: Any, wanted: Callable[[], bool], poll_s: float) -> bool:
+    """Wait, without blocking the event loop, until Ray has placed ``pg``: True then; False as soon as
+    ``wanted()`` (asked once a poll, every ``poll_s`` seconds) says the job no longer wants it.
+
+    One ``pg.ready()`` reference is made and polled. Each ``pg.ready()`` is a new object that a reply from
+    Ray's GCS fills in later, so a fresh one checked with a zero timeout loses that race most of the time
+    (64 of 200 fresh references to a group placed long before were ready): asking afresh each poll could
+    leave a job that fits QUEUED for as long as the race kept being lost."""
+    ready = pg.ready()
+    while not ray.wait([ready], timeout=0)[0]:
+        await asyncio.sleep(poll_s)
+        if not wanted():
+            return False
+    return True
 
 
 @ray.remote(num_cpus=0)

@@ -21,7 +21,7 @@ import ray
 
 from otray import config as config_mod
 from otray.actors.control.gate import Gate
-from otray.actors.control.lease import JobDriver, bundles_for, placement_wait
+from otray.actors.control.lease import JobDriver, bundles_for, placed, placement_wait
 from otray.actors.control.registry import JobState, Registry
 
 POLL_S = 0.2
@@ -95,10 +95,7 @@ class JobQueue:
         pg = self.pending.get(job_id) or placement_group(bundles_for(cfg), strategy=cfg.resources.strategy,
                                                          name=pg_name(job_id))
         self.pending[job_id] = pg
-        while not ray.wait([pg.ready()], timeout=0)[0]:
-            await asyncio.sleep(POLL_S)
-            if job_id not in self.pending:  # cancelled while waiting
-                break
+        await placed(pg, lambda: job_id in self.pending, POLL_S)  # False: cancelled while waiting
         if self.pending.pop(job_id, None) is None or job_id not in self.queue:
             return
         self.queue.remove(job_id)

@@ -30,7 +30,15 @@ def _wait(rm, ray, job_id, states, timeout=120):
         if st.state in states:
             return st
         time.sleep(0.3)
-    raise AssertionError(f"job {job_id} stayed {st['state']}, expected {states}")
+    raise AssertionError(f"job {job_id} stayed {st.state} ({st.waiting or st.error or 'no reason given'}), "
+                         f"expected {states}; the cluster: {_held(ray)}")
+
+
+def _held(ray) -> str:
+    """What the local cluster has free, and the placement groups that hold resources now (a failure's context)."""
+    held = [f"{t['name'] or pg}: {t['state']}" for pg, t in ray.util.placement_group_table().items()
+            if t["state"] != "REMOVED"]
+    return f"free {ray.available_resources()} of {ray.cluster_resources()}; placement groups: {held or 'none'}"
 
 
 def _running_long_job(rm, ray, tmp_path, tiny_path):
@@ -50,6 +58,12 @@ def _pg_state(ray, pg_id):
 def rm(ray_local, tmp_path_factory):
     db = tmp_path_factory.mktemp("rm") / "registry.db"
     handle = fresh_resource_manager(db)
+    # these tests count the cluster's CPUs: wait out what earlier modules' jobs still release (their
+    # placement groups go when their manager dies, not at once), and say what holds them if it stays
+    deadline = time.time() + 60
+    while ray_local.available_resources().get("CPU", 0) < ray_local.cluster_resources()["CPU"]:
+        assert time.time() < deadline, f"the cluster is not idle before the manager's tests: {_held(ray_local)}"
+        time.sleep(0.5)
     yield handle, db
     kill_resource_manager()
 
