@@ -19,11 +19,11 @@ def test_a_placed_group_is_seen_placed_within_a_poll_and_a_withdrawn_wait_ends(r
             polls = []
             assert asyncio.run(placed(pg, lambda: polls.append(1) or True, poll_s=0.5))
             assert len(polls) <= 2, f"{len(polls)} polls for a group placed before the wait began"
-        never = placement_group([{"CPU": 1000}])
+        never = placement_group([{"CPU": 1000}])  # more than the cluster has: never placed
+        pgs.append(never)
         polls = []
         assert not asyncio.run(placed(never, lambda: polls.append(1) or len(polls) < 3, poll_s=0.05))
         assert len(polls) == 3
-        remove_placement_group(never)
     finally:
         for pg in pgs:
             remove_placement_group(pg)
