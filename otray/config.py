@@ -79,6 +79,10 @@ class RolloutSection:
     # how weights reach the rollout workers after each update: auto (shared memory when the learner and
     # every worker share a node, else the object store) | object_store | shm (otray.actors.sampling.transport)
     weight_sync: str = "auto"
+    # the HF backend's sampler: eager (transformers' generate) | compiled (a static-cache decode step,
+    # torch.compile'd and CUDA-graphed on a GPU, compiled when the worker starts) | auto (compiled on a
+    # GPU, eager on the CPU, where it measured faster); vLLM compiles its own (leave auto)
+    sampler: str = "auto"
 
 
 @dataclass

@@ -23,6 +23,10 @@ def check_values(cfg: Any) -> None:
     one_of(cfg.job.kind, ("rl", "sft", "infer"), "job.kind")
     one_of(cfg.rollout.backend, ("auto", "vllm", "hf"), "rollout.backend")
     one_of(cfg.rollout.weight_sync, ("auto", "object_store", "shm"), "rollout.weight_sync")
+    one_of(cfg.rollout.sampler, ("auto", "eager", "compiled"), "rollout.sampler")
+    if cfg.rollout.backend == "vllm" and cfg.rollout.sampler != "auto":
+        raise ConfigError(f"rollout.sampler={cfg.rollout.sampler!r} is the HF backend's choice; vLLM compiles its "
+                          "own (rollout.enforce_eager): set rollout.sampler to auto or rollout.backend to hf")
     one_of(cfg.model.device, DEVICES, "model.device")
     one_of(cfg.model.dtype, DTYPES, "model.dtype")
     one_of(cfg.logging.wandb_mode, ("offline", "online"), "logging.wandb_mode")

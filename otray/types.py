@@ -170,6 +170,8 @@ class WorkerInfo:
     stop_token_ids: tuple[int, ...] = ()
     policy_version: int = 0
     node_id: str | None = None
+    sampler: str = "eager"  # the HF backend's: eager | compiled (rollout.sampler); vLLM's own otherwise
+    compile_s: float = 0.0  # seconds the compiled sampler's warm-up took when the worker started
 
 
 @dataclass(frozen=True)

@@ -121,7 +121,7 @@ class ActorFactory:
             dtype=cfg.model.dtype, device=cfg.model.device, max_model_len=cfg.rollout.max_model_len,
             seed=cfg.job.seed + i, max_lora_rank=cfg.model.lora.rank, kv_cache_gb=cfg.rollout.kv_cache_gb,
             max_batch=cfg.rollout.max_batch, gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
-            enforce_eager=cfg.rollout.enforce_eager) for i in range(n)]
+            enforce_eager=cfg.rollout.enforce_eager, sampler=cfg.rollout.sampler) for i in range(n)]
 
 
 @dataclass(frozen=True)
@@ -262,7 +262,8 @@ def ready_policies(cfg: Config, starting: list[StartingPolicy]) -> dict[str, Pol
     policies = {}
     for k, (name, learner, workers) in enumerate(made):
         if colocated:
-            infos = [ray.get(learner.start_sampler.remote(cfg.rollout.max_model_len, cfg.rollout.max_batch))]
+            infos = [ray.get(learner.start_sampler.remote(cfg.rollout.max_model_len, cfg.rollout.max_batch,
+                                                          cfg.rollout.sampler))]
         else:
             infos = ray.get([w.info.remote() for w in workers])
         fleet = RolloutFleet([learner] if colocated else workers) if infos else None

@@ -195,17 +195,23 @@ class PolicyLearner:
 
     # ------------------------------------------------------------------ colocated generation
 
-    def start_sampler(self, max_model_len: int | None = None, max_batch: int = 256) -> WorkerInfo:
+    def start_sampler(self, max_model_len: int | None = None, max_batch: int = 256,
+                      sampler: str = "auto", compile_backend: str = "inductor") -> WorkerInfo:
         """Let this learner stand in for a rollout worker (``rollout.colocate``): ``generate`` samples
         from the model being trained, so its weights are always the current policy and no weights
-        move. Returns what ``RolloutWorker.info`` returns."""
+        move. ``sampler``: ``rollout.sampler`` (a compiled one is warmed up here, before step 1).
+        Returns what ``RolloutWorker.info`` returns."""
         from otray.actors.sampling.backends.hf import HFBackend
 
-        self.sampler = HFBackend.on_model(self.model, load_tokenizer(self.model_path),
-                                          max_model_len=max_model_len, max_batch=max_batch,
-                                          weights_version=lambda: self.version)
+        compute = getattr(torch, self.precision.compute) if self.precision.compute else None
+        with self.precision.autocast(self.device):
+            self.sampler = HFBackend.on_model(self.model, load_tokenizer(self.model_path),
+                                              max_model_len=max_model_len, max_batch=max_batch,
+                                              weights_version=lambda: self.version, sampler=sampler, dtype=compute,
+                                              compile_backend=compile_backend)
         return WorkerInfo("hf-colocated", self.sampler.max_model_len, tuple(self.sampler.stop_token_ids),
-                          self.version, current_node_id())
+                          self.version, current_node_id(), sampler=self.sampler.sampler,
+                          compile_s=self.sampler.compile_s)
 
     @busy
     def generate(self, prompts: list[list[int]], params: SamplingParams, n: int = 1,

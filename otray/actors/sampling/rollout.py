@@ -54,7 +54,8 @@ class RolloutWorker:
 
     def info(self) -> WorkerInfo:
         return WorkerInfo(self.backend.name, self.backend.max_model_len, tuple(self.backend.stop_token_ids),
-                          self.version, current_node_id())
+                          self.version, current_node_id(), sampler=getattr(self.backend, "sampler", self.backend.name),
+                          compile_s=getattr(self.backend, "compile_s", 0.0))
 
     def busy_s(self) -> float:
         return self.busy.total

@@ -14,12 +14,17 @@ from otray.algos.datums import sft_datum
 from otray.models import chat_prompt_ids
 from otray.types import Datum, FinishReason, PromptTooLongError, SamplingParams
 
-BACKENDS = ["hf", pytest.param("vllm", marks=pytest.mark.vllm)]
+BACKENDS = ["hf", "hf-compiled", pytest.param("vllm", marks=pytest.mark.vllm)]
+# the compiled sampler under dynamo's graph capture without inductor's code generation (seconds, not a
+# minute, to warm up on 2 cores); tests/actors/sampling/test_compiled.py runs inductor itself
+COMPILED = {"sampler": "compiled", "compile_backend": "eager", "max_batch": 16}
 
 
 @pytest.fixture(scope="module", params=BACKENDS)
 def worker(request, tiny_path):
-    w = RolloutWorker(tiny_path, request.param, max_model_len=256, max_lora_rank=8, seed=0)
+    backend, extra = ("hf", COMPILED) if request.param == "hf-compiled" else (request.param, {})
+    w = RolloutWorker(tiny_path, backend, max_model_len=256, max_lora_rank=8, seed=0, **extra)
+    assert w.info().sampler == ("compiled" if extra else w.info().sampler)
     yield w
     w.shutdown()
 

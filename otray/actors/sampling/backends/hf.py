@@ -8,17 +8,24 @@ minimum length come after it): one step's log-softmax is held at a time, never e
 full-vocabulary logits (at a 151,936-token vocabulary, 256 rows x 512 steps of fp32 logits are
 ~80 GB). On CPU the linear layers sample through oneDNN's prepacked kernels (``packed.py``;
 ``packed_linears=False`` turns that off).
+
+``sampler`` (``rollout.sampler``): ``eager`` is transformers' ``generate`` above; ``compiled`` is
+``compiled.py``'s static-cache decode step, compiled once at start (text prompts; a call with images
+goes through ``generate``); ``auto`` = compiled on a GPU, eager on the CPU, where the compiled step
+measured slower (``benchmarks/gpu.py --device cpu``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from contextlib import nullcontext
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
 from otray.actors.sampling.backends.base import apply_stop_strings, check_prompt_lengths, effective_params
+from otray.actors.sampling.backends.compiled import CompiledSampler, MergedLora, choose_sampler
 from otray.actors.sampling.backends.packed import PackedLinears
 from otray.device import resolve_device, resolve_dtype
 from otray.models import end_of_turn_ids, load_model, load_tokenizer
@@ -87,11 +94,23 @@ def processors(params: SamplingParams, recorder: ChosenLogprobs, prompt_width: i
     return out
 
 
+@dataclass(frozen=True)
+class Sampling:
+    """Which sampler a backend runs (``rollout.sampler``), the dtype the model computes in (None: its
+    parameters'), and the ``torch.compile`` backend of the compiled one (tests use ``eager``: dynamo's
+    graph capture without inductor's code generation)."""
+
+    setting: str = "auto"
+    dtype: torch.dtype | None = None
+    compile_backend: str = "inductor"
+
+
 class HFBackend:
     name = "hf"
 
     def __init__(self, model_path: str, *, dtype: str = "float32", max_model_len: int | None = None,
-                 max_batch: int = 256, seed: int = 0, packed_linears: bool = True, device: str = "auto", **_: Any):
+                 max_batch: int = 256, seed: int = 0, packed_linears: bool = True, device: str = "auto",
+                 sampler: str = "auto", compile_backend: str = "inductor", **_: Any):
         torch.manual_seed(seed)  # sampling without a per-call seed draws from this process's RNG
         where = resolve_device(device)  # the GPU Ray gave this worker, else the CPU (otray.device)
         model = load_model(model_path, resolve_dtype(dtype, where)).eval()
@@ -99,21 +118,25 @@ class HFBackend:
             model.to(where)
         # oneDNN's prepacked kernels are the CPU's; a GPU samples with the model's own layers
         self._attach(model, load_tokenizer(model_path), max_model_len, max_batch, packed_linears and where == "cpu",
-                     owned=True)
+                     owned=True, sampler=Sampling(sampler, None, compile_backend))
 
     @classmethod
     def on_model(cls, model: Any, tokenizer: Any, *, max_model_len: int | None = None,
                  max_batch: int = 256, packed_linears: bool = True,
-                 weights_version: Callable[[], Any] | None = None) -> "HFBackend":
+                 weights_version: Callable[[], Any] | None = None, sampler: str = "eager",
+                 dtype: torch.dtype | None = None, compile_backend: str = "inductor") -> "HFBackend":
         """A backend that samples from ``model`` as it is (a learner's model, trained in place):
         nothing is loaded or copied (but the packed sampling weights, rebuilt whenever
-        ``weights_version()`` changes), and the process's RNG is left alone."""
+        ``weights_version()`` changes), and the process's RNG is left alone. ``dtype``: the dtype the
+        model computes in when it differs from its parameters' (a learner under autocast)."""
         backend = cls.__new__(cls)
-        backend._attach(model, tokenizer, max_model_len, max_batch, packed_linears, weights_version)
+        backend._attach(model, tokenizer, max_model_len, max_batch, packed_linears, weights_version,
+                        sampler=Sampling(sampler, dtype, compile_backend))
         return backend
 
     def _attach(self, model: Any, tokenizer: Any, max_model_len: int | None, max_batch: int,
-                packed_linears: bool, weights_version: Callable[[], Any] | None = None, owned: bool = False) -> None:
+                packed_linears: bool, weights_version: Callable[[], Any] | None = None, owned: bool = False,
+                sampler: "Sampling | None" = None) -> None:
         self.tokenizer = tokenizer
         self.model = model
         self.base_model = self.model
@@ -121,6 +144,17 @@ class HFBackend:
         self.max_batch = max_batch
         self.stop_token_ids = end_of_turn_ids(self.tokenizer)
         self.pad_id = self.tokenizer.pad_token_id
+        sampler = sampler or Sampling("eager")
+        self.sampler = choose_sampler(sampler.setting, model, str(model.device))
+        self.compiled: CompiledSampler | None = None
+        self.merged: MergedLora | None = None
+        if self.sampler == "compiled":  # warmed up here: the compile is paid when the worker starts
+            self.compiled = CompiledSampler(model, max_model_len=self.max_model_len, max_batch=max_batch,
+                                            pad_id=self.pad_id, stop_token_ids=self.stop_token_ids,
+                                            dtype=sampler.dtype, backend=sampler.compile_backend)
+            self.compiled.warm_up()
+            self.merged = MergedLora(model)
+            packed_linears = False
         self.packed = PackedLinears(weights_version) if packed_linears else None
         # the vision tower once per distinct image (a vision-language model); a model trained in place
         # (on_model, not ``owned``) keeps features across calls only where weights_version() tells of changes
@@ -143,7 +177,11 @@ class HFBackend:
         samples: list[Sample] = []
         for start in range(0, len(rows), self.max_batch):
             end = start + self.max_batch
-            samples.extend(self._generate_batch(rows[start:end], params, pictures[start:end]))
+            if self.compiled is not None and not any(pictures[start:end]):
+                samples.extend(apply_stop_strings(s, self._decode, params.stop)
+                               for s in self.compiled.sample(rows[start:end], params, self._decode))
+            else:
+                samples.extend(self._generate_batch(rows[start:end], params, pictures[start:end]))
         return [samples[i * n:(i + 1) * n] for i in range(len(prompts))]
 
     def _generate_batch(self, rows: list[list[int]], params: SamplingParams,
@@ -202,10 +240,17 @@ class HFBackend:
             # PEFT injected LoRA layers into the base model in place: take them out first
             self.base_model = self.model.unload()
             self.model = self.base_model
-        missing, unexpected = self.model.load_state_dict(tensors, strict=False)
+        missing, unexpected = self.model.load_state_dict(tensors, strict=False)  # copied into the same tensors
         if unexpected or [k for k in missing if not k.endswith("lm_head.weight")]:
             raise ValueError(f"weight update does not match the model: missing={missing[:5]} unexpected={unexpected[:5]}")
+        if self.merged is not None:
+            self.merged.forget_base()
         self._weights_changed()
+
+    @property
+    def compile_s(self) -> float:
+        """Seconds the compiled sampler's warm-up took (0: eager)."""
+        return self.compiled.compile_s if self.compiled is not None else 0.0
 
     def _weights_changed(self) -> None:
         if self.packed:
@@ -215,6 +260,10 @@ class HFBackend:
     def load_lora(self, tensors: dict[str, Any], lora_config: dict[str, Any], version: int) -> None:
         from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
 
+        if self.merged is not None:  # the compiled step keeps its graph: the adapter goes into the weights
+            self.merged.apply(tensors, lora_config)
+            self._weights_changed()
+            return
         if self.model is self.base_model:
             config = LoraConfig(**{k: v for k, v in lora_config.items() if k in LoraConfig.__dataclass_fields__})
             self.model = get_peft_model(self.base_model, config).eval()

@@ -29,7 +29,7 @@ from typing import Any
 from otray.actors.sampling.backends.base import apply_stop_strings, check_prompt_lengths, effective_params
 from otray.device import resolve_dtype
 from otray.models import end_of_turn_ids, is_vision_model, load_tokenizer
-from otray.types import FinishReason, ModelLoadError, Sample, SamplingParams
+from otray.types import ConfigError, FinishReason, ModelLoadError, Sample, SamplingParams
 from otray.vision import ImageError
 from otray.vlm import unsampled_ids, vision_inputs_at
 
@@ -104,10 +104,14 @@ class VLLMBackend:
     def __init__(self, model_path: str, *, dtype: str = "float32", max_model_len: int | None = None,
                  seed: int = 0, max_lora_rank: int = 0, kv_cache_gb: int = 1, max_num_seqs: int = 256,
                  max_loras: int = 1, gpu_memory_utilization: float | None = None, enforce_eager: bool | None = None,
-                 **_: Any):
+                 sampler: str = "auto", **_: Any):
         """``dtype`` as ``model.dtype`` (``auto``: bf16 on a GPU, float32 on the CPU, resolved here like
         ``otray.device``); ``enforce_eager`` None: eager on the CPU, CUDA graphs on a GPU;
         ``gpu_memory_utilization`` None: vLLM's own share (0.9), lower it when a learner shares the card."""
+        if sampler != "auto":
+            raise ConfigError(f"rollout.sampler={sampler!r} is the HF backend's choice and this worker runs vLLM, "
+                              "which compiles its own (rollout.enforce_eager): set rollout.sampler to auto or "
+                              "rollout.backend to hf")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(kv_cache_gb))))
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         from vllm import LLM
