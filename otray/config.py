@@ -76,8 +76,9 @@ class RolloutSection:
     # lower when a learner shares the card), and eager mode (null: eager on the CPU, CUDA graphs on a GPU)
     gpu_memory_utilization: Optional[float] = None
     enforce_eager: Optional[bool] = None
-    # how weights reach the rollout workers after each update: auto (shared memory when the learner and
-    # every worker share a node, else the object store) | object_store | shm (otray.actors.sampling.transport)
+    # how weights reach the rollout workers after each update: auto (cuda_ipc when the learner and every
+    # worker share one node and GPU, else shared memory on one node, else the object store) | object_store
+    # | shm | cuda_ipc | broadcast (a torch.distributed group: NCCL / gloo) (otray.actors.sampling.transport)
     weight_sync: str = "auto"
     # the HF backend's sampler: eager (transformers' generate) | compiled (a static-cache decode step,
     # torch.compile'd and CUDA-graphed on a GPU, compiled when the worker starts) | auto (compiled on a

@@ -22,7 +22,11 @@ def check_values(cfg: Any) -> None:
     it, so it takes the config untyped): names, and fields that must agree with each other."""
     one_of(cfg.job.kind, ("rl", "sft", "infer"), "job.kind")
     one_of(cfg.rollout.backend, ("auto", "vllm", "hf"), "rollout.backend")
-    one_of(cfg.rollout.weight_sync, ("auto", "object_store", "shm"), "rollout.weight_sync")
+    one_of(cfg.rollout.weight_sync, ("auto", "object_store", "shm", "cuda_ipc", "broadcast"), "rollout.weight_sync")
+    if cfg.rollout.weight_sync in ("cuda_ipc", "broadcast") and cfg.resources.learner_workers > 1:
+        raise ConfigError(f"rollout.weight_sync={cfg.rollout.weight_sync} sends from one learner's device buffer; a "
+                          "sharded learner (resources.learner_workers > 1) gathers its weights on rank 0's host: "
+                          "set rollout.weight_sync to auto, shm or object_store")
     one_of(cfg.rollout.sampler, ("auto", "eager", "compiled"), "rollout.sampler")
     if cfg.rollout.backend == "vllm" and cfg.rollout.sampler != "auto":
         raise ConfigError(f"rollout.sampler={cfg.rollout.sampler!r} is the HF backend's choice; vLLM compiles its "

@@ -51,6 +51,10 @@ class RolloutError(OtrayError, RuntimeError):
     """Generation failed on every rollout worker (names the failing workers)."""
 
 
+class WeightSyncError(OtrayError, RuntimeError):
+    """A weight update that a rollout worker did not apply as sent (checksum or version mismatch)."""
+
+
 class PromptTooLongError(OtrayError, ValueError):
     """A prompt does not fit the model context; carries the lengths involved."""
 
@@ -144,8 +148,33 @@ class WeightUpdate:
 
     version: int
     kind: str  # "full" | "lora"
-    tensors: dict[str, Any] | SharedTensors
+    tensors: dict[str, Any] | SharedTensors | DeviceTensors
     lora_config: dict[str, Any] | None = None
+    checksum: WeightChecksum | None = None  # of a few tensors as sent; the worker checks what it loaded
+
+
+@dataclass(frozen=True)
+class WeightChecksum:
+    """Position-weighted sums of a few tensors of an update (``device_transport.checksum``)."""
+
+    names: tuple[str, ...]
+    sums: tuple[float, ...]
+
+
+@dataclass(frozen=True)
+class DeviceTensors:
+    """An update's tensors in the learner's flat device buffer (``device_transport``): ``transport`` is
+    ``cuda_ipc`` (``handle``: the buffer's pickled CUDA IPC handle) or ``broadcast`` (the buffer follows
+    over the broadcast group); ``layout`` as :class:`SharedTensors`'; ``device``: the learner's
+    (``cpu`` or ``cuda:<uuid>``); ``generation`` changes when the buffer is reallocated."""
+
+    transport: str
+    layout: tuple[tuple[str, str, tuple[int, ...], int, int], ...]
+    size: int
+    node_id: str | None
+    device: str
+    generation: int
+    handle: bytes | None = None
 
 
 @dataclass(frozen=True)
@@ -171,6 +200,8 @@ class WorkerInfo:
     policy_version: int = 0
     node_id: str | None = None
     sampler: str = "eager"  # the HF backend's: eager | compiled (rollout.sampler); vLLM's own otherwise
+    dtype: str = "float32"  # what it samples in: the learner sends its weights in this dtype
+    device: str = "cpu"  # cpu | cuda:<uuid> (device_transport.device_id)
     compile_s: float = 0.0  # seconds the compiled sampler's warm-up took when the worker started
 
 
@@ -182,6 +213,7 @@ class LearnerInfo:
     policy_version: int
     lora_rank: int
     node_id: str | None = None
+    device: str = "cpu"  # cpu | cuda:<uuid> (device_transport.device_id)
 
 
 @dataclass(frozen=True)

@@ -182,11 +182,13 @@ class PolicyRuntime:
         return {**fb, **opt}
 
     def sync_weights(self, clock: StepClock | None = None) -> float:
-        """Push the learner's weights to the fleet over ``weight_sync`` (colocated: nothing to send, the
-        learner samples from the weights it trains); returns the seconds it took."""
+        """Push the learner's weights to the fleet over ``weight_sync``, in the workers' dtype (colocated:
+        nothing to send, the learner samples from the weights it trains); returns the seconds it took."""
         t0 = time.perf_counter()
         if self.fleet is not None and not self.colocated:
-            self.fleet.update_weights(self.learner.weights.remote(self.weight_sync))
+            update = self.learner.weights.remote(self.weight_sync, self.info.dtype)
+            sender = self.learner.send_weights.remote() if self.weight_sync == "broadcast" else None
+            self.fleet.update_weights(update, self.version, sender)
         self.synced = True
         if clock is not None:
             clock.mark("weight_sync")
@@ -269,11 +271,24 @@ def ready_policies(cfg: Config, starting: list[StartingPolicy]) -> dict[str, Pol
         fleet = RolloutFleet([learner] if colocated else workers) if infos else None
         state = ray.get(learner.info.remote())
         nodes = {"learner": state.node_id, "rollout": [i.node_id for i in infos]}
+        sync = "none" if colocated else choose(cfg.rollout.weight_sync, nodes["learner"], nodes["rollout"],
+                                               state.device, [i.device for i in infos])
+        if sync == "broadcast" and workers:
+            open_broadcast(learner, workers)
         policy = PolicyRuntime(name, learner, fleet, infos[0] if infos else WorkerInfo(None, cfg.rollout.max_model_len),
-                               colocated, version=state.policy_version, nodes=nodes,
-                               weight_sync="none" if colocated else choose(cfg.rollout.weight_sync, nodes["learner"],
-                                                                           nodes["rollout"]))
+                               colocated, version=state.policy_version, nodes=nodes, weight_sync=sync)
         if k > 0:
             policy.sync_weights()
         policies[name] = policy
     return policies
+
+
+def open_broadcast(learner: Any, workers: list[Any]) -> None:
+    """Make the broadcast group of ``learner`` (rank 0) and ``workers`` (``rollout.weight_sync: broadcast``):
+    every member joins at once."""
+    import ray
+
+    address = ray.get(learner.open_broadcast.remote())
+    world = len(workers) + 1
+    ray.get([learner.join_broadcast.remote(address, world),
+             *[w.join_broadcast.remote(address, k + 1, world) for k, w in enumerate(workers)]])

@@ -150,8 +150,8 @@ class LearnerGroup:
         return self._all([r.optim_step.remote(learning_rate, betas, eps, weight_decay, grad_clip)
                           for r in self.ranks])[0]
 
-    def weights(self, transport: str = "object_store") -> WeightUpdate:
-        return self._all([r.weights.remote(transport) for r in self.ranks])[0]
+    def weights(self, transport: str = "object_store", dtype: str | None = None) -> WeightUpdate:
+        return self._all([r.weights.remote(transport, dtype) for r in self.ranks])[0]
 
     def export(self, path: str) -> str:
         return self._all([r.export.remote(path) for r in self.ranks])[0]

@@ -36,7 +36,8 @@ from otray.actors.learner.core import (LossSums, adamw_step, batch_stats, global
 from otray.actors.learner.precision import budget_for, learner_precision
 from otray.actors.learner.state import load_sharded, load_whole, read_meta, restore_rng, save_whole, write_meta
 from otray.actors.sampling.backends.base import Backend
-from otray.actors.sampling.transport import SharedFiles
+from otray.actors.sampling.device_transport import device_id
+from otray.actors.sampling.transport import Publisher
 from otray.algos.losses import aggregate, per_token_loss
 from otray.device import resolve_device, resolve_dtype
 from otray.placement import current_node_id
@@ -78,7 +79,7 @@ class PolicyLearner:
         self.extra_state: dict[str, Any] = {}  # job-level state saved with checkpoints
         self.busy = BusyClock()  # seconds spent in forward passes, optimizer steps and weight export
         self.sampler: Backend | None = None  # colocated generation (``start_sampler``)
-        self.shared = SharedFiles()  # weights published to shared memory (weight_sync: shm)
+        self.publisher = Publisher(self.device)  # weights out, over rollout.weight_sync (sampling.transport)
 
     def busy_s(self) -> float:
         return self.busy.total
@@ -97,7 +98,7 @@ class PolicyLearner:
         return True
 
     def info(self) -> LearnerInfo:
-        return LearnerInfo(self.step, self.version, self.lora.rank, current_node_id())
+        return LearnerInfo(self.step, self.version, self.lora.rank, current_node_id(), device_id(self.device))
 
     @property
     def is_lora(self) -> bool:
@@ -235,9 +236,9 @@ class PolicyLearner:
     # ------------------------------------------------------------------ weights out
 
     @busy
-    def weights(self, transport: str = "object_store") -> WeightUpdate:
-        """Current weights for rollout workers: the adapter (LoRA) or every parameter, as tensors for the
-        object store or (``transport="shm"``) written once to shared memory (``sampling.transport``)."""
+    def weights(self, transport: str = "object_store", dtype: str | None = None) -> WeightUpdate:
+        """Current weights for rollout workers: the adapter (LoRA) or every parameter, in ``dtype`` (the
+        workers'; None: as stored), over ``transport`` (``sampling.transport``), with their checksum."""
         if self.is_lora:
             from peft import get_peft_model_state_dict
 
@@ -246,7 +247,20 @@ class PolicyLearner:
             # Every entry, tied lm_head included: vLLM's in-place reload leaves the head
             # stale when only embed_tokens arrives (measured: logprobs off by ~1.6).
             state, kind, lora = self.model.state_dict(), "full", None
-        return self.shared.update(state, self.version, kind, lora, transport)
+        return self.publisher.update(state, self.version, kind, lora, transport, dtype)
+
+    def open_broadcast(self) -> str:
+        """An address for a broadcast group (``rollout.weight_sync: broadcast``) of this learner and its workers."""
+        return self.publisher.device.open_broadcast()
+
+    def join_broadcast(self, address: str, world: int) -> int:
+        """Join that group as rank 0 (the workers join at the same time)."""
+        return self.publisher.device.join_broadcast(address, world)
+
+    @busy
+    def send_weights(self) -> None:
+        """Broadcast the update the last ``weights("broadcast")`` published (the workers receive it now)."""
+        self.publisher.device.send()
 
     def _lora_config_dict(self) -> dict[str, Any]:
         cfg = self.model.peft_config["default"].to_dict()

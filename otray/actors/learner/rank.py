@@ -122,7 +122,7 @@ class LearnerRank(PolicyLearner):
     # ------------------------------------------------------------------ weights out
 
     @busy
-    def weights(self, transport: str = "object_store") -> WeightUpdate | None:
+    def weights(self, transport: str = "object_store", dtype: str | None = None) -> WeightUpdate | None:
         """The current weights (adapter or every entry, as PolicyLearner's), gathered tensor by tensor;
         rank 0 returns them (over ``transport``), the others None."""
         keep = self.rank == 0
@@ -130,10 +130,10 @@ class LearnerRank(PolicyLearner):
             from peft import get_peft_model_state_dict
 
             tensors = dict(full_tensors(get_peft_model_state_dict(self.model), keep))
-            return self.shared.update(tensors, self.version, "lora", self._lora_config_dict(), transport) \
-                if keep else None
+            return self.publisher.update(tensors, self.version, "lora", self._lora_config_dict(), transport,
+                                         dtype) if keep else None
         tensors = dict(full_tensors(self.model.state_dict(), keep))
-        return self.shared.update(tensors, self.version, "full", None, transport) if keep else None
+        return self.publisher.update(tensors, self.version, "full", None, transport, dtype) if keep else None
 
     def export(self, path: str) -> str:
         """Rank 0 writes the HF model (or PEFT adapter) from the gathered state (see PolicyLearner.export)."""

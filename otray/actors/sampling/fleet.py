@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from otray.types import ConfigError, GenerateResult, RolloutError, SamplingParams
+from otray.types import ConfigError, GenerateResult, RolloutError, SamplingParams, WeightSyncError
 
 log = logging.getLogger(__name__)
 
@@ -98,19 +98,33 @@ class RolloutFleet:
 
         return ray.get([self.workers[i].busy_s.remote() for i in self.live])
 
-    def update_weights(self, update_ref: Any) -> list[int]:
-        """Push one weight update (an ObjectRef, so it travels via the object store) to every live worker."""
+    def update_weights(self, update_ref: Any, version: int | None = None, sender: Any = None) -> list[int]:
+        """Push one weight update (an ObjectRef: its handle or tensors travel via the object store) to every
+        live worker; ``sender``: a task that must run meanwhile (the learner's broadcast of the update).
+        A worker that reports a version other than ``version``, or whose loaded weights fail the
+        update's checksum, fails the sync naming it: sampling stale weights is never silent."""
         import ray
 
         refs = {i: self.workers[i].update_weights.remote(update_ref) for i in self.live}
+        if sender is not None:
+            ray.get(sender)
         versions = []
         for i, ref in refs.items():
             try:
-                versions.append(ray.get(ref))
+                got = ray.get(ref)
             except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
                 if self._answers(i):  # the update's source (the learner) died, not this worker
                     raise
                 self._drop(i, e)
+                continue
+            except ray.exceptions.RayTaskError as e:
+                if isinstance(e.cause, WeightSyncError):
+                    raise WeightSyncError(f"rollout worker {i}: {e.cause}") from None
+                raise
+            if version is not None and got != version:
+                raise WeightSyncError(f"rollout worker {i} reports policy version {got} after the update to "
+                                      f"version {version}: it did not apply the update")
+            versions.append(got)
         if not versions:
             raise RolloutError("no rollout worker accepted the weight update")
         return versions

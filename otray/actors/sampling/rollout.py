@@ -15,9 +15,11 @@ from typing import Any
 
 from otray.placement import current_node_id
 from otray.actors.sampling.backends.base import Backend
-from otray.actors.sampling.transport import from_shared
+from otray.actors.sampling.device_transport import device_id, verify
+from otray.actors.sampling.transport import Receiver
 from otray.timing import BusyClock
-from otray.types import ConfigError, GenerateResult, SamplingParams, SharedTensors, WeightUpdate, WorkerInfo
+from otray.device import resolve_device
+from otray.types import ConfigError, GenerateResult, SamplingParams, WeightUpdate, WorkerInfo
 
 BACKENDS = ("auto", "vllm", "hf")
 
@@ -46,6 +48,8 @@ class RolloutWorker:
             torch.set_num_threads(num_threads)
             os.environ.setdefault("OMP_NUM_THREADS", str(num_threads))
         self.backend: Backend = make_backend(backend, model_path, **backend_kwargs)
+        self.device = resolve_device(backend_kwargs.get("device", "auto"))
+        self.receiver = Receiver(self.device)  # an update's tensors, over whichever transport
         self.version = 0
         self.busy = BusyClock()  # seconds spent generating or loading weights
 
@@ -55,7 +59,12 @@ class RolloutWorker:
     def info(self) -> WorkerInfo:
         return WorkerInfo(self.backend.name, self.backend.max_model_len, tuple(self.backend.stop_token_ids),
                           self.version, current_node_id(), sampler=getattr(self.backend, "sampler", self.backend.name),
-                          compile_s=getattr(self.backend, "compile_s", 0.0))
+                          compile_s=getattr(self.backend, "compile_s", 0.0),
+                          dtype=getattr(self.backend, "dtype", "float32"), device=device_id(self.device))
+
+    def join_broadcast(self, address: str, rank: int, world: int) -> int:
+        """Join the learner's broadcast group (``rollout.weight_sync: broadcast``) as ``rank``."""
+        return self.receiver.device.join_broadcast(address, rank, world)
 
     def busy_s(self) -> float:
         return self.busy.total
@@ -68,18 +77,26 @@ class RolloutWorker:
         return [GenerateResult(s, self.version) for s in samples]
 
     def update_weights(self, update: WeightUpdate) -> int:
-        """Load new weights (full or LoRA); returns the worker's new policy version."""
+        """Load new weights (full or LoRA) and check that they are what the learner sent (the update's
+        checksum against the sampler's tensors: :class:`~otray.types.WeightSyncError` otherwise);
+        returns the worker's new policy version."""
         with self.busy():
             return self._update_weights(update)
 
     def _update_weights(self, update: WeightUpdate) -> int:
-        tensors = from_shared(update.tensors) if isinstance(update.tensors, SharedTensors) else update.tensors
+        if update.kind not in ("full", "lora"):
+            raise ValueError(f"unknown weight update kind {update.kind!r} (expected 'full' or 'lora')")
+        tensors = self.receiver.tensors(update)
         if update.kind == "full":
             self.backend.load_full_weights(tensors)
-        elif update.kind == "lora":
-            self.backend.load_lora(tensors, update.lora_config or {}, update.version)
         else:
-            raise ValueError(f"unknown weight update kind {update.kind!r} (expected 'full' or 'lora')")
+            self.backend.load_lora(tensors, update.lora_config or {}, update.version)
+        if update.checksum is not None:
+            # vLLM's weights live in its engine: there the update is checked as received
+            held = getattr(self.backend, "held", None)
+            names = update.checksum.names
+            verify(update.checksum, held(update.kind, names) if held else {n: tensors[n] for n in names},
+                   f"rollout worker on node {current_node_id()}", update.version)
         self.version = update.version
         return self.version
 

@@ -6,10 +6,15 @@
   only a :class:`~otray.types.SharedTensors` handle (names, dtypes, shapes, offsets); each worker on the
   same node maps the file and copies straight from it into its model. No pickling, no object-store
   copy; the file is replaced by the next version's (the learner keeps the latest two).
-- ``auto``: ``shm`` when the learner and every rollout worker run on one node, else ``object_store``.
+- ``cuda_ipc`` and ``broadcast``: device to device (``device_transport.py``).
+- ``auto``: ``cuda_ipc`` when the learner and every rollout worker run on one node and the learner's
+  GPU is every worker's; else ``shm`` on one node; else ``object_store``. (``broadcast`` is chosen by
+  name: for workers on other nodes or GPUs.)
 
-``tests/actors/sampling/test_transport.py`` checks that ``shm`` delivers the object store's tensors bit for
-bit; ``benchmarks/weight_sync.py`` times both between two Ray actors.
+Learner side: :class:`Publisher` (every transport; each update in the workers' dtype and with its
+checksum); worker side: :class:`Receiver`. ``tests/actors/sampling/test_transport.py`` checks that
+``shm`` and ``broadcast`` deliver the object store's tensors bit for bit; ``benchmarks/weight_sync.py``
+times them between two Ray actors.
 """
 
 from __future__ import annotations
@@ -18,22 +23,27 @@ import os
 from pathlib import Path
 from typing import Any
 
+from otray.actors.sampling.device_transport import DevicePublisher, DeviceReceiver, checksum
 from otray.placement import current_node_id
-from otray.types import ConfigError, SharedTensors, WeightUpdate
+from otray.types import ConfigError, DeviceTensors, SharedTensors, WeightUpdate
 
-TRANSPORTS = ("auto", "object_store", "shm")
+TRANSPORTS = ("auto", "object_store", "shm", "cuda_ipc", "broadcast")
 ALIGN = 64  # every tensor starts on a 64-byte boundary of the shared file
 SHM_DIR = Path(os.environ.get("OTRAY_SHM_DIR", "/dev/shm"))
 
 
-def choose(setting: str, learner_node: str | None, worker_nodes: list[str | None]) -> str:
-    """The transport a policy uses: ``setting`` unless ``auto`` (see the module docstring)."""
+def choose(setting: str, learner_node: str | None, worker_nodes: list[str | None], learner_device: str = "cpu",
+           worker_devices: list[str] | None = None) -> str:
+    """The transport a policy uses: ``setting`` unless ``auto`` (see the module docstring). Devices are
+    ``device_transport.device_id``'s (``cpu`` or ``cuda:<uuid>``)."""
     if setting not in TRANSPORTS:
         raise ConfigError(f"rollout.weight_sync={setting!r}: choose one of {', '.join(TRANSPORTS)}")
     if setting != "auto":
         return setting
-    same = learner_node is not None and all(n == learner_node for n in worker_nodes)
-    return "shm" if same and worker_nodes and shm_free_bytes() > MIN_FREE else "object_store"
+    same = learner_node is not None and bool(worker_nodes) and all(n == learner_node for n in worker_nodes)
+    if same and learner_device.startswith("cuda") and all(d == learner_device for d in worker_devices or ["cpu"]):
+        return "cuda_ipc"
+    return "shm" if same and shm_free_bytes() > MIN_FREE else "object_store"
 
 
 MIN_FREE = 1 << 30  # auto picks shm only with at least this much shared memory free (a container's may be 64 MiB)
@@ -101,19 +111,6 @@ class SharedFiles:
             Path(self.paths.pop(0)).unlink(missing_ok=True)
         return ref
 
-    def update(self, state: dict[str, Any], version: int, kind: str, lora: dict[str, Any] | None,
-               transport: str) -> WeightUpdate:
-        """A learner's ``state`` as a :class:`~otray.types.WeightUpdate` over ``transport``: CPU copies for the
-        object store, or one shared-memory file (no copy but the write into it). Shared memory that is
-        full sends this update through the object store instead (and says so)."""
-        if transport == "shm":
-            try:
-                return WeightUpdate(version, kind, self.publish({k: v.detach() for k, v in state.items()},
-                                                                f"{os.getpid()}-v{version}"), lora)
-            except OSError as e:
-                print(f"weight_sync shm failed ({e}); sending version {version} through the object store", flush=True)
-        return WeightUpdate(version, kind, {k: v.detach().to("cpu", copy=True) for k, v in state.items()}, lora)
-
     def close(self) -> None:
         for p in self.paths:
             Path(p).unlink(missing_ok=True)
@@ -121,3 +118,49 @@ class SharedFiles:
 
     def __del__(self) -> None:
         self.close()
+
+
+class Publisher:
+    """The learner's side of every transport: shared-memory files and the device buffer."""
+
+    def __init__(self, device: str = "cpu"):
+        self.shared = SharedFiles()
+        self.device = DevicePublisher(device)
+
+    def update(self, state: dict[str, Any], version: int, kind: str, lora: dict[str, Any] | None,
+               transport: str, dtype: str | None = None) -> WeightUpdate:
+        """A learner's ``state`` as a :class:`~otray.types.WeightUpdate` over ``transport``, its floating
+        tensors in ``dtype`` (the workers'; None: as they are), with their checksum: CPU copies for the
+        object store, one shared-memory file, or the device buffer. Shared memory that is full sends
+        this update through the object store instead (and says so)."""
+        import torch
+
+        target = getattr(torch, dtype) if dtype else None
+        tensors = {k: v.detach().to(target) if target is not None and v.is_floating_point() else v.detach()
+                   for k, v in state.items()}
+        sums = checksum(tensors)
+        if transport in ("cuda_ipc", "broadcast"):
+            return WeightUpdate(version, kind, self.device.publish(tensors, transport), lora, sums)
+        if transport == "shm":
+            try:
+                return WeightUpdate(version, kind, self.shared.publish(tensors, f"{os.getpid()}-v{version}"), lora, sums)
+            except OSError as e:
+                print(f"weight_sync shm failed ({e}); sending version {version} through the object store", flush=True)
+        return WeightUpdate(version, kind, {k: v.to("cpu", copy=True) for k, v in tensors.items()}, lora, sums)
+
+    def close(self) -> None:
+        self.shared.close()
+
+
+class Receiver:
+    """A worker's side of every transport: an update's tensors, wherever they travelled."""
+
+    def __init__(self, device: str = "cpu"):
+        self.device = DeviceReceiver(device)
+
+    def tensors(self, update: WeightUpdate) -> dict[str, Any]:
+        if isinstance(update.tensors, SharedTensors):
+            return from_shared(update.tensors)
+        if isinstance(update.tensors, DeviceTensors):
+            return self.device.tensors(update.tensors)
+        return update.tensors

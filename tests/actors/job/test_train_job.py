@@ -65,13 +65,15 @@ def test_short_job_writes_metrics_and_trajectories(default_job):
 def test_step_breakdown_adds_up_to_the_step_and_rows_reach_wandb(run_job, tmp_path):
     """Every RL row splits its wall time into parts (generate, env, forward_backward, ...) that sum to
     the step's wall time as train.run measured it, within 5%; idle fractions are fractions. The same
-    job logs to wandb (offline) and Ray's metrics, as ``logging`` asks."""
+    job logs to wandb (offline) and Ray's metrics, as ``logging`` asks, and sends its weights over a
+    broadcast group (gloo here), which every row names."""
     from otray.timing import PARTS, breakdown_table
 
     data = _cfg(tmp_path)
     data["sft"]["steps"] = 0
     data["algo"]["steps"] = 3
     data["logging"] = {"wandb": True, "wandb_mode": "offline", "ray_metrics": True}  # the sinks' time counts too
+    data["rollout"]["weight_sync"] = "broadcast"
     _, job_dir = run_job(tmp_path, data)
     runs = list((job_dir / "wandb").glob("offline-run-*/run-*.wandb"))  # the rows reached wandb (offline)
     assert runs and runs[0].stat().st_size > 0
@@ -86,7 +88,7 @@ def test_step_breakdown_adds_up_to_the_step_and_rows_reach_wandb(run_job, tmp_pa
         assert abs(sum(parts.values()) - r["step_wall_s"]) <= 0.05 * r["step_wall_s"], (parts, r["step_wall_s"])
         assert 0 < r["time/generate_share"] < 1
         assert 0 <= r["time/learner_idle_frac"] < 1 and 0 <= r["time/rollout_idle_frac"] < 1
-        assert r["policy_lag"] == 0
+        assert r["policy_lag"] == 0 and r["weight_sync"] == "broadcast"
     table = breakdown_table(rows).splitlines()
     assert len(table) == 1 + 3 and "forward_backward" in table[0]
 

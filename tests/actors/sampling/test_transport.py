@@ -51,9 +51,9 @@ def test_shm_gives_the_sampler_the_object_stores_weights(tiny_path, tokenizer, r
     for _ in range(3):  # new versions: the learner keeps its latest two files and removes the rest
         learner.version += 1
         learner.weights("shm")
-    assert not Path(shared.tensors.path).exists() and len(learner.shared.paths) == 2
-    kept = list(learner.shared.paths)
-    learner.shared.close()
+    assert not Path(shared.tensors.path).exists() and len(learner.publisher.shared.paths) == 2
+    kept = list(learner.publisher.shared.paths)
+    learner.publisher.shared.close()
     assert not any(Path(p).exists() for p in kept)
 
 
@@ -78,3 +78,101 @@ def test_a_handle_from_another_node_or_a_removed_file_is_a_clear_error(monkeypat
     monkeypatch.undo()
     with pytest.raises(FileNotFoundError, match="is gone"):
         from_shared(ref)
+
+
+def test_auto_takes_cuda_ipc_when_every_worker_shares_the_learners_gpu():
+    gpu, other = "cuda:GPU-aaaa", "cuda:GPU-bbbb"
+    assert choose("auto", "n1", ["n1", "n1"], gpu, [gpu, gpu]) == "cuda_ipc"
+    assert choose("auto", "n1", ["n1"], gpu, [other]) == "shm"
+    assert choose("auto", "n1", ["n2"], gpu, [gpu]) == "object_store"
+    assert choose("auto", "n1", ["n1"], "cpu", ["cpu"]) == "shm"
+    assert choose("broadcast", "n1", ["n2"]) == "broadcast"
+
+
+def test_cuda_ipc_on_a_cpu_learner_is_refused_by_name(tiny_path):
+    from otray.actors.learner.policy_learner import PolicyLearner
+
+    with pytest.raises(ConfigError, match="cuda_ipc needs the learner on a GPU.*shm or auto"):
+        PolicyLearner(tiny_path).weights("cuda_ipc")
+
+
+@pytest.mark.parametrize("rank", [0, 4])
+def test_broadcast_over_gloo_gives_every_worker_the_object_stores_weights(ray_local, tiny_path, tokenizer, rank):
+    """Two workers in the learner's broadcast group (gloo here, NCCL on GPUs) end bit-identical to a worker
+    updated through the object store, in the workers' dtype, for full and LoRA updates."""
+    import ray
+
+    from otray.actors.job.runtime import open_broadcast
+    from otray.actors.learner.policy_learner import PolicyLearner
+    from otray.actors.sampling.fleet import RolloutFleet
+    from otray.actors.sampling.rollout import RolloutWorker
+    from otray.algos.datums import sft_datum
+
+    learner = ray.remote(num_cpus=0)(PolicyLearner).remote(tiny_path, lora={"rank": rank} if rank else None)
+    workers = [ray.remote(num_cpus=0)(RolloutWorker).remote(tiny_path, "hf", dtype="bfloat16") for _ in range(3)]
+    try:
+        open_broadcast(learner, workers[:2])
+        for step in range(1, 3):
+            learner.forward_backward.remote([sft_datum(tokenizer.encode("1+2="), tokenizer.encode("3"))], "cross_entropy")
+            learner.optim_step.remote(learning_rate=1e-2)
+            update = learner.weights.remote("broadcast", "bfloat16")
+            assert RolloutFleet(workers[:2]).update_weights(update, step, learner.send_weights.remote()) == [step, step]
+        assert ray.get(workers[2].update_weights.remote(learner.weights.remote("object_store", "bfloat16"))) == 2
+        kind = "lora" if rank else "full"
+
+        def held(w):
+            return ray.get(w.__ray_call__.remote(sampler_state, kind))
+
+        want = held(workers[2])
+        for w in workers[:2]:
+            got = held(w)
+            assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+            if kind == "full":  # (PEFT keeps an adapter in float32 over a bf16 base: the values are bf16's)
+                assert all(v.dtype == torch.bfloat16 for v in got.values() if v.is_floating_point())
+    finally:
+        for a in (learner, *workers):
+            ray.kill(a)
+
+
+def sampler_state(worker, kind):
+    """(Run inside a RolloutWorker actor) the weights its sampler holds: the model's, or the adapter's."""
+    from peft import get_peft_model_state_dict
+
+    model = worker.backend.model
+    return model.state_dict() if kind == "full" else get_peft_model_state_dict(model)
+
+
+def test_a_corrupted_or_skipped_update_is_caught_naming_the_worker(ray_local, tiny_path):
+    """The checksum sent with an update is checked against the worker's weights after loading; a worker
+    that reports another version than the update's fails the fleet's sync."""
+    import dataclasses
+
+    import ray
+
+    from otray.actors.learner.policy_learner import PolicyLearner
+    from otray.actors.sampling.fleet import RolloutFleet
+    from otray.actors.sampling.device_transport import checksum
+    from otray.actors.sampling.rollout import RolloutWorker
+    from otray.types import WeightSyncError
+
+    update = PolicyLearner(tiny_path).weights()
+    name = update.checksum.names[-1]
+    corrupted = dataclasses.replace(update, tensors={**update.tensors, name: update.tensors[name] + 1e-3})
+    worker = RolloutWorker(tiny_path, "hf")
+    with pytest.raises(WeightSyncError, match=f"loaded version 0 but its '{name}' differs from the learner's"):
+        worker.update_weights(corrupted)
+    worker.backend.load_full_weights = lambda tensors: None  # a loader that silently does nothing
+    moved = dataclasses.replace(update, tensors={k: v * 1.01 if v.is_floating_point() else v
+                                                 for k, v in update.tensors.items()})
+    moved = dataclasses.replace(moved, checksum=checksum(moved.tensors))
+    with pytest.raises(WeightSyncError, match="corrupted or not applied"):
+        worker.update_weights(moved)
+    actor = ray.remote(num_cpus=0)(RolloutWorker).remote(tiny_path, "hf")
+    try:
+        with pytest.raises(WeightSyncError, match="rollout worker 0 reports policy version 0 after the update to "
+                                                  "version 7: it did not apply the update"):
+            RolloutFleet([actor]).update_weights(ray.put(update), 7)
+        with pytest.raises(WeightSyncError, match="rollout worker 0: .*differs from the learner's"):
+            RolloutFleet([actor]).update_weights(ray.put(corrupted), 0)
+    finally:
+        ray.kill(actor)

@@ -139,6 +139,7 @@ class HFBackend:
                 sampler: "Sampling | None" = None) -> None:
         self.tokenizer = tokenizer
         self.model = model
+        self.dtype = str(model.dtype).removeprefix("torch.")  # what the learner sends (WorkerInfo.dtype)
         self.base_model = self.model
         self.max_model_len = max_model_len or self.model.config.get_text_config().max_position_embeddings
         self.max_batch = max_batch
@@ -251,6 +252,19 @@ class HFBackend:
     def compile_s(self) -> float:
         """Seconds the compiled sampler's warm-up took (0: eager)."""
         return self.compiled.compile_s if self.compiled is not None else 0.0
+
+    def held(self, kind: str, names: tuple[str, ...]) -> dict[str, Any]:
+        """The tensors ``names`` as the sampler holds them now (an update's checksum is checked on these):
+        the model's parameters (``full``), or the adapter's, as loaded or as merged from (``lora``)."""
+        if kind == "lora":
+            if self.merged is not None:
+                return {n: self.merged.adapter[n] for n in names if n in self.merged.adapter}
+            from peft import get_peft_model_state_dict
+
+            held = get_peft_model_state_dict(self.model) if self.model is not self.base_model else {}
+        else:
+            held = self.model.state_dict()
+        return {n: held[n] for n in names if n in held}
 
     def _weights_changed(self) -> None:
         if self.packed:

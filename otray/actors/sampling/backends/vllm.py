@@ -135,6 +135,7 @@ class VLLMBackend:
                        enforce_eager=settings["enforce_eager"], max_num_seqs=max_num_seqs,
                        worker_extension_cls=f"{__name__}.WeightSyncExtension", **lora)
         self.max_model_len = self.llm.llm_engine.model_config.max_model_len
+        self.dtype = str(self.llm.llm_engine.model_config.dtype).removeprefix("torch.")  # what the learner sends
         if self.vision is not None:
             from transformers import AutoConfig
 
