@@ -79,21 +79,25 @@ test-pure: $(STAMP) browser sandbox
 test-fast: $(STAMP) browser sandbox
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not vllm"
 
-# On a machine with a CUDA GPU (NOTES.md, "GPU check"): the GPU tests (~1 min), a short GPU job through the
-# ResourceManager (`otray train`; it stayed QUEUED on the H200 in session 31: its log says why now), the engine's
-# probes (one JSON, ~1 min) and the learner's fair shares (benchmarks/learner_fairness.py, ~3.5 min); ~7 min on an H200. Each
-# part has a time cap, so a hang in one still leaves the others' results (a lent GPU's minutes are few).
+# On a machine with a CUDA GPU (NOTES.md, "GPU check"): the GPU tests (~1.5 min: the compiled sampler on CUDA graphs
+# and cuda_ipc between actors among them), otray against TRL (benchmarks/gpu.py: one run of each row, ~4 min), a short
+# GPU job through the ResourceManager (`otray train`), the engine's probes (one JSON, ~1 min) and the learner's fair
+# shares (~1.5 min); under 9 min on an H200; benchmarks/gpu_report.py gathers them into one JSON (gpu_report.json). Each part has a time cap, so a hang in one still leaves the others'
+# results (a lent GPU's minutes are few). TRL and Ray come from the carried wheels (../shared/tools/device-carry.sh).
 # No venv here: a lent GPU machine has its own CUDA torch and no registry (PY=python3 there).
 GPU_OUT ?= benchmarks/results
 gpu-check:
 	mkdir -p $(GPU_OUT)
-	timeout -k 5 180 $(PY) -m pytest -q -p no:cacheprovider tests/test_gpu.py -m gpu -rs --durations=0 \
+	timeout -k 5 150 $(PY) -m pytest -q -p no:cacheprovider tests/test_gpu.py -m gpu -rs --durations=0 \
 	  > $(GPU_OUT)/gpu_tests.log 2>&1; status=$$?; cat $(GPU_OUT)/gpu_tests.log; \
-	  timeout -k 5 120 $(PY) -m otray.cli train conf/gpu/arithmetic_colocated.yaml job.output_dir=/tmp/gpu_manager \
+	  timeout -k 5 270 $(PY) benchmarks/gpu.py --rounds 1 --steps 4 --out $(GPU_OUT)/gpu.json \
+	    > $(GPU_OUT)/gpu_vs_trl.log 2>&1 || status=1; tail -8 $(GPU_OUT)/gpu_vs_trl.log; \
+	  timeout -k 5 60 $(PY) -m otray.cli train conf/gpu/arithmetic_colocated.yaml job.output_dir=/tmp/gpu_manager \
 	    algo.steps=10 eval.every=5 > $(GPU_OUT)/gpu_manager_job.log 2>&1 || status=1; tail -4 $(GPU_OUT)/gpu_manager_job.log; \
-	  timeout -k 5 150 $(PY) benchmarks/gpu_check.py --out $(GPU_OUT)/gpu_check.json || status=1; \
-	  timeout -k 5 300 $(PY) benchmarks/learner_fairness.py --gpu --shape 0.5b --slice-tokens 2048 --seconds 10 \
-	    --warmup 3 --out $(GPU_OUT)/learner_fairness.json || status=1; exit $$status
+	  timeout -k 5 60 $(PY) benchmarks/gpu_check.py --out $(GPU_OUT)/gpu_check.json || status=1; \
+	  timeout -k 5 90 $(PY) benchmarks/learner_fairness.py --gpu --shape 0.5b --slice-tokens 2048 --seconds 4 \
+	    --warmup 2 --out $(GPU_OUT)/learner_fairness.json || status=1; \
+	  $(PY) benchmarks/gpu_report.py --dir $(GPU_OUT); exit $$status
 
 # Issue 35's Gomoku recipe scaled up (conf/gpu/gomoku_4m.yaml: tiny-4m, 2x the tactics SFT, 8x the games a step), after
 # gpu-check on a lent GPU: one seed per call (SEED=1 for the second); job directories under /tmp (checkpoints

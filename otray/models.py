@@ -78,6 +78,11 @@ SHAPES = {
                       num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=1024),
     "1.5b": TinyShape(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
                       num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=1024),
+    # Qwen2.5-0.5B's blocks with a 32k-entry byte-level BPE vocabulary (386M parameters: the embedding and
+    # head cost what a real vocabulary's do in sampling), for benchmarks/gpu.py against TRL
+    "0.5b_32k": TinyShape(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                          num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=1024,
+                          vocab_size=32768),
 }
 
 
@@ -103,6 +108,15 @@ def synthetic_corpus(seed: int, lines: int = 4000) -> list[str]:
     return out
 
 
+def pseudo_words(seed: int, vocab_size: int) -> list[str]:
+    """Lines of made-up words (syllables of a consonant and a vowel), enough distinct ones for a BPE
+    vocabulary of ``vocab_size`` entries (the bundled text alone gives a few thousand)."""
+    rng = random.Random(seed)
+    syllables = [c + v for c in "bcdfghjklmnprstvwz" for v in "aeiou"]
+    words = ["".join(rng.choice(syllables) for _ in range(rng.randint(1, 4))) for _ in range(vocab_size * 2)]
+    return [" ".join(rng.choice(words) for _ in range(16)) for _ in range(vocab_size // 2)]
+
+
 def train_tokenizer(seed: int, vocab_size: int):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -119,7 +133,8 @@ def train_tokenizer(seed: int, vocab_size: int):
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(synthetic_corpus(seed), trainer)
+    corpus = synthetic_corpus(seed) + (pseudo_words(seed, vocab_size) if vocab_size > 4096 else [])
+    tok.train_from_iterator(corpus, trainer)
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token=IM_END,

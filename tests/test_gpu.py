@@ -255,3 +255,95 @@ def test_the_learner_fairness_check_runs_on_the_cpu(tmp_path, ray_local):
                  "--policies", "fair", "--out", str(out)]) == 0
     fair = json.loads(out.read_text())["results"]["fair"]
     assert fair["both"]["bob_steps"] > 0 and fair["alice_alone_datums_per_s"] > 0 and fair["bob_alone"]["learner_busy"] > 0
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_the_compiled_sampler_on_cuda_graphs_matches_eager_and_follows_updates(tiny_path, tokenizer):
+    """``rollout.sampler: compiled`` with inductor and CUDA graphs: greedy tokens equal eager's in fp32,
+    sampled logprobs equal the learner's, a full update is sampled without a recompile."""
+    from torch._dynamo.utils import counters
+
+    from otray.actors.learner.policy_learner import PolicyLearner
+    from otray.actors.sampling.backends.hf import HFBackend
+    from otray.algos.datums import sft_datum
+    from otray.models import chat_prompt_ids
+    from otray.types import SamplingParams
+
+    prompts = [chat_prompt_ids(tokenizer, [{"role": "user", "content": q}]) for q in ("12+34=", "What is 7*8?", "hi")]
+    eager = HFBackend(tiny_path, device="cuda", dtype="float32", max_model_len=96, sampler="eager")
+    compiled = HFBackend(tiny_path, device="cuda", dtype="float32", max_model_len=96, max_batch=16, sampler="compiled")
+    warmed = counters["stats"]["unique_graphs"]
+    greedy = SamplingParams(max_tokens=24, temperature=0.0)
+    assert [r[0].token_ids for r in compiled.generate(prompts, greedy, 1)] == \
+        [r[0].token_ids for r in eager.generate(prompts, greedy, 1)]
+    learner = PolicyLearner(tiny_path, device="cuda", dtype="float32")
+    for _ in range(3):
+        learner.forward_backward([sft_datum(prompts[0], [9, 10, 11])] * 2, "cross_entropy")
+        learner.optim_step(learning_rate=1e-2)
+    compiled.load_full_weights(learner.weights().tensors)
+    assert _gap(learner, compiled, tokenizer) < 1e-3
+    assert counters["stats"]["unique_graphs"] == warmed
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_ipc_gives_a_worker_on_the_same_gpu_the_object_stores_weights(tiny_path):
+    """A learner and a rollout worker on half a GPU each: ``cuda_ipc`` leaves the worker bit-identical to an
+    update through the object store, and a second update reuses the exported handle."""
+    import ray
+
+    from otray.actors.learner.policy_learner import PolicyLearner
+    from otray.actors.sampling.fleet import RolloutFleet
+    from otray.actors.sampling.rollout import RolloutWorker
+    from otray.actors.sampling.transport import choose
+    from otray.types import DeviceTensors
+
+    ray.init(num_cpus=4, num_gpus=1, include_dashboard=False, log_to_driver=False)
+    try:
+        learner = ray.remote(num_gpus=0.5)(PolicyLearner).remote(tiny_path, dtype="bfloat16")
+        workers = [ray.remote(num_gpus=0.25)(RolloutWorker).remote(tiny_path, "hf", dtype="bfloat16")
+                   for _ in range(2)]
+        info, winfo = ray.get(learner.info.remote()), ray.get(workers[0].info.remote())
+        assert choose("auto", info.node_id, [winfo.node_id], info.device, [winfo.device]) == "cuda_ipc"
+        for version in (0, 0):
+            update = learner.weights.remote("cuda_ipc", "bfloat16")
+            assert isinstance(ray.get(update).tensors, DeviceTensors)
+            assert RolloutFleet(workers[:1]).update_weights(update, version) == [version]
+        assert ray.get(workers[1].update_weights.remote(learner.weights.remote("object_store", "bfloat16"))) == 0
+
+        def state(w):
+            return ray.get(w.__ray_call__.remote(lambda self: {k: v.cpu() for k, v in
+                                                               self.backend.model.state_dict().items()}))
+
+        a, b = state(workers[0]), state(workers[1])
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    finally:
+        ray.shutdown()
+
+
+def test_the_gpu_benchmark_runs_on_the_cpu_against_trl(tmp_path):
+    """``benchmarks/gpu.py --device cpu --shape tiny``: TRL's GRPOTrainer and the three otray rows each run
+    (their own processes), and the JSON has every figure of every row."""
+    import json
+
+    from benchmarks.gpu import FIELDS, OTRAY_ROWS, main
+
+    out = tmp_path / "gpu.json"
+    assert main(["--device", "cpu", "--shape", "tiny", "--rounds", "1", "--steps", "2", "--prompts", "2",
+                 "--group", "2", "--new-tokens", "8", "--threads", "1", "--out", str(out)]) == 0
+    got = json.loads(out.read_text())
+    assert set(got["rows"]) == {"trl", *OTRAY_ROWS}
+    for name, row in got["rows"].items():
+        assert set(FIELDS) <= set(row), name
+        assert row["median_step_s"] > 0 and row["generate_s"] > 0 and row["tokens_per_s_per_gpu"] > 0, name
+        assert row["ratio_to_trl"] == pytest.approx(row["median_step_s"] / got["rows"]["trl"]["median_step_s"])
+    assert got["rows"]["otray_colocated_compiled"]["sampler"] == "compiled"
+    assert got["rows"]["otray_colocated_compiled"]["compile_s"][0] > 0
+    assert got["rows"]["otray_colocated_eager"]["sampler"] == "eager"
+    assert got["rows"]["otray_split"]["weight_sync"] == "shm" and got["rows"]["otray_split"]["sync_s"] > 0
+    from benchmarks.gpu_report import main as report
+
+    assert report(["--dir", str(tmp_path)]) == 0  # make gpu-check's one JSON, targets read off gpu.json
+    targets = json.loads((tmp_path / "gpu_report.json").read_text())["targets"]
+    assert targets["compiled_over_trl"]["value"] == got["rows"]["otray_colocated_compiled"]["ratio_to_trl"]

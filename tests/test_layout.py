@@ -204,13 +204,28 @@ def test_bundled_games_use_the_public_api():
         assert not [m for m, _ in imports(p) if m.startswith(("otray.coordinator", "otray.actors"))], p
 
 
+def code_lines(node: ast.ClassDef, source: list[str]) -> int:
+    """A class's lines of code: without blank lines, comment lines and docstrings (its own and its
+    methods'), so that documenting a class never pushes it over the cap."""
+    docs = set()
+    for inner in ast.walk(node):
+        body = getattr(inner, "body", None)
+        if isinstance(inner, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and body and \
+                isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) and \
+                isinstance(body[0].value.value, str):
+            docs.update(range(body[0].lineno, body[0].end_lineno + 1))
+    return sum(1 for n in range(node.lineno, node.end_lineno + 1)
+               if n not in docs and source[n - 1].strip() and not source[n - 1].strip().startswith("#"))
+
+
 def test_classes_are_small_files_are_short_and_no_class_is_a_mixin():
     for p in MODULES.values():
-        assert len(p.read_text().splitlines()) <= 410, f"{p.relative_to(ROOT)} is over ~400 lines: split it"
+        source = p.read_text().splitlines()
+        assert len(source) <= 410, f"{p.relative_to(ROOT)} is over ~400 lines: split it"
         for node in ast.walk(ast.parse(p.read_text())):
             if isinstance(node, ast.ClassDef):
-                lines = node.end_lineno - node.lineno + 1
-                assert lines <= 250, f"{p.name}:{node.name} has {lines} lines"
+                lines = code_lines(node, source)
+                assert lines <= 210, f"{p.name}:{node.name} has {lines} lines of code"
                 assert "Mixin" not in node.name and not any("Mixin" in ast.unparse(b) for b in node.bases), node.name
 
 

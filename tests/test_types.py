@@ -20,6 +20,11 @@ def _examples():
         T.WeightUpdate(3, "full", T.SharedTensors("/dev/shm/otray-weights-1-v3.bin", "node",
                                                   (("w", "float32", (2, 2), 0, 16),), 64)),
         T.SharedTensors("/dev/shm/otray-weights-1-v4.bin", None, (), 0),
+        T.WeightUpdate(5, "full", T.DeviceTensors("cuda_ipc", (("w", "bfloat16", (2, 2), 0, 8),), 256, "node",
+                                                  "cuda:GPU-1", 1, b"handle"), None,
+                       T.WeightChecksum(("w",), (1.5,))),
+        T.DeviceTensors("broadcast", (), 1, None, "cpu", 2),
+        T.WeightChecksum((), ()),
         task,
         T.ErrorRecord("prompt_too_long", "too long", 0),
         traj,
@@ -37,7 +42,8 @@ def test_pickle_round_trip(value):
     back = pickle.loads(pickle.dumps(value))
     if isinstance(value, T.WeightUpdate):
         assert back.version == value.version and back.kind == value.kind and back.lora_config == value.lora_config
-        if isinstance(value.tensors, T.SharedTensors):
+        assert back.checksum == value.checksum
+        if isinstance(value.tensors, (T.SharedTensors, T.DeviceTensors)):
             assert back.tensors == value.tensors
         else:
             assert all(torch.equal(back.tensors[k], value.tensors[k]) for k in value.tensors)

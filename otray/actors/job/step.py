@@ -153,6 +153,7 @@ def rl_step(pipeline: Prefetcher, policies: dict[str, PolicyRuntime], algo: Algo
     for name, policy in policies.items():                                           #    once the next batch is
         learned[name]["sync_s"] = 0.0 if policy.synced else policy.sync_weights(clock)  # done: one version old)
         learned[name][K.WEIGHT_SYNC] = policy.weight_sync
+        learned[name][K.SAMPLER], learned[name][K.SAMPLER_COMPILE_S] = policy.info.sampler, policy.info.compile_s
     row: dict[str, Any] = {"step": step + 1, "batch": batch.digest, **batch.metrics}  # 8. metrics
     for name, policy in policies.items():
         prefix = "" if len(policies) == 1 else f"policy/{name}/"

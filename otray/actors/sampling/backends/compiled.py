@@ -4,7 +4,7 @@ cache, compiled once and replayed for every new token.
 Runs in whichever process samples with the HF backend: a rollout worker, or a learner that samples
 (``rollout.colocate``). The decode step (:meth:`StaticDecoder.decode`) is compiled with
 ``torch.compile`` (``mode="reduce-overhead"``, i.e. CUDA graphs, on a GPU). Rows are padded to a
-bucket size (powers of two up to ``max_batch``) so that the step only ever sees those shapes: after
+bucket size (powers of two from 8 up to ``max_batch``) so that the step only ever sees those shapes: after
 the warm-up (:meth:`CompiledSampler.warm_up`, run when the sampler starts and timed) a call recompiles
 nothing, a weight update neither (weights are loaded into the same tensors: ``load_full_weights`` and
 :class:`MergedLora`). Choosing the token (temperature, top-k, top-p, end ids ruled out under
@@ -28,9 +28,13 @@ SAMPLERS = ("auto", "eager", "compiled")
 CHECK_EVERY = 8  # decode steps between looks at which rows are done (each look waits for the device)
 
 
+SMALLEST = 8  # rows: fewer are padded up to it (on a GPU eight rows cost what one does; each bucket is a compile)
+
+
 def buckets(max_batch: int) -> tuple[int, ...]:
-    """The row counts a decode step runs at: powers of two below ``max_batch``, then ``max_batch``."""
-    out, b = [], 1
+    """The row counts a decode step runs at: powers of two from ``SMALLEST`` below ``max_batch``, then
+    ``max_batch``."""
+    out, b = [], SMALLEST
     while b < max_batch:
         out.append(b)
         b *= 2

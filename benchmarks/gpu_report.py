@@ -1,0 +1,69 @@
+"""One JSON of a ``make gpu-check`` run: what each part wrote, and issue 51's targets read off it.
+
+    python benchmarks/gpu_report.py --dir benchmarks/results --out benchmarks/results/gpu_report.json
+
+Reads (each may be missing: a part that failed or timed out is reported as such) ``gpu_tests.log`` (pytest's
+last line), ``gpu.json`` (``benchmarks/gpu.py``: otray against TRL), ``gpu_check.json`` (the engine's probes),
+``learner_fairness.json`` and ``gpu_manager_job.log`` (its last lines). Targets on one H100/H200: colocated
+compiled step / TRL's <= 0.30 (goal 0.15), compiled generation of the step's 64 x 256 tokens <= 1.5 s, weight
+sync between a learner and a worker on one GPU <= 0.05 s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.results_io import save  # noqa: E402
+
+TARGETS = {"compiled_over_trl": 0.30, "compiled_generate_s": 1.5, "split_sync_s": 0.05}
+
+
+def read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def last_lines(path: Path, n: int) -> list[str] | None:
+    try:
+        return path.read_text(errors="replace").splitlines()[-n:]
+    except OSError:
+        return None
+
+
+def targets(gpu: dict | None) -> dict:
+    if not gpu:
+        return {"missing": "gpu.json (benchmarks/gpu.py did not finish)"}
+    rows = gpu["rows"]
+    got = {"compiled_over_trl": rows.get("otray_colocated_compiled", {}).get("ratio_to_trl"),
+           "compiled_generate_s": rows.get("otray_colocated_compiled", {}).get("generate_s"),
+           "split_sync_s": rows.get("otray_split", {}).get("sync_s")}
+    return {k: {"value": v, "target": TARGETS[k], "met": v is not None and v <= TARGETS[k]} for k, v in got.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dir", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args(argv)
+    d = Path(a.dir)
+    gpu = read_json(d / "gpu.json")
+    report = {"tests": last_lines(d / "gpu_tests.log", 1), "vs_trl": gpu, "targets": targets(gpu),
+              "probes": read_json(d / "gpu_check.json"), "learner_fairness": read_json(d / "learner_fairness.json"),
+              "manager_job": last_lines(d / "gpu_manager_job.log", 4)}
+    for name, t in report["targets"].items():
+        print(f"{name}: {t}" if not isinstance(t, dict) else
+              f"{name}: {t['value']} (target <= {t['target']}: {'met' if t['met'] else 'not met'})")
+    save(report, a.out or d / "gpu_report.json")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
