@@ -111,7 +111,7 @@ def test_top_k_one_and_a_tiny_top_p_sample_the_greedy_token(tiny_path, prompts):
 
 
 def test_auto_is_eager_on_the_cpu_and_compiled_refuses_a_vision_model(tiny_path, vl_path):
-    assert HFBackend(tiny_path, max_model_len=32).sampler == "eager"
+    assert HFBackend(tiny_path, max_model_len=32, sampler="auto").sampler == "eager"
     from otray.models import load_model
 
     vlm = load_model(vl_path)

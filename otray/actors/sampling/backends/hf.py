@@ -12,7 +12,8 @@ full-vocabulary logits (at a 151,936-token vocabulary, 256 rows x 512 steps of f
 ``sampler`` (``rollout.sampler``): ``eager`` is transformers' ``generate`` above; ``compiled`` is
 ``compiled.py``'s static-cache decode step, compiled once at start (text prompts; a call with images
 goes through ``generate``); ``auto`` = compiled on a GPU, eager on the CPU, where the compiled step
-measured slower (``benchmarks/gpu.py --device cpu``).
+measured slower (NOTES.md). Jobs pass ``rollout.sampler`` (default ``auto``); other users of the
+backend (serve, the Tinker sampler, ``otray.local``) sample eagerly unless they ask.
 """
 
 from __future__ import annotations
@@ -110,7 +111,7 @@ class HFBackend:
 
     def __init__(self, model_path: str, *, dtype: str = "float32", max_model_len: int | None = None,
                  max_batch: int = 256, seed: int = 0, packed_linears: bool = True, device: str = "auto",
-                 sampler: str = "auto", compile_backend: str = "inductor", **_: Any):
+                 sampler: str = "eager", compile_backend: str = "inductor", **_: Any):
         torch.manual_seed(seed)  # sampling without a per-call seed draws from this process's RNG
         where = resolve_device(device)  # the GPU Ray gave this worker, else the CPU (otray.device)
         model = load_model(model_path, resolve_dtype(dtype, where)).eval()
