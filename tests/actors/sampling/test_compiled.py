@@ -50,10 +50,10 @@ def test_inductor_greedy_tokens_equal_eager_and_logprobs_equal_the_learner(tiny_
             assert s.logprobs == pytest.approx(learner_logprobs(learner, prompt, s.token_ids), abs=1e-4)
 
 
-def test_compiles_at_most_once_per_bucket_and_never_after_the_warm_up(tiny_path, prompts):
+def test_compiles_once_for_every_bucket_and_never_after_the_warm_up(tiny_path, prompts):
     before = graphs()
     backend = HFBackend(tiny_path, max_model_len=64, max_batch=20, sampler="compiled", compile_backend="eager")
-    assert buckets(20) == (8, 16, 20) and graphs() - before <= 3
+    assert buckets(20) == (8, 16, 20) and graphs() - before == 1  # the row count is dynamic: one graph
     warmed = graphs()
     for rows in (1, 2, 7, 8, 9, 16, 17, 20):  # each padded to its bucket
         out = backend.generate((prompts * 7)[:rows], SamplingParams(max_tokens=5, temperature=1.0), 1)

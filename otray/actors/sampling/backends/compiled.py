@@ -3,10 +3,11 @@ cache, compiled once and replayed for every new token.
 
 Runs in whichever process samples with the HF backend: a rollout worker, or a learner that samples
 (``rollout.colocate``). The decode step (:meth:`StaticDecoder.decode`) is compiled with
-``torch.compile`` (``mode="reduce-overhead"``, i.e. CUDA graphs, on a GPU). Rows are padded to a
-bucket size (powers of two from 8 up to ``max_batch``) so that the step only ever sees those shapes: after
-the warm-up (:meth:`CompiledSampler.warm_up`, run when the sampler starts and timed) a call recompiles
-nothing, a weight update neither (weights are loaded into the same tensors: ``load_full_weights`` and
+``torch.compile`` (``mode="reduce-overhead"``, i.e. CUDA graphs, on a GPU), once, with the row count
+dynamic; rows are padded to a bucket size (powers of two from 8 up to ``max_batch``) so that the step
+only ever sees those shapes (a CUDA graph is recorded per bucket). After the warm-up
+(:meth:`CompiledSampler.warm_up`, run when the sampler starts and timed) a call recompiles nothing, a
+weight update neither (weights are loaded into the same tensors: ``load_full_weights`` and
 :class:`MergedLora`). Choosing the token (temperature, top-k, top-p, end ids ruled out under
 ``ignore_eos``) runs eagerly on the step's logits; only the chosen token's raw (temperature-1) logprob
 is kept, as the eager sampler does. Stop ids end a row; stop strings are looked for every
@@ -87,11 +88,12 @@ class CompiledSampler:
         if compile:
             # the limit counts the graphs of one code object (``decode``) over every sampler of the process
             torch._dynamo.config.recompile_limit += len(self.sizes) + 2
-            self.step = torch.compile(self.decoder.decode, backend=backend, fullgraph=True, dynamic=False,
+            self.step = torch.compile(self.decoder.decode, backend=backend, fullgraph=True, dynamic=None,
                                       mode="reduce-overhead" if cuda and backend == "inductor" else None)
         else:
             self.step = self.decoder.decode
         self.graphs = cuda and compile and backend == "inductor"
+        self.dynamic_rows = compile and len(self.sizes) > 1 and min(self.sizes) >= SMALLEST
         self.compile_s = 0.0  # seconds of the warm-up (compiling and capturing every bucket)
 
     @torch.inference_mode()
@@ -110,6 +112,9 @@ class CompiledSampler:
     def _run(self, ids: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
         if self.graphs:
             torch.compiler.cudagraph_mark_step_begin()
+        if self.dynamic_rows:  # one compile for every bucket (CUDA graphs still record one per bucket)
+            torch._dynamo.mark_dynamic(ids, 0, min=SMALLEST, max=self.sizes[-1])
+            torch._dynamo.mark_dynamic(slot, 0, min=SMALLEST, max=self.sizes[-1])
         return self.step(ids, slot)
 
     @torch.inference_mode()
