@@ -10,7 +10,7 @@ threatens to complete a line next move at exactly one cell and the player cannot
 that cell is a *block*; where the player can win at once, taking a winning cell is a *win taken*.
 Prints and saves ``benchmarks/results/gomoku_blocks.json``.
 
-Why: white's win rate in the Gomoku experiment rises a few points and stops (NOTES.md, issue 35); this
+Why: white's win rate in the Gomoku experiment rises a few points and stops (docs/notes/learning.md); this
 says whether the trained policy learned to block at all, against what the scripted players do.
 """
 

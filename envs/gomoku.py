@@ -209,7 +209,7 @@ def text_listing_moves(size: int = 9, **_: Any) -> GameText:
 def text_with_lines(size: int = 9, win_length: int = 5, **_: Any) -> GameText:
     """:func:`text` with the board's open lines under it (``game.text: envs.gomoku:text_with_lines``; the
     game's ``win_length`` comes from ``game.kwargs``): taking a win or blocking one becomes reading one row
-    of text. (It did not help the tiny models imitate the heuristic in 600 SFT steps: NOTES.md, issue 35.)"""
+    of text. (It did not help the tiny models imitate the heuristic in 600 SFT steps: docs/notes/learning.md.)"""
     return dataclasses.replace(text(size), render=lambda obs, agent: render_text(obs, agent, win_length=win_length))
 
 
@@ -273,7 +273,7 @@ def tactics(observation: dict[str, np.ndarray], agent: str, action: int, win_len
     """A shaping reward for one move (``game.move_reward: envs.gomoku:tactics(win_length=3, ...)``): ``win``
     when the player had a line to complete and completed one, ``block`` when it had none but the opponent
     had exactly one and the move took that cell; 0 otherwise. These are the two things the outcome teaches a
-    small policy slowest (NOTES.md, issue 35: trained policies took ~20% of their wins and blocked ~15% of
+    small policy slowest (docs/notes/learning.md; trained policies took ~20% of their wins and blocked ~15% of
     single threats); a forced defence against two threats earns nothing (no move saves it)."""
     mine, theirs = threats(observation, win_length)
     if mine:

@@ -66,7 +66,7 @@ SHAPES = {
     # the tiny model's language model in a Qwen2-VL, with a 2-block vision tower (otray.vlm)
     "vl": TinyShape(builder="otray.vlm:build_tiny_vlm"),
     # ~4.6M parameters: the tiny model twice as wide and 1.5x as deep, for games the tiny one plays too weakly
-    # (benchmarks/gomoku_learning.py model.path=tiny-4m; NOTES.md, issue 35, session 27)
+    # (benchmarks/gomoku_learning.py model.path=tiny-4m; docs/notes/learning.md)
     "4m": TinyShape(hidden_size=256, intermediate_size=768, num_hidden_layers=6, num_attention_heads=8,
                     num_key_value_heads=2),
     # ~100M parameters, used by benchmarks/rollout_throughput.py.

@@ -6,7 +6,7 @@ additions; split ``test`` = the demo's 500 eval problems, ``train`` = the rest):
 - ``ToolAddition`` (tool use): the problem is only given by the ``problem`` tool (no reward);
   the final plain message is graded by the ``@terminal`` tool ``answer`` (1.0 when right).
   Why this shape: with the answer inside a ``submit`` call's JSON, ~25 tokens after the
-  numbers, otray's 4-layer tiny model stayed at 1-3% after 300+ SFT steps (NOTES.md).
+  numbers, otray's 4-layer tiny model stayed at 1-3% after 300+ SFT steps (docs/notes/learning.md).
 - ``PlainAddition`` (terminal tool): the model answers in plain text; the ``@terminal``
   tool ``answer`` grades that final message.
 

@@ -92,7 +92,7 @@ class TinkerScheduling:
     ``benchmarks/tinker_fairness.py`` measures)."""
 
     policy: str = "fair"  # fair | fifo
-    slice_tokens: int = 2048  # about what the learner passes in a small step's time (NOTES.md, issue 36)
+    slice_tokens: int = 2048  # about what the learner passes in a small step's time (docs/notes/tinker.md)
     follow_ms: float = 50.0  # a turn kept this long for a forward_backward's optim_step (if that user is owed it)
     users: dict[str, UserShare] = field(default_factory=dict)  # default: weight 1, priority 0
 

@@ -87,7 +87,7 @@ class LoraSampler:
         """As :meth:`AdapterLearner.sample`: per job, per prompt, ``n`` samples (and prompt logprobs).
         Adapter jobs with the same settings share one engine call whatever their adapters; the base
         model's prompts get calls of their own (vLLM's CPU build sampled a no-adapter prompt wrongly
-        when it was batched with adapter prompts: NOTES.md, serving LoRA on a vLLM base)."""
+        when it was batched with adapter prompts, in session 6; not seen since, the split is kept)."""
         rows = [(j, i, self._adapter(job.adapter)) for j, job in enumerate(jobs) for i in range(len(job.prompts))]
         samples: dict[tuple[int, int], list[Any]] = {}
         groups: dict[tuple[Any, int], list[tuple[int, int, Any]]] = {}

@@ -1,6 +1,6 @@
 """The ResourceManager's store of checkpoints: packed blobs (``otray.checkpoints``) unpacked under
 ``<registry dir>/checkpoints/<job id>/step-N`` on its node, so that no node needs another node's disk.
-Bigger models than a few GiB want an external store behind the same interface (noted in NOTES.md).
+Bigger models than a few GiB want an external store (S3, a shared file system) behind the same interface.
 """
 
 from __future__ import annotations
