@@ -136,6 +136,11 @@ class _Game:
 
 
 class ProtocolCoordinator:
+    """Plays phase-synchronized multi-agent games (PettingZoo AEC or parallel envs, one per seed) for a
+    job, as a Ray actor in the job's bundle 0: each phase gathers every live game's pending decisions,
+    asks each policy's fleet (built here from worker handles) for them in one batch, and steps the games.
+    It owns the game envs, the text bridges and its fleets; ``run`` returns one ``GameResult`` a seed."""
+
     def __init__(self, make_env: Callable[[], Any], text: GameText, policies: dict[str, Policy], tokenizer: Any = None,
                  *, rules: MoveRules | None = None, limits: Limits | None = None, system_prompt: str | None = None,
                  env_name: str = "game", context: str = "game",

@@ -104,6 +104,11 @@ async def request_images(req: GenerationRequest, fetch: bool, max_bytes: int) ->
 @serve.deployment(name="Gateway", num_replicas=1, ray_actor_options={"num_cpus": 0})
 @serve.ingress(api)
 class Gateway(DashboardRoutes):
+    """``otray serve``'s ingress deployment (a Ray Serve replica): the OpenAI-compatible ``/v1`` routes,
+    the ``/api`` and dashboard routes; it authenticates against the ResourceManager, tokenizes, and
+    generates in its own process (``layout: single``) or through ModelServer replicas (``split``), with an
+    LRU of job checkpoints it is allowed to load."""
+
     def __init__(self, cfg: dict[str, Any], servers: dict[str, Any], ray_dashboard: str | None = None):
         # imports here: Serve ships this class by value
         from otray.models import load_tokenizer, resolve_model_path

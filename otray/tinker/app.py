@@ -117,6 +117,10 @@ def _copy_query(data: dict[str, Any], request: Request) -> R.CopyWeights:
 @serve.deployment(name="TinkerGateway", num_replicas=1, max_ongoing_requests=1000, ray_actor_options={"num_cpus": 0})
 @serve.ingress(tinker_api)
 class TinkerGateway:
+    """``otray tinker``'s HTTP ingress (a Ray Serve replica, routes under ``/api/v1``): it decodes the SDK's
+    JSON and protobuf bodies, finds the caller (key or JWT), and forwards each call to the TinkerService
+    actor it starts (or finds), answering in the SDK's formats."""
+
     def __init__(self, cfg: dict[str, Any]):
         import ray
 

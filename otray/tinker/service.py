@@ -63,6 +63,12 @@ def start_learners(cfg: TinkerConfig, paths: dict[str, str]) -> dict[str, Any]:
 
 
 class TinkerService:
+    """The Tinker API's state, as one named, detached Ray actor behind the TinkerGateway: sessions,
+    training clients and their ordered requests, futures, leases, the SQLite store of runs, checkpoints
+    and samplers, uploaded custom losses, and a SharedLearner (plus vLLM samplers) per base model.
+    Every method checks the caller's identity against what it names: another user's objects read as
+    unknown ones."""
+
     def __init__(self, cfg: dict[str, Any]):
         from otray.models import resolve_model_path
 

@@ -45,6 +45,12 @@ log = logging.getLogger(__name__)
 
 @ray.remote(num_cpus=0, max_concurrency=64)
 class ResourceManager:
+    """The cluster's one control-plane actor (named, detached, restarted by Ray): users and keys (the
+    ``Gate``), the job queue that leases each job a placement group and starts its JobDriver
+    (``JobQueue``), the Tinker leases (``LeaseWatch``), the SQLite ``Registry`` of jobs, metrics, episodes
+    and checkpoints, and the ``CheckpointStore``. Every public method checks its caller's key or job
+    token first; a restarted manager fails the jobs it lost and picks its queue up again."""
+
     def __init__(self, db_path: str, *, auth_enabled: bool = False, output_dir: str = "runs",
                  store_dir: str | None = None):
         self.registry = Registry(db_path)

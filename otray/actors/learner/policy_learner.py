@@ -49,6 +49,9 @@ from otray.types import (Datum, GenerateResult, LearnerInfo, LossNormalizer, Sam
 
 
 class PolicyLearner:
+    """One trained policy's model, optimizer and losses, as a Ray actor of its job (bundle 0 of its policy)
+    or in-process (tests, ``otray.local``); with ``rollout.colocate`` it also samples (``start_sampler``)."""
+
     whole_model_on_device = True  # a sharded rank moves only its shards (otray.actors.learner.rank)
 
     def __init__(self, model_path: str, *, lora: LoraSpec | dict[str, Any] | None = None, dtype: str = "float32",

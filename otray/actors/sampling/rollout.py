@@ -41,6 +41,9 @@ def make_backend(name: str, model_path: str, **kwargs: Any) -> Backend:
 
 
 class RolloutWorker:
+    """One sampling backend as a Ray actor in its own bundle: generates for the job's fleet, takes weight
+    updates over ``rollout.weight_sync`` (checked against their checksum) and keeps the policy version."""
+
     def __init__(self, model_path: str, backend: str = "auto", *, num_threads: int | None = None, **backend_kwargs: Any):
         if num_threads:
             import torch
