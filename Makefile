@@ -83,7 +83,7 @@ test-fast: $(STAMP) browser sandbox
 # and cuda_ipc between actors among them), otray against TRL (benchmarks/gpu.py: one run of each row, ~4 min), a short
 # GPU job through the ResourceManager (`otray train`), the engine's probes (one JSON, ~1 min) and the learner's fair
 # shares (~1.5 min); under 9 min on an H200; benchmarks/gpu_report.py gathers them into one JSON (gpu_report.json). Each part has a time cap, so a hang in one still leaves the others'
-# results (a lent GPU's minutes are few). TRL and Ray come from the carried wheels (../shared/tools/device-carry.sh).
+# results (a lent GPU's minutes are few). TRL and Ray come from the carried wheels (NOTES.md, "GPU check").
 # No venv here: a lent GPU machine has its own CUDA torch and no registry (PY=python3 there).
 GPU_OUT ?= benchmarks/results
 gpu-check:

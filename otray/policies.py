@@ -188,7 +188,7 @@ def learner_ranks(cfg: Any) -> int:
 
 def policy_bundles(cfg: Any) -> int:
     """Bundles one trained policy takes in the job's placement group: its learner ranks, then its
-    rollout workers (``otray.actors.lease.bundles_for``)."""
+    rollout workers (``otray.actors.control.lease.bundles_for``)."""
     return learner_ranks(cfg) + num_rollout_workers(cfg)
 
 

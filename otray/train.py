@@ -1,5 +1,5 @@
 """``python -m otray.train CONFIG [key=value ...]``: run one training job on a local Ray, without the
-ResourceManager (benchmarks, tests). The job loop itself is ``otray.actors.run.run``.
+ResourceManager (benchmarks, tests). The job loop itself is ``otray.actors.job.run.run``.
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ itself. Pure: reads files, starts nothing."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -266,3 +267,55 @@ def test_nothing_in_the_repository_points_outside_it():
     assert "docs/architecture.md" in (ROOT / "README.md").read_text()
     for p in texts:
         assert "../shared" not in p.read_text(), f"{p.relative_to(ROOT)} points at ../shared"
+
+
+DOTTED = re.compile(r"(?<![\w./-])otray(?:\.[A-Za-z_]\w*)+")
+
+
+def defines(body: list[ast.stmt], rest: list[str]) -> bool:
+    """Whether ``body`` (a module's or a class's) defines the dotted ``rest`` (a class, function, name or
+    import; a class's attributes after it), looking inside ``if``/``try``/``with`` blocks too."""
+    name = rest[0]
+    for stmt in body:
+        if isinstance(stmt, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and stmt.name == name:
+            return len(rest) == 1 or (isinstance(stmt, ast.ClassDef) and defines(stmt.body, rest[1:]))
+        targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target] if isinstance(stmt, ast.AnnAssign) else []
+        if any(isinstance(t, ast.Name) and t.id == name for t in targets):
+            return len(rest) == 1
+        if isinstance(stmt, (ast.Import, ast.ImportFrom)) and any((a.asname or a.name).split(".")[0] == name
+                                                                  for a in stmt.names):
+            return True
+        if isinstance(stmt, (ast.If, ast.Try, ast.With)):
+            inner = [*stmt.body, *getattr(stmt, "orelse", []), *getattr(stmt, "finalbody", []),
+                     *[s for h in getattr(stmt, "handlers", []) for s in h.body]]
+            if defines(inner, rest):
+                return True
+    return False
+
+
+def resolves(dotted: str) -> bool:
+    """Whether ``otray.a.b.C.d`` names a module of the package and, after it, something it defines (read
+    from the source: nothing is imported)."""
+    parts = dotted.removesuffix(".py").split(".")
+    for k in range(len(parts), 0, -1):
+        base = ROOT.joinpath(*parts[:k])
+        src = base.with_suffix(".py") if base.with_suffix(".py").exists() else base / "__init__.py"
+        if src.exists():
+            return k == len(parts) or defines(ast.parse(src.read_text()).body, parts[k:])
+    return False
+
+
+def test_dotted_names_in_docstrings_and_docs_resolve():
+    """Every ``otray.x.y`` a docstring under ``otray/`` or a page under ``docs/`` names exists: prose that
+    points at a moved or renamed module fails here instead of sending a reader nowhere."""
+    assert resolves("otray.actors.job.step.rl_step") and resolves("otray.types.WeightUpdate.checksum")
+    assert not resolves("otray.actors.step.rl_step") and not resolves("otray.types.NoSuchThing")
+    bad = []
+    for p in MODULES.values():
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                bad += [f"{p.relative_to(ROOT)}: {m}" for m in DOTTED.findall(ast.get_docstring(node) or "")
+                        if not resolves(m)]
+    for p in sorted((ROOT / "docs").rglob("*.md")):
+        bad += [f"{p.relative_to(ROOT)}: {m}" for m in DOTTED.findall(p.read_text()) if not resolves(m)]
+    assert not bad, "names that do not resolve:\n" + "\n".join(bad)

@@ -11,7 +11,7 @@ repeat until every game has ended.
 
 Policies (:class:`Policy`): ``model`` (rollout worker handles, a trained policy's or a
 frozen checkpoint's, which the coordinator routes over with a
-:class:`~otray.coordinator.fleet.RolloutFleet` of its own; or, in process, any
+:class:`~otray.actors.sampling.fleet.RolloutFleet` of its own; or, in process, any
 generate function), ``scripted`` (``fn(observation, agent) ->
 action``) or ``random`` (a uniformly random legal move). Each agent played by a
 model gets its own multi-turn trajectory, exactly as the single-agent loop builds

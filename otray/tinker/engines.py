@@ -1,4 +1,4 @@
-"""The vLLM samplers of the Tinker service: per base model, a :class:`~otray.actors.lora_sampler.LoraSampler`
+"""The vLLM samplers of the Tinker service: per base model, a :class:`~otray.tinker.lora_sampler.LoraSampler`
 actor, started on the first sample request it can serve.
 
 :meth:`VllmSamplers.serves` is the routing rule (:mod:`otray.tinker.sampling` asks it for every group

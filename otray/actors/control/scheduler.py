@@ -1,11 +1,11 @@
 """The ResourceManager's job queue: fair placement, starting drivers, watching them to the end.
 
-Jobs wait in ``queue`` until their placement group (``otray.actors.lease.bundles_for``) can
+Jobs wait in ``queue`` until their placement group (``otray.actors.control.lease.bundles_for``) can
 be placed. The next job to place is the oldest queued job of the user who holds the fewest
 running jobs (:func:`fair_pick`), so a user who queued many jobs takes turns with one who queued
 one; once its placement group is asked for it blocks the rest until it is placed (no job jumps
 a larger one that waits for room). A started job's driver gets its
-job token from the :class:`~otray.actors.gate.Gate`; its end (success, failure, cancel,
+job token from the :class:`~otray.actors.control.gate.Gate`; its end (success, failure, cancel,
 driver death) frees the placement group and stores the innermost error (:func:`job_error`).
 Runs on the ResourceManager's event loop; the manager owns the one instance.
 """

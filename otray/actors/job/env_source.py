@@ -1,5 +1,5 @@
 """Episodes of the configured envs: :class:`EnvRollouts` (one agent loop over a fleet) and
-:class:`EnvGroupSource` (the env mixture as a :class:`~otray.actors.step.GroupSource`).
+:class:`EnvGroupSource` (the env mixture as a :class:`~otray.actors.job.step.GroupSource`).
 
 Every env of a job rolls out in one :class:`~otray.coordinator.agent_loop.AgentLoop`
 per call, so their generate calls batch together. Envs are created fresh per episode

@@ -1,4 +1,4 @@
-"""A multi-agent game (config section ``game``) as a :class:`~otray.actors.step.GroupSource`.
+"""A multi-agent game (config section ``game``) as a :class:`~otray.actors.job.step.GroupSource`.
 
 One batch: ``algo.batch_size`` fresh game seeds, each played ``game.num_rollouts`` times
 (and, with ``rotate_seats``, in every rotation of the seating) in one synchronized run of

@@ -4,7 +4,7 @@ Prints a per-step table (step, mean reward or SFT loss, held-out accuracy, token
 step time) and writes the same rows to ``<job dir>/metrics.jsonl``, plus
 ``summary.json`` with the held-out figure at the start of the main phase (after
 the SFT warm-up, if any) and at the end: accuracy when envs are evaluated, else the
-SFT held-out loss. Inference jobs (``job.kind: infer``) go to ``otray.actors.inference.run_job``.
+SFT held-out loss. Inference jobs (``job.kind: infer``) go to ``otray.actors.job.inference.run_job``.
 """
 
 from __future__ import annotations

@@ -5,10 +5,10 @@ A job trains one policy (env jobs, self-play) or several (a game with ``trained:
 its rollout workers in the job's placement group (or lets the learner sample itself,
 ``rollout.colocate``) without waiting, so the driver loads its tokenizer and data while they
 start; :func:`ready_policies` waits for them and returns a :class:`PolicyRuntime`: the handles,
-the :class:`~otray.coordinator.fleet.RolloutFleet` over the workers, their typed
+the :class:`~otray.actors.sampling.fleet.RolloutFleet` over the workers, their typed
 :class:`~otray.types.WorkerInfo`, and the policy version the driver has counted.
 
-Bundle layout of a job's placement group (``otray.actors.lease.bundles_for``): policy k
+Bundle layout of a job's placement group (``otray.actors.control.lease.bundles_for``): policy k
 takes ``N + W`` bundles from ``k * (N + W)`` on (its N learner ranks, ``resources.learner_workers``,
 then its W rollout workers; the job driver, a game's coordinator and a sharded policy's
 LearnerGroup sit in the first bundle with no CPU of their own), then one bundle per frozen

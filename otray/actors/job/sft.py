@@ -1,12 +1,12 @@
 """Supervised training of one policy: the SFT warm-up of RL jobs and the steps of SFT jobs.
 
-:class:`SFTTrainer` works on a :class:`~otray.actors.runtime.PolicyRuntime` (the job's
+:class:`SFTTrainer` works on a :class:`~otray.actors.job.runtime.PolicyRuntime` (the job's
 first policy) with token-mean cross-entropy. Its data is either chat conversations
 (``sft.splits``: rows with a ``messages`` list; the loss covers assistant turns) or, for
 a warm-up without chat data, the env's own tasks (the env's first observation as the
 prompt, ``sft.completion_field`` as the reply). A warm-up may stop early on greedy
 accuracy over a fixed sample of *training* tasks (``sft.stop_at_accuracy``), measured
-through the job's :class:`~otray.actors.env_source.EnvRollouts`.
+through the job's :class:`~otray.actors.job.env_source.EnvRollouts`.
 """
 
 from __future__ import annotations

@@ -4,13 +4,13 @@
   fleet; the first is the job's own (env jobs and self-play have exactly one);
 - ``source`` (:mod:`otray.actors.job.step`): where trajectory groups come from, the env
   mixture (:mod:`otray.actors.job.env_source`) or a game (:mod:`otray.actors.job.game_source`),
-  behind a :class:`~otray.actors.step.Prefetcher` for the off-policy pipeline;
+  behind a :class:`~otray.actors.job.step.Prefetcher` for the off-policy pipeline;
 - ``sft`` (:mod:`otray.actors.job.sft`): supervised steps on the job's first policy;
-- ``episodes`` (:class:`~otray.actors.episodes.EpisodeLog`): a few episodes per step.
+- ``episodes`` (:class:`~otray.actors.job.episodes.EpisodeLog`): a few episodes per step.
 
 The job owns the step counter and the files in its directory (``config.json``,
 ``metrics.jsonl``, ``trajectories.jsonl``, ``checkpoints/step-N``); nothing below it
-calls back into it. ``otray.actors.run.run`` drives it step by step.
+calls back into it. ``otray.actors.job.run.run`` drives it step by step.
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ class TrainJob:
     # ------------------------------------------------------------------ steps
 
     def rl_step(self) -> dict[str, Any]:
-        """One RL step (``otray.actors.step.rl_step``) after a health check of every fleet."""
+        """One RL step (``otray.actors.job.step.rl_step``) after a health check of every fleet."""
         for policy in self.policies.values():
             for line in policy.check_health():
                 self.log(f"  {line}")

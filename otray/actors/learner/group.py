@@ -1,7 +1,7 @@
 """LearnerGroup: one trained policy's sharded learner, behind the PolicyLearner interface.
 
 With ``resources.learner_workers: N > 1`` a job's policy is trained by N
-:class:`~otray.actors.sharded.LearnerRank` actors (one bundle each, placed by the job's
+:class:`~otray.actors.learner.rank.LearnerRank` actors (one bundle each, placed by the job's
 placement group strategy) that form one torch.distributed process group. The job holds one
 handle, a ``LearnerGroup`` actor (no CPU of its own, in the first rank's bundle), with the
 methods the job calls on a PolicyLearner: ``forward``, ``forward_backward``, ``optim_step``,

@@ -1,6 +1,6 @@
 """LearnerRank: one rank of a sharded learner group (``resources.learner_workers: N > 1``).
 
-Each rank is a :class:`~otray.actors.learner.PolicyLearner` whose model, after
+Each rank is a :class:`~otray.actors.learner.policy_learner.PolicyLearner` whose model, after
 :meth:`LearnerRank.join`, is sharded with torch FSDP2 (``fully_shard``: each decoder layer,
 then the whole model) over one ``torch.distributed`` process group of N ranks (NCCL on
 GPUs, gloo on CPU). What is sharded:
@@ -11,7 +11,7 @@ GPUs, gloo on CPU). What is sharded:
 
 A layer's parameters are gathered for its forward and its backward and freed after, so a
 rank holds about 1/N of the training state plus one layer unsharded. The ranks never
-decide anything themselves: :class:`~otray.actors.learner_group.LearnerGroup` hands each
+decide anything themselves: :class:`~otray.actors.learner.group.LearnerGroup` hands each
 its micro-batches (every rank the same number: an empty one is an idle pass, so that every
 rank joins every collective) and the whole batch's loss normalizer. Gradients are summed
 across ranks, not averaged (``set_gradient_divide_factor(1)``): each rank's loss is already

@@ -3,7 +3,7 @@
 ``RolloutWorker`` is a plain class; jobs wrap it with ``ray.remote``. It owns a
 backend (``vllm``, ``hf``, or ``auto`` = vLLM when it imports, else HF) and the
 policy version of the weights it holds. Routing prompts over several workers is
-:class:`otray.coordinator.fleet.RolloutFleet`'s job, in whichever process drives
+:class:`otray.actors.sampling.fleet.RolloutFleet`'s job, in whichever process drives
 the rollouts (the job driver's agent loop, or the ProtocolCoordinator actor).
 """
 

@@ -1,4 +1,4 @@
-"""Game jobs through the one RL step (otray.actors.step.rl_step): one-step-off-policy and colocated
+"""Game jobs through the one RL step (otray.actors.job.step.rl_step): one-step-off-policy and colocated
 tic-tac-toe, and the same group dropping and group counts as env jobs."""
 
 import json

@@ -1,6 +1,6 @@
 """The interface every generation backend implements (vLLM, HF transformers).
 
-A backend is an in-process object; :class:`otray.actors.rollout.RolloutWorker`
+A backend is an in-process object; :class:`otray.actors.sampling.rollout.RolloutWorker`
 wraps one in a Ray actor. Prompts are token ids, never text: the ids a backend
 returns are exactly the ids the learner trains on.
 """
