@@ -2,16 +2,19 @@
 
 TextArena (https://github.com/LeonGuertler/TextArena) games are text in, text out: the game writes
 each player's prompt and reads the player's whole reply itself (TicTacToe finds ``[4]`` in it). This
-adapter keeps both: ``observe(agent)`` is TextArena's own observation string and an action is the
-model's reply, handed to the game unparsed. So the game's text (:func:`text`) renders and parses
-nothing, and the game itself judges moves:
+adapter keeps both: ``observe(agent)`` carries TextArena's own observation text (a byte view beside it)
+and an action is the model's reply, handed to the game unparsed. So the game's text (:func:`text`)
+renders and parses nothing, and the game itself judges moves:
 
 - an invalid move follows TextArena's rule, not ``game.max_retries``: the game tells the player and
   asks again while its ``error_allowance`` lasts (1 in the bundled games), then the player loses.
   Every invalid reply is counted (``infos[agent]["invalid_move"]``, the job's ``illegal`` counts);
 - rewards are TextArena's at the game's end (``env.close()``: +1 / -1 / 0 for two-player games);
 - agents are ``player_0`` ... ``player_{N-1}`` (TextArena's player ids), in TextArena's turn order,
-  which may give a player several turns in a row (a retry, or a game's own rules).
+  which may give a player several turns in a row (a retry, or a game's own rules);
+- an observation is ``{"observation": its bytes as a fixed-length array, "text": TextArena's string}``
+  (``otray.games.text_observation``): PettingZoo's ``api_test`` compares the array, the model reads
+  the text whole.
 
 Random opponents need the legal moves: :meth:`TextArenaGame.legal_moves` reads TextArena's
 "Available Moves: '[0]', '[1]'" line (tic-tac-toe and the other board games print one); a game
@@ -35,7 +38,7 @@ from typing import Any
 from gymnasium import spaces
 from pettingzoo import AECEnv
 
-from otray.games import GameText, decision_dataset
+from otray.games import GameText, decision_dataset, observation_text, text_observation, text_observation_space
 
 MAX_REPLY_CHARS = 4096  # the action space's bound; replies are model output of max_tokens_per_turn tokens
 _MOVES_LINE = re.compile(r"(?:Available|Valid|Legal) [Mm]oves:?([^\n]*)")
@@ -66,7 +69,7 @@ class TextArenaGame(AECEnv):
         self.agents = list(self.possible_agents)
         text = spaces.Text(MAX_REPLY_CHARS, charset=string.printable)
         self.action_spaces = {a: text for a in self.possible_agents}
-        self.observation_spaces = {a: spaces.Text(1 << 20, charset=string.printable) for a in self.possible_agents}
+        self.observation_spaces = {a: text_observation_space() for a in self.possible_agents}
         self.game: Any = None
         self.observations: dict[str, str] = {}
 
@@ -99,8 +102,8 @@ class TextArenaGame(AECEnv):
         self.agent_selection = f"player_{player}"
         self.observations[self.agent_selection] = _as_text(observation)
 
-    def observe(self, agent: str) -> str:
-        return self.observations.get(agent, "")
+    def observe(self, agent: str) -> dict[str, Any]:
+        return text_observation(self.observations.get(agent, ""))
 
     def step(self, action: str | None) -> None:
         if self.terminations[self.agent_selection] or self.truncations[self.agent_selection]:
@@ -122,7 +125,7 @@ class TextArenaGame(AECEnv):
 
     def legal_moves(self, agent: str) -> list[str]:
         """The moves the game lists for ``agent`` now ("Available Moves: '[0]', '[4]'" -> ``["[0]", "[4]"]``)."""
-        lines = _MOVES_LINE.findall(self.observe(agent))
+        lines = _MOVES_LINE.findall(self.observations.get(agent, ""))
         if not lines:
             raise ValueError(f"TextArena game {self.env_id} lists no legal moves in its observation, so a random "
                              "player cannot be seated; use a scripted:module:fn opponent instead")
@@ -136,14 +139,15 @@ class TextArenaGame(AECEnv):
 
 
 def _as_text(observation: Any) -> str:
-    """TextArena's observation as the prompt: a string as it is (its board glyphs and accents kept, though the
-    declared ``Text`` space names printable ASCII only), anything else as JSON."""
+    """TextArena's observation as the prompt: a string as it is (its board glyphs and accents kept), anything
+    else as JSON."""
     return observation if isinstance(observation, str) else json.dumps(observation, default=str)
 
 
 def text(**_: Any) -> GameText:
     """The game's text: TextArena writes the prompts, the game reads the replies (``parse`` keeps them whole)."""
-    return GameText(render=lambda observation, agent: observation, parse=lambda reply: reply, example="[4]")
+    return GameText(render=lambda observation, agent: observation_text(observation), parse=lambda reply: reply,
+                    example="[4]")
 
 
 # --------------------------------------------------------------------------- tic-tac-toe: players and demos
@@ -159,8 +163,9 @@ def _tictactoe_board(observation: str) -> list[str]:
     return ["" if c.isdigit() else c for row in rows for c in row]
 
 
-def heuristic(observation: str, agent: str) -> str:
+def heuristic(observation: Any, agent: str) -> str:
     """A scripted TicTacToe-v0 player: complete a line, else block the opponent's, else centre, corner, edge."""
+    observation = observation_text(observation)
     board = _tictactoe_board(observation)
     mark = re.search(r"you will be '([XO])'", observation)
     me = mark.group(1) if mark else ("O" if agent == "player_0" else "X")
@@ -185,7 +190,7 @@ def make_chat_dataset(out_dir: str, *, env_id: str = "TicTacToe-v0-train", seed:
         while game.agents and not any(game.terminations.values()):
             agent = game.agent_selection
             move = rng.choice(game.legal_moves(agent))
-            yield game.observe(agent), move
+            yield observation_text(game.observe(agent)), move
             game.step(move)
 
     return decision_dataset(out_dir, env_id, play, seed=seed, num_train=num_train, num_eval=num_eval)

@@ -17,14 +17,62 @@ from __future__ import annotations
 import json
 import random
 import re
+import string
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from gymnasium import spaces
 
 _MOVE_INDEX = re.compile(r"<move>\s*(\d+)\s*</move>")
+TEXT_VIEW_BYTES = 1 << 14  # the fixed-length byte view of a text observation (UTF-8, zero-padded, cut past it)
+
+
+class AnyText(spaces.Space):
+    """Any Python string of at most ``max_length`` characters (Gymnasium's ``Text`` admits one character set
+    only, and a game's text may hold any: board glyphs, accents)."""
+
+    def __init__(self, max_length: int = 1 << 20, seed: int | None = None):
+        super().__init__(None, None, seed)
+        self.max_length = max_length
+
+    def contains(self, x: Any) -> bool:
+        return isinstance(x, str) and len(x) <= self.max_length
+
+    def sample(self, mask: Any = None, probability: Any = None) -> str:
+        alphabet = list(string.printable)
+        return "".join(self.np_random.choice(alphabet, int(self.np_random.integers(0, 64))))
+
+    @property
+    def is_np_flattenable(self) -> bool:
+        return False
+
+    def __eq__(self, other: Any) -> bool:
+        return isinstance(other, AnyText) and other.max_length == self.max_length
+
+    def __repr__(self) -> str:
+        return f"AnyText({self.max_length})"
+
+
+def text_observation_space(max_length: int = 1 << 20) -> spaces.Dict:
+    """The observation space of a game whose observations are text: ``{"observation": the text's bytes as a
+    fixed-length uint8 array (what PettingZoo's ``api_test`` compares), "text": the text itself}``."""
+    return spaces.Dict({"observation": spaces.Box(0, 255, (TEXT_VIEW_BYTES,), np.uint8), "text": AnyText(max_length)})
+
+
+def text_observation(text: str) -> dict[str, Any]:
+    """``text`` as an observation of :func:`text_observation_space`; the model reads ``["text"]`` whole."""
+    data = text.encode("utf-8")[:TEXT_VIEW_BYTES]
+    view = np.zeros(TEXT_VIEW_BYTES, dtype=np.uint8)
+    view[:len(data)] = np.frombuffer(data, dtype=np.uint8)
+    return {"observation": view, "text": text}
+
+
+def observation_text(observation: Any) -> str:
+    """The text of a text observation (:func:`text_observation`), or ``observation`` itself if it is a string."""
+    return observation["text"] if isinstance(observation, dict) and "text" in observation else str(observation)
 
 
 def legal_actions(observation: Any) -> list[int]:

@@ -85,12 +85,37 @@ def test_move_parser_never_raises(text):
 # --------------------------------------------------------------------------- the simultaneous-move game
 
 
-@pytest.mark.parametrize("factory", ["envs.gomoku:env", "envs.rps:env", "pettingzoo.classic.tictactoe_v3:env",
+def bundled_factories(name: str) -> list[str]:
+    """``module:name`` for every module under envs/ that defines a top-level function ``name`` (read from
+    the source, so a new game module is checked without being listed here)."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2] / "envs"
+    return [f"envs.{p.stem}:{name}" for p in sorted(root.glob("*.py"))
+            if any(isinstance(n, ast.FunctionDef) and n.name == name for n in ast.parse(p.read_text()).body)]
+
+
+def test_the_bundled_game_modules_are_found():
+    assert {"envs.gomoku:env", "envs.rps:env", "envs.textarena_game:env"} <= set(bundled_factories("env"))
+    assert "envs.rps:parallel_env" in bundled_factories("parallel_env")
+
+
+@pytest.mark.parametrize("factory", [*bundled_factories("env"), "pettingzoo.classic.tictactoe_v3:env",
                                      "pettingzoo.classic.connect_four_v3:env"])
 def test_pettingzoo_api_test_on_the_aec_form_of_every_bundled_game(factory):
     from otray.structured import import_object
 
     api_test(import_object(factory)(), num_cycles=50)
+
+
+@pytest.mark.parametrize("factory", bundled_factories("parallel_env"))
+def test_pettingzoo_parallel_api_test_on_every_bundled_parallel_game(factory):
+    from pettingzoo.test import parallel_api_test
+
+    from otray.structured import import_object
+
+    parallel_api_test(import_object(factory)(), num_cycles=50)
 
 
 def test_rps_parallel_api_and_rules():

@@ -1,8 +1,8 @@
 """TextArena games (the real ``textarena`` package) through envs/textarena_game.py and the coordinator.
 
-PettingZoo's ``api_test`` needs NumPy observations (it compares their dtypes); a TextArena
-observation is a string, so the AEC protocol is checked here by playing games through
-``agent_iter`` / ``last`` / ``step(None)``, as PettingZoo documents it."""
+PettingZoo's ``api_test`` runs on the adapter with the other bundled games (tests/envs/test_gomoku.py: an
+observation carries its text and a fixed-length byte view the checker compares); here whole games are
+played through ``agent_iter`` / ``last`` / ``step(None)``, as PettingZoo documents it."""
 
 import random
 
@@ -22,7 +22,8 @@ def _play_random(game, rng):
     for agent in game.agent_iter(max_iter=200):
         obs, reward, term, trunc, info = game.last()
         totals[agent] += reward
-        assert isinstance(obs, str) and game.observation_space(agent).contains(obs)
+        assert isinstance(obs["text"], str) and game.observation_space(agent).contains(obs)
+        assert bytes(obs["observation"]).rstrip(b"\0") == obs["text"].encode()[:len(obs["observation"])].rstrip(b"\0")
         game.step(None if term or trunc else rng.choice(game.legal_moves(agent)))
     return totals
 
