@@ -53,7 +53,7 @@ def plain_loop(make_env, policies: dict, seeds: list[int]) -> list[list[tuple[st
 
 
 def scripted_comparison(name: str, make_env, seats: dict, games: int, repeats: int) -> dict:
-    from otray.coordinator.protocol import Policy, ProtocolCoordinator
+    from otray.actors.rollout.protocol import Policy, ProtocolCoordinator
     from otray.games import GameText
 
     seeds = list(range(games))
@@ -82,9 +82,9 @@ def model_share(tiny: str, games: int, actors: bool, repeats: int) -> dict:
 
     from envs.tictactoe_text import TEXT
     from otray.actors.sampling.rollout import RolloutWorker
-    from otray.coordinator.agent_loop import Limits
-    from otray.coordinator.protocol import Policy, ProtocolCoordinator
-    from otray.coordinator.text_bridge import MoveRules
+    from otray.actors.rollout.agent_loop import Limits
+    from otray.actors.rollout.protocol import Policy, ProtocolCoordinator
+    from otray.actors.rollout.text_bridge import MoveRules
     from otray.models import load_tokenizer
     from otray.types import SamplingParams
 

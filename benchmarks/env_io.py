@@ -31,8 +31,8 @@ def main() -> None:
     args = parser.parse_args()
 
     from envs.openreward import OpenRewardEnv
-    from otray.coordinator.agent_loop import AgentLoop, Limits
-    from otray.coordinator.env_io import EnvIO
+    from otray.actors.rollout.agent_loop import AgentLoop, Limits
+    from otray.actors.rollout.env_io import EnvIO
     from otray.models import end_of_turn_ids, load_tokenizer, resolve_model_path
     from otray.types import FinishReason, GenerateResult, Sample, SamplingParams, Task
     from tests.fixtures.openreward_envs import SLOW_S

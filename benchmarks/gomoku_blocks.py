@@ -26,9 +26,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from envs import gomoku  # noqa: E402
 from otray import config  # noqa: E402
-from otray.coordinator.agent_loop import Limits  # noqa: E402
-from otray.coordinator.protocol import GameResult, Policy, ProtocolCoordinator  # noqa: E402
-from otray.coordinator.text_bridge import MoveRules  # noqa: E402
+from otray.actors.rollout.agent_loop import Limits  # noqa: E402
+from otray.actors.rollout.protocol import GameResult, Policy, ProtocolCoordinator  # noqa: E402
+from otray.actors.rollout.text_bridge import MoveRules  # noqa: E402
 from otray.types import SamplingParams  # noqa: E402
 
 GAME = config.load(ROOT / "conf" / "gomoku_opentinker.yaml").game  # the board, limits and move rule of the experiment

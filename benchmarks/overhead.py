@@ -55,7 +55,7 @@ def plain_run(cfg, steps: int) -> dict:
     from otray.algos import advantages as adv
     from otray.algos.datums import build_datums
     from otray.config import to_dict
-    from otray.coordinator.agent_loop import AgentLoop, Limits
+    from otray.actors.rollout.agent_loop import AgentLoop, Limits
     from otray.env import Mixture, resolve
     from otray.models import load_tokenizer, resolve_model_path
     from otray.types import SamplingParams

@@ -7,7 +7,7 @@ Config::
         entry: mcp
         kwargs: {mcp_servers: ["stdio:envs.mcp_calc_server"], max_turns: 3, call_timeout_s: 10}
         dataset: {builder: envs.calculator:make_dataset, dir: .cache/data/calculator}
-        timeout_s: 30                   # the env I/O limit of each reset/step (otray/coordinator/env_io.py)
+        timeout_s: 30                   # the env I/O limit of each reset/step (otray/actors/rollout/env_io.py)
 
 Tasks have a ``question`` and an exact ``answer`` (the calculator's datasets fit). The env lists every
 tool of its servers (``Env.tool_specs``: the chat template's ``tools=``, else the system prompt); a reply

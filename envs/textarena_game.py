@@ -54,7 +54,7 @@ class TextArenaGame(AECEnv):
     """One TextArena game (``textarena.make(env_id)``) behind PettingZoo's AEC API; actions are replies."""
 
     metadata = {"render_modes": [], "name": "textarena_v0", "is_parallelizable": False}
-    judges_replies = True  # the coordinator's bridge hands replies over unparsed (otray.coordinator.text_bridge)
+    judges_replies = True  # the coordinator's bridge hands replies over unparsed (otray.actors.rollout.text_bridge)
 
     def __init__(self, env_id: str, num_players: int = 2, **make_kwargs: Any):
         super().__init__()

@@ -9,7 +9,7 @@ convention) and read ``<move>N</move>``. A game config names its text as
 ``game.text: module:TEXT`` (or a function of ``game.kwargs`` returning one).
 
 This module is public API (``otray.games``) and sits at the env level: it imports
-nothing of otray's. The coordinator's bridges (``otray.coordinator.text_bridge``) use it.
+nothing of otray's. The coordinator's bridges (``otray.actors.rollout.text_bridge``) use it.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ FOLDERS = {
     "tinker": "otray/tinker/",
     "control": "otray/actors/control/",
     "job": "otray/actors/job/",
-    "coordinator": "otray/coordinator/",
+    "rollout": "otray/actors/rollout/",
     "learner": "otray/actors/learner/",
     "sampling": "otray/actors/sampling/",
     "algos": "otray/algos/",
@@ -32,8 +32,8 @@ MAY_IMPORT = {
     "serve": {"control", "sampling"},
     "tinker": {"serve", "control", "learner", "sampling", "algos"},  # its gateway shares Serve
     "control": {"job"},  # the JobDriver runs the job
-    "job": {"coordinator", "learner", "sampling", "algos"},
-    "coordinator": {"sampling"},  # a game's coordinator routes its generate calls over a RolloutFleet
+    "job": {"rollout", "learner", "sampling", "algos"},
+    "rollout": {"sampling"},  # the agent loop and a game's coordinator route generate calls over a RolloutFleet
     "learner": {"sampling", "algos"},  # a colocated learner samples with the sampling backends
     "sampling": set(),
     "algos": set(),
@@ -44,7 +44,7 @@ ACTOR_ROLES = {
     "ResourceManager": "control", "JobDriver": "control",
     "PolicyLearner": "learner", "LearnerGroup": "learner", "LearnerRank": "learner",
     "RolloutWorker": "sampling",
-    "ProtocolCoordinator": "coordinator",
+    "ProtocolCoordinator": "rollout",
     "TinkerService": "tinker", "SharedLearner": "tinker", "LoraSampler": "tinker", "TinkerGateway": "tinker",
     "TinkerOpenAI": "tinker",
     "Gateway": "serve",
@@ -182,14 +182,14 @@ def test_every_actor_class_lives_in_the_folder_of_its_role():
 
 
 @pytest.mark.parametrize("module, forbidden", [
-    ("config.py", ("otray.algos", "otray.actors", "otray.coordinator", "torch")),
-    ("config_checks.py", ("otray.algos", "otray.actors", "otray.coordinator", "torch")),
-    ("env.py", ("otray.config", "otray.actors", "otray.coordinator")),
+    ("config.py", ("otray.algos", "otray.actors", "otray.actors.rollout", "torch")),
+    ("config_checks.py", ("otray.algos", "otray.actors", "otray.actors.rollout", "torch")),
+    ("env.py", ("otray.config", "otray.actors", "otray.actors.rollout")),
     ("games.py", ("otray.",)),
     ("names.py", ("otray.algos", "otray.config", "torch")),
     ("policies.py", ("otray.config", "otray.actors")),
     ("structured.py", ("otray.config", "otray.env")),
-    ("trust.py", ("otray.actors", "otray.coordinator", "otray.serve", "otray.algos")),
+    ("trust.py", ("otray.actors", "otray.actors.rollout", "otray.serve", "otray.algos")),
     ("ranges.py", ("otray.",)),
     ("records.py", ("otray.",)),
     ("metric_keys.py", ("otray.",)),
@@ -202,7 +202,7 @@ def test_low_modules_import_nothing_above_them(module, forbidden):
 
 def test_bundled_games_use_the_public_api():
     for p in sorted((ROOT / "envs").glob("*.py")):
-        assert not [m for m, _ in imports(p) if m.startswith(("otray.coordinator", "otray.actors"))], p
+        assert not [m for m, _ in imports(p) if m.startswith(("otray.actors.rollout", "otray.actors"))], p
 
 
 def code_lines(node: ast.ClassDef, source: list[str]) -> int:

@@ -12,7 +12,7 @@ from envs.shapes import CountShapes, count_task
 from otray.actors.learner.core import token_logprobs
 from otray.actors.sampling.backends.hf import HFBackend
 from otray.algos.datums import build_datums
-from otray.coordinator.agent_loop import AgentLoop, Limits
+from otray.actors.rollout.agent_loop import AgentLoop, Limits
 from otray.env import Env, StepResult
 from otray.models import LoraSpec, apply_lora, build_tiny_model, copy_side_files, load_model
 from otray.types import GenerateResult, SamplingParams, Task, Trajectory

@@ -118,7 +118,7 @@ def test_episodes_reuse_fast_downward_instead_of_loading_it_again(built):
 
 def test_broken_games_are_clear_errors_and_error_records(built, tmp_path, tiny_path, tokenizer):
     from otray.actors.sampling.rollout import RolloutWorker
-    from otray.coordinator.agent_loop import AgentLoop, Limits
+    from otray.actors.rollout.agent_loop import AgentLoop, Limits
 
     _, rows, _ = built
     env = AlfWorldEnv()

@@ -11,7 +11,7 @@ import pytest
 from envs.mcp_env import McpToolEnv
 from envs.openreward import start_server
 from otray import config
-from otray.coordinator.agent_loop import AgentLoop, Limits
+from otray.actors.rollout.agent_loop import AgentLoop, Limits
 from otray.env import check_env, make
 from otray.mcp_tools import McpServerError, McpToolbox, toolbox
 from otray.tools import ToolCall, format_tool_call

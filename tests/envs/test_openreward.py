@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from otray import config
-from otray.coordinator.agent_loop import AgentLoop, Limits
-from otray.coordinator.env_io import EnvIO
+from otray.actors.rollout.agent_loop import AgentLoop, Limits
+from otray.actors.rollout.env_io import EnvIO
 from otray.env import Env, StepResult, check_env
 from otray.types import FinishReason, GenerateResult, Sample, SamplingParams, Task, Trajectory
 

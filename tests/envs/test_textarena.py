@@ -9,8 +9,8 @@ import random
 import pytest
 
 from envs import textarena_game as ta_game
-from otray.coordinator.agent_loop import Limits
-from otray.coordinator.protocol import Policy, ProtocolCoordinator
+from otray.actors.rollout.agent_loop import Limits
+from otray.actors.rollout.protocol import Policy, ProtocolCoordinator
 from otray.types import SamplingParams
 
 

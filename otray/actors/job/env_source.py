@@ -1,7 +1,7 @@
 """Episodes of the configured envs: :class:`EnvRollouts` (one agent loop over a fleet) and
 :class:`EnvGroupSource` (the env mixture as a :class:`~otray.actors.job.step.GroupSource`).
 
-Every env of a job rolls out in one :class:`~otray.coordinator.agent_loop.AgentLoop`
+Every env of a job rolls out in one :class:`~otray.actors.rollout.agent_loop.AgentLoop`
 per call, so their generate calls batch together. Envs are created fresh per episode
 from ``envs.<name>.entry`` + ``kwargs`` in this process (the job driver's). Episode
 seeds derive from the job seed, the step and the episode's place in the batch, so a
@@ -18,8 +18,8 @@ from otray import metric_keys as K
 from otray.actors.job.episodes import batch_digest, episode_metrics, episode_reward
 from otray.actors.job.step import Batch
 from otray.config import Config, EnvSection, EvalSection
-from otray.coordinator.agent_loop import AgentLoop, GenerateFn, Limits
-from otray.coordinator.env_io import EnvIO
+from otray.actors.rollout.agent_loop import AgentLoop, GenerateFn, Limits
+from otray.actors.rollout.env_io import EnvIO
 from otray.env import Mixture, TaskSource, resolve
 from otray.types import ErrorRecord, SamplingParams, Task, Trajectory, TrajectoryGroup
 

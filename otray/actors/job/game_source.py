@@ -36,9 +36,9 @@ from otray.actors.job.step import Batch
 from otray.algos.ratings import EloTable, game_score
 from otray.actors.job.league import League
 from otray.config import Config, eval_opponents, frozen_policies, policy_bundles, seating, trained_policies
-from otray.coordinator.agent_loop import Limits
-from otray.coordinator.protocol import GameResult, Opening, Played, Policy, ProtocolCoordinator
-from otray.coordinator.text_bridge import MoveRules
+from otray.actors.rollout.agent_loop import Limits
+from otray.actors.rollout.protocol import GameResult, Opening, Played, Policy, ProtocolCoordinator
+from otray.actors.rollout.text_bridge import MoveRules
 from otray.games import GameText
 from otray.policies import (PolicySpec, league_fixed, league_on, move_reward_function, scripted_function,
                             training_seatings)

@@ -22,7 +22,7 @@ from typing import Any
 from otray.algos.league import LeaguePool, Snapshot
 from otray.algos.ratings import EloTable, game_score
 from otray.config import LeagueSection
-from otray.coordinator.protocol import GameResult, Policy
+from otray.actors.rollout.protocol import GameResult, Policy
 from otray.policies import PolicySpec
 from otray.types import SamplingParams, WeightUpdate
 

@@ -18,9 +18,9 @@ def _coordinator(policies, tokenizer):
     from pettingzoo.classic import tictactoe_v3
 
     from envs.tictactoe_text import TEXT
-    from otray.coordinator.agent_loop import Limits
-    from otray.coordinator.protocol import ProtocolCoordinator
-    from otray.coordinator.text_bridge import MoveRules
+    from otray.actors.rollout.agent_loop import Limits
+    from otray.actors.rollout.protocol import ProtocolCoordinator
+    from otray.actors.rollout.text_bridge import MoveRules
 
     return ProtocolCoordinator(tictactoe_v3.env, TEXT, policies, tokenizer, rules=MoveRules(max_retries=0),
                                limits=Limits(max_turns=100, max_tokens_per_turn=6, max_tokens_per_episode=100,
@@ -32,7 +32,7 @@ def test_a_rollout_worker_killed_mid_phase_is_routed_around(ray_local, tiny_path
 
     from otray.actors.sampling.rollout import RolloutWorker, wait_ready
     from otray.actors.sampling.fleet import RolloutFleet
-    from otray.coordinator.protocol import Policy
+    from otray.actors.rollout.protocol import Policy
     from otray.types import SamplingParams
 
     workers = [ray.remote(num_cpus=1)(RolloutWorker).remote(tiny_path, "hf", max_model_len=512, seed=i)

@@ -3,7 +3,7 @@
 import pytest
 
 from envs import gomoku
-from otray.coordinator.text_bridge import MoveRules, TextBridge
+from otray.actors.rollout.text_bridge import MoveRules, TextBridge
 from otray.games import GameText, generic_parse, generic_render
 
 

@@ -5,7 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from otray.actors.sampling.rollout import RolloutWorker
-from otray.coordinator.agent_loop import AgentLoop, ChatContinuation, Limits
+from otray.actors.rollout.agent_loop import AgentLoop, ChatContinuation, Limits
 from otray.env import Env, StepResult
 from otray.types import EnvStateError, SamplingParams, Task
 

@@ -4,9 +4,9 @@ import pytest
 
 from envs import gomoku
 from envs.tictactoe_text import TEXT as TTT_TEXT
-from otray.coordinator.agent_loop import Limits
-from otray.coordinator.protocol import Policy, ProtocolCoordinator
-from otray.coordinator.text_bridge import MoveRules
+from otray.actors.rollout.agent_loop import Limits
+from otray.actors.rollout.protocol import Policy, ProtocolCoordinator
+from otray.actors.rollout.text_bridge import MoveRules
 from otray.games import GameText, legal_actions
 from otray.types import SamplingParams
 

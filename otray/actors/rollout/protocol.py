@@ -6,7 +6,7 @@ every live agent that has not chosen yet this round (so all of them act in the s
 phase); decisions are grouped by policy; every model policy answers its whole group
 with **one** batched generate call, scripted and random policies answer directly;
 every reply is applied through the game's bridge
-(:mod:`otray.coordinator.text_bridge`: parsing, the illegal-move rule). Phases
+(:mod:`otray.actors.rollout.text_bridge`: parsing, the illegal-move rule). Phases
 repeat until every game has ended.
 
 Policies (:class:`Policy`): ``model`` (rollout worker handles, a trained policy's or a
@@ -42,9 +42,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from otray.coordinator.agent_loop import ChatContinuation, GenerateFn, Limits
+from otray.actors.rollout.agent_loop import ChatContinuation, GenerateFn, Limits
 from otray.actors.sampling.fleet import RolloutFleet
-from otray.coordinator.text_bridge import Bridge, Decision, MoveRules, bridge_for
+from otray.actors.rollout.text_bridge import Bridge, Decision, MoveRules, bridge_for
 from otray.games import GameText
 from otray.types import ErrorRecord, FinishReason, SamplingParams, Task, Trajectory
 

@@ -16,7 +16,7 @@ Each episode moves PENDING -> GENERATING <-> INTERACTING -> TERMINATED:
 
 Env calls of one phase (every episode's ``reset``, every interacting episode's
 ``step``, the ``close`` of those that ended) run concurrently and under time limits
-as each env's :class:`~otray.coordinator.env_io.EnvIO` says (``Limits.env_io``).
+as each env's :class:`~otray.actors.rollout.env_io.EnvIO` says (``Limits.env_io``).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from otray.coordinator.env_io import EnvIO, EnvTimeout, call_all
+from otray.actors.rollout.env_io import EnvIO, EnvTimeout, call_all
 from otray.env import Env
 from otray.models import chat_prompt_ids, template_takes_tools
 from otray.tools import system_with_tools
