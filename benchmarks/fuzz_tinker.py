@@ -35,7 +35,7 @@ from benchmarks.fuzz_http import json_body  # noqa: E402
 from benchmarks.results_io import save  # noqa: E402
 
 BASE = "tiny"
-PREFIX = "/api/v1"  # otray.tinker.app.ROUTE_PREFIX: the schema's paths are under it
+PREFIX = "/api/v1"  # otray.tinker.gateway.app.ROUTE_PREFIX: the schema's paths are under it
 FIELDS = ["model_id", "seq_id", "session_id", "base_model", "lora_config", "num_samples", "sampling_params",
           "prompt", "tinker_path", "path", "request_id", "model_path", "sampling_session_id", "adam_params",
           "prompt_logprobs", "prompt_logprobs_last_n", "ttl_seconds", "user_metadata", "name", "type",
@@ -78,7 +78,7 @@ def start(port: int, tmp: Path) -> tuple[Made, Any]:
 
     from otray.actors.control.registry import tinker_key
     from otray.actors.control.resource_manager import get_or_create
-    from otray.tinker.app import run
+    from otray.tinker.gateway.app import run
     from otray.tinker.config import load_tinker
 
     ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False,

@@ -2,7 +2,7 @@
 
 The workload of ``benchmarks/tinker_fairness.py`` (alice: ``--clients`` clients stepping with
 ``--batch`` datums of ``--tokens`` tokens; bob: one client stepping with one ~16-token datum), with
-the calls made straight to a :class:`~otray.tinker.shared_learner.SharedLearner` over Ray: no HTTP,
+the calls made straight to a :class:`~otray.tinker.learner.shared_learner.SharedLearner` over Ray: no HTTP,
 no SDK, no service, so what is measured is the learner and its fair queue (on 2 CPU cores the SDK
 run also measures the HTTP traffic competing with the learner for the CPU). As the service does,
 a client sends its optim_step once its forward_backward is done. fifo and fair side by side.
@@ -32,7 +32,7 @@ from benchmarks.tinker_fairness import arguments, phases, summarize  # noqa: E40
 def client_step(learner: Any, user: str, adapter: str, data: list) -> Callable[[], None]:
     import ray
 
-    from otray.tinker.learner import AdamStep
+    from otray.tinker.learner.adapter_learner import AdamStep
 
     def step() -> None:
         ray.get(learner.forward_backward.remote(user, adapter, data, "cross_entropy"))
@@ -45,8 +45,8 @@ def run_policy(policy: str, args, path: str) -> dict[str, Any]:
     import ray
 
     from otray.models import load_tokenizer
-    from otray.tinker.learner import AdapterSpec
-    from otray.tinker.shared_learner import SharedLearner
+    from otray.tinker.learner.adapter_learner import AdapterSpec
+    from otray.tinker.learner.shared_learner import SharedLearner
     from otray.types import Datum
 
     def datum(tokens: list[int]) -> Datum:

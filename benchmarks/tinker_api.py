@@ -48,7 +48,7 @@ def data(tok, n: int, seed: int) -> list[tuple[list[int], list[int]]]:
 def in_process(path: str, args, pairs, prompts) -> dict[str, list[float]]:
     import torch
 
-    from otray.tinker.learner import AdamStep, AdapterLearner, AdapterSpec, SampleJob
+    from otray.tinker.learner.adapter_learner import AdamStep, AdapterLearner, AdapterSpec, SampleJob
     from otray.types import Datum, SamplingParams
 
     torch.set_num_threads(THREADS)
@@ -93,7 +93,7 @@ def through_sdk(path: str, args, pairs, prompts, engine: str = "learner",
     import tinker
     from tinker import types
 
-    from otray.tinker.app import run
+    from otray.tinker.gateway.app import run
     from otray.tinker.config import load_tinker
 
     ray.init(include_dashboard=False, log_to_driver=False)
@@ -128,7 +128,7 @@ def through_sdk(path: str, args, pairs, prompts, engine: str = "learner",
         tc.forward_backward(rl, "importance_sampling")
         tc.optim_step(types.AdamParams(learning_rate=1e-4)).result()
         times["rl"].append(time.perf_counter() - t0)
-    from otray.tinker.service import NAME, NAMESPACE
+    from otray.tinker.service.tinker_service import NAME, NAMESPACE
 
     actor = ray.get_actor(NAME, namespace=NAMESPACE)
     times["prompts_per_sample_call"] = ray.get(actor.sample_calls.remote())

@@ -9,7 +9,7 @@ Two users of one ``otray tinker`` service (auth on, the tiny model, its learner 
   step timed.
 
 For each ``scheduling.policy`` side by side, on a fresh service: ``fifo`` (calls in arrival order,
-unsliced: what the service did before) and ``fair`` (:mod:`otray.tinker.fair`), three phases:
+unsliced: what the service did before) and ``fair`` (:mod:`otray.tinker.learner.fair`), three phases:
 bob alone, alice alone, both. Reported: bob's median step with alice saturating / alone (target
 <= 2x; it was 257x when found) and alice's throughput with bob stepping / alone (target >= 0.9),
 plus what ``fair`` costs alice against ``fifo`` when she is alone (slicing).
@@ -171,9 +171,9 @@ def run_policy(policy: str, args, tmp: Path, keys: dict[str, str]) -> dict[str, 
     from ray import serve
 
     from otray.models import load_tokenizer, resolve_model_path
-    from otray.tinker.app import run
+    from otray.tinker.gateway.app import run
     from otray.tinker.config import load_tinker
-    from otray.tinker.service import NAME, NAMESPACE
+    from otray.tinker.service.tinker_service import NAME, NAMESPACE
 
     path = resolve_model_path(BASE, ROOT / ".cache" / "models")
     run(load_tinker({"port": PORT, "storage": str(tmp / f"store-{policy}"), "long_poll_s": 5,

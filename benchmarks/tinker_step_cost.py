@@ -4,7 +4,7 @@ The fairness benchmarks (``learner_fairness.py``) showed on an H200 (0.5B shape)
 step (one ~16-token datum: forward_backward, then optim_step) costs 0.19 s of learner time, more than
 alice's forward_backward of 8 x 128 tokens (0.11 s). While that holds, bob's pauses bound what alice
 keeps, whatever the scheduler does. This script times the parts of each step on an
-:class:`~otray.tinker.learner.AdapterLearner` (no Ray, no queue), synchronising the device around each
+:class:`~otray.tinker.learner.adapter_learner.AdapterLearner` (no Ray, no queue), synchronising the device around each
 part, and lists the operators a profiler sees in bob's step (the CPU side: Python and kernel launches).
 
     python benchmarks/tinker_step_cost.py [--shape 0.5b] [--adapters 11] [--repeats 20]
@@ -51,7 +51,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     import torch
 
     from otray.models import load_tokenizer, resolve_model_path
-    from otray.tinker.learner import AdamStep, AdapterLearner, AdapterSpec
+    from otray.tinker.learner.adapter_learner import AdamStep, AdapterLearner, AdapterSpec
     from otray.types import Datum
 
     path = resolve_model_path("tiny" if args.shape == "tiny" else f"tiny-{args.shape}", ROOT / ".cache" / "models")

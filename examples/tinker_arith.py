@@ -31,7 +31,7 @@ def ensure_service(url: str = URL, base_model: str = "tiny", path: str = "tiny")
         pass
     import ray
 
-    from otray.tinker.app import run
+    from otray.tinker.gateway.app import run
     from otray.tinker.config import load_tinker
 
     port = int(url.rsplit(":", 1)[1])

@@ -251,7 +251,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_tinker(args: argparse.Namespace) -> int:
-    from otray.tinker.app import ROUTE_PREFIX, run
+    from otray.tinker.gateway.app import ROUTE_PREFIX, run
     from otray.tinker.config import load_tinker
 
     cfg = load_tinker(args.config, args.overrides)  # fail before touching a cluster

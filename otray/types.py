@@ -337,7 +337,7 @@ class Datum:
     ``images``: the sequence's images in order (``otray.vision.Image``), whose expanded image tokens
     ``input_ids`` holds; the learner passes their pixels with the ids (``otray.vlm``).
     ``custom_inputs``: the arrays a Tinker custom loss reads besides the logprobs, in its declared
-    order (``otray.tinker.loss_graph``).
+    order (``otray.tinker.learner.loss_graph``).
     """
 
     input_ids: list[int]

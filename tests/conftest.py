@@ -172,9 +172,9 @@ def tinker_service(ray_local, tmp: Path, port: int, tiny_path: str, **overrides)
     from ray import serve
 
     from otray.actors.control.registry import tinker_key
-    from otray.tinker.app import run
+    from otray.tinker.gateway.app import run
     from otray.tinker.config import load_tinker
-    from otray.tinker.service import NAME, NAMESPACE
+    from otray.tinker.service.tinker_service import NAME, NAMESPACE
 
     rm = fresh_resource_manager(tmp / "registry.db", auth_enabled=True)
     alice = ray_local.get(rm.add_user.remote("alice"))

@@ -193,9 +193,9 @@ def test_a_server_side_custom_loss_on_cuda_matches_the_cpu_and_a_bad_index_spare
 
     import numpy as np
 
-    from otray.tinker.learner import AdapterLearner, AdapterSpec
-    from otray.tinker.loss_graph import parse_graph
-    from otray.tinker.wire import UserError
+    from otray.tinker.learner.adapter_learner import AdapterLearner, AdapterSpec
+    from otray.tinker.learner.loss_graph import parse_graph
+    from otray.tinker.errors import UserError
     from otray.types import Datum
     from tests.conftest import ROOT
 

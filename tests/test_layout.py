@@ -19,7 +19,11 @@ OTRAY = ROOT / "otray"
 FOLDERS = {
     "entry": "otray/__init__.py otray/cli.py otray/client.py otray/train.py otray/local.py",
     "serve": "otray/serve/",
-    "tinker": "otray/tinker/",
+    "tinker.gateway": "otray/tinker/gateway/",  # the Tinker API's rooms, one per process (otray/tinker/__init__.py)
+    "tinker.service": "otray/tinker/service/",
+    "tinker.learner": "otray/tinker/learner/",
+    "tinker.wire": "otray/tinker/wire/",
+    "tinker": "otray/tinker/__init__.py otray/tinker/errors.py otray/tinker/config.py",
     "control": "otray/actors/control/",
     "job": "otray/actors/job/",
     "rollout": "otray/actors/rollout/",
@@ -30,7 +34,11 @@ FOLDERS = {
 MAY_IMPORT = {
     "entry": set(FOLDERS),
     "serve": {"control", "sampling"},
-    "tinker": {"serve", "control", "learner", "sampling", "algos"},  # its gateway shares Serve
+    "tinker.gateway": {"tinker.service", "tinker.wire", "tinker", "serve", "control"},  # it shares Serve's helpers
+    "tinker.service": {"tinker.learner", "tinker.wire", "tinker", "control", "learner", "sampling", "algos"},
+    "tinker.learner": {"tinker.wire", "tinker", "learner", "sampling", "algos"},
+    "tinker.wire": {"tinker"},
+    "tinker": {"sampling"},  # errors.py and config.py, every room's vocabulary (config asks whether vLLM imports)
     "control": {"job"},  # the JobDriver runs the job
     "job": {"rollout", "learner", "sampling", "algos"},
     "rollout": {"sampling"},  # the agent loop and a game's coordinator route generate calls over a RolloutFleet
@@ -45,8 +53,8 @@ ACTOR_ROLES = {
     "PolicyLearner": "learner", "LearnerGroup": "learner", "LearnerRank": "learner",
     "RolloutWorker": "sampling",
     "ProtocolCoordinator": "rollout",
-    "TinkerService": "tinker", "SharedLearner": "tinker", "LoraSampler": "tinker", "TinkerGateway": "tinker",
-    "TinkerOpenAI": "tinker",
+    "TinkerService": "tinker.service", "SharedLearner": "tinker.learner", "LoraSampler": "tinker.learner",
+    "TinkerGateway": "tinker.gateway", "TinkerOpenAI": "tinker.gateway",
     "Gateway": "serve",
 }
 
@@ -107,6 +115,7 @@ def test_every_folder_is_known_and_every_import_goes_the_allowed_way():
                 bad.append(f"{path.relative_to(ROOT)} ({here}) imports {target} ({there})")
     assert not bad, "imports against the folder directions of docs/architecture.md:\n" + "\n".join(bad)
     known = {s.rstrip("/") for spec in FOLDERS.values() for s in spec.split() if s.endswith("/")}
+    known |= {str(Path(s).parent) for spec in FOLDERS.values() for s in spec.split() if s.endswith(".py")} - {"otray"}
     for d in sorted({str(p.parent.relative_to(ROOT)) for p in MODULES.values() if p.name != "__init__.py"} - {"otray"}):
         assert any(d == k or d.startswith(k + "/") for k in known), f"{d}/ is in no role folder: add it to FOLDERS"
 
@@ -319,3 +328,16 @@ def test_dotted_names_in_docstrings_and_docs_resolve():
     for p in sorted((ROOT / "docs").rglob("*.md")):
         bad += [f"{p.relative_to(ROOT)}: {m}" for m in DOTTED.findall(p.read_text()) if not resolves(m)]
     assert not bad, "names that do not resolve:\n" + "\n".join(bad)
+
+
+def test_the_tinker_wing_is_in_rooms_by_process():
+    """``otray/tinker/`` holds its rooms (gateway, service, learner, wire: one per process, and the wire
+    formats they share) and only ``__init__.py``, ``errors.py`` and ``config.py`` beside them; every module
+    of a room says in its docstring which process runs it."""
+    loose = sorted(p.name for p in (OTRAY / "tinker").glob("*.py"))
+    assert loose == ["__init__.py", "config.py", "errors.py"], loose
+    rooms = sorted(p.name for p in (OTRAY / "tinker").iterdir() if p.is_dir() and p.name != "__pycache__")
+    assert rooms == ["gateway", "learner", "service", "wire"], rooms
+    silent = [str(p.relative_to(ROOT)) for p in sorted((OTRAY / "tinker").rglob("*.py"))
+              if "Runs in" not in (ast.get_docstring(ast.parse(p.read_text())) or "")]
+    assert not silent, f"modules whose docstring does not say where they run ('Runs in ...'): {silent}"

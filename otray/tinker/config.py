@@ -3,7 +3,8 @@
 ``models`` maps the names clients pass as ``base_model`` to what otray loads: a local
 directory, a hub id, or ``tiny`` (built on first use). A registry name such as
 ``Qwen/Qwen3-8B`` may map to a local model, so recipes that only accept registry names run.
-"""
+
+Runs in every process of the Tinker API (each loads or receives the config): the CLI, the gateway, the service, the learners."""
 
 from __future__ import annotations
 
@@ -12,11 +13,22 @@ from pathlib import Path
 from typing import Any, Optional
 
 from otray.device import DTYPES
-from otray.tinker.fair import POLICIES, Share
 from otray.ranges import TINKER_RANGES, check_ranges
 from otray.structured import load_structured, one_of
-from otray.tinker.wire import UserError
+from otray.tinker.errors import UserError
 from otray.types import ConfigError
+
+
+POLICIES = ("fair", "fifo")  # how the users of one learner share it (otray.tinker.learner.fair)
+
+
+@dataclass(frozen=True)
+class Share:
+    """An admin's setting for one user: ``weight`` (learner time in proportion to it while users
+    compete) and ``priority`` (a higher one is served first)."""
+
+    weight: float = 1.0
+    priority: int = 0
 
 
 @dataclass
@@ -83,7 +95,7 @@ class UserShare:
 
 @dataclass
 class TinkerScheduling:
-    """How the users of one base model's learner share it (:mod:`otray.tinker.fair`).
+    """How the users of one base model's learner share it (:mod:`otray.tinker.learner.fair`).
 
     ``fair``: the learner runs one step at a time, the next chosen by start-time fair queueing over
     users (learner seconds used / weight; priorities first); a forward_backward is one step per
@@ -123,7 +135,7 @@ class TinkerConfig:
     # (smaller: fairer; larger: fewer calls whose slowest sample holds the engine's freed slots idle)
     sample_call_max_samples: int = 512
     # custom losses (create_custom_loss) uploaded and run here from an allow-list of tensor operations
-    # (otray/tinker/loss_graph.py); false: the SDK runs them client-side (a forward, then a weighted backward)
+    # (otray/tinker/learner/loss_graph.py); false: the SDK runs them client-side (a forward, then a weighted backward)
     custom_loss_server_side: bool = True
     max_chunk_datums: int = 1024  # the SDK splits a forward_backward into requests of at most this many datums
     max_samples: int = 64  # num_samples per request

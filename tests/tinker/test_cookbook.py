@@ -171,7 +171,7 @@ def test_cookbook_async_rl_loop_with_its_default_loss(svc, tmp_path, monkeypatch
     monkeypatch.setenv("TINKER_API_KEY", svc["alice"])
     log = tmp_path / "rl_async"
     cfg = rl_config(log, batches=4, save_every=0, async_config=async_cfg, max_steps=3)
-    from otray.tinker.service import NAME, NAMESPACE
+    from otray.tinker.service.tinker_service import NAME, NAMESPACE
 
     service = ray_local.get_actor(NAME, namespace=NAMESPACE)
     before = ray_local.get(service.stability.remote())

@@ -115,7 +115,7 @@ def test_the_cookbooks_topk_self_distillation_moves_the_student_to_the_teacher(s
 
 def test_samples_complete_through_one_session_poll(svc):
     """``sample_use_retrieve_futures``: the SDK's one poller per sampling session sees each request finish
-    (otray/tinker/session_feeds.py); another user's session is a 404, a malformed poll a 400."""
+    (otray/tinker/service/session_feeds.py); another user's session is a 404, a malformed poll a 400."""
     import httpx
 
     sc = tinker.ServiceClient(base_url=URL, api_key=svc["alice"])

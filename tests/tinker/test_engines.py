@@ -37,7 +37,7 @@ def svc(ray_local, tmp_path_factory, tiny_path):
 
 
 def engines(ray_local) -> dict:
-    from otray.tinker.service import NAME, NAMESPACE
+    from otray.tinker.service.tinker_service import NAME, NAMESPACE
 
     return ray_local.get(ray_local.get_actor(NAME, namespace=NAMESPACE).sample_engines.remote())
 
@@ -112,7 +112,7 @@ def test_sampler_checkpoints_of_two_clients_and_the_base_sample_on_one_vllm_engi
     assert not np.allclose(lps, before, atol=1e-3)
     assert engines(ray_local)["vllm"] > served["vllm"]
     # an engine that dies fails the requests it held with the reason; the next request starts a new one
-    from otray.tinker.service import NAME, NAMESPACE
+    from otray.tinker.service.tinker_service import NAME, NAMESPACE
 
     ray_local.kill(ray_local.get_actor(f"{NAME}-sampler-{BASE}", namespace=NAMESPACE))
     with pytest.raises(Exception, match="the vllm sampler died.*a new engine is started"):
@@ -125,7 +125,7 @@ def test_sampler_checkpoints_of_two_clients_and_the_base_sample_on_one_vllm_engi
 def test_a_users_flood_goes_to_vllm_in_calls_and_another_users_request_in_the_first(svc, tokenizer, ray_local):
     """sample_call_max_samples: alice's 8 requests of 2 samples go out in calls of at most CALL samples; bob's
     request, sent after them, is taken in the first turn of the next call, not after the flood."""
-    from otray.tinker.service import NAME, NAMESPACE
+    from otray.tinker.service.tinker_service import NAME, NAMESPACE
 
     prompt = types.ModelInput.from_ints(problems(tokenizer, 1)[0][0][:4])
     params = types.SamplingParams(max_tokens=16, temperature=1.0)

@@ -154,7 +154,7 @@ def test_the_service_merges_a_checkpoint_into_a_model_to_download(svc, tokenizer
     take) becomes a full model as ``external_weights/<name>``, listed and handed out by signed URL;
     transformers loads the download and scores exactly as the training client does. Refusals name the problem, and the same
     client's next request runs at once."""
-    from otray.tinker.merge import request_merge
+    from otray.tinker.service.merge import request_merge
 
     sc = tinker.ServiceClient(base_url=URL, api_key=svc["alice"])
     tc = sc.create_lora_training_client(base_model=BASE, rank=4, seed=0).result()

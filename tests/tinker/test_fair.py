@@ -1,4 +1,4 @@
-"""The learner's fair queue (otray.tinker.fair) on its own: whose step runs next.
+"""The learner's fair queue (otray.tinker.learner.fair) on its own: whose step runs next.
 
 Steps here are timed waits standing in for learner calls (what the queue measures is their
 duration, whatever they do); the SharedLearner's use of it with the real model is in
@@ -10,7 +10,8 @@ import asyncio
 
 import pytest
 
-from otray.tinker.fair import FairQueue, Share, slices
+from otray.tinker.config import Share
+from otray.tinker.learner.fair import FairQueue, slices
 
 
 def step(ran: list[str], label: str, seconds: float):

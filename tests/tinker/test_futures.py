@@ -7,8 +7,8 @@ import asyncio
 
 import pytest
 
-from otray.tinker.futures import Futures, OrderedExecutor, Outcome
-from otray.tinker.wire import UserError
+from otray.tinker.service.futures import Futures, OrderedExecutor, Outcome
+from otray.tinker.errors import UserError
 
 
 def recorder(ran: list[int], seq: int):

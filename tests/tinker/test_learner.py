@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from otray.tinker.learner import SAMPLER_CACHE, AdamStep, AdapterLearner, AdapterSpec, SampleJob
-from otray.tinker.prompt_scores import Scoring
+from otray.tinker.learner.adapter_learner import SAMPLER_CACHE, AdamStep, AdapterLearner, AdapterSpec, SampleJob
+from otray.tinker.learner.prompt_scores import Scoring
 from otray.types import Datum, SamplingParams
 
 
@@ -67,7 +67,7 @@ def test_the_base_samples_after_every_client_dropped_its_adapter(tiny_path):
     """The last training client leaving (its session closed) leaves the learner with no adapter; the
     base model still samples, the same tokens as before any adapter existed (PEFT kept the deleted
     adapter's name active, and base sampling failed with a KeyError for every other user)."""
-    from otray.tinker.learner import AdapterLearner, AdapterSpec, SampleJob
+    from otray.tinker.learner.adapter_learner import AdapterLearner, AdapterSpec, SampleJob
     from otray.types import SamplingParams
 
     learner = AdapterLearner(tiny_path)
@@ -89,9 +89,9 @@ def test_a_custom_loss_failing_in_a_later_slice_leaves_the_gradient_as_it_was(ti
     import asyncio
     import json
 
-    from otray.tinker.loss_graph import parse_graph
-    from otray.tinker.shared_learner import SharedLearner
-    from otray.tinker.wire import UserError
+    from otray.tinker.learner.loss_graph import parse_graph
+    from otray.tinker.learner.shared_learner import SharedLearner
+    from otray.tinker.errors import UserError
     from tests.conftest import ROOT
 
     graph = parse_graph(json.loads((ROOT / "tests" / "fixtures" / "custom_loss.json").read_text()))

@@ -1,4 +1,4 @@
-"""The server-side custom loss interpreter (otray/tinker/loss_graph.py) on graphs the real SDK traces and
+"""The server-side custom loss interpreter (otray/tinker/learner/loss_graph.py) on graphs the real SDK traces and
 encodes (``tinker``'s own ``trace_loss`` / ``encode_graph``): the interpreted loss, its gradient and its
 metrics equal the traced function's run directly by torch; each graph the allow-list does not cover, and
 each node that would touch more than the element budget, is a UserError naming the node. Pure: no Ray."""
@@ -15,9 +15,9 @@ import torch.nn.functional as F
 tinker = pytest.importorskip("tinker")
 from tinker.lib.public_interfaces.custom_loss import encode_graph, trace_loss  # noqa: E402
 
-from otray.tinker.loss_graph import LossGraph, parse_graph  # noqa: E402
-from otray.tinker.loss_run import run_graph, surrogate  # noqa: E402
-from otray.tinker.wire import UserError  # noqa: E402
+from otray.tinker.learner.loss_graph import LossGraph, parse_graph  # noqa: E402
+from otray.tinker.learner.loss_run import run_graph, surrogate  # noqa: E402
+from otray.tinker.errors import UserError  # noqa: E402
 from otray.types import Datum  # noqa: E402
 
 

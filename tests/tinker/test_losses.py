@@ -335,8 +335,9 @@ def test_a_malformed_sparse_tensor_is_a_user_error_naming_it():
     at parse time (no service needed), never densified out of bounds."""
     from tinker.proto import tinker_public_pb2 as pb
 
-    from otray.tinker.runs import ModelLimits
-    from otray.tinker.wire import UserError, parse_train_call
+    from otray.tinker.service.runs import ModelLimits
+    from otray.tinker.wire.messages import parse_train_call
+    from otray.tinker.errors import UserError
 
     def body(crow, col, values, shape=(2, 3), weights_shape=(2, 3)):
         d = pb.Datum()
@@ -367,9 +368,9 @@ def test_a_malformed_sparse_tensor_is_a_user_error_naming_it():
 def test_recordings_are_bounded_by_tokens_and_time_and_used_ones_stay(monkeypatch):
     """Past the token budget the least recently used recordings go first (a training request's use
     counts as use); past the TTL a recording is gone; another session's or user's is not handed out."""
-    from otray.tinker import stability
-    from otray.tinker.stability import Recorded, Recordings
-    from otray.tinker.wire import UserError
+    from otray.tinker.service import stability
+    from otray.tinker.service.stability import Recorded, Recordings
+    from otray.tinker.errors import UserError
 
     clock = [1000.0]
     monkeypatch.setattr(stability.time, "monotonic", lambda: clock[0])

@@ -1,4 +1,4 @@
-"""The server-side LoRA merge's arithmetic (otray/tinker/merge.py), against PEFT's own forward pass: an
+"""The server-side LoRA merge's arithmetic (otray/tinker/service/merge.py), against PEFT's own forward pass: an
 adapter on every linear layer (the tied lm_head included) folded into the tiny model gives a model that
 transformers loads and that scores exactly as the base with the adapter on; what it cannot honour is
 refused by name, and nothing is left behind."""
@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from otray.tinker.merge import lora_deltas, merge_lora
-from otray.tinker.wire import UserError
+from otray.tinker.service.merge import lora_deltas, merge_lora
+from otray.tinker.errors import UserError
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
 

@@ -1,4 +1,4 @@
-"""Top-K prompt and sample logprobs, target logprobs and alternative tokens (otray/tinker/prompt_scores.py)
+"""Top-K prompt and sample logprobs, target logprobs and alternative tokens (otray/tinker/learner/prompt_scores.py)
 on the AdapterLearner in-process (tiny model), each against a reference computed here from the model's
 own logits with plain transformers; and the request checks that refuse bad values by name."""
 
@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from otray.tinker.learner import AdapterLearner, SampleJob
-from otray.tinker.prompt_scores import SENTINEL_LOGPROB, Scoring, cut_before, parse_scoring, parse_targets
-from otray.tinker.wire import UserError
+from otray.tinker.learner.adapter_learner import AdapterLearner, SampleJob
+from otray.tinker.learner.prompt_scores import SENTINEL_LOGPROB, Scoring, cut_before, parse_scoring, parse_targets
+from otray.tinker.errors import UserError
 from otray.types import SamplingParams
 
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from otray.tinker.prompt_scores import Scoring
-from otray.tinker.sampling import SampleWait, fair_cut
+from otray.tinker.learner.prompt_scores import Scoring
+from otray.tinker.service.sampling import SampleWait, fair_cut
 from otray.types import SamplingParams
 
 

@@ -46,7 +46,7 @@ def adapter_file(store: Path, model_id: str, name: str) -> dict[str, np.ndarray]
 
 def reference(tiny_path: str, steps: list[list], rank: int, seed: int, lr: float):
     """An in-process AdapterLearner trained on ``steps`` (one forward_backward call per step)."""
-    from otray.tinker.learner import AdamStep, AdapterLearner, AdapterSpec
+    from otray.tinker.learner.adapter_learner import AdamStep, AdapterLearner, AdapterSpec
 
     ref = AdapterLearner(tiny_path)
     ref.create("ref", AdapterSpec(rank, seed))
@@ -171,7 +171,7 @@ def test_chunks_pipelining_and_resume_match_one_call_in_process(svc, tokenizer, 
 def test_a_forward_backward_reaches_the_learner_as_slices_in_the_users_turns(svc, tokenizer, ray_local):
     """A 3-datum request of 8-token datums is two learner steps at SLICE=16 tokens, counted as alice's
     (the adapter equality above shows the slices add up to one call)."""
-    from otray.tinker.service import NAME, NAMESPACE
+    from otray.tinker.service.tinker_service import NAME, NAMESPACE
 
     actor = ray_local.get_actor(NAME, namespace=NAMESPACE)
 
@@ -359,7 +359,7 @@ def test_an_abandoned_sample_is_cancelled_and_the_clients_next_one_served(svc, t
     leaves it, one in a running call has its result dropped; both promises fail as cancelled. The SDK sends
     it by itself when a sampling future is abandoned (result_async's timeout). Another user's request is a
     404, as an unknown one is."""
-    from otray.tinker.service import NAME, NAMESPACE
+    from otray.tinker.service.tinker_service import NAME, NAMESPACE
 
     service = ray_local.get_actor(NAME, namespace=NAMESPACE)
     prompt = problems(tokenizer, 1)[0][0][:4]
@@ -406,12 +406,12 @@ def test_an_abandoned_sample_is_cancelled_and_the_clients_next_one_served(svc, t
 def test_a_batch_that_fails_is_sent_again_one_request_at_a_time(svc, tokenizer, ray_local):
     """What the checks at submit miss (here: a sampler checkpoint deleted while its request waited)
     fails the shared learner call; the batcher then sends each request alone, so only that one fails."""
-    from otray.tinker.engines import VllmSamplers
-    from otray.tinker.futures import Futures
-    from otray.tinker.sampling import SampleBatcher, SampleWait
-    from otray.tinker.prompt_scores import Scoring
-    from otray.tinker.service import NAME, NAMESPACE
-    from otray.tinker.stability import Recordings
+    from otray.tinker.service.engines import VllmSamplers
+    from otray.tinker.service.futures import Futures
+    from otray.tinker.service.sampling import SampleBatcher, SampleWait
+    from otray.tinker.learner.prompt_scores import Scoring
+    from otray.tinker.service.tinker_service import NAME, NAMESPACE
+    from otray.tinker.service.stability import Recordings
     from otray.types import SamplingParams
 
     learner = ray_local.get_actor(f"{NAME}-learner-{BASE}", namespace=NAMESPACE)  # the running service's own
@@ -541,7 +541,7 @@ def test_training_clients_are_resource_manager_leases(svc, tokenizer, ray_local)
 def test_a_service_restart_keeps_every_finished_checkpoint(svc, tokenizer, ray_local):
     """The service actor is killed (Ray restarts it): checkpoints saved before are listed and load; the
     adapter that was live is reported lost with what to do, and doing it on the same ServiceClient works."""
-    from otray.tinker.service import NAME, NAMESPACE
+    from otray.tinker.service.tinker_service import NAME, NAMESPACE
 
     sc = tinker.ServiceClient(base_url=URL, api_key=svc["alice"])
     tc = sc.create_lora_training_client(base_model=BASE, rank=2, seed=5).result()

@@ -84,7 +84,7 @@ def test_a_client_whose_heartbeats_stop_is_ended_after_the_session_timeout(svc, 
 
 
 def test_a_learner_that_dies_fails_its_models_leases_at_once_and_a_new_one_serves(svc, ray_local):
-    from otray.tinker.service import NAME, NAMESPACE
+    from otray.tinker.service.tinker_service import NAME, NAMESPACE
 
     _, model = training_client(svc["alice"])
     learner = ray_local.get_actor(f"{NAME}-learner-{BASE}", namespace=NAMESPACE)
@@ -106,7 +106,7 @@ def test_a_learner_that_dies_fails_its_models_leases_at_once_and_a_new_one_serve
 def test_a_service_that_dies_fails_its_leases_at_once(svc, ray_local):
     """The service actor is killed for good (no restart): the ResourceManager ends its clients' leases
     FAILED at once, with the reason; nothing waits for a restart."""
-    from otray.tinker.service import NAME, NAMESPACE
+    from otray.tinker.service.tinker_service import NAME, NAMESPACE
 
     _, model = training_client(svc["bob"])
     ray_local.kill(ray_local.get_actor(NAME, namespace=NAMESPACE), no_restart=True)

@@ -1,11 +1,11 @@
-"""The session timeline behind export_session_trace (otray/tinker/timeline.py): grouping by session and
+"""The session timeline behind export_session_trace (otray/tinker/service/timeline.py): grouping by session and
 track, the caps on spans and sessions, and the Trace Event Format it writes. Pure: no Ray, no service."""
 
 from __future__ import annotations
 
 import json
 
-from otray.tinker.timeline import Timeline, chrome_trace
+from otray.tinker.service.timeline import Timeline, chrome_trace
 
 
 def test_requests_group_by_session_and_track_and_the_caps_drop_the_oldest():

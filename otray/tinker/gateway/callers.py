@@ -1,0 +1,61 @@
+"""Who is calling the Tinker API: a JWT this service minted (:mod:`otray.tinker.service.tokens`), or a
+``tml-`` key checked against the ResourceManager's registry when auth is on (``local`` when off).
+
+Runs in the gateway's Ray Serve replica."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from otray.tinker.service import tokens
+from otray.tinker.errors import UserError
+
+
+class Callers:
+    def __init__(self, cfg: Any, service: Any):
+        self.cfg, self.service = cfg, service  # a TinkerConfig; the TinkerService actor
+        self.auth_cache = (False, 0.0)  # (auth on, until when that answer holds)
+        self.secret: bytes | None = None  # the JWT signing key, fetched from the service once
+
+    async def owner(self, key: str) -> str:
+        """The caller's user name: from a JWT this service minted, or a key checked against the
+        ResourceManager's registry when auth is on."""
+        if tokens.looks_like_jwt(key):
+            return tokens.user_of(await self._secret(), key)
+        return await self.key_owner(key)
+
+    async def _secret(self) -> bytes:
+        if self.secret is None:
+            self.secret = await self.service.jwt_secret.remote()
+        return self.secret
+
+    async def key_owner(self, key: str) -> str:
+        from otray.serve.http import rm_handle
+
+        if not key.startswith("tml-"):
+            raise UserError("missing or malformed API key: send X-API-Key: tml-... (from `otray users add`)", 401)
+        if not await self._auth_on():
+            return "local"
+        try:
+            who = await rm_handle().whoami.remote(key)
+        except Exception as e:  # noqa: BLE001 - AuthError from the registry, or no manager
+            if isinstance(unwrap(e), PermissionError):
+                raise UserError(str(unwrap(e)).splitlines()[-1], 401) from None
+            raise UserError("no ResourceManager answers on this cluster, so keys cannot be checked", 503) from None
+        return who.name
+
+    async def _auth_on(self) -> bool:
+        from otray.serve.http import rm_handle
+
+        if self.cfg.auth != "auto":
+            return self.cfg.auth == "on"
+        if self.auth_cache[1] > time.monotonic():
+            return self.auth_cache[0]
+        rm = rm_handle()
+        if rm is None:
+            raise UserError("no ResourceManager answers on this cluster (auth: auto asks it whether keys are needed); "
+                            "start one with any `otray` command, or set auth: off", 503)
+        on = bool(await rm.auth_required.remote())
+        self.auth_cache = (on, time.monotonic() + 10.0)
+        return on

@@ -1,0 +1,179 @@
+"""Fair shares of a shared learner: whose work the learner does next.
+
+Every training client and every learner-sampled request of one base model runs on one
+:class:`~otray.tinker.learner.shared_learner.SharedLearner`, one step at a time. Run in arrival order, a user
+who keeps ten clients busy with large batches had ten calls ahead of anyone else's one-datum step
+(it waited 257x its time alone). A :class:`FairQueue` runs the steps instead, choosing the next by
+start-time fair queueing over users:
+
+- a *job* is one call of one client (a training client's adapter, or a user's sampling): a list of
+  steps run in order, each one turn on the learner (a forward_backward is one step per slice of
+  at most ``slice_tokens`` tokens, so a small step waits for one slice of another's work, not all);
+- a client's jobs run in the order they came (the service sends a model's requests in ``seq_id``
+  order); its next job is ready the moment the previous one ends, so a pipelined ``optim_step``
+  keeps the turn its ``forward_backward`` had;
+- each user has a virtual clock ``finish``: learner seconds used, divided by its ``weight``; the
+  next step is the user's with the earliest ``max(V, finish)`` among those with work, ``V`` the start
+  of the last step run (a user idle for a while starts at ``V``: no credit for time it did not ask
+  for, so it cannot then hold the learner for long); a higher ``priority`` goes first while it has
+  work (strict; weights within a level); a user's clients take turns, a step each.
+
+Seconds are measured around each step, whatever it does (a slice, an optimizer step, a checkpoint,
+a sample). ``policy: fifo`` runs jobs whole in arrival order (the behaviour before this module, kept
+as the baseline ``benchmarks/tinker_fairness.py`` measures against).
+
+Runs in the SharedLearner actor of one base model."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable, Sequence
+
+from otray.tinker.config import Share
+
+Step = Callable[[], Awaitable[Any]]
+
+
+@dataclass
+class _Job:
+    steps: deque  # of Step, those not run yet
+    done: asyncio.Future
+    arrival: int
+    follow: bool  # the client's next job usually comes at once (a forward_backward's optim_step)
+    results: list = field(default_factory=list)
+
+
+@dataclass
+class _User:
+    finish: float = 0.0  # virtual time: learner seconds used / weight
+    clients: dict = field(default_factory=dict)  # client -> deque of its _Jobs (insertion order: round robin)
+
+
+class FairQueue:
+    """The learner's work, one step at a time (owned by the learner actor's event loop)."""
+
+    def __init__(self, shares: dict[str, Share] | None = None, policy: str = "fair", follow_s: float = 0.05):
+        self.shares, self.policy, self.follow_s = shares or {}, policy, follow_s
+        self.arrived = asyncio.Event()  # set by every new job (a held turn waits for one)
+        self.users: dict[str, _User] = {}
+        self.vtime = 0.0
+        self.arrivals = itertools.count()
+        self.busy = False
+        self.pending = 0  # jobs not finished
+        self.used: dict[str, float] = {}  # learner seconds per user
+        self.steps: dict[str, int] = {}  # steps run per user
+        self.held = 0.0  # seconds the learner was kept for a follower (:meth:`_hold`)
+
+    def share(self, user: str) -> Share:
+        return self.shares.get(user, Share())
+
+    async def run(self, user: str, client: str, steps: Sequence[Step], follow: bool = False) -> list[Any]:
+        """Run ``steps`` of ``client`` (``user``'s) in order, each in its turn; their results. A step that
+        raises ends the job (its later steps do not run) and the exception is raised here. ``follow``:
+        the client's next job is likely on its way (see :meth:`_hold`)."""
+        job = _Job(deque(steps), asyncio.get_running_loop().create_future(), next(self.arrivals), follow)
+        self.users.setdefault(user, _User()).clients.setdefault(client, deque()).append(job)
+        self.arrived.set()
+        self.pending += 1
+        if not self.busy:
+            self.busy = True
+            asyncio.get_running_loop().create_task(self._drain())
+        return await asyncio.shield(job.done)
+
+    def _next(self) -> tuple[str, _User, str, _Job]:
+        """The step to run now: the top priority, earliest virtual start; that user's first client."""
+        if self.policy == "fifo":
+            return min(((n, u, c, jobs[0]) for n, u in self.users.items() for c, jobs in u.clients.items()),
+                       key=lambda x: x[3].arrival)
+        def order(nu: tuple[str, _User]) -> tuple:
+            return (-self.share(nu[0]).priority, max(self.vtime, nu[1].finish),
+                    min(jobs[0].arrival for jobs in nu[1].clients.values()))
+
+        name, u = min(((n, u) for n, u in self.users.items() if u.clients), key=order)
+        client = next(iter(u.clients))
+        return name, u, client, u.clients[client][0]
+
+    async def _drain(self) -> None:
+        try:
+            while self.pending:
+                name, u, client, job = self._next()
+                start = max(self.vtime, u.finish)
+                self.vtime = start
+                t0 = time.monotonic()
+                try:
+                    job.results.append(await job.steps.popleft()())
+                except Exception as e:  # noqa: BLE001 - the job's caller gets it
+                    job.steps.clear()
+                    if not job.done.done():
+                        job.done.set_exception(e)
+                spent = time.monotonic() - t0
+                u.finish = start + spent / self.share(name).weight
+                self.used[name] = self.used.get(name, 0.0) + spent
+                self.steps[name] = self.steps.get(name, 0) + 1
+                self._advance(name, u, client, job)
+                if job.follow and not job.steps and self.pending and self.policy == "fair":
+                    await self._hold(name, client)
+        finally:
+            self.busy = False
+
+    def _advance(self, name: str, u: _User, client: str, job: _Job) -> None:
+        """After a step: a finished job leaves; the client goes to the back of its user's turns."""
+        jobs = u.clients.pop(client)
+        if not job.steps:
+            jobs.popleft()
+            self.pending -= 1
+            if not job.done.done():
+                job.done.set_result(job.results)
+        if jobs:
+            u.clients[client] = jobs
+        if not u.clients and u.finish <= self.vtime:  # nothing to remember: it would start at V anyway
+            del self.users[name]
+
+
+    async def _hold(self, name: str, client: str) -> None:
+        """A job that usually has a follower ended (a forward_backward: the SDK sends its optim_step with
+        it, but the service passes it on only when the forward_backward is done). If that user is owed
+        the next turn over every other user waiting, keep the turn up to ``follow_s`` for the follower
+        to arrive (then the usual choice). Without it a small step lost its turn between its two calls:
+        one more slice of another user's work to wait. A hold that no follower ends is charged to that
+        user as learner time (it kept the learner idle for nothing); one that brought the follower is
+        not (charging it would hand the turn it kept to the others)."""
+        deadline = time.monotonic() + self.follow_s
+        t0 = time.monotonic()
+        try:
+            while self._owed(name) and client not in self.users[name].clients:
+                self.arrived.clear()
+                try:
+                    await asyncio.wait_for(self.arrived.wait(), deadline - time.monotonic())
+                except asyncio.TimeoutError:
+                    self.users[name].finish += (time.monotonic() - t0) / self.share(name).weight
+                    return
+        finally:
+            self.held += time.monotonic() - t0
+
+    def _owed(self, name: str) -> bool:
+        """``name`` would be chosen next over every other user with work waiting."""
+        mine = self.users.get(name)
+        others = [(n, u) for n, u in self.users.items() if n != name and u.clients]
+        if mine is None or not others:
+            return False
+        tag = (-self.share(name).priority, max(self.vtime, mine.finish))
+        return all(tag <= (-self.share(n).priority, max(self.vtime, u.finish)) for n, u in others)
+
+
+def slices(lengths: Sequence[int], slice_tokens: int) -> list[range]:
+    """Consecutive index ranges over items of ``lengths`` tokens, each at most ``slice_tokens`` tokens
+    (an item longer than that alone): how a forward_backward is cut into steps."""
+    out, start, tokens = [], 0, 0
+    for i, n in enumerate(lengths):
+        if i > start and tokens + n > slice_tokens:
+            out.append(range(start, i))
+            start, tokens = i, 0
+        tokens += n
+    if start < len(lengths):
+        out.append(range(start, len(lengths)))
+    return out

@@ -1,0 +1,109 @@
+"""SharedLearner: the Ray actor behind each base model of the Tinker service, an
+:class:`~otray.tinker.learner.adapter_learner.AdapterLearner` whose users take fair turns.
+
+Every call names the user it is for. Calls reach the actor at once (it is an async actor) and wait
+in its :class:`~otray.tinker.learner.fair.FairQueue`; the step whose turn it is runs on the learner's one
+compute thread. A ``forward_backward`` takes a turn per slice of at most ``slice_tokens`` tokens
+(losses are sums over tokens, so the slices' gradients add up to the whole call's), and the
+slices' outputs are joined, so callers see one call.
+
+The queue lives here, beside the model, so the next step starts the moment the last one ends: a
+queue in the service instead left the learner idle for a round trip per call (a third of a busy
+user's throughput on two cores) and gave a client's pipelined ``optim_step`` turn away while it
+travelled.
+
+Runs in the SharedLearner actor of one base model."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Optional
+
+from otray.tinker.config import Share
+from otray.tinker.learner.fair import FairQueue, slices
+from otray.tinker.learner.adapter_learner import AdamStep, AdapterLearner, AdapterSpec, PassResult, SampleJob, SampleOut
+from otray.tinker.learner.loss_graph import LossGraph
+from otray.tinker.learner.loss_run import add_sums
+from otray.types import Datum
+
+
+class SharedLearner:
+    """Ray actor: one base model's adapters, trained and sampled in fair turns (``policy``: fair | fifo;
+    ``shares``: an admin's weights and priorities by user; ``slice_tokens``: 0 for whole calls;
+    ``follow_s``: how long a turn is kept for a forward_backward's optim_step, :meth:`FairQueue._hold`)."""
+
+    def __init__(self, model_path: str, *, policy: str = "fair", slice_tokens: int = 0, follow_s: float = 0.05,
+                 shares: Optional[dict[str, Share]] = None, **learner: Any):
+        self.learner = AdapterLearner(model_path, **learner)
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="learner")  # the model is used by one thread
+        self.queue = FairQueue(shares, policy, follow_s)
+        self.slice_tokens = slice_tokens if policy == "fair" else 0
+
+    def _step(self, fn: Callable[..., Any], *args: Any) -> Callable[[], Any]:
+        return lambda: asyncio.get_running_loop().run_in_executor(self.pool, functools.partial(fn, *args))
+
+    async def _one(self, user: str, client: str, fn: Callable[..., Any], *args: Any) -> Any:
+        return (await self.queue.run(user, client, [self._step(fn, *args)]))[0]
+
+    def ping(self) -> bool:
+        return True
+
+    async def until_gone(self) -> None:
+        """Never answers: the service holds this call and ends this learner's models when it fails."""
+        await asyncio.Event().wait()
+
+    def usage(self) -> dict[str, Any]:
+        """Learner seconds and steps by user since the actor started, and the seconds turns were kept
+        for a follower (:meth:`FairQueue._hold`)."""
+        return {"seconds": dict(self.queue.used), "steps": dict(self.queue.steps), "held_s": self.queue.held}
+
+    async def adapters(self) -> list[str]:
+        return self.learner.adapters()
+
+    async def create(self, user: str, adapter: str, spec: AdapterSpec) -> None:
+        await self._one(user, adapter, self.learner.create, adapter, spec)
+
+    async def drop(self, user: str, adapter: str) -> None:
+        """After the adapter's calls already here (a dropped adapter's queued work would fail anyway)."""
+        await self._one(user, adapter, self.learner.drop, adapter)
+
+    async def forward_backward(self, user: str, adapter: str, datums: list[Datum], loss_fn: str,
+                               loss_fn_config: Optional[dict[str, float]] = None, backward: bool = True,
+                               graph: Optional[LossGraph] = None) -> PassResult:
+        parts = slices([len(d) for d in datums], self.slice_tokens) if self.slice_tokens else [range(len(datums))]
+        saved: Optional[list] = [] if graph is not None and backward else None
+        results = await self.queue.run(user, adapter, [
+            self._step(self._pass, adapter, datums[p.start:p.stop], loss_fn, loss_fn_config, backward, graph, saved)
+            for p in parts], follow=backward)
+        return PassResult([lp for r in results for lp in r.logprobs], [x for r in results for x in r.losses],
+                          sum(r.loss_sum for r in results), functools.reduce(add_sums, [r.metric_sums for r in results]))
+
+    def _pass(self, adapter: str, datums: list[Datum], loss_fn: str, cfg: Optional[dict[str, float]], backward: bool,
+              graph: Optional[LossGraph], saved: Optional[list]) -> PassResult:
+        """One slice, on the compute thread. ``saved`` (a custom loss's backward): the first slice keeps the
+        adapter's gradients as they were before the call, and a slice that fails puts them back, so a loss
+        that fails on some datum leaves no part of the call's gradient for the next optim_step."""
+        params = self.learner.switch.params(self.learner.model, adapter)
+        if saved is not None and not saved:
+            saved.append([None if p.grad is None else p.grad.clone() for p in params])
+        try:
+            return self.learner.forward_backward(adapter, datums, loss_fn, cfg, backward, graph)
+        except Exception:
+            for p, grad in zip(params, saved[0] if saved else ()):
+                p.grad = grad
+            raise
+
+    async def optim_step(self, user: str, adapter: str, step: AdamStep) -> dict[str, float]:
+        return await self._one(user, adapter, self.learner.optim_step, adapter, step)
+
+    async def save(self, user: str, adapter: str, path: str, optimizer: bool) -> int:
+        return await self._one(user, adapter, self.learner.save, adapter, path, optimizer)
+
+    async def load(self, user: str, adapter: str, path: str, optimizer: bool, create: bool) -> AdapterSpec:
+        return await self._one(user, adapter, self.learner.load, adapter, path, optimizer, create)
+
+    async def sample(self, jobs: list[SampleJob], user: str = "") -> list[list[SampleOut]]:
+        """As :meth:`AdapterLearner.sample`, in ``user``'s turn (one step per call)."""
+        return await self._one(user, f"sampling:{user}", self.learner.sample, jobs)
