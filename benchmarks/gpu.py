@@ -45,6 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.results_io import save  # noqa: E402
+from benchmarks.trl_side import model_with_timed_generate  # noqa: E402
 
 OTRAY_ROWS = ("otray_colocated_eager", "otray_colocated_compiled", "otray_split")
 FIELDS = ("median_step_s", "generate_s", "learn_s", "sync_s", "tokens_per_s_per_gpu", "peak_gpu_gb",
@@ -119,7 +120,7 @@ def trl_main(spec: dict) -> None:
     import torch
     import pyarrow.parquet as pq
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
     from envs.coin import coin
@@ -155,20 +156,7 @@ def trl_main(spec: dict) -> None:
         scale_rewards="group", num_iterations=1, generation_kwargs={"min_new_tokens": spec["new_tokens"]},
         dataloader_num_workers=0, seed=spec["seed"], disable_dropout=True)
     tok = AutoTokenizer.from_pretrained(spec["model"])
-    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
-    generate_s: list[float] = []
-    hf_generate = model.generate
-
-    def timed_generate(*a, **k):  # TRL samples through the model's own generate: time it
-        t = time.perf_counter()
-        try:
-            return hf_generate(*a, **k)
-        finally:
-            if gpu:
-                torch.cuda.synchronize()
-            generate_s.append(time.perf_counter() - t)
-
-    model.generate = timed_generate
+    model, generate_s = model_with_timed_generate(spec["model"], cuda=gpu)
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=cfg, train_dataset=ds, processing_class=tok,
                           callbacks=[Clock()])
     trainer.train()

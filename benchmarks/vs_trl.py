@@ -152,7 +152,7 @@ def trl_main(spec: dict) -> None:
     torch.set_num_threads(THREADS)
     import pyarrow.parquet as pq
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
     from otray.types import Task
@@ -194,18 +194,10 @@ def trl_main(spec: dict) -> None:
         num_iterations=1, generation_kwargs=gen_kwargs, dataloader_num_workers=0, seed=spec["seed"],
         disable_dropout=True)
     tok = AutoTokenizer.from_pretrained(spec["model"])
-    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
-    generate_s: list[float] = []
-    hf_generate = model.generate
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.trl_side import model_with_timed_generate
 
-    def timed_generate(*a, **k):  # TRL samples through the model's own generate: time it
-        t = time.perf_counter()
-        try:
-            return hf_generate(*a, **k)
-        finally:
-            generate_s.append(time.perf_counter() - t)
-
-    model.generate = timed_generate
+    model, generate_s = model_with_timed_generate(spec["model"])
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=cfg, train_dataset=ds, processing_class=tok,
                           callbacks=[Clock()])
     t0 = time.perf_counter()
