@@ -196,10 +196,11 @@ def test_a_server_side_custom_loss_on_cuda_matches_the_cpu_and_a_bad_index_spare
     from otray.tinker.learner.adapter_learner import AdapterLearner, AdapterSpec
     from otray.tinker.learner.loss_graph import parse_graph
     from otray.tinker.errors import UserError
+    from otray.tinker.wire.requests import GraphUpload
     from otray.types import Datum
     from tests.conftest import ROOT
 
-    graph = parse_graph(json.loads((ROOT / "tests" / "fixtures" / "custom_loss.json").read_text()))
+    graph = parse_graph(GraphUpload.of(json.loads((ROOT / "tests" / "fixtures" / "custom_loss.json").read_text())))
     rng = np.random.default_rng(0)
 
     def datum(n: int, far: bool = False) -> Datum:

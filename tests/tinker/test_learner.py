@@ -90,11 +90,12 @@ def test_a_custom_loss_failing_in_a_later_slice_leaves_the_gradient_as_it_was(ti
     import json
 
     from otray.tinker.learner.loss_graph import parse_graph
+    from otray.tinker.wire.requests import GraphUpload
     from otray.tinker.learner.shared_learner import SharedLearner
     from otray.tinker.errors import UserError
     from tests.conftest import ROOT
 
-    graph = parse_graph(json.loads((ROOT / "tests" / "fixtures" / "custom_loss.json").read_text()))
+    graph = parse_graph(GraphUpload.of(json.loads((ROOT / "tests" / "fixtures" / "custom_loss.json").read_text())))
 
     def datum(seed: int, far: bool = False) -> Datum:
         rng = np.random.default_rng(seed)

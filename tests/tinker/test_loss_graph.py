@@ -15,10 +15,16 @@ import torch.nn.functional as F
 tinker = pytest.importorskip("tinker")
 from tinker.lib.public_interfaces.custom_loss import encode_graph, trace_loss  # noqa: E402
 
-from otray.tinker.learner.loss_graph import LossGraph, parse_graph  # noqa: E402
+from otray.tinker.learner.loss_graph import LossGraph, parse_graph as parse_upload  # noqa: E402
+from otray.tinker.wire.requests import GraphUpload  # noqa: E402
 from otray.tinker.learner.loss_run import run_graph, surrogate  # noqa: E402
 from otray.tinker.errors import UserError  # noqa: E402
 from otray.types import Datum  # noqa: E402
+
+
+def parse_graph(body: dict) -> LossGraph:
+    """A create_custom_loss body, parsed as the service parses it (``GraphUpload.of``, then the graph)."""
+    return parse_upload(GraphUpload.of(body))
 
 
 def upload(fn, ranks: dict[str, int]) -> dict:

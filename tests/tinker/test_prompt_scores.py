@@ -11,6 +11,7 @@ import torch
 from otray.tinker.learner.adapter_learner import AdapterLearner, SampleJob
 from otray.tinker.learner.prompt_scores import SENTINEL_LOGPROB, Scoring, cut_before, parse_scoring, parse_targets
 from otray.tinker.errors import UserError
+from otray.tinker.wire.requests import ASample
 from otray.types import SamplingParams
 
 
@@ -104,5 +105,10 @@ def test_sparse_targets_and_bad_requests_are_refused_by_name():
                       ({"topk_sample_logprobs": -1}, "topk_sample_logprobs=-1"),
                       ({"prompt_alt_tokens_k": "3"}, "prompt_alt_tokens_k='3'")):
         with pytest.raises(UserError, match=says):
-            parse_scoring(req, 4, 512, 256)
-    assert parse_scoring({"topk_prompt_logprobs": 5, "prompt_logprobs": True}, 4, 512, 256)[0] == Scoring(True, 5)
+            parse_scoring(asample(req), 4, 512, 256)
+    assert parse_scoring(asample({"topk_prompt_logprobs": 5, "prompt_logprobs": True}), 4, 512, 256)[0] == Scoring(True, 5)
+
+
+def asample(fields: dict) -> ASample:
+    """An asample body with ``fields`` (and an empty prompt and sampling parameters), as the gateway parses it."""
+    return ASample.of({"prompt": {"chunks": []}, "sampling_params": {}, **fields})

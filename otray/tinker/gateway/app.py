@@ -26,6 +26,7 @@ from otray.tinker.service import tokens
 from otray.tinker.gateway.callers import Callers
 from otray.tinker.errors import unwrap as _unwrap
 from otray.tinker.config import client_config
+from otray.tinker.wire import requests as Q
 from otray.tinker.wire.messages import check_request_fields
 from otray.tinker.errors import UserError
 
@@ -120,9 +121,10 @@ def _copy_query(data: dict[str, Any], request: Request) -> R.CopyWeights:
 @serve.deployment(name="TinkerGateway", num_replicas=1, max_ongoing_requests=1000, ray_actor_options={"num_cpus": 0})
 @serve.ingress(tinker_api)
 class TinkerGateway:
-    """``otray tinker``'s HTTP ingress (a Ray Serve replica, routes under ``/api/v1``): it decodes the SDK's
-    JSON and protobuf bodies, finds the caller (key or JWT), and forwards each call to the TinkerService
-    actor it starts (or finds), answering in the SDK's formats."""
+    """``otray tinker``'s HTTP ingress (a Ray Serve replica, routes under ``/api/v1``): it parses each JSON body
+    into its dataclass (``wire.requests``; forward_backward's protobuf goes on as bytes), finds the caller
+    (key or JWT), and forwards each call to the TinkerService actor it starts (or finds), answering in the
+    SDK's formats."""
 
     def __init__(self, cfg: dict[str, Any]):
         import ray
@@ -175,16 +177,17 @@ class TinkerGateway:
 
     @tinker_api.post("/create_session")
     async def create_session(self, request: Request) -> dict[str, Any]:
-        return {"type": "create_session", "session_id": await self._post(request, self.service.create_session)}
+        return {"type": "create_session", "session_id": await self._post(request, self.service.create_session,
+                                                                          Q.CreateSession)}
 
     @tinker_api.post("/session_heartbeat")
     async def heartbeat(self, request: Request) -> dict[str, Any]:
-        await self._post(request, self.service.heartbeat, "session_id")
+        await self._post(request, self.service.heartbeat, Q.Heartbeat)
         return {"type": "session_heartbeat"}
 
     @tinker_api.post("/sessions/{session_id}/finish")
     async def finish(self, session_id: str, request: Request) -> Response:
-        body = await _json(request, self.cfg.max_body_bytes)  # {reason: {type}, detail}: kept as the session's status
+        body = Q.FinishSession.of(await _json(request, self.cfg.max_body_bytes))  # kept as the session's status
         return await _no_content(self._call(request, self.service.finish_session, session_id, body))
 
     @tinker_api.get("/get_server_capabilities")
@@ -193,23 +196,22 @@ class TinkerGateway:
 
     # ------------------------------------------------------------------ models and training
 
-    async def _post(self, request: Request, method: Any, *required: str, extra: tuple = ()) -> Any:
-        data = await _json(request, self.cfg.max_body_bytes)
-        _need(data, *required)
-        return await self._call(request, method, data, *extra)
+    async def _post(self, request: Request, method: Any, body: type[Q.Body], extra: tuple = ()) -> Any:
+        """``method`` for the caller with the request's JSON parsed into ``body`` (``wire.requests``)."""
+        return await self._call(request, method, body.of(await _json(request, self.cfg.max_body_bytes)), *extra)
 
     @tinker_api.post("/create_model")
     async def create_model(self, request: Request) -> dict[str, Any]:
-        return await self._post(request, self.service.create_model, "session_id", "model_seq_id", "base_model",
+        return await self._post(request, self.service.create_model, Q.CreateModel,
                                 extra=(request.headers.get("x-api-key"),))  # the lease is opened with it
 
     @tinker_api.post("/create_custom_loss")
     async def create_custom_loss(self, request: Request) -> dict[str, Any]:  # custom_losses.py
-        return await self._post(request, self.service.create_custom_loss, "session_id", "custom_loss_seq_id", "graph")
+        return await self._post(request, self.service.create_custom_loss, Q.CreateCustomLoss)
 
     @tinker_api.post("/get_info")
     async def get_info(self, request: Request) -> dict[str, Any]:
-        return await self._post(request, self.service.get_info, "model_id")
+        return await self._post(request, self.service.get_info, Q.GetInfo)
 
     @tinker_api.post("/forward_backward")
     async def forward_backward(self, request: Request) -> dict[str, Any]:
@@ -222,19 +224,19 @@ class TinkerGateway:
 
     @tinker_api.post("/optim_step")
     async def optim_step(self, request: Request) -> dict[str, Any]:
-        return await self._post(request, self.service.optim_step, "model_id")
+        return await self._post(request, self.service.optim_step, Q.OptimStep)
 
     @tinker_api.post("/save_weights")
     async def save_weights(self, request: Request) -> dict[str, Any]:
-        return await self._post(request, self.service.save_weights, "model_id", extra=("training",))
+        return await self._post(request, self.service.save_weights, Q.SaveWeights, extra=("training",))
 
     @tinker_api.post("/save_weights_for_sampler")
     async def save_weights_for_sampler(self, request: Request) -> dict[str, Any]:
-        return await self._post(request, self.service.save_weights, "model_id", extra=("sampler",))
+        return await self._post(request, self.service.save_weights, Q.SaveWeights, extra=("sampler",))
 
     @tinker_api.post("/save_weights_external")
     async def save_weights_external(self, request: Request) -> dict[str, Any]:
-        return await self._post(request, self.service.save_weights, "model_id", extra=("external",))
+        return await self._post(request, self.service.save_weights, Q.SaveWeights, extra=("external",))
 
     @tinker_api.get("/training_runs/{model_id}/checkpoints/{segment}/{name}/external_weights_urls")
     async def external_weights_urls(self, model_id: str, segment: str, name: str, request: Request) -> dict[str, Any]:
@@ -257,7 +259,7 @@ class TinkerGateway:
 
     @tinker_api.post("/merge_weights")
     async def merge_weights(self, request: Request) -> dict[str, Any]:  # otray's own (no SDK call): merge.py
-        return await self._post(request, self.service.merge_weights, "path", "name")
+        return await self._post(request, self.service.merge_weights, Q.MergeWeights)
 
     @tinker_api.get("/billing/usage/checkpoints/current")
     async def storage_usage(self, request: Request) -> dict[str, Any]:  # no billing: the caller's bytes, no cost
@@ -265,13 +267,13 @@ class TinkerGateway:
 
     @tinker_api.post("/load_weights")
     async def load_weights(self, request: Request) -> dict[str, Any]:
-        return await self._post(request, self.service.load_weights, "path", extra=(request.headers.get("x-api-key"),))
+        return await self._post(request, self.service.load_weights, Q.LoadWeights, extra=(request.headers.get("x-api-key"),))
 
     # ------------------------------------------------------------------ sampling
 
     @tinker_api.post("/create_sampling_session")
     async def create_sampling_session(self, request: Request) -> dict[str, Any]:
-        sid = await self._post(request, self.service.create_sampling_session, "session_id", "sampling_session_seq_id")
+        sid = await self._post(request, self.service.create_sampling_session, Q.CreateSamplingSession)
         return {"type": "create_sampling_session", "sampling_session_id": sid}
 
     @tinker_api.get("/samplers/{sampler_id}")
@@ -285,15 +287,15 @@ class TinkerGateway:
 
     @tinker_api.post("/asample")
     async def asample(self, request: Request) -> dict[str, Any]:
-        return await self._post(request, self.service.asample, "prompt", "sampling_params")
+        return await self._post(request, self.service.asample, Q.ASample)
 
     @tinker_api.post("/retrieve_futures")
     async def retrieve_futures(self, request: Request) -> dict[str, Any]:
-        return await self._post(request, self.service.retrieve_futures, "target")
+        return await self._post(request, self.service.retrieve_futures, Q.RetrieveFutures)
 
     @tinker_api.post("/cancel_future")
     async def cancel_future(self, request: Request) -> dict[str, Any]:
-        return await self._post(request, self.service.cancel_future, "request_id")
+        return await self._post(request, self.service.cancel_future, Q.CancelFuture)
 
     @tinker_api.post("/retrieve_future")
     async def retrieve_future(self, request: Request) -> Response:
@@ -352,7 +354,8 @@ class TinkerGateway:
 
     @tinker_api.post("/sessions/search")
     async def search_sessions(self, request: Request) -> dict[str, Any]:  # session_search.py
-        return await self._call(request, self.service.rest, R.SessionSearch(await _json(request, self.cfg.max_body_bytes)))
+        q = R.SessionSearch(Q.SearchSessions.of(await _json(request, self.cfg.max_body_bytes)))
+        return await self._call(request, self.service.rest, q)
 
     @tinker_api.put("/sessions/{session_id}/project")
     async def assign_project(self, session_id: str, request: Request) -> Response:  # a label: otray has no projects

@@ -32,6 +32,7 @@ from otray.tinker.gateway.callers import Callers
 from otray.tinker.errors import unwrap
 from otray.tinker.wire.messages import pb
 from otray.tinker.errors import UserError
+from otray.tinker.wire.requests import ASample
 
 OAI_PREFIX = "/oai/api/v1"
 oai_api = FastAPI(title="otray tinker (OpenAI-compatible)")
@@ -170,8 +171,8 @@ class TinkerOpenAI:
         """One Tinker sample request for ``req``'s ``n`` completions, waited for; its texts cut at the stops."""
         params = {"max_tokens": req.max_tokens, "temperature": req.temperature, "top_p": req.top_p, "seed": req.seed,
                   **({"stop": req.stop} if req.stop else {})}
-        ask = {"prompt": {"chunks": [{"type": "encoded_text", "tokens": ids}]}, "num_samples": req.n,
-               "sampling_params": params, **({"model_path": path} if path else {"base_model": base})}
+        ask = ASample({"chunks": [{"type": "encoded_text", "tokens": ids}]}, params, num_samples=req.n,
+                      model_path=path, base_model=None if path else base)
         try:
             rid = (await self.service.asample.remote(owner, ask))["request_id"]
             outcome = None

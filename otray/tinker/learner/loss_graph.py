@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from otray.tinker.errors import UserError
+from otray.tinker.wire.requests import GraphUpload
 
 MAX_NODES = 2000
 MAX_INPUTS = 16  # logprobs included, as the SDK limits it
@@ -90,8 +91,8 @@ class LossGraph:
         return dict(self.inputs)[name]
 
 
-def parse_graph(req: dict[str, Any]) -> LossGraph:
-    """A ``create_custom_loss`` body's ``name``, ``inputs`` and ``graph`` -> :class:`LossGraph`, every
+def parse_graph(req: GraphUpload) -> LossGraph:
+    """A ``create_custom_loss`` upload's ``name``, ``inputs`` and ``graph`` -> :class:`LossGraph`, every
     node checked against the allow-list; anything else is a :class:`UserError` naming it."""
     try:
         return _parse(req)
@@ -99,14 +100,14 @@ def parse_graph(req: dict[str, Any]) -> LossGraph:
         raise UserError("custom loss: an argument nests too deeply; send it with ServiceClient.create_custom_loss") from None
 
 
-def _parse(req: dict[str, Any]) -> LossGraph:
-    name = str(req.get("name") or "loss")[:200]
+def _parse(req: GraphUpload) -> LossGraph:
+    name = str(req.name or "loss")[:200]
     where = f"custom loss {name!r}"
-    graph = req.get("graph")
+    graph = req.graph
     if not isinstance(graph, dict) or graph.get("format", 1) != 1 or not isinstance(graph.get("nodes"), list):
         raise UserError(f"{where}: graph must be a CustomLossGraph (format 1, a list of nodes); send it with "
                         "ServiceClient.create_custom_loss")
-    inputs = _inputs(req.get("inputs"), where)
+    inputs = _inputs(req.inputs, where)
     raw = graph["nodes"]
     if not 0 < len(raw) <= MAX_NODES:
         raise UserError(f"{where}: the graph has {len(raw)} nodes; at most {MAX_NODES} are served")

@@ -29,6 +29,7 @@ from typing import Any, Optional
 import numpy as np
 
 from otray.tinker.errors import UserError
+from otray.tinker.wire.requests import ASample
 
 SENTINEL_LOGPROB = -99999.0  # the SDK's "no entry" in a top-K row (with token id 0)
 
@@ -71,18 +72,18 @@ class PromptScores:
 # --------------------------------------------------------------------------- the request (the service)
 
 
-def parse_scoring(req: dict[str, Any], prompt_len: int, vocab: int, max_k: int) -> tuple[Scoring, Optional[Targets]]:
+def parse_scoring(req: ASample, prompt_len: int, vocab: int, max_k: int) -> tuple[Scoring, Optional[Targets]]:
     """The scores ``req`` (an ``asample`` body) asks for, checked against the model (``vocab``) and the
     service's limit on K; a bad value is a UserError naming the field."""
     ks = {}
     for name in ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k"):
-        k = req.get(name) or 0
+        k = getattr(req, name) or 0
         if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= min(max_k, vocab):
             raise UserError(f"{name}={k!r}: send an integer from 0 to {min(max_k, vocab)}")
         ks[name] = k
-    scoring = Scoring(bool(req.get("prompt_logprobs")), ks["topk_prompt_logprobs"], ks["topk_sample_logprobs"],
+    scoring = Scoring(bool(req.prompt_logprobs), ks["topk_prompt_logprobs"], ks["topk_sample_logprobs"],
                       ks["prompt_alt_tokens_k"])
-    raw = req.get("target_prompt_logprobs")
+    raw = req.target_prompt_logprobs
     return scoring, (None if raw is None else parse_targets(raw, prompt_len, vocab, max_k))
 
 

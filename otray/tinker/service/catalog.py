@@ -20,6 +20,7 @@ from otray.tinker.service import runs as R
 from otray.tinker.service.store import Checkpoint, Run, Sampler, Store, parse_path, session_of
 from otray.tinker.service.timeline import Timeline, chrome_trace
 from otray.tinker.errors import UserError
+from otray.tinker.wire.requests import SearchSessions
 
 
 @dataclass(frozen=True)
@@ -117,9 +118,9 @@ class CopyWeights:
 
 @dataclass(frozen=True)
 class SessionSearch:
-    """``search_sessions``: the SDK's SessionSearchRequest JSON (checked in session_search.py)."""
+    """``search_sessions``: the SDK's SessionSearchRequest (its values checked in session_search.py)."""
 
-    request: dict[str, Any]
+    request: SearchSessions
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from otray.tinker.learner.loss_graph import LossGraph, parse_graph
 from otray.tinker.service.sessions import Sessions
 from otray.tinker.service.store import Store, session_of
 from otray.tinker.errors import UserError
+from otray.tinker.wire.requests import CreateCustomLoss, GraphUpload
 
 
 class CustomLosses:
@@ -28,19 +29,19 @@ class CustomLosses:
         self.store, self.futures, self.sessions, self.served = store, futures, sessions, served
         self.graphs: dict[str, LossGraph] = {}  # parsed once per service life
 
-    def create(self, owner: str, req: dict[str, Any]) -> dict[str, Any]:
+    def create(self, owner: str, req: CreateCustomLoss) -> dict[str, Any]:
         """``create_custom_loss``: a promise (already finished) of the stored loss's id."""
         if not self.served:
             raise UserError("custom losses run client-side on this service (custom_loss_server_side: false); "
                             "forward_backward_custom runs them", 404)
-        session = req.get("session_id")
+        session = req.session_id
         self.sessions.check(owner, session)
-        seq = req.get("custom_loss_seq_id")
+        seq = req.custom_loss_seq_id
         if not isinstance(seq, int) or isinstance(seq, bool) or seq < 0:
             raise UserError(f"custom_loss_seq_id must be an integer >= 0, got {seq!r}")
-        graph = parse_graph(req)
+        graph = parse_graph(req.upload)
         loss_id = f"{session}:loss:{seq}"
-        self.store.add_loss(loss_id, owner, json.dumps({k: req.get(k) for k in ("name", "inputs", "graph")}))
+        self.store.add_loss(loss_id, owner, json.dumps({"name": req.name, "inputs": req.inputs, "graph": req.graph}))
         self.graphs[loss_id] = graph
         request_id = f"{loss_id}:create"
         if self.futures.new(request_id, owner, "create_custom_loss"):
@@ -57,7 +58,7 @@ class CustomLosses:
                                 "session's or user's, or its session ended); create it with this ServiceClient's "
                                 "create_custom_loss", 404)
             if loss_id not in self.graphs:
-                self.graphs[loss_id] = parse_graph(json.loads(row[1]))
+                self.graphs[loss_id] = parse_graph(GraphUpload.of(json.loads(row[1])))
             return self.graphs[loss_id]
 
         return find

@@ -45,6 +45,7 @@ from otray.tinker.service.futures import Futures, Outcome, settle
 from otray.tinker.service.runs import check_name
 from otray.tinker.service.store import Checkpoint, Store
 from otray.tinker.errors import UserError
+from otray.tinker.wire.requests import MergeWeights
 
 ADAPTER_FILES = ("adapter_model.safetensors", "adapter_config.json")
 _LORA_KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<part>[AB])(?:\.[^.]+)?\.weight$")
@@ -159,15 +160,15 @@ class Merges:
         self.storage_room = storage_room
         self.tasks: set[asyncio.Task] = set()
 
-    def start(self, owner: str, req: dict[str, Any]) -> dict[str, str]:
-        name, ttl = req.get("name"), req.get("ttl_seconds")
-        if not isinstance(req.get("path"), str):
+    def start(self, owner: str, req: MergeWeights) -> dict[str, str]:
+        name, ttl = req.name, req.ttl_seconds
+        if not isinstance(req.path, str):
             raise UserError("merge_weights: send the path (tinker://<run>/weights/<name> or sampler_weights/<name>) "
                             "of a checkpoint of yours")
         check_name(name)
-        src = self.catalog.checkpoint(owner, req["path"], use=True)
+        src = self.catalog.checkpoint(owner, req.path, use=True)
         self.catalog.check_ttl(ttl)
-        if self.store.checkpoint(src.model_id, "external", name) and not req.get("overwrite"):
+        if self.store.checkpoint(src.model_id, "external", name) and not req.overwrite:
             raise UserError(f"external weights {name!r} exist for {src.model_id}; pick another name or pass "
                             "overwrite: true", 409)
         self.storage_room(owner)

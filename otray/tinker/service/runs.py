@@ -18,6 +18,7 @@ from otray.tinker.wire.images import chunk_image, image_tokens
 from otray.tinker.learner.prompt_scores import parse_scoring
 from otray.tinker.wire.sampling import sampling_params
 from otray.tinker.errors import UserError
+from otray.tinker.wire.requests import ASample
 from otray.vision import ImageError
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
@@ -112,12 +113,12 @@ class LimitsBook:
         return self.known[base]
 
 
-def sample_wait(req: dict[str, Any], key: str, adapter: Optional[str], cfg: Any, cls: type,
+def sample_wait(req: ASample, key: str, adapter: Optional[str], cfg: Any, cls: type,
                 limits: ModelLimits) -> Any:
     """A checked ``asample`` body as the service's wait record (``cls``). Everything a sampler could
     fail on is checked here, against the model the request targets (``limits``): a request that
     reached a batch shared with other users' requests and failed there would fail theirs too."""
-    chunks = (req.get("prompt") or {}).get("chunks", [])  # field types: checked at the route (REQUEST_FIELDS)
+    chunks = (req.prompt or {}).get("chunks", [])  # field types: checked at the route (REQUEST_FIELDS)
     if not isinstance(chunks, list):
         raise UserError("asample: prompt must be a ModelInput, {\"chunks\": [{\"tokens\": [...]}, ...]}")
     prompt: list[int] = []
@@ -133,10 +134,10 @@ def sample_wait(req: dict[str, Any], key: str, adapter: Optional[str], cfg: Any,
             prompt.extend(_chunk_tokens(chunk))
     if not prompt:
         raise UserError("asample: the prompt has no tokens")
-    n = req.get("num_samples", 1)
+    n = req.num_samples
     if not 1 <= n <= cfg.max_samples:
         raise UserError(f"num_samples={n}: send 1 to {cfg.max_samples}")
-    params = sampling_params(req.get("sampling_params") or {})
+    params = sampling_params(req.sampling_params or {})
     if params.max_tokens > cfg.max_tokens:
         raise UserError(f"max_tokens={params.max_tokens} is over this service's limit of {cfg.max_tokens}")
     _check_ids(prompt, limits.vocab, "the prompt")
@@ -145,7 +146,7 @@ def sample_wait(req: dict[str, Any], key: str, adapter: Optional[str], cfg: Any,
         raise UserError(f"asample: a prompt of {len(prompt)} tokens plus max_tokens={params.max_tokens} is over the "
                         f"model's context of {limits.context} tokens; shorten the prompt or lower max_tokens")
     scoring, targets = parse_scoring(req, len(prompt), limits.vocab, cfg.max_topk)
-    last_n = req.get("prompt_logprobs_last_n")
+    last_n = req.prompt_logprobs_last_n
     if last_n is not None and not 1 <= last_n <= len(prompt) - 1:
         raise UserError(f"prompt_logprobs_last_n={last_n}: send 1 to len(prompt) - 1 = {len(prompt) - 1}")
     return cls(f"sample:{key}", adapter, prompt, params, n, scoring, last_n, images=tuple(images), targets=targets)

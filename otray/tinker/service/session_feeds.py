@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from otray.tinker.errors import UserError
+from otray.tinker.wire.requests import ASample, RetrieveFutures
 
 Target = tuple[str, int]  # (sampling session id, cloned sampler id)
 MAX_WAIT_S = 30.0  # a long poll holds at most this long (the SDK's HTTP timeout is 45 s)
@@ -31,9 +32,9 @@ class _Feed:
     changed: asyncio.Event = field(default_factory=asyncio.Event)
 
 
-def poll_args(req: dict[str, Any]) -> tuple[str, int, int, float | None]:
+def poll_args(req: RetrieveFutures) -> tuple[str, int, int, float | None]:
     """A ``retrieve_futures`` body as (sampling session id, clone, prev_cursor, timeout); a UserError if malformed."""
-    target, prev, timeout = req.get("target"), req.get("prev_cursor", 0), req.get("timeout")
+    target, prev, timeout = req.target, req.prev_cursor, req.timeout
     clone = target.get("cloned_sampler_id", 0) if isinstance(target, dict) else None
     if not isinstance(clone, int) or not isinstance(prev, int) or not isinstance(target.get("sampling_session_id"), str):
         raise UserError("retrieve_futures: send target {sampling_session_id, cloned_sampler_id} and an integer prev_cursor")
@@ -46,12 +47,12 @@ class SessionFeeds:
         self.feeds: dict[Target, _Feed] = {}
         self.cursor = 0
 
-    def watch(self, request_id: str, req: dict[str, Any]) -> None:
+    def watch(self, request_id: str, req: ASample) -> None:
         """Report ``request_id`` (the ``asample`` body ``req``) when it finishes, if it names a sampling session."""
-        seq_id = req.get("seq_id")
-        if req.get("sampling_session_id"):
+        seq_id = req.seq_id
+        if req.sampling_session_id:
             clone = seq_id // 1_000_000_000 if isinstance(seq_id, int) else 0
-            self.watched[request_id] = (str(req["sampling_session_id"]), clone)
+            self.watched[request_id] = (str(req.sampling_session_id), clone)
 
     def finished(self, request_id: str, outcome: Any) -> None:
         """A request finished (an :class:`~otray.tinker.service.futures.Outcome`): its feed, if any, gets the event."""

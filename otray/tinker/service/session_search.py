@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 from otray.tinker.service.store import SessionInfo
 from otray.tinker.errors import UserError
+from otray.tinker.wire.requests import SearchSessions
 
 DEFAULT_PROJECT = "default"
 STATUS_TYPES = ("active", "cancelled", "failed", "client_finished")
@@ -26,8 +27,8 @@ def _iso(ts: float) -> str:
     return dt.datetime.fromtimestamp(ts, dt.timezone.utc).isoformat(timespec="microseconds")
 
 
-def _field(req: dict[str, Any], key: str, kind: type, default: Any = None) -> Any:
-    value = req.get(key, default)
+def _field(req: SearchSessions, key: str, kind: type) -> Any:
+    value = getattr(req, key)
     if value is not None and (not isinstance(value, kind) or isinstance(value, bool) and kind is not bool):
         raise UserError(f"search_sessions: {key} must be a {kind.__name__}, got {str(value)[:80]}")
     return value
@@ -45,11 +46,11 @@ def _status_matches(status: Any, queries: list[Any]) -> bool:
     return False
 
 
-def search(owner: str, infos: list[SessionInfo], req: dict[str, Any],
+def search(owner: str, infos: list[SessionInfo], req: SearchSessions,
            stats: Callable[[str], tuple[int, int]]) -> dict[str, Any]:
     """One page of ``owner``'s sessions (``infos``) matching ``req``; ``stats(session_id)`` gives a
     session's (checkpoint count, bytes)."""
-    limit = _field(req, "limit", int, 50)
+    limit = _field(req, "limit", int)
     if not 1 <= limit <= 200:
         raise UserError(f"search_sessions: limit must be 1 to 200, got {limit}")
     who = _field(req, "owner", dict) or {"type": "own"}

@@ -18,6 +18,7 @@ from typing import Any, Awaitable, Callable, Optional
 
 from otray.tinker.service.store import SessionInfo, Store
 from otray.tinker.errors import UserError
+from otray.tinker.wire.requests import CreateSession
 
 FINISH_REASONS = ("success", "errored", "interrupted")  # the SDK's close() statuses
 
@@ -32,17 +33,17 @@ class Sessions:
         self.open: dict[str, tuple[str, float]] = {}  # session id -> (owner, last heartbeat)
         self.samplers: dict[str, tuple[str, str]] = {}  # sampling client id -> (owner, session)
 
-    def new(self, owner: str, req: Optional[dict[str, Any]] = None) -> str:
+    def new(self, owner: str, req: Optional[CreateSession] = None) -> str:
         """A session for ``owner``; ``req``: the create_session body (display_name, user_metadata, project_id:
         kept for search_sessions)."""
-        req = req or {}
+        req = req or CreateSession()
         sid = f"s-{uuid.uuid4().hex[:16]}"
         self.open[sid] = (owner, time.monotonic())
         self.store.add_session(sid, owner)
-        meta = req.get("user_metadata")
+        meta = req.user_metadata
         self.store.add_session_info(SessionInfo(
-            sid, owner, time.time(), _text(req.get("display_name")), {str(k): str(v) for k, v in meta.items()}
-            if isinstance(meta, dict) else None, _text(req.get("project_id")), {"type": "active"}))
+            sid, owner, time.time(), _text(req.display_name), {str(k): str(v) for k, v in meta.items()}
+            if isinstance(meta, dict) else None, _text(req.project_id), {"type": "active"}))
         return sid
 
     def check(self, owner: str, session_id: str) -> None:

@@ -4,8 +4,10 @@ It holds the sessions (:mod:`otray.tinker.service.sessions`), the training runs 
 the :class:`~otray.tinker.learner.shared_learner.SharedLearner` of their base model), the promises
 (:mod:`otray.tinker.service.futures`) and the checkpoint index
 (:mod:`otray.tinker.service.store`). The HTTP app (:mod:`otray.tinker.gateway.app`) is a thin layer in front of
-it: it checks keys, decodes bodies and passes the caller's user name (``owner``) with every
-call; every lookup here checks that owner, so a caller sees only their own runs, checkpoints,
+it: it checks keys, parses each JSON body into its frozen dataclass (:mod:`otray.tinker.wire.requests`;
+no method here takes a dict) and passes the caller's user name (``owner``) with every call. The one
+protobuf body, ``forward_backward``'s, is decoded here (``wire.messages.parse_train_call``), against the
+model's limits and the session's custom losses, which live here. Every lookup here checks that owner, so a caller sees only their own runs, checkpoints,
 samplers and requests (an unknown and another user's id get the same 404).
 
 Sampling requests are batched (:mod:`otray.tinker.service.sampling`): those waiting while the samplers are
@@ -42,6 +44,7 @@ from otray.tinker.service.tokens import Exchanges, load_secret
 from otray.tinker.service.store import Sampler, Store, session_of
 from otray.tinker.service.training import EPHEMERAL_KEEP, Training
 from otray.tinker.errors import UserError
+from otray.tinker.wire import requests as Q
 from otray.tinker.service import runs as R
 
 NAME = "otray-tinker"
@@ -140,17 +143,18 @@ class TinkerService:
         return {"supported_models": [{"model_name": m.name, "max_context_length": m.max_context_length,
                                       "trainable": True, "sampleable": True} for m in self.cfg.models]}
 
-    async def create_session(self, owner: str, req: Optional[dict[str, Any]] = None) -> str:
+    async def create_session(self, owner: str, req: Optional[Q.CreateSession] = None) -> str:
         await self._recover()
         await self.sessions.expire()
         return self.sessions.new(owner, req)
 
-    async def heartbeat(self, owner: str, req: dict[str, Any]) -> None:
-        self.sessions.heartbeat(owner, req["session_id"])
+    async def heartbeat(self, owner: str, req: Q.Heartbeat) -> None:
+        self.sessions.heartbeat(owner, req.session_id)
 
-    async def finish_session(self, owner: str, session_id: str, req: Optional[dict[str, Any]] = None) -> None:
+    async def finish_session(self, owner: str, session_id: str, req: Optional[Q.FinishSession] = None) -> None:
         """The SDK's ``close()``: the session's adapters leave the learner (their checkpoints stay)."""
-        await self.sessions.finish(owner, session_id, (req or {}).get("reason"), (req or {}).get("detail"))
+        req = req or Q.FinishSession()
+        await self.sessions.finish(owner, session_id, req.reason, req.detail)
 
     async def _session_closed(self, session_id: str) -> None:
         for model_id in [m for m in self.training.live if session_of(m) == session_id]:
@@ -169,29 +173,29 @@ class TinkerService:
             raise UserError(f"base model {name!r} is not offered here; choose one of {sorted(self.learners)}", 404)
         return name
 
-    async def create_model(self, owner: str, req: dict[str, Any], api_key: Optional[str] = None) -> dict[str, Any]:
+    async def create_model(self, owner: str, req: Q.CreateModel, api_key: Optional[str] = None) -> dict[str, Any]:
         """``create_model``: a new LoRA adapter; the promise resolves to ``{model_id}``."""
-        self.sessions.check(owner, req["session_id"])
-        base = self._base(req.get("base_model"))
-        lora = req.get("lora_config") or {}
+        self.sessions.check(owner, req.session_id)
+        base = self._base(req.base_model)
+        lora = req.lora_config or {}
         rank = int(lora.get("rank", 32))
         if not 1 <= rank <= self.models[base].max_rank:
             raise UserError(f"lora rank {rank} is out of range: 1 to {self.models[base].max_rank} on {base}")
-        opt = (req.get("optimizer_config") or {}).get("type", "adamw")
+        opt = (req.optimizer_config or {}).get("type", "adamw")
         if opt != "adamw":
             raise UserError(f"optimizer {opt!r} is not offered here; this service trains with adamw")
         spec = AdapterSpec(rank, lora.get("seed"), bool(lora.get("train_mlp", True)), bool(lora.get("train_attn", True)),
                            bool(lora.get("train_unembed", True)), self.models[base].lora_alpha)
         if not spec.target_modules():
             raise UserError("lora_config trains nothing: set one of train_mlp, train_attn, train_unembed")
-        model_id = f"{req['session_id']}:train:{int(req['model_seq_id'])}"
+        model_id = f"{req.session_id}:train:{int(req.model_seq_id)}"
         api_key = self.exchanges.key(self.secret, api_key)
 
         async def make() -> AdapterSpec:
             await self.learners[base].create.remote(owner, model_id, spec)
             return spec
 
-        return await self._opened(req["session_id"], await self.training.open(
+        return await self._opened(req.session_id, await self.training.open(
             owner, model_id, base, req, api_key, make, {"model_id": model_id, "type": "create_model"}, rank))
 
     async def _opened(self, session_id: str, answer: dict[str, Any]) -> dict[str, Any]:
@@ -200,8 +204,8 @@ class TinkerService:
             await self.training.unload(answer["model_id"], "its session was closed or expired")
         return answer
 
-    async def get_info(self, owner: str, req: dict[str, Any]) -> dict[str, Any]:
-        run = self.catalog.run(owner, req["model_id"])
+    async def get_info(self, owner: str, req: Q.GetInfo) -> dict[str, Any]:
+        run = self.catalog.run(owner, req.model_id)
         return R.info(run, self.paths[run.base_model])
 
     # ------------------------------------------------------------------ training requests (Training's)
@@ -209,39 +213,39 @@ class TinkerService:
     async def forward_backward(self, owner: str, body: bytes) -> dict[str, Any]:
         return self.training.forward_backward(owner, body, self.losses.of_model(owner))
 
-    async def create_custom_loss(self, owner: str, req: dict[str, Any]) -> dict[str, Any]:  # custom_losses.py
+    async def create_custom_loss(self, owner: str, req: Q.CreateCustomLoss) -> dict[str, Any]:  # custom_losses.py
         return self.losses.create(owner, req)
 
-    async def optim_step(self, owner: str, req: dict[str, Any]) -> dict[str, Any]:
+    async def optim_step(self, owner: str, req: Q.OptimStep) -> dict[str, Any]:
         return self.training.optim_step(owner, req)
 
-    async def save_weights(self, owner: str, req: dict[str, Any], kind: str) -> dict[str, Any]:
+    async def save_weights(self, owner: str, req: Q.SaveWeights, kind: str) -> dict[str, Any]:
         return self.training.save_weights(owner, req, kind)
 
     async def external_file(self, token: str) -> bytes:  # a signed URL's file: the token is the grant
         return self.catalog.external_file(token)
 
-    async def load_weights(self, owner: str, req: dict[str, Any], api_key: Optional[str] = None) -> dict[str, Any]:
+    async def load_weights(self, owner: str, req: Q.LoadWeights, api_key: Optional[str] = None) -> dict[str, Any]:
         """``load_weights``: into a live model (in its order), or create-via-load (a new model whose
         id the client computed: ``{session}:train:{n}``)."""
-        ckpt = self.catalog.checkpoint(owner, req["path"], read=True, use=True)
+        ckpt = self.catalog.checkpoint(owner, req.path, read=True, use=True)
         source = self.store.run(ckpt.model_id)
-        optimizer = bool(req.get("optimizer", False))
-        if not req.get("session_id"):
+        optimizer = bool(req.optimizer)
+        if not req.session_id:
             return self.training.load_into(owner, req, ckpt, optimizer)
-        self.sessions.check(owner, req["session_id"])
-        if req.get("model_seq_id") is None:
+        self.sessions.check(owner, req.session_id)
+        if req.model_seq_id is None:
             raise UserError("load_weights with a session_id creates a model: give its model_seq_id too")
-        model_id = f"{req['session_id']}:train:{int(req['model_seq_id'])}"
+        model_id = f"{req.session_id}:train:{int(req.model_seq_id)}"
         api_key = self.exchanges.key(self.secret, api_key)
-        base = self._base(req.get("base_model") or source.base_model)
+        base = self._base(req.base_model or source.base_model)
         learner = self.learners[base]
 
         async def make() -> AdapterSpec:
             return await learner.load.remote(owner, model_id, ckpt.path, optimizer, True)
 
-        return await self._opened(req["session_id"], await self.training.open(
-            owner, model_id, base, req, api_key, make, {"path": req["path"], "model_id": model_id, "type": "load_weights"},
+        return await self._opened(req.session_id, await self.training.open(
+            owner, model_id, base, req, api_key, make, {"path": req.path, "model_id": model_id, "type": "load_weights"},
             int(source.spec["rank"])))
 
     async def copy_weights(self, owner: str, q: CopyWeights) -> dict[str, str]:
@@ -250,7 +254,7 @@ class TinkerService:
         self.training.storage_room(owner)
         return self.catalog.copy(owner, q)
 
-    async def merge_weights(self, owner: str, req: dict[str, Any]) -> dict[str, str]:  # merge.py: a promise
+    async def merge_weights(self, owner: str, req: Q.MergeWeights) -> dict[str, str]:  # merge.py: a promise
         return self.merges.start(owner, req)
 
     async def rest(self, owner: str, query: RestQuery) -> Any:
@@ -260,37 +264,37 @@ class TinkerService:
 
     # ------------------------------------------------------------------ sampling
 
-    async def create_sampling_session(self, owner: str, req: dict[str, Any]) -> str:
-        self.sessions.check(owner, req["session_id"])
-        sid = f"{req['session_id']}:sampler:{int(req['sampling_session_seq_id'])}"
-        self.sessions.add_sampler(owner, req["session_id"], sid, quota_of(self.cfg, owner).samplers)
-        if req.get("model_path"):
-            ckpt = self.catalog.checkpoint(owner, req["model_path"], read=True, use=True)
-            sampler = Sampler(sid, owner, self.store.run(ckpt.model_id).base_model, req["model_path"], ckpt.path)
+    async def create_sampling_session(self, owner: str, req: Q.CreateSamplingSession) -> str:
+        self.sessions.check(owner, req.session_id)
+        sid = f"{req.session_id}:sampler:{int(req.sampling_session_seq_id)}"
+        self.sessions.add_sampler(owner, req.session_id, sid, quota_of(self.cfg, owner).samplers)
+        if req.model_path:
+            ckpt = self.catalog.checkpoint(owner, req.model_path, read=True, use=True)
+            sampler = Sampler(sid, owner, self.store.run(ckpt.model_id).base_model, req.model_path, ckpt.path)
         else:
-            sampler = Sampler(sid, owner, self._base(req.get("base_model")), None, None)
+            sampler = Sampler(sid, owner, self._base(req.base_model), None, None)
         self.store.add_sampler(sampler)
         return sid
 
-    async def asample(self, owner: str, req: dict[str, Any]) -> dict[str, Any]:
+    async def asample(self, owner: str, req: Q.ASample) -> dict[str, Any]:
         """``asample``: queued for the next batched learner call; the promise carries one sequence id
         per sample."""
         session = None
-        if req.get("sampling_session_id"):
-            s = self.catalog.sampler(owner, req["sampling_session_id"])
-            base, adapter, key = s.base_model, s.adapter_dir, f"{s.sampler_id}:{req.get('seq_id')}"
+        if req.sampling_session_id:
+            s = self.catalog.sampler(owner, req.sampling_session_id)
+            base, adapter, key = s.base_model, s.adapter_dir, f"{s.sampler_id}:{req.seq_id}"
             session = session_of(s.sampler_id)
-        elif req.get("model_path"):
-            ckpt = self.catalog.checkpoint(owner, req["model_path"], read=True, use=True)
+        elif req.model_path:
+            ckpt = self.catalog.checkpoint(owner, req.model_path, read=True, use=True)
             base, adapter, key = self.store.run(ckpt.model_id).base_model, ckpt.path, uuid.uuid4().hex
         else:
-            base, adapter, key = self._base(req.get("base_model")), None, uuid.uuid4().hex
+            base, adapter, key = self._base(req.base_model), None, uuid.uuid4().hex
         if adapter is not None and not Path(adapter).is_dir():
             raise UserError(f"the sampler weights at {adapter} were deleted: a training client keeps its latest "
                             f"{EPHEMERAL_KEEP} unnamed (ephemeral) sampler weights; name them "
                             "(save_weights_for_sampler(name)) to keep them", 404)
         wait = R.sample_wait(req, key, adapter, self.cfg, SampleWait, self.limits.of(base))
-        if req.get("record_stability_info"):
+        if req.record_stability_info:
             if session is None:
                 raise UserError("record_stability_info needs a sampling client of a session "
                                 "(ServiceClient.create_sampling_client or TrainingClient.create_sampling_client)")
@@ -305,15 +309,15 @@ class TinkerService:
 
     # ------------------------------------------------------------------ promises
 
-    async def cancel_future(self, owner: str, req: dict[str, Any]) -> dict[str, Any]:
+    async def cancel_future(self, owner: str, req: Q.CancelFuture) -> dict[str, Any]:
         """``cancel_future``: the SDK abandoned a sampling request (a timeout or a cancelled task): it leaves
         its batch if it has not reached a sampler yet, and its promise fails as cancelled either way."""
-        rid = req["request_id"]
+        rid = req.request_id
         if not isinstance(rid, str) or self.futures.owner(rid) != owner:
             raise UserError(f"no request {rid!r} (unknown, another user's, or its result expired)", 404)
         return {"request_id": rid, "state": self.batcher.cancel(rid)}
 
-    async def retrieve_futures(self, owner: str, req: dict[str, Any]) -> dict[str, Any]:  # session_feeds.py
+    async def retrieve_futures(self, owner: str, req: Q.RetrieveFutures) -> dict[str, Any]:  # session_feeds.py
         sid, clone, prev, timeout = poll_args(req)
         return await self.feeds.poll((self.catalog.sampler(owner, sid).sampler_id, clone), prev, timeout)
 

@@ -30,6 +30,7 @@ from otray.tinker.errors import unwrap
 from otray.tinker.learner.loss_run import reduced
 from otray.tinker.wire.messages import TrainCall, parse_train_call, train_output
 from otray.tinker.errors import UserError
+from otray.tinker.wire import requests as Q
 
 
 
@@ -81,7 +82,7 @@ class Training:
                             f"more is over the limit of {quota.lora_rank} (quota.lora_rank); close one, use a "
                             "smaller rank, or ask an admin for more", 403)
 
-    async def open(self, owner: str, model_id: str, base: str, req: dict[str, Any], api_key: Optional[str],
+    async def open(self, owner: str, model_id: str, base: str, req: Q.CreateModel | Q.LoadWeights, api_key: Optional[str],
                    make: Callable[[], Awaitable[AdapterSpec]], result: dict[str, Any], rank: int) -> dict[str, Any]:
         """A new live model (create_model, create-via-load): ``make()`` (makes its adapter on the learner,
         returns its spec) runs once per model id, then its lease opens; a resubmission gets the same
@@ -94,13 +95,13 @@ class Training:
             self.holding[model_id] = (owner, rank)
             try:
                 spec = await make()
-                await self.leases.open(LeaseSpec(model_id, base, spec.rank, req["session_id"]), api_key)
+                await self.leases.open(LeaseSpec(model_id, base, spec.rank, req.session_id), api_key)
             except Exception as e:  # noqa: BLE001
                 self.holding.pop(model_id, None)
                 self.learners[base].drop.remote(owner, model_id)
                 self.futures.finish(request_id, Outcome.error(R.cause(e), "server"))
             else:
-                self.store.add_run(model_id, owner, base, asdict(spec), req.get("user_metadata"))
+                self.store.add_run(model_id, owner, base, asdict(spec), req.user_metadata)
                 self.live[model_id] = base
                 self.order.start(model_id)
                 self.futures.finish(request_id, Outcome("json", result))
@@ -215,12 +216,12 @@ class Training:
                     await self.unload(model_id, why, JobState.FAILED)
             await asyncio.sleep(1.0)
 
-    def optim_step(self, owner: str, req: dict[str, Any]) -> dict[str, Any]:
-        model_id = req["model_id"]
+    def optim_step(self, owner: str, req: Q.OptimStep) -> dict[str, Any]:
+        model_id = req.model_id
         self.catalog.run(owner, model_id)
         self.learner_of(model_id)
-        with self.refused(owner, model_id, req.get("seq_id")):
-            step = adam_step(req.get("adam_params") or req.get("optim_params") or req.get("optimizer_params") or {})
+        with self.refused(owner, model_id, req.seq_id):
+            step = adam_step(req.params)
 
         check = self._lease_check(model_id)
 
@@ -232,26 +233,26 @@ class Training:
                 await self.unload(model_id, str(e), JobState.CANCELLED)
             return Outcome("json", {"metrics": metrics, "type": "optim_step"})
 
-        return self._queue(owner, model_id, req.get("seq_id"), run, "optim_step")
+        return self._queue(owner, model_id, req.seq_id, run, "optim_step")
 
-    def save_weights(self, owner: str, req: dict[str, Any], kind: str) -> dict[str, Any]:
+    def save_weights(self, owner: str, req: Q.SaveWeights, kind: str) -> dict[str, Any]:
         """``save_weights`` (kind ``training``: adapter + optimizer), ``save_weights_for_sampler``
         (``sampler``: adapter only; without a name an ephemeral one, and the promise names a new
         sampling session) or ``save_weights_external`` (``external``: PEFT's adapter files for download,
         encrypted to the request's age recipients if any: otray/tinker/service/external.py)."""
-        model_id = req["model_id"]
+        model_id = req.model_id
         self.catalog.run(owner, model_id)
         self.learner_of(model_id)
-        name = req.get("path")
+        name = req.path
         sampler = kind != "training"
         ephemeral = kind == "sampler" and not name
         if ephemeral:
-            name = f"ephemeral-{req.get('seq_id')}"
-        with self.refused(owner, model_id, req.get("seq_id")):
+            name = f"ephemeral-{req.seq_id}"
+        with self.refused(owner, model_id, req.seq_id):
             R.check_name(name)
-            sealed_to = X.recipients(req.get("age_encryption_recipients")) if kind == "external" else []
-        ttl = req.get("ttl_seconds")
-        overwrite = bool(req.get("overwrite", False))
+            sealed_to = X.recipients(req.age_encryption_recipients) if kind == "external" else []
+        ttl = req.ttl_seconds
+        overwrite = bool(req.overwrite)
 
         async def run() -> Outcome:
             if self.store.checkpoint(model_id, kind, name) and not overwrite and not ephemeral:
@@ -263,9 +264,9 @@ class Training:
                 size = X.keep_peft_files(where)
                 size = X.encrypt_in_place(where, sealed_to) if sealed_to else size
             ckpt = Checkpoint(model_id, kind, name, str(where), time.time(), int(size),
-                              time.time() + ttl if ttl else None, req.get("user_metadata"))
+                              time.time() + ttl if ttl else None, req.user_metadata)
             if ephemeral:
-                sid = f"{model_id}:sampler:{req.get('sampling_session_seq_id')}"
+                sid = f"{model_id}:sampler:{req.sampling_session_seq_id}"
                 self.store.add_sampler(Sampler(sid, owner, self.live[model_id], None, str(where)))
                 self.store.prune_ephemeral(owner, model_id, EPHEMERAL_KEEP)
                 return Outcome("json", {"sampling_session_id": sid, "type": "save_weights_for_sampler"})
@@ -273,7 +274,7 @@ class Training:
             answer = {"training": "save_weights", "sampler": "save_weights_for_sampler", "external": "save_weights_external"}
             return Outcome("json", {"path": ckpt.tinker_path, "type": answer[kind]})
 
-        return self._queue(owner, model_id, req.get("seq_id"), run, f"save_weights_{kind}")
+        return self._queue(owner, model_id, req.seq_id, run, f"save_weights_{kind}")
 
     def storage_room(self, owner: str) -> None:
         """Refuse a save while ``owner``'s checkpoint files take their storage quota or more."""
@@ -282,9 +283,9 @@ class Training:
             raise UserError(f"quota: {owner}'s checkpoints take {used:.2f} GB, the limit is {limit:g} GB "
                             "(quota.storage_gb); delete some (RestClient.delete_checkpoint) or ask an admin", 403)
 
-    def load_into(self, owner: str, req: dict[str, Any], ckpt: Checkpoint, optimizer: bool) -> dict[str, Any]:
+    def load_into(self, owner: str, req: Q.LoadWeights, ckpt: Checkpoint, optimizer: bool) -> dict[str, Any]:
         """``load_weights`` into a live model, in its order."""
-        model_id = req.get("model_id")
+        model_id = req.model_id
         if not model_id:
             raise UserError("load_weights: give model_id (load into a live model), or session_id and model_seq_id "
                             "(create a model from the checkpoint)")
@@ -292,6 +293,6 @@ class Training:
 
         async def run() -> Outcome:
             await self._send(model_id, lambda learner: learner.load.remote(owner, model_id, ckpt.path, optimizer, False))
-            return Outcome("json", {"path": req["path"], "model_id": model_id, "type": "load_weights"})
+            return Outcome("json", {"path": req.path, "model_id": model_id, "type": "load_weights"})
 
-        return self._queue(owner, model_id, req.get("seq_id"), run, "load_weights")
+        return self._queue(owner, model_id, req.seq_id, run, "load_weights")
