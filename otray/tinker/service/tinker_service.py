@@ -7,8 +7,9 @@ the :class:`~otray.tinker.learner.shared_learner.SharedLearner` of their base mo
 it: it checks keys, parses each JSON body into its frozen dataclass (:mod:`otray.tinker.wire.requests`;
 no method here takes a dict) and passes the caller's user name (``owner``) with every call. The one
 protobuf body, ``forward_backward``'s, is decoded here (``wire.messages.parse_train_call``), against the
-model's limits and the session's custom losses, which live here. Every lookup here checks that owner, so a caller sees only their own runs, checkpoints,
-samplers and requests (an unknown and another user's id get the same 404).
+model's limits and the session's custom losses, which live here. Every lookup here checks that owner,
+so a caller sees only their own runs, checkpoints, samplers and requests (an unknown and another
+user's id get the same 404).
 
 Sampling requests are batched (:mod:`otray.tinker.service.sampling`): those waiting while the samplers are
 busy go out together, to the base model's vLLM engine where it can serve them (multi-LoRA,
