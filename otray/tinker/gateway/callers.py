@@ -9,7 +9,7 @@ import time
 from typing import Any
 
 from otray.tinker.service import tokens
-from otray.tinker.errors import UserError
+from otray.tinker.errors import UserError, unwrap
 
 
 class Callers:
