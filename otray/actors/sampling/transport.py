@@ -129,13 +129,14 @@ class Publisher:
 
     def update(self, state: dict[str, Any], version: int, kind: str, lora: dict[str, Any] | None,
                transport: str, dtype: str | None = None) -> WeightUpdate:
-        """A learner's ``state`` as a :class:`~otray.types.WeightUpdate` over ``transport``, its floating
-        tensors in ``dtype`` (the workers'; None: as they are), with their checksum: CPU copies for the
-        object store, one shared-memory file, or the device buffer. Shared memory that is full sends
-        this update through the object store instead (and says so)."""
+        """A learner's ``state`` as a :class:`~otray.types.WeightUpdate` over ``transport``, with its checksum:
+        CPU copies for the object store, one shared-memory file, or the device buffer. A full update's
+        floating tensors go in ``dtype`` (the workers'; None: as they are); a LoRA adapter keeps its own
+        (PEFT keeps adapters in float32 over a bf16 base, and they are small). Shared memory that is full
+        sends this update through the object store instead (and says so)."""
         import torch
 
-        target = getattr(torch, dtype) if dtype else None
+        target = getattr(torch, dtype) if dtype and kind == "full" else None
         tensors = {k: v.detach().to(target) if target is not None and v.is_floating_point() else v.detach()
                    for k, v in state.items()}
         sums = checksum(tensors)

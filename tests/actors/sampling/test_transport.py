@@ -127,7 +127,7 @@ def test_broadcast_over_gloo_gives_every_worker_the_object_stores_weights(ray_lo
         for w in workers[:2]:
             got = held(w)
             assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
-            if kind == "full":  # (PEFT keeps an adapter in float32 over a bf16 base: the values are bf16's)
+            if kind == "full":  # (an adapter travels in its own dtype: PEFT keeps it in float32)
                 assert all(v.dtype == torch.bfloat16 for v in got.values() if v.is_floating_point())
     finally:
         for a in (learner, *workers):
