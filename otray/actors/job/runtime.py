@@ -182,7 +182,7 @@ class PolicyRuntime:
         return {**fb, **opt}
 
     def sync_weights(self, clock: StepClock | None = None) -> float:
-        """Push the learner's weights to the fleet over ``weight_sync``, in the workers' dtype (colocated:
+        """Push the learner's weights to the fleet over ``weight_sync`` (full ones in the workers' dtype; colocated:
         nothing to send, the learner samples from the weights it trains); returns the seconds it took."""
         t0 = time.perf_counter()
         if self.fleet is not None and not self.colocated:

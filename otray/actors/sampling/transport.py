@@ -11,7 +11,7 @@
   GPU is every worker's; else ``shm`` on one node; else ``object_store``. (``broadcast`` is chosen by
   name: for workers on other nodes or GPUs.)
 
-Learner side: :class:`Publisher` (every transport; each update in the workers' dtype and with its
+Learner side: :class:`Publisher` (every transport; a full update in the workers' dtype, each with its
 checksum); worker side: :class:`Receiver`. ``tests/actors/sampling/test_transport.py`` checks that
 ``shm`` and ``broadcast`` deliver the object store's tensors bit for bit; ``benchmarks/weight_sync.py``
 times them between two Ray actors.
