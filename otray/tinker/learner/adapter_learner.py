@@ -33,9 +33,11 @@ from otray.actors.sampling.backends.hf import HFBackend
 from otray.tinker.learner.adapter_switch import AdapterSwitch
 from otray.tinker.learner.loss_graph import LossGraph
 from otray.tinker.learner.loss_run import add_sums, surrogate
+from otray.tinker.learner.mixed_lora import RowRouting, groups_of
 from otray.tinker.learner.prompt_scores import PromptScores, Scoring, Targets, score
-from otray.actors.learner.core import (adamw_step, in_order, loss_inputs, new_adamw, plan_micro_batches,
-                                       position_log_softmax, token_logprobs, topk_logprobs, topk_weights)
+from otray.actors.learner.core import (PAD_SPREAD, adamw_step, by_length, in_order, loss_inputs, micro_batches,
+                                       new_adamw, plan_micro_batches, position_log_softmax, token_logprobs,
+                                       topk_logprobs, topk_weights)
 from otray.algos.losses import per_token_loss
 from otray.device import resolve_device, resolve_dtype
 from otray.models import load_model, load_tokenizer
@@ -120,21 +122,52 @@ def scores_of(model: Any, job: SampleJob, i: int, samples: list[list[int]], devi
                  job.params.temperature, job.params.seed, samples)
 
 
-def batch_loss(model: torch.nn.Module, batch: list[Datum], device: str, loss_fn: str, cfg: dict[str, float],
-               graph: Optional[LossGraph] = None) -> tuple[torch.Tensor, torch.Tensor, Optional[tuple[float, dict]]]:
-    """One micro-batch's logprobs (``(rows, T)``, or ``(rows, T, K)`` for top-K datums) and per-token
-    losses (``(rows, T)``, zero past each row's end). Top-K: ``-sum_k w_k * logprob(target_k)``. A custom
-    loss (``graph``): its gradient's surrogate per token, and third its sum and metric sums."""
-    lp, valid = (topk_logprobs if batch[0].target_k is not None else token_logprobs)(model, batch, device)
+@dataclass(frozen=True)
+class PassRequest:
+    """One client's forward(_backward) work for a pass: its adapter, datums and loss (``graph``: a checked
+    custom loss). Requests of one :meth:`pack_key` can share a pass (:meth:`AdapterLearner.forward_many`)."""
+
+    adapter: str
+    datums: list[Datum]
+    loss_fn: str
+    loss_fn_config: Optional[dict[str, float]] = None
+    backward: bool = True
+    graph: Optional[LossGraph] = None
+
+    def tokens(self) -> int:
+        return sum(len(d) for d in self.datums)
+
+    def pack_key(self) -> Optional[tuple]:
+        """Requests with equal keys can share a pass: the same gradient mode and the same kind of targets
+        (one target a position, or K). None: runs alone (images: a vision tower's rows are not the batch's)."""
+        if any(d.images for d in self.datums):
+            return None
+        first = self.datums[0].target_k
+        return self.backward, (len(first[0]) if first else None)
+
+
+def rows_loss(lp: torch.Tensor, valid: torch.Tensor, batch: list[Datum], device: str, loss_fn: str,
+              cfg: dict[str, float], graph: Optional[LossGraph] = None) -> tuple[torch.Tensor, Optional[tuple[float, dict]]]:
+    """Per-token losses (``(rows, T)``, zero past each row's end) of rows whose logprobs are ``lp``
+    (``(rows, T)``, or ``(rows, T, K)`` for top-K datums). Top-K: ``-sum_k w_k * logprob(target_k)``. A custom
+    loss (``graph``): its gradient's surrogate per token, and second its sum and metric sums."""
     if graph is not None:
         tok, loss_sum, metrics = surrogate(graph, batch, lp, device)
-        return lp, tok * valid, (loss_sum, metrics)
+        return tok * valid, (loss_sum, metrics)
     if batch[0].target_k is not None:
         tok = -(topk_weights(batch, lp.shape[1], device) * lp).sum(-1)
     else:
         x = loss_inputs(batch, lp.shape[1], device, every_token=True)
         tok = per_token_loss(loss_fn, lp, x.sampler_logprobs, x.advantages, x.weights, **x.extras(), **cfg)
-    return lp, tok * valid, None
+    return tok * valid, None
+
+
+def batch_loss(model: torch.nn.Module, batch: list[Datum], device: str, loss_fn: str, cfg: dict[str, float],
+               graph: Optional[LossGraph] = None) -> tuple[torch.Tensor, torch.Tensor, Optional[tuple[float, dict]]]:
+    """One micro-batch's logprobs and per-token losses (:func:`rows_loss`; third a custom loss's sums)."""
+    lp, valid = (topk_logprobs if batch[0].target_k is not None else token_logprobs)(model, batch, device)
+    tok, custom = rows_loss(lp, valid, batch, device, loss_fn, cfg, graph)
+    return lp, tok, custom
 
 
 class AdapterLearner:
@@ -165,6 +198,7 @@ class AdapterLearner:
         self.micro_batch_tokens = micro_batch_tokens
         self.max_model_len = max_model_len or self.base.config.get_text_config().max_position_embeddings
         self.switch = AdapterSwitch()  # which adapter the LoRA layers use
+        self.routing = RowRouting()  # which rows each LoRA layer gives which adapter, in a shared pass
         self.training = False  # the model is in train mode (not switched to eval by a sample since)
 
     def ping(self) -> bool:
@@ -246,6 +280,85 @@ class AdapterLearner:
             lps.extend(lp[i, :len(d)].reshape(-1).tolist() for i, d in enumerate(batch))
             losses.extend(tok[i, :len(d)].tolist() for i, d in enumerate(batch))
         return PassResult(in_order(lps, order), in_order(losses, order), total, metrics)
+
+    def forward_many(self, requests: list[PassRequest]) -> list[PassResult | Exception]:
+        """Several clients' requests (of one :meth:`PassRequest.pack_key`) in shared passes: every row goes
+        through its own adapter (:class:`~otray.tinker.learner.mixed_lora.RowRouting`), each request's loss is
+        its own, and one backward per micro-batch adds each adapter's gradient from its own rows only. So
+        each request gets what :meth:`forward_backward` alone gives it (float rounding aside). A request
+        whose adapter is gone or whose loss fails gets its exception back, alone; the others go on (a
+        failing forward pass itself raises, for the caller to run the requests one by one)."""
+        out: list[PassResult | Exception] = [PassResult([], [], 0.0) for _ in requests]
+        for i, r in enumerate(requests):
+            if r.adapter not in self.specs:
+                out[i] = KeyError(f"no adapter {r.adapter!r} on this learner (it was unloaded, or the learner restarted)")
+        live = [i for i, r in enumerate(requests) if not isinstance(out[i], Exception)]
+        if not live:
+            return out
+        self._train_mode()
+        self.routing.install(self.switch.lora_layers(self.model))
+        rank = {r.adapter: k for k, r in enumerate(requests)}  # rows grouped by adapter, in request order
+        for name in {requests[i].adapter for i in live}:
+            for p in self._params(name):
+                p.requires_grad_(True)
+        rows = [(i, j) for i in live for j in range(len(requests[i].datums))]
+        lps = {i: [None] * len(requests[i].datums) for i in live}
+        losses = {i: [None] * len(requests[i].datums) for i in live}
+        sums: dict[int, tuple[float, dict]] = {i: (0.0, {}) for i in live}
+        backward = requests[live[0]].backward
+        for chunk in self._plan_rows([requests[i].datums[j] for i, j in rows]):
+            chunk.sort(key=lambda k: rank[requests[rows[k][0]].adapter])
+            batch = [requests[rows[k][0]].datums[rows[k][1]] for k in chunk]
+            owners = [rows[k][0] for k in chunk]
+            with torch.set_grad_enabled(backward), self.routing.routed(groups_of([requests[i].adapter for i in owners])):
+                lp, valid = (topk_logprobs if batch[0].target_k is not None else token_logprobs)(self.model, batch,
+                                                                                               self.device)
+                terms, parts = [], []
+                for i in dict.fromkeys(owners):
+                    if isinstance(out[i], Exception):
+                        continue
+                    at = [k for k, o in enumerate(owners) if o == i]
+                    r, sel = requests[i], torch.tensor(at, device=lp.device)
+                    try:
+                        tok, custom = rows_loss(lp[sel], valid[sel], [batch[k] for k in at], self.device, r.loss_fn,
+                                                r.loss_fn_config or {}, r.graph)
+                    except Exception as e:  # noqa: BLE001 - this request's own loss: it fails alone
+                        out[i] = e
+                        continue
+                    terms.append(tok.sum())
+                    parts.append((i, at, tok, custom))
+                if backward and terms:
+                    failed = {requests[i].adapter for i in dict.fromkeys(owners) if isinstance(out[i], Exception)}
+                    bare = [p for name in failed for p in self._params(name) if p.grad is None]
+                    torch.stack(terms).sum().backward()
+                    for p in bare:  # a failed request's rows passed zeros back: its adapter keeps no gradient
+                        p.grad = None
+            lp_host = lp.detach().cpu()
+            for i, at, tok, custom in parts:
+                tok_host = tok.detach().cpu()
+                total, metrics = sums[i]
+                sums[i] = (total + (custom[0] if custom else float(tok_host.sum())),
+                           add_sums(metrics, custom[1] if custom else {}))
+                for n, k in enumerate(at):
+                    d, j = batch[k], rows[chunk[k]][1]
+                    lps[i][j] = lp_host[k, :len(d)].reshape(-1).tolist()
+                    losses[i][j] = tok_host[n, :len(d)].tolist()
+        for i in live:
+            if not isinstance(out[i], Exception):
+                out[i] = PassResult(lps[i], losses[i], *sums[i])
+        return out
+
+    def _plan_rows(self, datums: list[Datum]) -> list[list[int]]:
+        """Micro-batches of a shared pass, as lists of indices into ``datums``: one when they fit the token
+        budget, else cut shortest first as :func:`plan_micro_batches` cuts a call."""
+        if max(len(d) for d in datums) * len(datums) <= self.micro_batch_tokens:
+            return [list(range(len(datums)))]
+        order = by_length(datums)
+        chunks, at = [], 0
+        for chunk in micro_batches([datums[i] for i in order], self.micro_batch_tokens, PAD_SPREAD):
+            chunks.append(order[at:at + len(chunk)])
+            at += len(chunk)
+        return chunks
 
     def optim_step(self, adapter: str, p: AdamStep) -> dict[str, float]:
         """One AdamW step of ``adapter`` on its accumulated gradients; zeroes them."""

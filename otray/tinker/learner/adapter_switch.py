@@ -32,10 +32,7 @@ class AdapterSwitch:
         """Make ``adapter`` the only active adapter of ``model`` (a PeftModel), its parameters trainable.
         The other adapters' ``requires_grad`` flags stay as they are: they take no part in the pass, so
         they get no gradient either way."""
-        if self.layers is None:
-            from peft.tuners.tuners_utils import BaseTunerLayer
-
-            self.layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+        self.lora_layers(model)
         if all(hasattr(m, "_active_adapter") for m in self.layers):
             for m in self.layers:
                 m._active_adapter = [adapter]
@@ -49,6 +46,14 @@ class AdapterSwitch:
         else:  # a PEFT without that attribute: its own (slow) switch
             model.set_adapter(adapter)
         self.active = adapter
+
+    def lora_layers(self, model: Any) -> list[Any]:
+        """The model's LoRA layers (found once per set of adapters: the same list object until :meth:`changed`)."""
+        if self.layers is None:
+            from peft.tuners.tuners_utils import BaseTunerLayer
+
+            self.layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+        return self.layers
 
     def params(self, model: Any, adapter: str) -> list[torch.nn.Parameter]:
         """``adapter``'s LoRA parameters (the optimizer's)."""
