@@ -100,11 +100,14 @@ class TinkerScheduling:
     ``fair``: the learner runs one step at a time, the next chosen by start-time fair queueing over
     users (learner seconds used / weight; priorities first); a forward_backward is one step per
     slice of at most ``slice_tokens`` tokens, so a small step waits for about one slice of another
-    user's work. ``fifo``: calls whole, in arrival order (no isolation: the baseline
-    ``benchmarks/tinker_fairness.py`` measures)."""
+    user's work. Slices of several clients (any users of one priority) share a pass of at most
+    ``pass_tokens`` tokens, each row through its own adapter, charged by tokens: a small step rides in
+    the next pass (0: every slice a pass of its own). ``fifo``: calls whole, in arrival order (no
+    isolation: the baseline ``benchmarks/tinker_fairness.py`` measures)."""
 
     policy: str = "fair"  # fair | fifo
     slice_tokens: int = 2048  # about what the learner passes in a small step's time (docs/notes/tinker.md)
+    pass_tokens: int = 4096  # one shared pass's tokens over its clients' slices (0: no shared passes)
     follow_ms: float = 50.0  # a turn kept this long for a forward_backward's optim_step (if that user is owed it)
     users: dict[str, UserShare] = field(default_factory=dict)  # default: weight 1, priority 0
 

@@ -148,3 +148,41 @@ def test_bf16_mixed_passes_stay_within_the_stated_bound(tiny_path):
     worst = max(float(np.abs(np.asarray(x) - np.asarray(y)).max())
                 for m, a in zip(mixed, alone) for x, y in zip(m.logprobs, a.logprobs))
     assert worst < 0.1, worst
+
+
+def test_small_users_ride_in_a_shared_pass_and_a_dropped_users_rows_never_reach_one(tiny_path):
+    """Through the SharedLearner's queue: while alice's long call holds the learner, three one-datum users
+    queue; their steps then share passes (with alice's slices) and each gets its own answer. bob's model is
+    unloaded while his call waits: it fails at once, naming why, and no pass ever holds his rows."""
+    import asyncio
+
+    from otray.tinker.errors import UserError
+    from otray.tinker.learner.shared_learner import SharedLearner
+
+    rng = np.random.default_rng(5)
+    small = {u: [datum(rng, 6)] for u in ("carol", "dave", "erin", "bob")}
+    long = [datum(rng, 30) for _ in range(8)]
+
+    async def scenario() -> None:
+        shared = SharedLearner(tiny_path, slice_tokens=60, pass_tokens=400)
+        seen: list[list[str]] = []
+        many = shared.learner.forward_many
+        shared.learner.forward_many = lambda reqs: (seen.append([r.adapter for r in reqs]), many(reqs))[1]
+        for k, user in enumerate(["alice", *small]):
+            await shared.create(user, user, AdapterSpec(4 * (k + 1), seed=k))
+        alone = {u: shared.learner.forward_backward(u, d, "cross_entropy", backward=False) for u, d in small.items()}
+        calls = [asyncio.ensure_future(shared.forward_backward("alice", "alice", long, "cross_entropy"))]
+        await asyncio.sleep(0.01)  # alice's first slice is on the learner
+        calls += [asyncio.ensure_future(shared.forward_backward(u, u, small[u], "cross_entropy")) for u in small]
+        await asyncio.sleep(0)
+        await shared.drop("bob", "bob", "its lease was cancelled")
+        done = await asyncio.gather(*calls, return_exceptions=True)
+        assert isinstance(done[-1], UserError) and "lease was cancelled" in str(done[-1])
+        assert not any("bob" in s for s in seen), seen
+        for user, got in zip(["carol", "dave", "erin"], done[1:4]):
+            assert np.allclose(got.logprobs[0], alone[user].logprobs[0], atol=1e-5)
+        assert len(done[0].logprobs) == len(long)
+        assert any(len(s) > 1 for s in seen) and max(shared.queue.passes) >= 3, (seen, shared.queue.passes)
+        assert shared.usage()["shared_passes"] == shared.queue.passes
+
+    asyncio.run(scenario())

@@ -122,6 +122,11 @@ def scores_of(model: Any, job: SampleJob, i: int, samples: list[list[int]], devi
                  job.params.temperature, job.params.seed, samples)
 
 
+class PassNotRun(Exception):
+    """A shared pass failed before it added any gradient (its cause chained): its requests can be run
+    again one by one."""
+
+
 @dataclass(frozen=True)
 class PassRequest:
     """One client's forward(_backward) work for a pass: its adapter, datums and loss (``graph``: a checked
@@ -200,6 +205,7 @@ class AdapterLearner:
         self.switch = AdapterSwitch()  # which adapter the LoRA layers use
         self.routing = RowRouting()  # which rows each LoRA layer gives which adapter, in a shared pass
         self.training = False  # the model is in train mode (not switched to eval by a sample since)
+        self.applied = False  # the current shared pass has added gradients (forward_many)
 
     def ping(self) -> bool:
         return True
@@ -306,6 +312,21 @@ class AdapterLearner:
         losses = {i: [None] * len(requests[i].datums) for i in live}
         sums: dict[int, tuple[float, dict]] = {i: (0.0, {}) for i in live}
         backward = requests[live[0]].backward
+        try:
+            self._shared_passes(requests, out, rows, rank, lps, losses, sums, backward)
+        except Exception as e:
+            if not self.applied:
+                raise PassNotRun(str(e)) from e
+            raise
+        for i in live:
+            if not isinstance(out[i], Exception):
+                out[i] = PassResult(lps[i], losses[i], *sums[i])
+        return out
+
+    def _shared_passes(self, requests: list[PassRequest], out: list, rows: list[tuple[int, int]], rank: dict[str, int],
+                       lps: dict, losses: dict, sums: dict, backward: bool) -> None:
+        """:meth:`forward_many`'s micro-batches; ``self.applied`` is set once a backward has run."""
+        self.applied = False
         for chunk in self._plan_rows([requests[i].datums[j] for i, j in rows]):
             chunk.sort(key=lambda k: rank[requests[rows[k][0]].adapter])
             batch = [requests[rows[k][0]].datums[rows[k][1]] for k in chunk]
@@ -330,6 +351,7 @@ class AdapterLearner:
                 if backward and terms:
                     failed = {requests[i].adapter for i in dict.fromkeys(owners) if isinstance(out[i], Exception)}
                     bare = [p for name in failed for p in self._params(name) if p.grad is None]
+                    self.applied = True
                     torch.stack(terms).sum().backward()
                     for p in bare:  # a failed request's rows passed zeros back: its adapter keeps no gradient
                         p.grad = None
@@ -343,10 +365,6 @@ class AdapterLearner:
                     d, j = batch[k], rows[chunk[k]][1]
                     lps[i][j] = lp_host[k, :len(d)].reshape(-1).tolist()
                     losses[i][j] = tok_host[n, :len(d)].tolist()
-        for i in live:
-            if not isinstance(out[i], Exception):
-                out[i] = PassResult(lps[i], losses[i], *sums[i])
-        return out
 
     def _plan_rows(self, datums: list[Datum]) -> list[list[int]]:
         """Micro-batches of a shared pass, as lists of indices into ``datums``: one when they fit the token

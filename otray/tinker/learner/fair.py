@@ -22,6 +22,13 @@ Seconds are measured around each step, whatever it does (a slice, an optimizer s
 a sample). ``policy: fifo`` runs jobs whole in arrival order (the behaviour before this module, kept
 as the baseline ``benchmarks/tinker_fairness.py`` measures against).
 
+Shared passes: a :class:`Packable` step (a forward_backward slice) can share one learner pass with the
+next steps of other clients, the chosen one's included, of the same ``key``: taken in the same fair
+order, up to ``pass_tokens`` tokens in all, and run by the queue's ``pack`` function in one call. A
+small user's step then rides in the next pass instead of waiting for a turn of its own; the pass's
+seconds are charged to its users in proportion to their tokens. Only users of the chosen user's
+priority ride along (a higher one would have been chosen).
+
 Runs in the SharedLearner actor of one base model."""
 
 from __future__ import annotations
@@ -31,11 +38,22 @@ import itertools
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Sequence
+from typing import Any, Awaitable, Callable, Hashable, Optional, Sequence, Union
 
 from otray.tinker.config import Share
 
 Step = Callable[[], Awaitable[Any]]
+Pack = Callable[[list[Any]], Awaitable[list[Any]]]  # works -> a result or an exception each
+
+
+@dataclass(frozen=True)
+class Packable:
+    """A step that can share a pass: ``work`` (what ``pack`` takes) of ``tokens`` tokens; only steps of
+    equal ``key`` share one."""
+
+    key: Hashable
+    tokens: int
+    work: Any
 
 
 @dataclass
@@ -56,8 +74,12 @@ class _User:
 class FairQueue:
     """The learner's work, one step at a time (owned by the learner actor's event loop)."""
 
-    def __init__(self, shares: dict[str, Share] | None = None, policy: str = "fair", follow_s: float = 0.05):
+    def __init__(self, shares: dict[str, Share] | None = None, policy: str = "fair", follow_s: float = 0.05,
+                 pack: Optional[Pack] = None, pass_tokens: int = 0):
         self.shares, self.policy, self.follow_s = shares or {}, policy, follow_s
+        self.pack, self.pass_tokens = pack, pass_tokens  # shared passes (fair policy only); 0 tokens: none
+        self.running: set[int] = set()  # ids of the jobs whose step is on the learner now
+        self.passes: list[int] = []  # steps per pass run by ``pack``, the latest 1,000 (for benchmarks and tests)
         self.arrived = asyncio.Event()  # set by every new job (a held turn waits for one)
         self.users: dict[str, _User] = {}
         self.vtime = 0.0
@@ -71,7 +93,7 @@ class FairQueue:
     def share(self, user: str) -> Share:
         return self.shares.get(user, Share())
 
-    async def run(self, user: str, client: str, steps: Sequence[Step], follow: bool = False) -> list[Any]:
+    async def run(self, user: str, client: str, steps: Sequence[Union[Step, Packable]], follow: bool = False) -> list[Any]:
         """Run ``steps`` of ``client`` (``user``'s) in order, each in its turn; their results. A step that
         raises ends the job (its later steps do not run) and the exception is raised here. ``follow``:
         the client's next job is likely on its way (see :meth:`_hold`)."""
@@ -100,25 +122,92 @@ class FairQueue:
     async def _drain(self) -> None:
         try:
             while self.pending:
-                name, u, client, job = self._next()
-                start = max(self.vtime, u.finish)
-                self.vtime = start
+                first = self._next()
+                name, u, client, job = first
+                self.vtime = max(self.vtime, u.finish)
+                members = [first, *self._riders(first)]
+                self.running.update(id(m[3]) for m in members)
                 t0 = time.monotonic()
-                try:
-                    job.results.append(await job.steps.popleft()())
-                except Exception as e:  # noqa: BLE001 - the job's caller gets it
-                    job.steps.clear()
-                    if not job.done.done():
-                        job.done.set_exception(e)
+                outcomes = await self._run_step([m[3].steps[0] for m in members])
                 spent = time.monotonic() - t0
-                u.finish = start + spent / self.share(name).weight
-                self.used[name] = self.used.get(name, 0.0) + spent
-                self.steps[name] = self.steps.get(name, 0) + 1
-                self._advance(name, u, client, job)
+                self.running.clear()
+                tokens = [m[3].steps[0].tokens if isinstance(m[3].steps[0], Packable) else 1 for m in members]
+                for (n, mu, c, mjob), outcome, t in zip(members, outcomes, tokens):
+                    share = spent * t / sum(tokens)  # a shared pass is charged by tokens
+                    mu.finish = max(self.vtime, mu.finish) + share / self.share(n).weight
+                    self.used[n] = self.used.get(n, 0.0) + share
+                    self.steps[n] = self.steps.get(n, 0) + 1
+                    if mjob.steps:  # not withdrawn meanwhile
+                        mjob.steps.popleft()
+                    if isinstance(outcome, BaseException):
+                        mjob.steps.clear()
+                        if not mjob.done.done():
+                            mjob.done.set_exception(outcome)
+                    else:
+                        mjob.results.append(outcome)
+                    self._advance(n, mu, c, mjob)
                 if job.follow and not job.steps and self.pending and self.policy == "fair":
                     await self._hold(name, client)
         finally:
             self.busy = False
+
+    async def _run_step(self, steps: list[Union[Step, Packable]]) -> list[Any]:
+        """Run one step, or several packable ones in one ``pack`` call; a result or an exception each."""
+        try:
+            if isinstance(steps[0], Packable) and self.pack is not None:
+                outcomes = await self.pack([s.work for s in steps])
+                if len(outcomes) != len(steps):
+                    raise RuntimeError(f"pack gave {len(outcomes)} results for {len(steps)} steps")
+                return list(outcomes)
+            if isinstance(steps[0], Packable):
+                raise RuntimeError("a packable step on a queue without a pack function")
+            return [await steps[0]()]
+        except Exception as e:  # noqa: BLE001 - the jobs' callers get it
+            return [e] * len(steps)
+
+    def _riders(self, first: tuple[str, _User, str, _Job]) -> list[tuple[str, _User, str, _Job]]:
+        """The steps that share ``first``'s pass: other clients' next steps of its key, in fair order, within
+        ``pass_tokens`` (none unless ``first``'s step is packable and the policy fair)."""
+        head = first[3].steps[0]
+        if not isinstance(head, Packable) or self.pack is None or self.policy != "fair" or self.pass_tokens <= 0:
+            return []
+        room = self.pass_tokens - head.tokens
+        level = self.share(first[0]).priority
+        out = []
+        for n, u in sorted(((n, u) for n, u in self.users.items() if u.clients and self.share(n).priority == level),
+                           key=lambda nu: (max(self.vtime, nu[1].finish), min(j[0].arrival for j in nu[1].clients.values()))):
+            for c, jobs in u.clients.items():
+                step = jobs[0].steps[0] if jobs[0].steps else None
+                if (n, c) != (first[0], first[2]) and isinstance(step, Packable) and step.key == head.key \
+                        and step.tokens <= room:
+                    out.append((n, u, c, jobs[0]))
+                    room -= step.tokens
+        if out:
+            self.passes = [*self.passes[-999:], 1 + len(out)]
+        return out
+
+    def withdraw(self, user: str, client: str, error: Exception) -> int:
+        """Fail ``client``'s queued jobs with ``error`` (its model was unloaded: cancelled or expired), so
+        none of their steps reaches the learner; a job whose step is on the learner now ends with that
+        step. Returns the jobs withdrawn."""
+        u = self.users.get(user)
+        jobs = u.clients.get(client) if u else None
+        if not jobs:
+            return 0
+        kept = deque(j for j in jobs if id(j) in self.running)
+        for j in jobs:
+            j.steps.clear()  # the running one: its step on the learner is its last
+            if not j.done.done():
+                j.done.set_exception(error)
+        gone = len(jobs) - len(kept)
+        self.pending -= gone
+        if kept:
+            u.clients[client] = kept
+        else:
+            del u.clients[client]
+            if not u.clients and u.finish <= self.vtime:
+                del self.users[user]
+        return gone
 
     def _advance(self, name: str, u: _User, client: str, job: _Job) -> None:
         """After a step: a finished job leaves; the client goes to the back of its user's turns."""

@@ -7,6 +7,12 @@ compute thread. A ``forward_backward`` takes a turn per slice of at most ``slice
 (losses are sums over tokens, so the slices' gradients add up to the whole call's), and the
 slices' outputs are joined, so callers see one call.
 
+Slices of different clients share a pass (``pass_tokens``): the queue packs the next slices of
+several clients, in fair order, into one call of :meth:`AdapterLearner.forward_many`, where each row
+goes through its own adapter; a small user's one-datum step then rides in the next pass instead of
+costing a pass of its own. A pass that fails as a whole before adding any gradient is run again
+request by request, so a bad request fails alone.
+
 The queue lives here, beside the model, so the next step starts the moment the last one ends: a
 queue in the service instead left the learner idle for a round trip per call (a third of a busy
 user's throughput on two cores) and gave a client's pipelined ``optim_step`` turn away while it
@@ -21,24 +27,38 @@ import functools
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Optional
 
+from dataclasses import dataclass
+
 from otray.tinker.config import Share
-from otray.tinker.learner.fair import FairQueue, slices
-from otray.tinker.learner.adapter_learner import AdamStep, AdapterLearner, AdapterSpec, PassResult, SampleJob, SampleOut
+from otray.tinker.errors import UserError
+from otray.tinker.learner.fair import FairQueue, Packable, slices
+from otray.tinker.learner.adapter_learner import (AdamStep, AdapterLearner, AdapterSpec, PassNotRun, PassRequest,
+                                                  PassResult, SampleJob, SampleOut)
 from otray.tinker.learner.loss_graph import LossGraph
 from otray.tinker.learner.loss_run import add_sums
 from otray.types import Datum
 
 
+@dataclass
+class _Slice:
+    """One slice of a forward_backward call, as the queue packs it: ``saved`` (a custom loss's backward)
+    holds the adapter's gradients from before the call, shared by the call's slices."""
+
+    request: PassRequest
+    saved: Optional[list]
+
+
 class SharedLearner:
     """Ray actor: one base model's adapters, trained and sampled in fair turns (``policy``: fair | fifo;
     ``shares``: an admin's weights and priorities by user; ``slice_tokens``: 0 for whole calls;
-    ``follow_s``: how long a turn is kept for a forward_backward's optim_step, :meth:`FairQueue._hold`)."""
+    ``follow_s``: how long a turn is kept for a forward_backward's optim_step, :meth:`FairQueue._hold`;
+    ``pass_tokens``: slices of several clients share a pass up to this many tokens, 0: never)."""
 
     def __init__(self, model_path: str, *, policy: str = "fair", slice_tokens: int = 0, follow_s: float = 0.05,
-                 shares: Optional[dict[str, Share]] = None, **learner: Any):
+                 shares: Optional[dict[str, Share]] = None, pass_tokens: int = 0, **learner: Any):
         self.learner = AdapterLearner(model_path, **learner)
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="learner")  # the model is used by one thread
-        self.queue = FairQueue(shares, policy, follow_s)
+        self.queue = FairQueue(shares, policy, follow_s, self._pack, pass_tokens)
         self.slice_tokens = slice_tokens if policy == "fair" else 0
 
     def _step(self, fn: Callable[..., Any], *args: Any) -> Callable[[], Any]:
@@ -57,7 +77,8 @@ class SharedLearner:
     def usage(self) -> dict[str, Any]:
         """Learner seconds and steps by user since the actor started, and the seconds turns were kept
         for a follower (:meth:`FairQueue._hold`)."""
-        return {"seconds": dict(self.queue.used), "steps": dict(self.queue.steps), "held_s": self.queue.held}
+        return {"seconds": dict(self.queue.used), "steps": dict(self.queue.steps), "held_s": self.queue.held,
+                "shared_passes": list(self.queue.passes)}
 
     async def adapters(self) -> list[str]:
         return self.learner.adapters()
@@ -65,8 +86,11 @@ class SharedLearner:
     async def create(self, user: str, adapter: str, spec: AdapterSpec) -> None:
         await self._one(user, adapter, self.learner.create, adapter, spec)
 
-    async def drop(self, user: str, adapter: str) -> None:
-        """After the adapter's calls already here (a dropped adapter's queued work would fail anyway)."""
+    async def drop(self, user: str, adapter: str, why: str = "it was unloaded") -> None:
+        """The adapter's calls still queued fail at once (none of their rows reaches a pass); the one on the
+        learner now ends first."""
+        self.queue.withdraw(user, adapter, UserError(f"model {adapter!r} left the learner before this request "
+                                                     f"ran ({why})", 404))
         await self._one(user, adapter, self.learner.drop, adapter)
 
     async def forward_backward(self, user: str, adapter: str, datums: list[Datum], loss_fn: str,
@@ -74,9 +98,11 @@ class SharedLearner:
                                graph: Optional[LossGraph] = None) -> PassResult:
         parts = slices([len(d) for d in datums], self.slice_tokens) if self.slice_tokens else [range(len(datums))]
         saved: Optional[list] = [] if graph is not None and backward else None
+        requests = [PassRequest(adapter, datums[p.start:p.stop], loss_fn, loss_fn_config, backward, graph) for p in parts]
         results = await self.queue.run(user, adapter, [
-            self._step(self._pass, adapter, datums[p.start:p.stop], loss_fn, loss_fn_config, backward, graph, saved)
-            for p in parts], follow=backward)
+            Packable(r.pack_key(), r.tokens(), _Slice(r, saved)) if r.pack_key() is not None
+            else self._step(self._pass, adapter, r.datums, loss_fn, loss_fn_config, backward, graph, saved)
+            for r in requests], follow=backward)
         return PassResult([lp for r in results for lp in r.logprobs], [x for r in results for x in r.losses],
                           sum(r.loss_sum for r in results), functools.reduce(add_sums, [r.metric_sums for r in results]))
 
@@ -94,6 +120,35 @@ class SharedLearner:
             for p, grad in zip(params, saved[0] if saved else ()):
                 p.grad = grad
             raise
+
+    async def _pack(self, works: list[_Slice]) -> list[Any]:
+        return await asyncio.get_running_loop().run_in_executor(self.pool, self._passes, works)
+
+    def _passes(self, works: list[_Slice]) -> list[Any]:
+        """Slices of several clients in one shared pass, on the compute thread; each a PassResult or its
+        exception. A custom loss's call that fails gets its adapter's gradients back as before the call."""
+        for w in works:
+            if w.saved is not None and not w.saved and w.request.adapter in self.learner.specs:
+                w.saved.append([None if p.grad is None else p.grad.clone()
+                                for p in self.learner.switch.params(self.learner.model, w.request.adapter)])
+        try:
+            outs: list[Any] = self.learner.forward_many([w.request for w in works])
+        except PassNotRun:  # e.g. a datum the model cannot take: each alone, so only its own request fails
+            outs = [self._alone(w) for w in works]
+        except Exception as e:  # noqa: BLE001 - after some gradient was added: every request of the pass fails
+            outs = [e] * len(works)
+        for w, out in zip(works, outs):
+            if isinstance(out, Exception) and w.saved:
+                for p, grad in zip(self.learner.switch.params(self.learner.model, w.request.adapter), w.saved[0]):
+                    p.grad = grad
+        return outs
+
+    def _alone(self, w: _Slice) -> Any:
+        try:
+            out = self.learner.forward_many([w.request])[0]
+        except Exception as e:  # noqa: BLE001 - this request's own failure
+            return e.__cause__ if isinstance(e, PassNotRun) and isinstance(e.__cause__, Exception) else e
+        return out
 
     async def optim_step(self, user: str, adapter: str, step: AdamStep) -> dict[str, float]:
         return await self._one(user, adapter, self.learner.optim_step, adapter, step)

@@ -114,7 +114,7 @@ class Training:
         self.order.forget(model_id, f"unloaded before this request ran ({why})")
         if base is not None:
             self.ended[model_id] = why
-            self.learners[base].drop.remote(owner, model_id)
+            self.learners[base].drop.remote(owner, model_id, why)
             await self.leases.close(model_id, state, why if state == JobState.FAILED else None)
 
     def learner_of(self, model_id: str) -> Any:
