@@ -377,3 +377,38 @@ def test_a_sessions_timeline_exports_as_a_trace(svc, tokenizer):
         tinker.RestClient(base_url=URL, api_key=svc["bob"]).export_session_trace(session).result()
     assert httpx.get(url[:-3] + ("abc" if not url.endswith("abc") else "xyz")).status_code == 404
     sc.close("success").result()
+
+
+def test_an_inflight_sampling_client_follows_later_saves_and_the_trace_names_the_version(svc, tokenizer):
+    """save_weights_and_get_sampling_client(kind="inflight"), with the official SDK: the first inflight
+    client samples the weights of the latest inflight save without being made again (a snapshot client made
+    at the same step keeps its weights); each sample request's span in the session trace names the version
+    of the target that served it. An inflight save with a name is refused by name."""
+    sc = tinker.ServiceClient(base_url=URL, api_key=svc["alice"])
+    tc = sc.create_lora_training_client(base_model=BASE, rank=4).result()
+    data = [sft(p, a) for p, a in problems(tokenizer, 2)]
+    prompt = types.ModelInput.from_ints(data[0].model_input.to_ints())
+    first = tc.save_weights_and_get_sampling_client(kind="inflight").result()
+    fixed = tc.save_weights_and_get_sampling_client().result()
+    before = first.compute_logprobs(prompt).result()
+    assert before == fixed.compute_logprobs(prompt).result()
+    for _ in range(2):
+        tc.forward_backward(data, "cross_entropy").result()
+        tc.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+    second = tc.save_weights_and_get_sampling_client(kind="inflight").result()
+    now = first.compute_logprobs(prompt).result()
+    assert not np.allclose(now[1:], before[1:], atol=1e-3)  # the first client follows the later save ...
+    assert np.allclose(now[1:], second.compute_logprobs(prompt).result()[1:], atol=1e-5)  # ... to its weights
+    assert fixed.compute_logprobs(prompt).result() == before  # a snapshot stays what it was
+    named = httpx.post(f"{URL}/api/v1/save_weights_for_sampler", headers={"X-API-Key": svc["alice"]},
+                       json={"model_id": tc.model_id, "path": "named", "kind": "inflight"})  # this SDK sends no kind with a name
+    assert named.status_code == 400 and "kind='inflight'" in named.text, named.text
+    odd = httpx.post(f"{URL}/api/v1/save_weights_for_sampler", headers={"X-API-Key": svc["alice"]},
+                     json={"model_id": tc.model_id, "kind": "live"})
+    assert odd.status_code == 400 and "'snapshot' or 'inflight'" in odd.text, odd.text
+    session = tc.model_id.split(":")[0]
+    events = httpx.get(tinker.RestClient(base_url=URL, api_key=svc["alice"]).export_session_trace(session).result()).json()
+    versions = [e["args"]["weights_version"] for e in events["traceEvents"]
+                if e["ph"] == "X" and "weights_version" in e.get("args", {})]
+    assert versions == [1, 2, 2], versions
+    sc.close("success").result()

@@ -106,6 +106,12 @@ class SampleOut:
     samples: list[Sample]
     prompt_logprobs: Optional[list[Optional[float]]] = None
     scores: Optional[PromptScores] = None  # top-K, targets, alternative tokens (when asked)
+    version: Optional[int] = None  # the sampler weights' version (an inflight target's), as loaded
+
+
+def checkpoint_version(path: str) -> Optional[int]:
+    """The version :meth:`AdapterLearner.save` wrote into the checkpoint at ``path`` (inflight targets), else None."""
+    return json.loads((Path(path) / "otray_adapter.json").read_text()).get("version")
 
 
 def scores_of(model: Any, job: SampleJob, i: int, samples: list[list[int]], device: str) -> PromptScores:
@@ -199,6 +205,7 @@ class AdapterLearner:
         self.steps: dict[str, int] = {}
         self.samplers: collections.OrderedDict[str, str] = collections.OrderedDict()  # dir -> adapter name (LRU)
         self.sampler_specs: dict[str, AdapterSpec] = {}  # sampler adapter name -> its spec
+        self.sampler_versions: dict[str, Optional[int]] = {}  # sampler adapter name -> its weights' version
         self.spare: list[str] = []  # sampler adapters no dir uses now: refilled for a dir of the same shape
         self.micro_batch_tokens = micro_batch_tokens
         self.max_model_len = max_model_len or self.base.config.get_text_config().max_position_embeddings
@@ -399,9 +406,10 @@ class AdapterLearner:
         return {k: v.detach().clone() for k, v in get_peft_model_state_dict(self.model, adapter_name=adapter,
                                                                               save_embedding_layers=False).items()}
 
-    def save(self, adapter: str, path: str, optimizer: bool) -> int:
+    def save(self, adapter: str, path: str, optimizer: bool, version: Optional[int] = None) -> int:
         """``adapter`` as a PEFT directory at ``path`` (loadable by transformers, vLLM and ``otray serve``),
-        with its optimizer state when ``optimizer``; returns the bytes written."""
+        with its optimizer state when ``optimizer`` and ``version`` in its metadata (an inflight target's,
+        which samples report); returns the bytes written."""
         out = Path(path)
         out.mkdir(parents=True, exist_ok=True)
         if str(out) in self.samplers:  # overwritten: what is loaded from it is stale
@@ -413,7 +421,8 @@ class AdapterLearner:
             for f in nested.iterdir():
                 f.replace(out / f.name)
             nested.rmdir()
-        meta = {"spec": asdict(self.specs[adapter]), "step": self.steps[adapter], "base": self.model_path}
+        meta = {"spec": asdict(self.specs[adapter]), "step": self.steps[adapter], "base": self.model_path,
+                **({"version": version} if version is not None else {})}
         (out / "otray_adapter.json").write_text(json.dumps(meta))
         if optimizer and adapter in self.optimizers:
             torch.save(self.optimizers[adapter].state_dict(), out / "optimizer.pt")
@@ -451,10 +460,11 @@ class AdapterLearner:
         if path in self.samplers:
             self.samplers.move_to_end(path)
             return self.samplers[path]
-        spec = AdapterSpec(**json.loads((Path(path) / "otray_adapter.json").read_text())["spec"])
-        name = self._sampler_slot(spec)
+        meta = json.loads((Path(path) / "otray_adapter.json").read_text())
+        name = self._sampler_slot(AdapterSpec(**meta["spec"]))
         set_peft_model_state_dict(self.model, load_file(str(Path(path) / "adapter_model.safetensors")), adapter_name=name)
         self.samplers[path] = name
+        self.sampler_versions[name] = meta.get("version")
         return name
 
     def _sampler_slot(self, spec: AdapterSpec) -> str:
@@ -494,8 +504,11 @@ class AdapterLearner:
     def _sample_one(self, job: SampleJob) -> list[SampleOut]:
         from contextlib import nullcontext
 
+        version = None
         if job.adapter is not None:  # loaded outside inference mode: its tensors must stay usable by autograd
-            self._use(self._sampler_adapter(job.adapter))
+            name = self._sampler_adapter(job.adapter)
+            self._use(name)
+            version = self.sampler_versions.get(name)
         # with no adapter left (the last client dropped its own) the PEFT wrapper still names the deleted one
         # active and fails with a KeyError: the base model itself then (its LoRA layers hold nothing)
         held = self.model is not None and bool(self.model.peft_config)
@@ -508,7 +521,7 @@ class AdapterLearner:
             pictures = {"images": job.images} if job.images else {}
             samples = (backend.generate(job.prompts, job.params, job.n, **pictures) if job.params.max_tokens > 0
                        else [[]] * len(job.prompts))
-            outs = [SampleOut(s) for s in samples]
+            outs = [SampleOut(s, version=version) for s in samples]
             if job.scoring != Scoring() or job.targets:
                 for i, (p, out) in enumerate(zip(job.prompts, outs)):
                     out.scores = scores_of(model, job, i, [s.token_ids for s in out.samples], self.device)

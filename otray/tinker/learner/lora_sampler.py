@@ -24,7 +24,7 @@ import os
 from pathlib import Path
 from typing import Any, Optional
 
-from otray.tinker.learner.adapter_learner import AdapterSpec, SampleJob, SampleOut
+from otray.tinker.learner.adapter_learner import AdapterSpec, SampleJob, SampleOut, checkpoint_version
 
 # the projections vLLM can put LoRA on (its error names these when given others)
 VLLM_TARGETS = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"})
@@ -59,6 +59,7 @@ class LoraSampler:
         # checkpoint dir -> (its weights file's stamp, the vLLM handle); least recently used first
         self.loaded: collections.OrderedDict[str, tuple[tuple[int, int], Any]] = collections.OrderedDict()
         self.prompts = 0  # prompts sampled (tests and benchmarks read it)
+        self.versions: dict[str, Optional[int]] = {}  # checkpoint dir -> the version of its weights loaded
 
     def ping(self) -> bool:
         return True
@@ -82,6 +83,7 @@ class LoraSampler:
             self.backend.remove_adapter(self.loaded.popitem(last=False)[1][1])
         handle = self.backend.add_adapter(Path(path).name, path)
         self.loaded[path] = (stamp, handle)
+        self.versions[path] = checkpoint_version(path)
         return handle
 
     def sample(self, jobs: list[SampleJob]) -> list[list[SampleOut]]:
@@ -102,7 +104,8 @@ class LoraSampler:
         lps = dict(zip([(j, i) for j, i, _ in scored], self.backend.prompt_logprobs(
             [jobs[j].prompts[i] for j, i, _ in scored], [h for _, _, h in scored]))) if scored else {}
         self.prompts += len(rows)
-        return [[SampleOut(samples[j, i], lps.get((j, i))) for i in range(len(job.prompts))]
+        return [[SampleOut(samples[j, i], lps.get((j, i)), version=self.versions.get(job.adapter) if job.adapter else None)
+                 for i in range(len(job.prompts))]
                 for j, job in enumerate(jobs)]
 
     def shutdown(self) -> None:

@@ -153,8 +153,8 @@ class SharedLearner:
     async def optim_step(self, user: str, adapter: str, step: AdamStep) -> dict[str, float]:
         return await self._one(user, adapter, self.learner.optim_step, adapter, step)
 
-    async def save(self, user: str, adapter: str, path: str, optimizer: bool) -> int:
-        return await self._one(user, adapter, self.learner.save, adapter, path, optimizer)
+    async def save(self, user: str, adapter: str, path: str, optimizer: bool, version: Optional[int] = None) -> int:
+        return await self._one(user, adapter, self.learner.save, adapter, path, optimizer, version)
 
     async def load(self, user: str, adapter: str, path: str, optimizer: bool, create: bool) -> AdapterSpec:
         return await self._one(user, adapter, self.learner.load, adapter, path, optimizer, create)

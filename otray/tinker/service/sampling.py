@@ -105,6 +105,7 @@ class SampleBatcher:
         self.tasks: set[asyncio.Task] = set()
         self.live: set[str] = set()  # request ids submitted and not finished (what cancel_future may name)
         self.cancelled = {"waiting": 0, "running": 0}  # cancel_future calls by the state they found
+        self.versions: dict[str, dict[int, int]] = {}  # inflight target dir -> its version -> requests it served
 
     def submit(self, base: str, owner: str, wait: SampleWait) -> None:
         self.live.add(wait.request_id)
@@ -186,6 +187,10 @@ class SampleBatcher:
                     for i, s in enumerate(out.samples):
                         self.record(f"{w.request_id}:{i}", Recorded(*w.record, prompt, np.asarray(s.token_ids, np.int32),
                                                                    np.asarray(s.logprobs, np.float32)))
+                if out.version is not None:  # an inflight target: which of its versions served this request
+                    self.futures.timeline.note(w.request_id, "weights_version", out.version)
+                    served = self.versions.setdefault(str(w.adapter), {})
+                    served[out.version] = served.get(out.version, 0) + 1
                 lps = R.last_n(out.prompt_logprobs, w.last_n)
                 fill = (functools.partial(fill_response, scores=cut_before(out.scores, w.last_n), targets=w.targets)
                         if out.scores is not None else None)

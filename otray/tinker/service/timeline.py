@@ -30,6 +30,7 @@ class Span:
     running: Optional[float] = None
     end: Optional[float] = None
     outcome: str = "pending"  # ok, user error, server error, pending
+    notes: Optional[dict] = None  # what else the service recorded about it (e.g. the weights version sampled)
 
 
 class Timeline:
@@ -56,6 +57,12 @@ class Timeline:
         span = self.open.get(request_id)
         if span is not None:
             span.running = time.time()
+
+    def note(self, request_id: str, key: str, value: object) -> None:
+        """Record ``key = value`` on an open request's span (shown in the trace's args)."""
+        span = self.open.get(request_id)
+        if span is not None:
+            span.notes = {**(span.notes or {}), key: value}
 
     def closed(self, request_id: str, outcome: str) -> None:
         span = self.open.pop(request_id, None)
@@ -93,7 +100,7 @@ def chrome_trace(session: str, spans: list[Span], now: Optional[float] = None) -
     for s in spans:
         end, tid = s.end if s.end is not None else now, tracks[_track(s.request_id)]
         args = {"request_id": s.request_id, "outcome": s.outcome,
-                "queued_ms": round(((s.running or end) - s.start) * 1e3, 3)}
+                "queued_ms": round(((s.running or end) - s.start) * 1e3, 3), **(s.notes or {})}
         events.append({"ph": "X", "pid": 1, "tid": tid, "name": s.kind, "ts": us(s.start),
                        "dur": max(us(end) - us(s.start), 0.0), "args": args})
         if s.running is not None:

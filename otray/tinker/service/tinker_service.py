@@ -119,7 +119,8 @@ class TinkerService:
         return dict(zip(names, await asyncio.gather(*[self.learners[n].usage.remote() for n in names])))
 
     async def sample_engines(self) -> dict[str, Any]:  # prompts per engine; why a vLLM engine is not used
-        return {**self.batcher.prompts, "down": dict(self.engines.down), "cancelled": dict(self.batcher.cancelled)}
+        return {**self.batcher.prompts, "down": dict(self.engines.down), "cancelled": dict(self.batcher.cancelled),
+                "inflight_versions": {k: dict(v) for k, v in self.batcher.versions.items()}}
 
     async def stability(self) -> dict[str, int]:  # sequences recorded, held now, named by stable_reinforce
         return {"recorded": self.recordings.recorded, "held": len(self.recordings.items), "trained": self.recordings.trained}

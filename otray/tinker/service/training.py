@@ -35,6 +35,19 @@ from otray.tinker.wire import requests as Q
 
 
 EPHEMERAL_KEEP = 8  # a training client's latest ephemeral sampler weights kept; older ones are deleted
+INFLIGHT = "inflight"  # the directory of a training client's inflight sampler target (every inflight save's)
+
+
+def inflight_save(req: Q.SaveWeights, kind: str) -> bool:
+    """Whether ``req`` publishes its model's inflight target (``kind="inflight"``: every inflight sampling
+    client of the model samples the latest such save or a newer one). Other kinds are refused by name."""
+    if req.kind not in ("snapshot", INFLIGHT):
+        raise UserError(f"save_weights_for_sampler: kind must be 'snapshot' or 'inflight', got {req.kind!r}")
+    if req.kind == INFLIGHT and (kind != "sampler" or req.path or req.ttl_seconds):
+        raise UserError("kind='inflight' publishes the model's one shared sampler target "
+                        "(save_weights_and_get_sampling_client(kind='inflight')): it takes no name or ttl_seconds; "
+                        "save a named snapshot for fixed weights")
+    return req.kind == INFLIGHT
 
 
 def adam_step(raw: dict[str, Any]) -> AdamStep:
@@ -64,6 +77,7 @@ class Training:
         self.limits = limits  # (owner, model id) -> the model's ModelLimits (vocabulary, image inputs)
         self.live: dict[str, str] = {}  # model id -> base model, for adapters on a learner now
         self.ended: dict[str, str] = {}  # model id -> why it is no longer live (for the error message)
+        self.inflight: dict[str, int] = {}  # model id -> the version of its inflight target last published
         self.holding: dict[str, tuple[str, int]] = {}  # model id -> (owner, LoRA rank): live or being made (quotas)
 
     # ------------------------------------------------------------------ live models
@@ -245,9 +259,11 @@ class Training:
         self.learner_of(model_id)
         name = req.path
         sampler = kind != "training"
+        with self.refused(owner, model_id, req.seq_id):
+            inflight = inflight_save(req, kind)
         ephemeral = kind == "sampler" and not name
         if ephemeral:
-            name = f"ephemeral-{req.seq_id}"
+            name = INFLIGHT if inflight else f"ephemeral-{req.seq_id}"
         with self.refused(owner, model_id, req.seq_id):
             R.check_name(name)
             sealed_to = X.recipients(req.age_encryption_recipients) if kind == "external" else []
@@ -259,7 +275,11 @@ class Training:
                 raise UserError(f"checkpoint {name!r} exists for {model_id}; pick another name or pass overwrite")
             self.storage_room(owner)
             where = self.store.checkpoint_dir(owner, model_id, kind, name)
-            size = await self._send(model_id, lambda learner: learner.save.remote(owner, model_id, str(where), not sampler))
+            version = None
+            if inflight:
+                version = self.inflight[model_id] = self.inflight.get(model_id, 0) + 1
+            size = await self._send(model_id, lambda learner: learner.save.remote(owner, model_id, str(where),
+                                                                                  not sampler, version))
             if kind == "external":
                 size = X.keep_peft_files(where)
                 size = X.encrypt_in_place(where, sealed_to) if sealed_to else size
@@ -268,13 +288,17 @@ class Training:
             if ephemeral:
                 sid = f"{model_id}:sampler:{req.sampling_session_seq_id}"
                 self.store.add_sampler(Sampler(sid, owner, self.live[model_id], None, str(where)))
-                self.store.prune_ephemeral(owner, model_id, EPHEMERAL_KEEP)
+                self.store.prune_ephemeral(owner, model_id, EPHEMERAL_KEEP)  # the inflight target is not one
                 return Outcome("json", {"sampling_session_id": sid, "type": "save_weights_for_sampler"})
             self.store.add_checkpoint(ckpt)
             answer = {"training": "save_weights", "sampler": "save_weights_for_sampler", "external": "save_weights_external"}
             return Outcome("json", {"path": ckpt.tinker_path, "type": answer[kind]})
 
         return self._queue(owner, model_id, req.seq_id, run, f"save_weights_{kind}")
+
+    def inflight_version(self, model_id: str) -> int:
+        """The last version of ``model_id``'s inflight target published (0: none yet)."""
+        return self.inflight.get(model_id, 0)
 
     def storage_room(self, owner: str) -> None:
         """Refuse a save while ``owner``'s checkpoint files take their storage quota or more."""

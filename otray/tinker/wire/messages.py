@@ -61,7 +61,8 @@ MAX_K = 1024  # the widest (N, K) target_tokens / weights (top-K distillation se
 # a dict lookup or a string method (a list as model_id used to be a 500); ints are within SQLite's range
 REQUEST_FIELDS: dict[str, type | tuple[type, ...]] = {
     **dict.fromkeys(("model_id", "session_id", "sampling_session_id", "request_id", "tinker_path", "path",
-                     "model_path", "base_model", "name", "loss_fn", "source_path", "destination_project_id"), str),
+                     "model_path", "base_model", "name", "loss_fn", "source_path", "destination_project_id", "kind"),
+                    str),
     **dict.fromkeys(("seq_id", "model_seq_id", "sampling_session_seq_id", "num_samples",
                      "prompt_logprobs_last_n", "custom_loss_seq_id"), int),
     **dict.fromkeys(("lora_config", "sampling_params", "prompt", "adam_params", "optim_params",

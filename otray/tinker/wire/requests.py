@@ -114,6 +114,7 @@ class SaveWeights(Body):
     user_metadata: Optional[dict[str, Any]] = None
     age_encryption_recipients: Any = None
     sampling_session_seq_id: Optional[int] = None
+    kind: str = "snapshot"  # save_weights_for_sampler: snapshot (fixed weights) | inflight (the model's shared target)
 
 
 @dataclass(frozen=True)
