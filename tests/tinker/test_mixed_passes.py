@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from otray.tinker.learner.adapter_learner import AdapterLearner, AdapterSpec, PassRequest
+from otray.tinker.learner.adapter_learner import AdamStep, AdapterLearner, AdapterSpec, PassRequest
 from otray.types import Datum
 
 SPECS = {"r8": AdapterSpec(8, seed=0), "r32": AdapterSpec(32, seed=1, train_mlp=False),
@@ -186,3 +186,32 @@ def test_small_users_ride_in_a_shared_pass_and_a_dropped_users_rows_never_reach_
         assert shared.usage()["shared_passes"] == shared.queue.passes
 
     asyncio.run(scenario())
+
+
+def test_optimizer_steps_of_several_adapters_in_one_fused_call_equal_their_own(tiny_path):
+    """optim_many: adapters past their first step take one fused AdamW call together (clipped each by its
+    own gradient norm); their weights, optimizer state and reported norms equal those of steps one by one
+    on a twin learner. An adapter that is gone gets its error alone."""
+    twins = [AdapterLearner(tiny_path), AdapterLearner(tiny_path)]
+    rng = np.random.default_rng(9)
+    data = {name: [datum(rng, 7)] for name in SPECS}
+    for learner in twins:
+        for name, spec in SPECS.items():
+            learner.create(name, spec)
+    step = AdamStep(learning_rate=1e-2, grad_clip_norm=0.05)
+    for round_ in range(3):
+        got = []
+        for k, learner in enumerate(twins):
+            for name in SPECS:
+                learner.forward_backward(name, data[name], "cross_entropy")
+            works = [(name, step) for name in SPECS]
+            got.append(learner.optim_many(works + [("gone", step)]) if k == 0
+                       else [learner.optim_step(name, step) for name in SPECS])
+        assert isinstance(got[0][-1], KeyError)
+        for fused, own in zip(got[0], got[1]):
+            assert fused["grad_norm:mean"] == pytest.approx(own["grad_norm:mean"], rel=1e-5)
+            assert fused["step:max"] == own["step:max"] == round_ + 1
+    for name in SPECS:
+        for a, b in zip(twins[0]._params(name), twins[1]._params(name)):
+            assert torch.allclose(a, b, atol=1e-6)
+            assert a.grad is None

@@ -33,7 +33,7 @@ from otray.actors.sampling.backends.hf import HFBackend
 from otray.tinker.learner.adapter_switch import AdapterSwitch
 from otray.tinker.learner.loss_graph import LossGraph
 from otray.tinker.learner.loss_run import add_sums, surrogate
-from otray.tinker.learner.mixed_lora import RowRouting, groups_of
+from otray.tinker.learner.mixed_lora import RowRouting, groups_of, row_order
 from otray.tinker.learner.prompt_scores import PromptScores, Scoring, Targets, score
 from otray.actors.learner.core import (PAD_SPREAD, adamw_step, by_length, in_order, loss_inputs, micro_batches,
                                        new_adamw, plan_micro_batches, position_log_softmax, token_logprobs,
@@ -335,7 +335,9 @@ class AdapterLearner:
         """:meth:`forward_many`'s micro-batches; ``self.applied`` is set once a backward has run."""
         self.applied = False
         for chunk in self._plan_rows([requests[i].datums[j] for i, j in rows]):
-            chunk.sort(key=lambda k: rank[requests[rows[k][0]].adapter])
+            names = [requests[rows[k][0]].adapter for k in chunk]
+            key = row_order(collections.Counter(names), {n: self.specs[n].rank for n in names}, rank)
+            chunk.sort(key=lambda k: key(requests[rows[k][0]].adapter))
             batch = [requests[rows[k][0]].datums[rows[k][1]] for k in chunk]
             owners = [rows[k][0] for k in chunk]
             with torch.set_grad_enabled(backward), self.routing.routed(groups_of([requests[i].adapter for i in owners])):
@@ -397,6 +399,55 @@ class AdapterLearner:
         self.steps[adapter] += 1
         return {"grad_norm:mean": grad_norm, "learning_rate:mean": p.learning_rate,
                 "step:max": float(self.steps[adapter])}
+
+    def optim_many(self, works: list[tuple[str, AdamStep]]) -> list[dict[str, float] | Exception]:
+        """Several adapters' optimizer steps, each as :meth:`optim_step` gives it. Adapters past their first
+        step with the same settings and a gradient on every tensor go in one fused AdamW call over all their
+        tensors (a small adapter's step costs the call, not its size: 8 rank-32 adapters of the tiny model
+        took 13 ms one by one); the others one by one. An adapter that is gone gets its error, alone."""
+        outs: list[Any] = [None] * len(works)
+        together: dict[AdamStep, list[int]] = {}
+        for i, (adapter, step) in enumerate(works):
+            opt = self.optimizers.get(adapter)
+            ready = (adapter in self.specs and opt is not None and opt.defaults.get("fused")
+                     and all(p.grad is not None and opt.state.get(p) for p in self._params(adapter)))
+            if ready:
+                together.setdefault(step, []).append(i)
+                continue
+            try:
+                outs[i] = self.optim_step(adapter, step)
+            except Exception as e:  # noqa: BLE001 - this adapter's own failure
+                outs[i] = e
+        for step, idx in together.items():
+            for i, metrics in zip(idx, self._fused_steps([works[i][0] for i in idx], step)):
+                outs[i] = metrics
+        return outs
+
+    def _fused_steps(self, adapters: list[str], p: AdamStep) -> list[dict[str, float]]:
+        """One AdamW step of each of ``adapters`` (each with optimizer state and gradients) in one fused call;
+        each adapter's gradient clipped by its own norm, as :func:`adamw_step` clips it."""
+        from torch.optim.adamw import adamw
+
+        groups = [self._params(a) for a in adapters]
+        grads = [[q.grad for q in g] for g in groups]
+        norms = [float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(g)))) for g in grads]
+        if p.grad_clip_norm > 0:
+            for g, norm in zip(grads, norms):
+                coef = p.grad_clip_norm / (norm + 1e-6)
+                if coef < 1.0:
+                    torch._foreach_mul_(g, coef)
+        flat = [q for g in groups for q in g]
+        states = [self.optimizers[a].state[q] for a, g in zip(adapters, groups) for q in g]
+        adamw(flat, [q.grad for q in flat], [st["exp_avg"] for st in states], [st["exp_avg_sq"] for st in states], [],
+              [st["step"] for st in states], fused=True, amsgrad=False, beta1=p.beta1, beta2=p.beta2,
+              lr=p.learning_rate, weight_decay=p.weight_decay, eps=p.eps, maximize=False)
+        out = []
+        for a, g, norm in zip(adapters, groups, norms):
+            for q in g:
+                q.grad = None
+            self.steps[a] += 1
+            out.append({"grad_norm:mean": norm, "learning_rate:mean": p.learning_rate, "step:max": float(self.steps[a])})
+        return out
 
     # ------------------------------------------------------------------ checkpoints
 

@@ -39,6 +39,9 @@ from otray.tinker.learner.loss_run import add_sums
 from otray.types import Datum
 
 
+OPTIM = ("optim_step",)  # the pack key of optimizer steps
+
+
 @dataclass
 class _Slice:
     """One slice of a forward_backward call, as the queue packs it: ``saved`` (a custom loss's backward)
@@ -121,8 +124,12 @@ class SharedLearner:
                 p.grad = grad
             raise
 
-    async def _pack(self, works: list[_Slice]) -> list[Any]:
-        return await asyncio.get_running_loop().run_in_executor(self.pool, self._passes, works)
+    async def _pack(self, works: list[Any]) -> list[Any]:
+        """Packed steps on the compute thread in one hop: forward_backward slices in a shared pass, optimizer
+        steps one after another (clients that stepped together send theirs together)."""
+        run = self._passes if isinstance(works[0], _Slice) else self.learner.optim_many
+        return await asyncio.get_running_loop().run_in_executor(self.pool, run, works)
+
 
     def _passes(self, works: list[_Slice]) -> list[Any]:
         """Slices of several clients in one shared pass, on the compute thread; each a PassResult or its
@@ -151,7 +158,8 @@ class SharedLearner:
         return out
 
     async def optim_step(self, user: str, adapter: str, step: AdamStep) -> dict[str, float]:
-        return await self._one(user, adapter, self.learner.optim_step, adapter, step)
+        """Packable with other clients' optimizer steps (one hop to the compute thread for all)."""
+        return (await self.queue.run(user, adapter, [Packable(OPTIM, 1, (adapter, step))]))[0]
 
     async def save(self, user: str, adapter: str, path: str, optimizer: bool, version: Optional[int] = None) -> int:
         return await self._one(user, adapter, self.learner.save, adapter, path, optimizer, version)

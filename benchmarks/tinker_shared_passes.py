@@ -1,0 +1,170 @@
+"""Many users' one-datum steps on one Tinker learner: shared passes against a pass per user.
+
+``throughput``: N = 1, 2, 4, 8, 16 users, each a thread looping one ~16-token datum's forward_backward then
+optim_step, straight to a :class:`~otray.tinker.learner.shared_learner.SharedLearner` over Ray (no HTTP: the
+learner and its queue are what is measured). Two learners side by side, runs alternating: ``own``
+(``pass_tokens=0``: every user's slice a pass of its own, the behaviour before shared passes) and ``shared``
+(the default ``scheduling.pass_tokens``: queued slices of several users in one pass, each row through its own
+adapter). Reported: aggregate datums/s per N and mode, and shared/own.
+
+``tenant``: through the official SDK against ``otray tinker`` (auth on) with the base already warm: the
+seconds from ``create_lora_training_client`` returning to its first ``forward_backward`` result, for a few
+new tenants.
+
+    python benchmarks/tinker_shared_passes.py [--shape tiny] [--gpu] [--seconds 20] [--parts throughput,tenant]
+
+Prints the figures and writes ``benchmarks/results/tinker_shared_passes.json`` (``--gpu``: part of
+``make gpu-check``, throughput only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.results_io import save  # noqa: E402
+from benchmarks.tinker_fairness import Stepper  # noqa: E402
+
+USERS = (1, 2, 4, 8, 16)
+PORT = 8497
+TEXT = "12 plus 30 is 42, so the answer is 42."
+
+
+def learner_rates(args, path: str) -> dict[str, Any]:
+    """Aggregate datums/s of N users' one-datum steps, per N, on a learner with and without shared passes."""
+    import ray
+
+    from otray.models import load_tokenizer
+    from otray.tinker.config import TinkerScheduling
+    from otray.tinker.learner.adapter_learner import AdamStep, AdapterSpec
+    from otray.tinker.learner.shared_learner import SharedLearner
+    from otray.types import Datum
+
+    ids = load_tokenizer(path).encode(TEXT)
+    n = len(ids) - 1
+    data = [Datum(ids[:-1], ids[1:], [1.0] * n, [0.0] * n, [0.0] * n, [1.0] * n)]
+    modes = {"own": 0, "shared": TinkerScheduling().pass_tokens}
+    learners = {}
+    for mode, pass_tokens in modes.items():
+        learners[mode] = ray.remote(SharedLearner).options(num_cpus=1, num_gpus=1 if args.gpu else 0).remote(
+            path, slice_tokens=TinkerScheduling().slice_tokens, pass_tokens=pass_tokens,
+            num_threads=None if args.gpu else 1)
+        ray.get([learners[mode].create.remote(f"u{i}", f"u{i}", AdapterSpec(32, i)) for i in range(max(USERS))])
+
+    def step(learner: Any, user: str):
+        def go() -> None:
+            ray.get(learner.forward_backward.remote(user, user, data, "cross_entropy"))
+            ray.get(learner.optim_step.remote(user, user, AdamStep(learning_rate=1e-5)))
+        return go
+
+    rows: dict[str, Any] = {}
+    for k, users in enumerate(USERS):
+        row = {}
+        for mode in (list(modes) if k % 2 == 0 else list(modes)[::-1]):  # alternating: drift hits both
+            learner = learners[mode]
+            before = ray.get(learner.usage.remote())["shared_passes"]
+            stop = threading.Event()
+            threads = [Stepper(step(learner, f"u{i}"), stop) for i in range(users)]
+            for t in threads:
+                t.start()
+            start = time.perf_counter() + args.warmup
+            time.sleep(args.warmup + args.seconds)
+            stop.set()
+            for t in threads:
+                t.join()
+            done = sum(1 for t in threads for s in t.steps if start <= s[0] + s[1] < start + args.seconds)
+            passes = ray.get(learner.usage.remote())["shared_passes"][len(before):]
+            row[mode] = {"datums_per_s": done / args.seconds,
+                         "mean_steps_per_shared_pass": statistics.mean(passes) if passes else 1.0}
+        row["shared_over_own"] = row["shared"]["datums_per_s"] / row["own"]["datums_per_s"]
+        print(f"N={users:2}: own {row['own']['datums_per_s']:.1f} datums/s, shared {row['shared']['datums_per_s']:.1f} "
+              f"({row['shared_over_own']:.2f}x; {row['shared']['mean_steps_per_shared_pass']:.1f} users a shared pass)",
+              flush=True)
+        rows[str(users)] = row
+    for learner in learners.values():
+        ray.kill(learner)
+    return rows
+
+
+def tenant_start(args, path: str) -> dict[str, Any]:
+    """Seconds from a new tenant's create_lora_training_client returning to its first forward_backward's
+    result, on a service whose base model is warm (another client stepped on it first)."""
+    import ray
+    import tinker
+    from ray import serve
+    from tinker import types
+
+    from benchmarks.tinker_fairness import datum
+    from otray.actors.control.registry import tinker_key
+    from otray.actors.control.resource_manager import get_or_create
+    from otray.models import load_tokenizer
+    from otray.tinker.config import load_tinker
+    from otray.tinker.gateway.app import run
+
+    tmp = Path(tempfile.mkdtemp(prefix="otray-tenants-"))
+    rm = get_or_create(str(tmp / "registry.db"), auth_enabled=True)
+    key = tinker_key(ray.get(rm.add_user.remote("alice")))
+    run(load_tinker({"port": PORT, "storage": str(tmp / "store"), "models": [
+        {"name": "tiny", "path": path, "learner_cpus": 1, "num_threads": 1, "sampler": {"engine": "learner"}}]}))
+    service = tinker.ServiceClient(base_url=f"http://127.0.0.1:{PORT}", api_key=key)
+    data = [datum(load_tokenizer(path).encode(TEXT))]
+    warm = service.create_lora_training_client(base_model="tiny", rank=32)
+    warm.forward_backward(data, "cross_entropy").result()
+    times = []
+    for _ in range(args.tenants):
+        client = service.create_lora_training_client(base_model="tiny", rank=32)
+        t0 = time.perf_counter()
+        client.forward_backward(data, "cross_entropy").result()
+        times.append(time.perf_counter() - t0)
+        client.optim_step(types.AdamParams(learning_rate=1e-5)).result()
+    service.close("success").result()
+    serve.shutdown()
+    out = {"first_forward_backward_s": times, "median_s": statistics.median(times), "max_s": max(times)}
+    print(f"a new tenant's first forward_backward: median {out['median_s']:.3f} s, max {out['max_s']:.3f} s", flush=True)
+    return out
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="tiny", help="a tiny model shape: tiny, 100m, 0.5b, 1.5b")
+    ap.add_argument("--gpu", action="store_true", help="the learner on a GPU")
+    ap.add_argument("--seconds", type=float, default=20.0)
+    ap.add_argument("--warmup", type=float, default=3.0)
+    ap.add_argument("--tenants", type=int, default=5)
+    ap.add_argument("--parts", default="throughput,tenant")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "tinker_shared_passes.json"))
+    args = ap.parse_args(argv)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import ray
+
+    from otray.models import resolve_model_path
+
+    path = resolve_model_path("tiny" if args.shape == "tiny" else f"tiny-{args.shape}", ROOT / ".cache" / "models")
+    own = not ray.is_initialized()
+    if own:
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    out: dict[str, Any] = {"args": vars(args), "model": path, "through": "Ray calls to the SharedLearner",
+                           "targets": {"shared_over_own_at_8_min": 5.0 if args.gpu else 3.0, "tenant_first_step_max_s": 1.0}}
+    parts = args.parts.split(",")
+    if "throughput" in parts:
+        out["throughput"] = learner_rates(args, path)
+    if "tenant" in parts:
+        out["tenant"] = tenant_start(args, path)
+    save(out, args.out)
+    if own:
+        ray.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
