@@ -97,6 +97,8 @@ gpu-check:
 	  timeout -k 5 60 $(PY) benchmarks/gpu_check.py --out $(GPU_OUT)/gpu_check.json || status=1; \
 	  timeout -k 5 90 $(PY) benchmarks/learner_fairness.py --gpu --shape 0.5b --slice-tokens 2048 --seconds 4 \
 	    --warmup 2 --out $(GPU_OUT)/learner_fairness.json || status=1; \
+	  timeout -k 5 75 $(PY) benchmarks/tinker_shared_passes.py --gpu --shape 0.5b --parts throughput --seconds 2 \
+	    --warmup 1 --out $(GPU_OUT)/tinker_shared_passes.json || status=1; \
 	  $(PY) benchmarks/gpu_report.py --dir $(GPU_OUT); exit $$status
 
 # Issue 35's Gomoku recipe scaled up (conf/gpu/gomoku_4m.yaml: tiny-4m, 2x the tactics SFT, 8x the games a step), after

@@ -4,7 +4,8 @@
 
 Reads (each may be missing: a part that failed or timed out is reported as such) ``gpu_tests.log`` (pytest's
 last line), ``gpu.json`` (``benchmarks/gpu.py``: otray against TRL), ``gpu_check.json`` (the engine's probes),
-``learner_fairness.json`` and ``gpu_manager_job.log`` (its last lines). Targets on one H100/H200: colocated
+``learner_fairness.json``, ``tinker_shared_passes.json`` (issue 53: shared passes against a pass per
+user, N = 8 target >= 5x) and ``gpu_manager_job.log`` (its last lines). Targets on one H100/H200: colocated
 compiled step / TRL's <= 0.30 (goal 0.15), compiled generation of the step's 64 x 256 tokens <= 1.5 s, weight
 sync between a learner and a worker on one GPU <= 0.05 s.
 """
@@ -57,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     gpu = read_json(d / "gpu.json")
     report = {"tests": last_lines(d / "gpu_tests.log", 1), "vs_trl": gpu, "targets": targets(gpu),
               "probes": read_json(d / "gpu_check.json"), "learner_fairness": read_json(d / "learner_fairness.json"),
+              "tinker_shared_passes": read_json(d / "tinker_shared_passes.json"),
               "manager_job": last_lines(d / "gpu_manager_job.log", 4)}
     for name, t in report["targets"].items():
         print(f"{name}: {t}" if not isinstance(t, dict) else

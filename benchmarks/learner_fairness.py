@@ -54,7 +54,8 @@ def run_policy(policy: str, args, path: str) -> dict[str, Any]:
         return Datum(tokens[:-1], tokens[1:], [1.0] * n, [0.0] * n, [0.0] * n, [1.0] * n)
 
     learner = ray.remote(SharedLearner).options(num_cpus=1, num_gpus=1 if args.gpu else 0).remote(
-        path, policy=policy, slice_tokens=args.slice_tokens, num_threads=None if args.gpu else 1)
+        path, policy=policy, slice_tokens=args.slice_tokens, pass_tokens=args.pass_tokens,
+        num_threads=None if args.gpu else 1)
     ray.get(learner.ping.remote())
     tok = load_tokenizer(path)
     text = tok.encode("the answer is the sum of the number you are a helpful assistant " * 40)

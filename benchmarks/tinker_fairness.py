@@ -158,11 +158,17 @@ def arguments(ap: argparse.ArgumentParser, out: str, argv: Optional[list[str]] =
     ap.add_argument("--seconds", type=float, default=30.0)
     ap.add_argument("--warmup", type=float, default=5.0)
     ap.add_argument("--slice-tokens", type=int, default=256, help="the fair policy's scheduling.slice_tokens")
+    ap.add_argument("--pass-tokens", type=int, default=None,
+                    help="the fair policy's scheduling.pass_tokens (default: 1.25 x the slice, as the config's "
+                         "default is; 0: no shared passes)")
     ap.add_argument("--policies", default="fifo,fair")
     ap.add_argument("--bob-pause", type=float, default=0.5,
                     help="seconds bob spends between steps (sampling, his env) in the main phase")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / out))
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if args.pass_tokens is None:
+        args.pass_tokens = args.slice_tokens * 5 // 4
+    return args
 
 
 def run_policy(policy: str, args, tmp: Path, keys: dict[str, str]) -> dict[str, Any]:
@@ -177,7 +183,7 @@ def run_policy(policy: str, args, tmp: Path, keys: dict[str, str]) -> dict[str, 
 
     path = resolve_model_path(BASE, ROOT / ".cache" / "models")
     run(load_tinker({"port": PORT, "storage": str(tmp / f"store-{policy}"), "long_poll_s": 5,
-                     "scheduling": {"policy": policy, "slice_tokens": args.slice_tokens},
+                     "scheduling": {"policy": policy, "slice_tokens": args.slice_tokens, "pass_tokens": args.pass_tokens},
                      "models": [{"name": BASE, "path": path, "learner_cpus": 1, "num_threads": 1,
                                  "sampler": {"engine": "learner"}}]}))
     tok = load_tokenizer(path)

@@ -56,7 +56,7 @@ def learner_rates(args, path: str) -> dict[str, Any]:
     modes = {"own": 0, "shared": TinkerScheduling().pass_tokens}
     learners = {}
     for mode, pass_tokens in modes.items():
-        learners[mode] = ray.remote(SharedLearner).options(num_cpus=1, num_gpus=1 if args.gpu else 0).remote(
+        learners[mode] = ray.remote(SharedLearner).options(num_cpus=1, num_gpus=0.5 if args.gpu else 0).remote(
             path, slice_tokens=TinkerScheduling().slice_tokens, pass_tokens=pass_tokens,
             num_threads=None if args.gpu else 1)
         ray.get([learners[mode].create.remote(f"u{i}", f"u{i}", AdapterSpec(32, i)) for i in range(max(USERS))])

@@ -107,7 +107,7 @@ class TinkerScheduling:
 
     policy: str = "fair"  # fair | fifo
     slice_tokens: int = 2048  # about what the learner passes in a small step's time (docs/notes/tinker.md)
-    pass_tokens: int = 4096  # one shared pass's tokens over its clients' slices (0: no shared passes)
+    pass_tokens: int = 2560  # one shared call's tokens: a slice plus room for small riders (0: none share)
     follow_ms: float = 50.0  # a turn kept this long for a forward_backward's optim_step (if that user is owed it)
     users: dict[str, UserShare] = field(default_factory=dict)  # default: weight 1, priority 0
 

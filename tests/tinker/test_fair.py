@@ -135,3 +135,58 @@ def test_slices_cut_a_request_at_the_token_budget_and_keep_a_long_datum_whole():
     assert slices([30, 5, 5], 25) == [range(0, 1), range(1, 3)]
     assert slices([5] * 3, 100) == [range(0, 3)]
     assert slices([], 10) == []
+
+
+def test_packable_steps_share_a_call_no_bigger_than_the_chosen_one_and_are_charged_by_tokens():
+    """While alice's first slice (200 tokens) runs, bob and carol (16 each), dave (300) queue forward_backward
+    slices and erin an optimizer step (another kind). bob is owed the next turn: carol rides with him, alice's
+    second slice does not (bigger than bob's: it would make his pass longer); dave's turn then carries alice's
+    slice; erin's step goes alone. Each call's seconds are charged to its users by tokens."""
+    from otray.tinker.learner.fair import Packable
+
+    calls: list[list[str]] = []
+
+    async def pack(works: list[str]) -> list[str]:
+        calls.append(works)
+        await asyncio.sleep(0.05)
+        return [f"{w} done" for w in works]
+
+    async def main() -> None:
+        queue = FairQueue(pack=pack, pass_tokens=1000)
+        fb = lambda label, n: Packable("fb", n, label)  # noqa: E731
+        alice = asyncio.ensure_future(queue.run("alice", "a", [fb("a1", 200), fb("a2", 200)]))
+        await asyncio.sleep(0.01)  # a1 is running alone
+        others = [asyncio.ensure_future(queue.run(u, u[0], [s])) for u, s in
+                  (("bob", fb("b", 16)), ("carol", fb("c", 16)), ("dave", fb("d", 300)), ("erin", Packable("opt", 1, "e")))]
+        assert await alice == ["a1 done", "a2 done"]
+        assert [await o for o in others] == [["b done"], ["c done"], ["d done"], ["e done"]]
+        assert calls == [["a1"], ["b", "c"], ["d", "a2"], ["e"]], calls
+        assert queue.passes == [2, 2]
+        assert queue.used["bob"] == pytest.approx(queue.used["carol"])
+        a2 = queue.used["alice"] - 0.05  # a1 ran alone for about 0.05 s
+        assert queue.used["dave"] / a2 == pytest.approx(300 / 200, rel=0.3)
+
+    asyncio.run(main())
+
+
+def test_withdrawn_jobs_fail_at_once_and_never_run():
+    """A client's queued jobs are withdrawn (its model unloaded): they fail with the reason given and
+    their steps never run; the job running now ends with its step; the queue goes on."""
+    ran: list[str] = []
+
+    async def main() -> None:
+        queue = FairQueue()
+        first = asyncio.ensure_future(queue.run("bob", "b", [step(ran, "b1", 0.05), step(ran, "b2", 0.01)]))
+        await asyncio.sleep(0.01)  # b1 is running
+        later = asyncio.ensure_future(queue.run("bob", "b", [step(ran, "b3", 0.01)]))
+        other = asyncio.ensure_future(queue.run("alice", "a", [step(ran, "a1", 0.01)]))
+        await asyncio.sleep(0)
+        assert queue.withdraw("bob", "b", RuntimeError("unloaded")) == 1
+        for job in (first, later):
+            with pytest.raises(RuntimeError, match="unloaded"):
+                await job
+        assert await other == ["a1"]
+        await asyncio.sleep(0.06)
+        assert ran == ["b1", "a1"] and queue.pending == 0
+
+    asyncio.run(main())

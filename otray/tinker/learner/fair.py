@@ -22,10 +22,11 @@ Seconds are measured around each step, whatever it does (a slice, an optimizer s
 a sample). ``policy: fifo`` runs jobs whole in arrival order (the behaviour before this module, kept
 as the baseline ``benchmarks/tinker_fairness.py`` measures against).
 
-Shared passes: a :class:`Packable` step (a forward_backward slice) can share one learner pass with the
-next steps of other clients, the chosen one's included, of the same ``key``: taken in the same fair
-order, up to ``pass_tokens`` tokens in all, and run by the queue's ``pack`` function in one call. A
-small user's step then rides in the next pass instead of waiting for a turn of its own; the pass's
+Shared passes: a :class:`Packable` step (a forward_backward slice, an optimizer step) can share one
+learner call with the next steps of other clients, the chosen one's included, of the same ``key``: taken
+in the same fair order, each no bigger than the chosen step, up to ``pass_tokens`` tokens in all, and run
+by the queue's ``pack`` function in one call. A small user's step then rides in the next pass instead of
+waiting for a turn of its own; the pass's
 seconds are charged to its users in proportion to their tokens. Only users of the chosen user's
 priority ride along (a higher one would have been chosen).
 
@@ -167,7 +168,10 @@ class FairQueue:
 
     def _riders(self, first: tuple[str, _User, str, _Job]) -> list[tuple[str, _User, str, _Job]]:
         """The steps that share ``first``'s pass: other clients' next steps of its key, in fair order, within
-        ``pass_tokens`` (none unless ``first``'s step is packable and the policy fair)."""
+        ``pass_tokens`` (none unless ``first``'s step is packable and the policy fair). A step rides only on
+        a step at least as big as itself: a small user's step rides in a busy user's pass, but a busy user's
+        slice does not make the small user's own pass longer (on a compute-bound learner it would: the small
+        step then waited for two slices, not one)."""
         head = first[3].steps[0]
         if not isinstance(head, Packable) or self.pack is None or self.policy != "fair" or self.pass_tokens <= 0:
             return []
@@ -179,7 +183,7 @@ class FairQueue:
             for c, jobs in u.clients.items():
                 step = jobs[0].steps[0] if jobs[0].steps else None
                 if (n, c) != (first[0], first[2]) and isinstance(step, Packable) and step.key == head.key \
-                        and step.tokens <= room:
+                        and step.tokens <= min(room, head.tokens):
                     out.append((n, u, c, jobs[0]))
                     room -= step.tokens
         if out:
