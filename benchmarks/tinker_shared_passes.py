@@ -20,6 +20,7 @@ Prints the figures and writes ``benchmarks/results/tinker_shared_passes.json`` (
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -72,7 +73,7 @@ def learner_rates(args, path: str) -> dict[str, Any]:
         row = {}
         for mode in (list(modes) if k % 2 == 0 else list(modes)[::-1]):  # alternating: drift hits both
             learner = learners[mode]
-            before = ray.get(learner.usage.remote())["shared_passes"]
+            before = ray.get(learner.usage.remote())["shared"]
             stop = threading.Event()
             threads = [Stepper(step(learner, f"u{i}"), stop) for i in range(users)]
             for t in threads:
@@ -83,12 +84,13 @@ def learner_rates(args, path: str) -> dict[str, Any]:
             for t in threads:
                 t.join()
             done = sum(1 for t in threads for s in t.steps if start <= s[0] + s[1] < start + args.seconds)
-            passes = ray.get(learner.usage.remote())["shared_passes"][len(before):]
-            row[mode] = {"datums_per_s": done / args.seconds,
-                         "mean_steps_per_shared_pass": statistics.mean(passes) if passes else 1.0}
+            after = ray.get(learner.usage.remote())["shared"]
+            calls = after["calls"] - before["calls"]
+            row[mode] = {"datums_per_s": done / args.seconds,  # shared calls: forward_backward passes and optim steps
+                         "mean_steps_per_shared_call": (after["steps"] - before["steps"]) / calls if calls else 1.0}
         row["shared_over_own"] = row["shared"]["datums_per_s"] / row["own"]["datums_per_s"]
         print(f"N={users:2}: own {row['own']['datums_per_s']:.1f} datums/s, shared {row['shared']['datums_per_s']:.1f} "
-              f"({row['shared_over_own']:.2f}x; {row['shared']['mean_steps_per_shared_pass']:.1f} users a shared pass)",
+              f"({row['shared_over_own']:.2f}x; {row['shared']['mean_steps_per_shared_call']:.1f} steps a shared call)",
               flush=True)
         rows[str(users)] = row
     for learner in learners.values():
@@ -156,6 +158,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     out: dict[str, Any] = {"args": vars(args), "model": path, "through": "Ray calls to the SharedLearner",
                            "targets": {"shared_over_own_at_8_min": 5.0 if args.gpu else 3.0, "tenant_first_step_max_s": 1.0}}
     parts = args.parts.split(",")
+    if Path(args.out).exists():  # a part not run now keeps its last figures
+        kept = json.loads(Path(args.out).read_text())
+        out.update({k: kept[k] for k in ("throughput", "tenant") if k in kept and k not in parts})
     if "throughput" in parts:
         out["throughput"] = learner_rates(args, path)
     if "tenant" in parts:

@@ -33,6 +33,48 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: item.get_closest_marker("cluster") is not None)  # stable: order kept otherwise
 
 
+_TINKER_CLIENTS: list = []  # weak references to every tinker ServiceClient the suite made
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _tinker_clients_tracked():
+    """Remember every tinker ``ServiceClient`` a test makes (itself or through tinker-cookbook), so that
+    :func:`close_tinker_clients` can close them before their server stops: an open one keeps sending
+    session heartbeats, which failed loudly after the server was gone and after pytest closed its output."""
+    try:
+        import tinker
+    except ImportError:
+        yield
+        return
+    import weakref
+
+    made = tinker.ServiceClient.__init__
+
+    def tracked(self, *args, **kwargs):
+        made(self, *args, **kwargs)
+        _TINKER_CLIENTS.append(weakref.ref(self))
+
+    tinker.ServiceClient.__init__ = tracked
+    yield
+    tinker.ServiceClient.__init__ = made
+    close_tinker_clients()
+
+
+def close_tinker_clients() -> int:
+    """Close every tinker ServiceClient still open (its session ends and its heartbeats stop); returns how
+    many were open."""
+    closed = 0
+    while _TINKER_CLIENTS:
+        client = _TINKER_CLIENTS.pop()()
+        if client is not None and not getattr(client, "_closed", True):
+            closed += 1
+            try:
+                client.close("success").result(timeout=10)
+            except Exception:  # noqa: BLE001 - its server may be gone already: the local side is closed anyway
+                pass
+    return closed
+
+
 @pytest.fixture(scope="session")
 def tiny_path() -> str:
     from otray.models import resolve_model_path
@@ -184,6 +226,7 @@ def tinker_service(ray_local, tmp: Path, port: int, tiny_path: str, **overrides)
     run(load_tinker({"port": port, "storage": str(tmp / "store"), "long_poll_s": 5, "models": models, **overrides}))
 
     def stop() -> None:
+        close_tinker_clients()  # before the server goes: their sessions end cleanly
         serve.shutdown()
         try:
             ray_local.kill(ray_local.get_actor(NAME, namespace=NAMESPACE))

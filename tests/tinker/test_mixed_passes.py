@@ -183,7 +183,7 @@ def test_small_users_ride_in_a_shared_pass_and_a_dropped_users_rows_never_reach_
             assert np.allclose(got.logprobs[0], alone[user].logprobs[0], atol=1e-5)
         assert len(done[0].logprobs) == len(long)
         assert any(len(s) > 1 for s in seen) and max(shared.queue.passes) >= 3, (seen, shared.queue.passes)
-        assert shared.usage()["shared_passes"] == shared.queue.passes
+        assert shared.usage()["shared"] == {"calls": len(shared.queue.passes), "steps": sum(shared.queue.passes)}
 
     asyncio.run(scenario())
 

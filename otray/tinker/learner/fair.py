@@ -80,7 +80,8 @@ class FairQueue:
         self.shares, self.policy, self.follow_s = shares or {}, policy, follow_s
         self.pack, self.pass_tokens = pack, pass_tokens  # shared passes (fair policy only); 0 tokens: none
         self.running: set[int] = set()  # ids of the jobs whose step is on the learner now
-        self.passes: list[int] = []  # steps per pass run by ``pack``, the latest 1,000 (for benchmarks and tests)
+        self.passes: list[int] = []  # steps per shared call, the latest 1,000 (tests)
+        self.shared = {"calls": 0, "steps": 0}  # shared calls and the steps they held, since the start
         self.arrived = asyncio.Event()  # set by every new job (a held turn waits for one)
         self.users: dict[str, _User] = {}
         self.vtime = 0.0
@@ -127,12 +128,13 @@ class FairQueue:
                 name, u, client, job = first
                 self.vtime = max(self.vtime, u.finish)
                 members = [first, *self._riders(first)]
+                steps = [m[3].steps[0] for m in members]
+                tokens = [s.tokens if isinstance(s, Packable) else 1 for s in steps]
                 self.running.update(id(m[3]) for m in members)
                 t0 = time.monotonic()
-                outcomes = await self._run_step([m[3].steps[0] for m in members])
+                outcomes = await self._run_step(steps)  # a job withdrawn meanwhile has no steps left after it
                 spent = time.monotonic() - t0
                 self.running.clear()
-                tokens = [m[3].steps[0].tokens if isinstance(m[3].steps[0], Packable) else 1 for m in members]
                 for (n, mu, c, mjob), outcome, t in zip(members, outcomes, tokens):
                     share = spent * t / sum(tokens)  # a shared pass is charged by tokens
                     mu.finish = max(self.vtime, mu.finish) + share / self.share(n).weight
@@ -149,8 +151,21 @@ class FairQueue:
                     self._advance(n, mu, c, mjob)
                 if job.follow and not job.steps and self.pending and self.policy == "fair":
                     await self._hold(name, client)
+        except Exception as e:  # a fault of the queue itself: every waiting caller learns it (none hangs)
+            self._fail_all(e)
+            raise
         finally:
             self.busy = False
+
+    def _fail_all(self, error: Exception) -> None:
+        for u in self.users.values():
+            for jobs in u.clients.values():
+                for j in jobs:
+                    if not j.done.done():
+                        j.done.set_exception(error)
+        self.users.clear()
+        self.pending = 0
+        self.running.clear()
 
     async def _run_step(self, steps: list[Union[Step, Packable]]) -> list[Any]:
         """Run one step, or several packable ones in one ``pack`` call; a result or an exception each."""
@@ -188,6 +203,8 @@ class FairQueue:
                     room -= step.tokens
         if out:
             self.passes = [*self.passes[-999:], 1 + len(out)]
+            self.shared["calls"] += 1
+            self.shared["steps"] += 1 + len(out)
         return out
 
     def withdraw(self, user: str, client: str, error: Exception) -> int:

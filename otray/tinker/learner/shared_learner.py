@@ -81,7 +81,7 @@ class SharedLearner:
         """Learner seconds and steps by user since the actor started, and the seconds turns were kept
         for a follower (:meth:`FairQueue._hold`)."""
         return {"seconds": dict(self.queue.used), "steps": dict(self.queue.steps), "held_s": self.queue.held,
-                "shared_passes": list(self.queue.passes)}
+                "shared": dict(self.queue.shared)}
 
     async def adapters(self) -> list[str]:
         return self.learner.adapters()
