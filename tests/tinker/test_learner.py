@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from otray.tinker.learner.adapter_learner import SAMPLER_CACHE, AdamStep, AdapterLearner, AdapterSpec, SampleJob
+from otray.tinker.learner.adapter_learner import SAMPLER_CACHE, AdamStep, AdapterLearner, AdapterSpec
+from otray.tinker.learner.sample_jobs import SampleJob
 from otray.tinker.learner.prompt_scores import Scoring
 from otray.types import Datum, SamplingParams
 
@@ -42,7 +43,7 @@ def test_sampler_checkpoints_sample_what_was_saved_in_them(tiny_path, tokenizer,
     loaded = [n for n in learner.model.peft_config if n not in ("a", "b")]
     assert len(loaded) <= SAMPLER_CACHE, loaded
     # the least recently used dir was given up; sampling it again loads it again, correctly
-    assert str(tmp_path / "s2") not in learner.samplers
+    assert str(tmp_path / "s2") not in learner.slots.dirs
     learner.save("b", str(tmp_path / "b-now"), optimizer=False)
     assert np.allclose(sampled(tmp_path / "b-now"), live("b"), atol=1e-5)
 
@@ -67,7 +68,8 @@ def test_the_base_samples_after_every_client_dropped_its_adapter(tiny_path):
     """The last training client leaving (its session closed) leaves the learner with no adapter; the
     base model still samples, the same tokens as before any adapter existed (PEFT kept the deleted
     adapter's name active, and base sampling failed with a KeyError for every other user)."""
-    from otray.tinker.learner.adapter_learner import AdapterLearner, AdapterSpec, SampleJob
+    from otray.tinker.learner.adapter_learner import AdapterLearner, AdapterSpec
+    from otray.tinker.learner.sample_jobs import SampleJob
     from otray.types import SamplingParams
 
     learner = AdapterLearner(tiny_path)

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from otray.tinker.learner.adapter_learner import AdamStep, AdapterLearner, AdapterSpec, PassRequest
+from otray.tinker.learner.adapter_learner import AdamStep, AdapterLearner, AdapterSpec
+from otray.tinker.learner.shared_pass import PassRequest
 from otray.types import Datum
 
 SPECS = {"r8": AdapterSpec(8, seed=0), "r32": AdapterSpec(32, seed=1, train_mlp=False),
@@ -137,8 +138,8 @@ def test_a_bad_request_fails_alone(learner):
 
 def test_bf16_mixed_passes_stay_within_the_stated_bound(tiny_path):
     """On a bf16 base the shared pass computes each adapter's update in bf16 from its fp32 master weights
-    (PEFT's own path casts the activations to fp32 instead): logprobs agree within 0.1 nats, the bound
-    docs/notes/tinker.md states."""
+    (PEFT's own path casts the activations to fp32 instead): logprobs agree within 0.05 nats, the bound
+    docs/notes/tinker.md states (measured 0.004)."""
     learner = AdapterLearner(tiny_path, dtype="bfloat16")
     for name, spec in SPECS.items():
         learner.create(name, spec)
@@ -147,7 +148,7 @@ def test_bf16_mixed_passes_stay_within_the_stated_bound(tiny_path):
     alone = [learner.forward_backward(r.adapter, r.datums, r.loss_fn, None, True) for r in reqs]
     worst = max(float(np.abs(np.asarray(x) - np.asarray(y)).max())
                 for m, a in zip(mixed, alone) for x, y in zip(m.logprobs, a.logprobs))
-    assert worst < 0.1, worst
+    assert worst < 0.05, worst
 
 
 def test_small_users_ride_in_a_shared_pass_and_a_dropped_users_rows_never_reach_one(tiny_path):
@@ -215,3 +216,19 @@ def test_optimizer_steps_of_several_adapters_in_one_fused_call_equal_their_own(t
         for a, b in zip(twins[0]._params(name), twins[1]._params(name)):
             assert torch.allclose(a, b, atol=1e-6)
             assert a.grad is None
+
+
+def test_a_shared_pass_after_the_active_adapter_was_dropped(tiny_path):
+    """PEFT reads its config by the adapter its PeftModel last recorded as active: with every client dropped
+    and new ones made, a shared pass failed with a KeyError naming the dropped one (found through the SDK:
+    one test's sessions closed, the next test's first step)."""
+    learner = AdapterLearner(tiny_path)
+    rng = np.random.default_rng(2)
+    learner.create("r8", SPECS["r8"])
+    learner.forward_backward("r8", [datum(rng, 5)], "cross_entropy", backward=False)
+    learner.drop("r8")
+    for name in ("r32", "r128"):
+        learner.create(name, SPECS[name])
+    out = learner.forward_many([PassRequest("r32", [datum(rng, 5)], "cross_entropy"),
+                                PassRequest("r128", [datum(rng, 6)], "cross_entropy")])
+    assert not any(isinstance(o, Exception) for o in out), out

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from otray.tinker.learner.adapter_learner import AdapterLearner, SampleJob
+from otray.tinker.learner.adapter_learner import AdapterLearner
+from otray.tinker.learner.sample_jobs import SampleJob
 from otray.tinker.learner.prompt_scores import SENTINEL_LOGPROB, Scoring, cut_before, parse_scoring, parse_targets
 from otray.tinker.errors import UserError
 from otray.tinker.wire.requests import ASample

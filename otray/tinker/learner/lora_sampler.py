@@ -24,7 +24,8 @@ import os
 from pathlib import Path
 from typing import Any, Optional
 
-from otray.tinker.learner.adapter_learner import AdapterSpec, SampleJob, SampleOut, checkpoint_version
+from otray.tinker.learner.adapter_learner import AdapterSpec
+from otray.tinker.learner.sample_jobs import SampleJob, SampleOut, checkpoint_version
 
 # the projections vLLM can put LoRA on (its error names these when given others)
 VLLM_TARGETS = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"})

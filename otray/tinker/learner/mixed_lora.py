@@ -22,7 +22,6 @@ Runs in the SharedLearner actor of one base model."""
 from __future__ import annotations
 
 import functools
-import itertools
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Sequence

@@ -32,8 +32,9 @@ from dataclasses import dataclass
 from otray.tinker.config import Share
 from otray.tinker.errors import UserError
 from otray.tinker.learner.fair import FairQueue, Packable, slices
-from otray.tinker.learner.adapter_learner import (AdamStep, AdapterLearner, AdapterSpec, PassNotRun, PassRequest,
-                                                  PassResult, SampleJob, SampleOut)
+from otray.tinker.learner.adapter_learner import AdamStep, AdapterLearner, AdapterSpec
+from otray.tinker.learner.sample_jobs import SampleJob, SampleOut
+from otray.tinker.learner.shared_pass import PassNotRun, PassRequest, PassResult
 from otray.tinker.learner.loss_graph import LossGraph
 from otray.tinker.learner.loss_run import add_sums
 from otray.types import Datum

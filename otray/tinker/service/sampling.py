@@ -26,7 +26,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 import ray
 
-from otray.tinker.learner.adapter_learner import SampleJob
+from otray.tinker.learner.sample_jobs import SampleJob
 from otray.tinker.service import runs as R
 from otray.tinker.service.engines import VllmSamplers
 from otray.tinker.service.futures import Futures, Outcome

@@ -1,0 +1,39 @@
+"""Several LoRA adapters' AdamW steps in one fused call.
+
+Each adapter of the :class:`~otray.tinker.learner.adapter_learner.AdapterLearner` keeps its own
+``torch.optim.AdamW`` (its state is saved and loaded with it). A small adapter's step costs the call, not its
+size: eight rank-32 adapters of the tiny model took 13 ms one by one. :func:`fused_adamw_steps` takes the
+adapters' tensors and their optimizers' state (each past its first step) and steps them all with one
+``torch.optim.adamw.adamw(fused=True)`` call, each adapter's gradient clipped by its own norm first, as
+``otray.actors.learner.core.adamw_step`` clips it.
+
+Runs in the SharedLearner actor of one base model."""
+
+from __future__ import annotations
+
+import torch
+
+
+def fused_adamw_steps(groups: list[list[torch.nn.Parameter]], optimizers: list[torch.optim.Optimizer], *,
+                      lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
+                      grad_clip: float) -> list[float]:
+    """One AdamW step of each group of parameters (an adapter's, every one with a gradient and state in its
+    optimizer), with one set of settings (``grad_clip`` 0: no clipping); zeroes the gradients. Returns each
+    group's gradient norm before clipping."""
+    from torch.optim.adamw import adamw
+
+    grads = [[p.grad for p in g] for g in groups]
+    norms = [float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(g)))) for g in grads]
+    if grad_clip > 0:
+        for g, norm in zip(grads, norms):
+            coef = grad_clip / (norm + 1e-6)
+            if coef < 1.0:
+                torch._foreach_mul_(g, coef)
+    flat = [p for g in groups for p in g]
+    states = [opt.state[p] for opt, g in zip(optimizers, groups) for p in g]
+    adamw(flat, [p.grad for p in flat], [st["exp_avg"] for st in states], [st["exp_avg_sq"] for st in states], [],
+          [st["step"] for st in states], fused=True, amsgrad=False, beta1=betas[0], beta2=betas[1], lr=lr,
+          weight_decay=weight_decay, eps=eps, maximize=False)
+    for p in flat:
+        p.grad = None
+    return norms

@@ -1,0 +1,60 @@
+"""Which sampler checkpoints the learner holds loaded as read-only adapters, and which adapter a new one goes in.
+
+The :class:`~otray.tinker.learner.adapter_learner.AdapterLearner` samples a sampler checkpoint (a saved adapter
+directory) by loading it into an adapter of its model. :class:`SamplerSlots` keeps the bookkeeping: at most
+``size`` directories loaded (least recently used given up first), adapters no directory uses kept as spares
+and refilled for a directory of the same shape (making an adapter costs ~6x loading weights into one), each
+loaded directory's weights version (an inflight target's). The learner does the model's side.
+
+Runs in the SharedLearner actor of one base model."""
+
+from __future__ import annotations
+
+import collections
+from typing import Any, Optional
+
+
+def _shape(spec: Any) -> tuple:
+    return spec.rank, spec.alpha, sorted(spec.target_modules())
+
+
+class SamplerSlots:
+    def __init__(self, size: int):
+        self.size = size
+        self.dirs: collections.OrderedDict[str, str] = collections.OrderedDict()  # dir -> adapter name (LRU)
+        self.specs: dict[str, Any] = {}  # sampler adapter name -> its AdapterSpec
+        self.spare: list[str] = []  # sampler adapters no dir uses now
+        self.versions: dict[str, Optional[int]] = {}  # sampler adapter name -> its weights' version
+
+    def names(self) -> set[str]:
+        return set(self.dirs.values())
+
+    def get(self, path: str) -> Optional[str]:
+        """The adapter ``path`` is loaded in (now the most recently used), or None."""
+        if path in self.dirs:
+            self.dirs.move_to_end(path)
+            return self.dirs[path]
+        return None
+
+    def forget(self, path: str) -> None:
+        """``path`` was saved over: what is loaded from it is stale (its adapter becomes a spare)."""
+        if path in self.dirs:
+            self.spare.append(self.dirs.pop(path))
+
+    def place(self, spec: Any) -> tuple[Optional[str], list[str]]:
+        """Room for a ``spec``-shaped directory: (a spare adapter of its shape to refill, or None for a new
+        one; the spare adapters to delete first)."""
+        if len(self.dirs) >= self.size:
+            self.spare.append(self.dirs.popitem(last=False)[1])
+        for name in self.spare:
+            if _shape(self.specs[name]) == _shape(spec):
+                self.spare.remove(name)
+                return name, []
+        gone = []
+        while self.spare and len(self.spare) + len(self.dirs) >= self.size:
+            gone.append(self.spare.pop(0))
+            del self.specs[gone[-1]]
+        return None, gone
+
+    def loaded(self, path: str, name: str, spec: Any, version: Optional[int]) -> None:
+        self.dirs[path], self.specs[name], self.versions[name] = name, spec, version

@@ -1,0 +1,189 @@
+"""One forward(_backward) pass over several clients' requests, each row through its own LoRA adapter.
+
+A :class:`PassRequest` is one client's slice of work (adapter, datums, loss); :class:`SharedPass` runs a
+list of them on the :class:`~otray.tinker.learner.adapter_learner.AdapterLearner`'s model: rows planned
+into micro-batches, grouped by adapter (:func:`~otray.tinker.learner.mixed_lora.row_order`), one routed
+forward (:class:`~otray.tinker.learner.mixed_lora.RowRouting`), each request's own loss (:func:`rows_loss`),
+and one backward per micro-batch over the requests whose loss succeeded. A request whose loss raises
+keeps its exception and its adapter no gradient; the others go on.
+
+Runs in the SharedLearner actor of one base model."""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+
+from otray.actors.learner.core import (PAD_SPREAD, by_length, loss_inputs, micro_batches, token_logprobs,
+                                       topk_logprobs, topk_weights)
+from otray.algos.losses import per_token_loss
+from otray.tinker.learner.loss_graph import LossGraph
+from otray.tinker.learner.loss_run import add_sums, surrogate
+from otray.tinker.learner.mixed_lora import RowRouting, groups_of, row_order
+from otray.types import Datum
+
+
+@dataclass
+class PassResult:
+    """One forward(_backward) call: per datum, each target token's logprob and loss; the loss sum."""
+
+    logprobs: list[list[float]]
+    losses: list[list[float]]
+    loss_sum: float
+    metric_sums: dict[str, float] = field(default_factory=dict)  # a custom loss's metrics, summed over datums
+
+
+class PassNotRun(Exception):
+    """A shared pass failed before it added any gradient (its cause chained): its requests can be run
+    again one by one."""
+
+
+@dataclass(frozen=True)
+class PassRequest:
+    """One client's forward(_backward) work for a pass: its adapter, datums and loss (``graph``: a checked
+    custom loss). Requests of one :meth:`pack_key` can share a pass."""
+
+    adapter: str
+    datums: list[Datum]
+    loss_fn: str
+    loss_fn_config: Optional[dict[str, float]] = None
+    backward: bool = True
+    graph: Optional[LossGraph] = None
+
+    def tokens(self) -> int:
+        return sum(len(d) for d in self.datums)
+
+    def pack_key(self) -> Optional[tuple]:
+        """Requests with equal keys can share a pass: the same gradient mode and the same kind of targets
+        (one target a position, or K). None: runs alone (images: a vision tower's rows are not the batch's)."""
+        if any(d.images for d in self.datums):
+            return None
+        first = self.datums[0].target_k
+        return self.backward, (len(first[0]) if first else None)
+
+
+def rows_loss(lp: torch.Tensor, valid: torch.Tensor, batch: list[Datum], device: str, loss_fn: str,
+              cfg: dict[str, float], graph: Optional[LossGraph] = None) -> tuple[torch.Tensor, Optional[tuple[float, dict]]]:
+    """Per-token losses (``(rows, T)``, zero past each row's end) of rows whose logprobs are ``lp``
+    (``(rows, T)``, or ``(rows, T, K)`` for top-K datums). Top-K: ``-sum_k w_k * logprob(target_k)``. A custom
+    loss (``graph``): its gradient's surrogate per token, and second its sum and metric sums."""
+    if graph is not None:
+        tok, loss_sum, metrics = surrogate(graph, batch, lp, device)
+        return tok * valid, (loss_sum, metrics)
+    if batch[0].target_k is not None:
+        tok = -(topk_weights(batch, lp.shape[1], device) * lp).sum(-1)
+    else:
+        x = loss_inputs(batch, lp.shape[1], device, every_token=True)
+        tok = per_token_loss(loss_fn, lp, x.sampler_logprobs, x.advantages, x.weights, **x.extras(), **cfg)
+    return tok * valid, None
+
+
+def batch_logprobs(model: torch.nn.Module, batch: list[Datum], device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """A micro-batch's logprobs: ``(rows, T)``, or ``(rows, T, K)`` for top-K datums; and the valid mask."""
+    return (topk_logprobs if batch[0].target_k is not None else token_logprobs)(model, batch, device)
+
+
+def batch_loss(model: torch.nn.Module, batch: list[Datum], device: str, loss_fn: str, cfg: dict[str, float],
+               graph: Optional[LossGraph] = None) -> tuple[torch.Tensor, torch.Tensor, Optional[tuple[float, dict]]]:
+    """One micro-batch's logprobs and per-token losses (:func:`rows_loss`; third a custom loss's sums)."""
+    lp, valid = batch_logprobs(model, batch, device)
+    tok, custom = rows_loss(lp, valid, batch, device, loss_fn, cfg, graph)
+    return lp, tok, custom
+
+
+@dataclass
+class _Answer:
+    """One request's answer, filled micro-batch by micro-batch."""
+
+    logprobs: list
+    losses: list
+    total: float = 0.0
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+class SharedPass:
+    """Several requests (of one pack key, adapters that exist) in shared passes on ``model``: ``ranks`` (each
+    adapter's rank, for grouping), ``params`` (an adapter's LoRA parameters). :meth:`run` gives each request
+    a :class:`PassResult` or its exception; ``applied`` says whether any gradient was added."""
+
+    def __init__(self, model: Any, routing: RowRouting, device: str, micro_batch_tokens: int, ranks: dict[str, int],
+                 params: Callable[[str], list[torch.nn.Parameter]]):
+        self.model, self.routing, self.device = model, routing, device
+        self.micro_batch_tokens, self.ranks, self.params = micro_batch_tokens, ranks, params
+        self.applied = False
+
+    def run(self, requests: list[PassRequest]) -> list[PassResult | Exception]:
+        """Each request's answer, or its exception: a KeyError for an adapter that is gone (unloaded, or the
+        learner restarted). Raises :class:`PassNotRun` when the pass failed before adding any gradient."""
+        out: list[Any] = [_Answer([None] * len(r.datums), [None] * len(r.datums)) if r.adapter in self.ranks
+                          else KeyError(f"no adapter {r.adapter!r} on this learner (it was unloaded, or the learner "
+                                        "restarted)") for r in requests]
+        order = {r.adapter: k for k, r in enumerate(requests)}
+        rows = [(i, j) for i, r in enumerate(requests) if isinstance(out[i], _Answer) for j in range(len(r.datums))]
+        for name in {requests[i].adapter for i, _ in rows}:
+            for p in self.params(name):
+                p.requires_grad_(True)
+        try:
+            for chunk in self._plan([requests[i].datums[j] for i, j in rows]) if rows else []:
+                names = [requests[rows[k][0]].adapter for k in chunk]
+                key = row_order(collections.Counter(names), {n: self.ranks[n] for n in names}, order)
+                chunk.sort(key=lambda k: key(requests[rows[k][0]].adapter))
+                self._micro_batch(requests, out, [rows[k] for k in chunk], requests[0].backward)
+        except Exception as e:
+            if not self.applied:
+                raise PassNotRun(str(e)) from e
+            raise
+        return [PassResult(a.logprobs, a.losses, a.total, a.metrics) if isinstance(a, _Answer) else a for a in out]
+
+    def _micro_batch(self, requests: list[PassRequest], out: list, rows: list[tuple[int, int]], backward: bool) -> None:
+        """One micro-batch (``rows``: (request, datum), grouped by adapter): forward, each request's loss,
+        one backward; each answer's rows filled in."""
+        batch = [requests[i].datums[j] for i, j in rows]
+        owners = [i for i, _ in rows]
+        with torch.set_grad_enabled(backward), self.routing.routed(groups_of([requests[i].adapter for i in owners])):
+            lp, valid = batch_logprobs(self.model, batch, self.device)
+            terms, parts = [], []
+            for i in dict.fromkeys(owners):
+                if isinstance(out[i], Exception):
+                    continue
+                at = [k for k, o in enumerate(owners) if o == i]
+                r, sel = requests[i], torch.tensor(at, device=lp.device)
+                try:
+                    tok, custom = rows_loss(lp[sel], valid[sel], [batch[k] for k in at], self.device, r.loss_fn,
+                                            r.loss_fn_config or {}, r.graph)
+                except Exception as e:  # noqa: BLE001 - this request's own loss: it fails alone
+                    out[i] = e
+                    continue
+                terms.append(tok.sum())
+                parts.append((i, at, tok, custom))
+            if backward and terms:
+                failed = {requests[i].adapter for i in dict.fromkeys(owners) if isinstance(out[i], Exception)}
+                bare = [p for name in failed for p in self.params(name) if p.grad is None]
+                self.applied = True
+                torch.stack(terms).sum().backward()
+                for p in bare:  # a failed request's rows passed zeros back: its adapter keeps no gradient
+                    p.grad = None
+        lp_host = lp.detach().cpu()  # one host copy per micro-batch
+        for i, at, tok, custom in parts:
+            answer, tok_host = out[i], tok.detach().cpu()
+            answer.total += custom[0] if custom else float(tok_host.sum())
+            answer.metrics = add_sums(answer.metrics, custom[1] if custom else {})
+            for n, k in enumerate(at):
+                j = rows[k][1]
+                answer.logprobs[j] = lp_host[k, :len(batch[k])].reshape(-1).tolist()
+                answer.losses[j] = tok_host[n, :len(batch[k])].tolist()
+
+    def _plan(self, datums: list[Datum]) -> list[list[int]]:
+        """Micro-batches of a shared pass, as lists of indices into ``datums``: one when they fit the token
+        budget, else cut shortest first as ``plan_micro_batches`` cuts a call."""
+        if max(len(d) for d in datums) * len(datums) <= self.micro_batch_tokens:
+            return [list(range(len(datums)))]
+        order = by_length(datums)
+        chunks, at = [], 0
+        for chunk in micro_batches([datums[i] for i in order], self.micro_batch_tokens, PAD_SPREAD):
+            chunks.append(order[at:at + len(chunk)])
+            at += len(chunk)
+        return chunks
