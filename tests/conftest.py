@@ -48,31 +48,39 @@ def _tinker_clients_tracked():
         return
     import weakref
 
-    made = tinker.ServiceClient.__init__
+    from tinker.lib.internal_client_holder import InternalClientHolder
 
-    def tracked(self, *args, **kwargs):
-        made(self, *args, **kwargs)
-        _TINKER_CLIENTS.append(weakref.ref(self))
+    made = {cls: cls.__init__ for cls in (tinker.ServiceClient, InternalClientHolder)}
 
-    tinker.ServiceClient.__init__ = tracked
+    def tracking(cls):
+        def tracked(self, *args, **kwargs):
+            made[cls](self, *args, **kwargs)
+            _TINKER_CLIENTS.append(weakref.ref(self))
+        return tracked
+
+    for cls in made:  # the holders too: one outlives its ServiceClient, and its heartbeats go on
+        cls.__init__ = tracking(cls)
     yield
-    tinker.ServiceClient.__init__ = made
+    for cls, init in made.items():
+        cls.__init__ = init
     close_tinker_clients()
 
 
 def close_tinker_clients() -> int:
-    """Close every tinker ServiceClient still open (its session ends and its heartbeats stop); returns how
-    many were open."""
-    closed = 0
-    while _TINKER_CLIENTS:
-        client = _TINKER_CLIENTS.pop()()
-        if client is not None and not getattr(client, "_closed", True):
-            closed += 1
-            try:
-                client.close("success").result(timeout=10)
-            except Exception:  # noqa: BLE001 - its server may be gone already: the local side is closed anyway
-                pass
-    return closed
+    """Close every tinker ServiceClient still open (its session ends on the server) and then every client
+    holder left (its heartbeats stop); returns how many were open."""
+    import tinker
+
+    live = [c for c in (ref() for ref in _TINKER_CLIENTS) if c is not None and not getattr(c, "_closed", True)]
+    _TINKER_CLIENTS.clear()
+    for client in sorted(live, key=lambda c: not isinstance(c, tinker.ServiceClient)):  # sessions first
+        try:
+            done = client.close("success") if isinstance(client, tinker.ServiceClient) else client.close()
+            if done is not None:
+                done.result(timeout=10)
+        except Exception:  # noqa: BLE001 - its server may be gone already: the local side is closed anyway
+            pass
+    return len(live)
 
 
 @pytest.fixture(scope="session")
