@@ -25,9 +25,8 @@ from __future__ import annotations
 import asyncio
 import functools
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Optional
-
 from dataclasses import dataclass
+from typing import Any, Callable, Optional
 
 from otray.tinker.config import Share
 from otray.tinker.errors import UserError
@@ -115,30 +114,36 @@ class SharedLearner:
         """One slice, on the compute thread. ``saved`` (a custom loss's backward): the first slice keeps the
         adapter's gradients as they were before the call, and a slice that fails puts them back, so a loss
         that fails on some datum leaves no part of the call's gradient for the next optim_step."""
-        params = self.learner.switch.params(self.learner.model, adapter)
-        if saved is not None and not saved:
-            saved.append([None if p.grad is None else p.grad.clone() for p in params])
+        self._keep_grads(adapter, saved)
         try:
             return self.learner.forward_backward(adapter, datums, loss_fn, cfg, backward, graph)
         except Exception:
-            for p, grad in zip(params, saved[0] if saved else ()):
-                p.grad = grad
+            self._put_back_grads(adapter, saved)
             raise
+
+    def _keep_grads(self, adapter: str, saved: Optional[list]) -> None:
+        """A custom loss's call, at its first slice: keep ``adapter``'s gradients as they are in ``saved``."""
+        if saved is not None and not saved and adapter in self.learner.specs:
+            saved.append([None if p.grad is None else p.grad.clone()
+                          for p in self.learner.switch.params(self.learner.model, adapter)])
+
+    def _put_back_grads(self, adapter: str, saved: Optional[list]) -> None:
+        """The call failed: ``adapter``'s gradients back as :meth:`_keep_grads` kept them (no part of the call's
+        gradient is left for the next optim_step)."""
+        for p, grad in zip(self.learner.switch.params(self.learner.model, adapter), saved[0] if saved else ()):
+            p.grad = grad
 
     async def _pack(self, works: list[Any]) -> list[Any]:
         """Packed steps on the compute thread in one hop: forward_backward slices in a shared pass, optimizer
-        steps one after another (clients that stepped together send theirs together)."""
+        steps in one fused AdamW call (clients that stepped together send theirs together)."""
         run = self._passes if isinstance(works[0], _Slice) else self.learner.optim_many
         return await asyncio.get_running_loop().run_in_executor(self.pool, run, works)
-
 
     def _passes(self, works: list[_Slice]) -> list[Any]:
         """Slices of several clients in one shared pass, on the compute thread; each a PassResult or its
         exception. A custom loss's call that fails gets its adapter's gradients back as before the call."""
         for w in works:
-            if w.saved is not None and not w.saved and w.request.adapter in self.learner.specs:
-                w.saved.append([None if p.grad is None else p.grad.clone()
-                                for p in self.learner.switch.params(self.learner.model, w.request.adapter)])
+            self._keep_grads(w.request.adapter, w.saved)
         try:
             outs: list[Any] = self.learner.forward_many([w.request for w in works])
         except PassNotRun:  # e.g. a datum the model cannot take: each alone, so only its own request fails
@@ -147,16 +152,15 @@ class SharedLearner:
             outs = [e] * len(works)
         for w, out in zip(works, outs):
             if isinstance(out, Exception) and w.saved:
-                for p, grad in zip(self.learner.switch.params(self.learner.model, w.request.adapter), w.saved[0]):
-                    p.grad = grad
+                self._put_back_grads(w.request.adapter, w.saved)
         return outs
 
     def _alone(self, w: _Slice) -> Any:
+        """One slice in a pass of its own: its result, or its own exception (the cause of a PassNotRun)."""
         try:
-            out = self.learner.forward_many([w.request])[0]
+            return self.learner.forward_many([w.request])[0]
         except Exception as e:  # noqa: BLE001 - this request's own failure
             return e.__cause__ if isinstance(e, PassNotRun) and isinstance(e.__cause__, Exception) else e
-        return out
 
     async def optim_step(self, user: str, adapter: str, step: AdamStep) -> dict[str, float]:
         """Packable with other clients' optimizer steps (one hop to the compute thread for all)."""
