@@ -8,7 +8,7 @@ export VLLM_CPU_KVCACHE_SPACE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 export RAY_USAGE_STATS_ENABLED ?= 0
 
-.PHONY: demo test test-fast test-pure gpu-check gpu-gomoku bench bench-trl clean venv browser sandbox openreward-sdk tinker-cookbook \
+.PHONY: demo test test-fast test-pure gpu-check gpu-check-tinker gpu-gomoku bench bench-trl clean venv browser sandbox openreward-sdk tinker-cookbook \
         alfworld
 
 venv: $(STAMP)
@@ -79,26 +79,35 @@ test-pure: $(STAMP) browser sandbox
 test-fast: $(STAMP) browser sandbox
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not vllm"
 
-# On a machine with a CUDA GPU (NOTES.md, "GPU check"): the GPU tests (~1.5 min: the compiled sampler on CUDA graphs
-# and cuda_ipc between actors among them), otray against TRL (benchmarks/gpu.py: one run of each row, ~4 min), a short
-# GPU job through the ResourceManager (`otray train`), the engine's probes (one JSON, ~1 min) and the learner's fair
-# shares (~1.5 min); under 9 min on an H200; benchmarks/gpu_report.py gathers them into one JSON (gpu_report.json). Each part has a time cap, so a hang in one still leaves the others'
-# results (a lent GPU's minutes are few). TRL and Ray come from the carried wheels (NOTES.md, "GPU check").
+# On a machine with a CUDA GPU (NOTES.md, "GPU check"): two device calls, one right after the other (a lent GPU
+# has 15 minutes, 10 a call; session 35's H200 timed each part). `gpu-check` (~7.5 min): the GPU tests (~2 min:
+# the compiled sampler on CUDA graphs and cuda_ipc between actors among them) and otray against TRL
+# (benchmarks/gpu.py: TRL ~90 s, the compiled colocated row ~100 s, the split row; it saves after every run).
+# `gpu-check-tinker` (~4 min): shared LoRA passes against a pass per user and the learner's fair shares (issue 53),
+# and a short GPU job through the ResourceManager (`otray train`). Each part has a time cap, so a hang in one still
+# leaves the others' results; benchmarks/gpu_report.py gathers what is there into gpu_report.json.
+# TRL and Ray come from the carried wheels (NOTES.md, "GPU check").
 # No venv here: a lent GPU machine has its own CUDA torch and no registry (PY=python3 there).
 GPU_OUT ?= benchmarks/results
 gpu-check:
 	mkdir -p $(GPU_OUT)
 	timeout -k 5 150 $(PY) -m pytest -q -p no:cacheprovider tests/test_gpu.py -m gpu -rs --durations=0 \
-	  > $(GPU_OUT)/gpu_tests.log 2>&1; status=$$?; cat $(GPU_OUT)/gpu_tests.log; \
-	  timeout -k 5 270 $(PY) benchmarks/gpu.py --rounds 1 --steps 4 --out $(GPU_OUT)/gpu.json \
+	  > $(GPU_OUT)/gpu_tests.log 2>&1; status=$$?; tail -15 $(GPU_OUT)/gpu_tests.log; \
+	  timeout -k 5 340 $(PY) benchmarks/gpu.py --rounds 1 --steps 4 --run-timeout 140 \
+	    --rows trl,otray_colocated_compiled,otray_split --out $(GPU_OUT)/gpu.json \
 	    > $(GPU_OUT)/gpu_vs_trl.log 2>&1 || status=1; tail -8 $(GPU_OUT)/gpu_vs_trl.log; \
-	  timeout -k 5 60 $(PY) -m otray.cli train conf/gpu/arithmetic_colocated.yaml job.output_dir=/tmp/gpu_manager \
+	  $(PY) benchmarks/gpu_report.py --dir $(GPU_OUT); exit $$status
+
+gpu-check-tinker:
+	mkdir -p $(GPU_OUT)
+	timeout -k 5 120 $(PY) benchmarks/tinker_shared_passes.py --gpu --shape 0.5b --parts throughput --seconds 2 \
+	    --warmup 1 --out $(GPU_OUT)/tinker_shared_passes.json > $(GPU_OUT)/tinker_shared_passes.log 2>&1; \
+	  status=$$?; grep -a "N=\|learners\|Error" $(GPU_OUT)/tinker_shared_passes.log; \
+	  timeout -k 5 90 $(PY) benchmarks/learner_fairness.py --gpu --shape 0.5b --policies fair --slice-tokens 2048 \
+	    --seconds 4 --warmup 2 --out $(GPU_OUT)/learner_fairness.json > $(GPU_OUT)/learner_fairness.log 2>&1 \
+	    || status=1; grep -a "bob\|Error" $(GPU_OUT)/learner_fairness.log; \
+	  timeout -k 5 45 $(PY) -m otray.cli train conf/gpu/arithmetic_colocated.yaml job.output_dir=/tmp/gpu_manager \
 	    algo.steps=10 eval.every=5 > $(GPU_OUT)/gpu_manager_job.log 2>&1 || status=1; tail -4 $(GPU_OUT)/gpu_manager_job.log; \
-	  timeout -k 5 60 $(PY) benchmarks/gpu_check.py --out $(GPU_OUT)/gpu_check.json || status=1; \
-	  timeout -k 5 90 $(PY) benchmarks/learner_fairness.py --gpu --shape 0.5b --slice-tokens 2048 --seconds 4 \
-	    --warmup 2 --out $(GPU_OUT)/learner_fairness.json || status=1; \
-	  timeout -k 5 75 $(PY) benchmarks/tinker_shared_passes.py --gpu --shape 0.5b --parts throughput --seconds 2 \
-	    --warmup 1 --out $(GPU_OUT)/tinker_shared_passes.json || status=1; \
 	  $(PY) benchmarks/gpu_report.py --dir $(GPU_OUT); exit $$status
 
 # Issue 35's Gomoku recipe scaled up (conf/gpu/gomoku_4m.yaml: tiny-4m, 2x the tactics SFT, 8x the games a step), after

@@ -205,6 +205,23 @@ def figures(runs: list[dict], tokens_per_step: float) -> dict:
             "compile_s": [r["compile_s"] for r in runs], "runs": runs}
 
 
+def summary(a: argparse.Namespace, model: str, runs: dict[str, list[dict]], errors: dict[str, str],
+            tokens_per_step: float, t_all: float, command: str) -> dict:
+    """The JSON of the rows run so far (``complete`` false until every run is done; a failed row named in
+    ``errors``, with the last lines of its log)."""
+    import torch
+
+    table = {row: figures(rs, tokens_per_step) for row, rs in runs.items() if rs}
+    trl = table.get("trl")
+    for row in table.values():
+        row["ratio_to_trl"] = row["median_step_s"] / trl["median_step_s"] if trl else None
+    return {"device": torch.cuda.get_device_name(0) if a.device == "cuda" else "cpu", "shape": a.shape,
+            "model": model, "settings": {"prompts": a.prompts, "group": a.group, "new_tokens": a.new_tokens,
+                                         "steps": a.steps, "rounds": a.rounds, "threads": a.threads},
+            "tokens_per_step": tokens_per_step, "rows": table, "errors": errors, "complete": False,
+            "total_s": time.perf_counter() - t_all, "command": command}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
@@ -238,35 +255,37 @@ def main(argv: list[str] | None = None) -> int:
     tokens_per_step = a.prompts * a.group * (prompt_tokens(model, data, 64) + a.new_tokens)
     names = [r for r in a.rows.split(",") if r]
     runs: dict[str, list[dict]] = {r: [] for r in names}
+    errors: dict[str, str] = {}
+    command = " ".join(["python", "benchmarks/gpu.py", *(argv if argv is not None else sys.argv[1:])])
     for k in range(a.rounds):
         order = names[k % len(names):] + names[:k % len(names)]
         for row in order:
             print(f"round {k + 1}/{a.rounds}: {row} ...", flush=True)
             t0 = time.perf_counter()
-            runs[row].append(trl_run(a, model, data, work, k) if row == "trl" else otray_run(row, a, model, data, work, k))
+            try:
+                runs[row].append(trl_run(a, model, data, work, k) if row == "trl"
+                                 else otray_run(row, a, model, data, work, k))
+            except (RuntimeError, OSError, subprocess.TimeoutExpired, KeyError, ValueError) as e:
+                errors[row] = f"{type(e).__name__}: {e}"  # the other rows still run
+                print(f"  {row} failed: {errors[row]}", flush=True)
             print(f"  {time.perf_counter() - t0:.0f} s", flush=True)
-    table = {row: figures(rs, tokens_per_step) for row, rs in runs.items()}
-    trl = table.get("trl")
-    for row in table.values():
-        row["ratio_to_trl"] = row["median_step_s"] / trl["median_step_s"] if trl else None
-    import torch
-
-    result = {"device": torch.cuda.get_device_name(0) if a.device == "cuda" else "cpu", "shape": a.shape,
-              "model": model, "settings": {"prompts": a.prompts, "group": a.group, "new_tokens": a.new_tokens,
-                                           "steps": a.steps, "rounds": a.rounds, "threads": a.threads},
-              "tokens_per_step": tokens_per_step, "rows": table, "total_s": time.perf_counter() - t_all,
-              "command": " ".join(["python", "benchmarks/gpu.py", *(argv if argv is not None else sys.argv[1:])])}
+            # saved after every run: a run cut short by a time cap keeps the rows it finished
+            result = summary(a, model, runs, errors, tokens_per_step, t_all, command)
+            save(result, a.out)
+    result["complete"] = True
     print(f"\n{result['device']}, {a.shape}: {a.prompts} x {a.group} x {a.new_tokens} new tokens a step, "
           f"{a.rounds} run(s) of {a.steps} steps a row")
     print(f"{'row':26} {'step s':>8} {'gen s':>7} {'learn s':>8} {'sync s':>7} {'tok/s/GPU':>10} {'peak GB':>8} "
           f"{'/ TRL':>6}  sampler, sync, compile s")
-    for name, r in table.items():
+    for name, r in result["rows"].items():
         print(f"{name:26} {r['median_step_s']:8.3f} {r['generate_s']:7.3f} {r['learn_s']:8.3f} {r['sync_s']:7.4f} "
               f"{r['tokens_per_s_per_gpu']:10.0f} {r['peak_gpu_gb'] or 0:8.2f} "
               f"{r['ratio_to_trl'] if r['ratio_to_trl'] is not None else float('nan'):6.2f}  "
               f"{r['sampler']}, {r['weight_sync']}, {', '.join(f'{c or 0:.1f}' for c in r['compile_s'])}")
+    for name, e in errors.items():
+        print(f"{name:26} FAILED: {e.splitlines()[0]}")
     save(result, a.out)
-    return 0
+    return 1 if errors else 0
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -41,8 +41,9 @@ PORT = 8497
 TEXT = "12 plus 30 is 42, so the answer is 42."
 
 
-def learner_rates(args, path: str) -> dict[str, Any]:
-    """Aggregate datums/s of N users' one-datum steps, per N, on a learner with and without shared passes."""
+def learner_rates(args, path: str, done_row: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+    """Aggregate datums/s of N users' one-datum steps, per N (``args.users``), on a learner with and without
+    shared passes; ``done_row(rows)`` after each N (the script saves what it has: a time cap keeps it)."""
     import ray
 
     from otray.models import load_tokenizer
@@ -55,12 +56,14 @@ def learner_rates(args, path: str) -> dict[str, Any]:
     n = len(ids) - 1
     data = [Datum(ids[:-1], ids[1:], [1.0] * n, [0.0] * n, [0.0] * n, [1.0] * n)]
     modes = {"own": 0, "shared": TinkerScheduling().pass_tokens}
+    users_list = [int(u) for u in args.users.split(",")]
+    t0 = time.perf_counter()
     learners = {}
     for mode, pass_tokens in modes.items():
         learners[mode] = ray.remote(SharedLearner).options(num_cpus=1, num_gpus=0.5 if args.gpu else 0).remote(
             path, slice_tokens=TinkerScheduling().slice_tokens, pass_tokens=pass_tokens,
             num_threads=None if args.gpu else 1)
-        ray.get([learners[mode].create.remote(f"u{i}", f"u{i}", AdapterSpec(32, i)) for i in range(max(USERS))])
+        ray.get([learners[mode].create.remote(f"u{i}", f"u{i}", AdapterSpec(32, i)) for i in range(max(users_list))])
 
     def step(learner: Any, user: str):
         def go() -> None:
@@ -68,8 +71,16 @@ def learner_rates(args, path: str) -> dict[str, Any]:
             ray.get(learner.optim_step.remote(user, user, AdamStep(learning_rate=1e-5)))
         return go
 
+    # every adapter steps once first (on a GPU a cold learner's first steps took > 3 s: none finished in the
+    # first measured window of session 35's run, which began at N = 8)
+    for learner in learners.values():
+        for i in range(max(users_list)):
+            step(learner, f"u{i}")()
+    print(f"two learners with {max(users_list)} adapters each, every adapter stepped once: "
+          f"{time.perf_counter() - t0:.1f} s", flush=True)
+
     rows: dict[str, Any] = {}
-    for k, users in enumerate(USERS):
+    for k, users in enumerate(users_list):
         row = {}
         for mode in (list(modes) if k % 2 == 0 else list(modes)[::-1]):  # alternating: drift hits both
             learner = learners[mode]
@@ -88,11 +99,13 @@ def learner_rates(args, path: str) -> dict[str, Any]:
             calls = after["calls"] - before["calls"]
             row[mode] = {"datums_per_s": done / args.seconds,  # shared calls: forward_backward passes and optim steps
                          "mean_steps_per_shared_call": (after["steps"] - before["steps"]) / calls if calls else 1.0}
-        row["shared_over_own"] = row["shared"]["datums_per_s"] / row["own"]["datums_per_s"]
-        print(f"N={users:2}: own {row['own']['datums_per_s']:.1f} datums/s, shared {row['shared']['datums_per_s']:.1f} "
-              f"({row['shared_over_own']:.2f}x; {row['shared']['mean_steps_per_shared_call']:.1f} steps a shared call)",
-              flush=True)
+        own = row["own"]["datums_per_s"]
+        row["shared_over_own"] = row["shared"]["datums_per_s"] / own if own else None  # None: no own step ended
+        print(f"N={users:2}: own {own:.1f} datums/s, shared {row['shared']['datums_per_s']:.1f} "
+              f"({row['shared_over_own'] or float('nan'):.2f}x; "
+              f"{row['shared']['mean_steps_per_shared_call']:.1f} steps a shared call)", flush=True)
         rows[str(users)] = row
+        done_row(rows)
     for learner in learners.values():
         ray.kill(learner)
     return rows
@@ -143,6 +156,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--seconds", type=float, default=20.0)
     ap.add_argument("--warmup", type=float, default=3.0)
     ap.add_argument("--tenants", type=int, default=5)
+    ap.add_argument("--users", default=",".join(map(str, USERS)), help="the N of the throughput part")
     ap.add_argument("--parts", default="throughput,tenant")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "tinker_shared_passes.json"))
     args = ap.parse_args(argv)
@@ -162,7 +176,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         kept = json.loads(Path(args.out).read_text())
         out.update({k: kept[k] for k in ("throughput", "tenant") if k in kept and k not in parts})
     if "throughput" in parts:
-        out["throughput"] = learner_rates(args, path)
+        out["throughput"] = learner_rates(args, path, lambda rows: save({**out, "throughput": rows}, args.out))
     if "tenant" in parts:
         out["tenant"] = tenant_start(args, path)
     save(out, args.out)

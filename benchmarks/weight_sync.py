@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     ray.init(num_cpus=2, num_gpus=1 if args.gpu else 0, include_dashboard=False, log_to_driver=False)
     gpus = 0.5 if args.gpu else 0
     learner = ray.remote(num_cpus=1, num_gpus=gpus)(PolicyLearner).remote(path, dtype="auto")
-    worker = ray.remote(num_cpus=1, num_gpus=gpus)(RolloutWorker).remote(path, "hf", dtype="auto")
+    worker = ray.remote(num_cpus=1, num_gpus=gpus)(RolloutWorker).remote(path, "hf", dtype="auto", sampler="eager")
     fleet = RolloutFleet([worker])
     ray.get([learner.ping.remote(), worker.ping.remote()])
     dtype = ray.get(worker.info.remote()).dtype

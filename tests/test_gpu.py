@@ -334,6 +334,7 @@ def test_the_gpu_benchmark_runs_on_the_cpu_against_trl(tmp_path):
     assert main(["--device", "cpu", "--shape", "tiny", "--rounds", "1", "--steps", "2", "--prompts", "2",
                  "--group", "2", "--new-tokens", "8", "--threads", "1", "--out", str(out)]) == 0
     got = json.loads(out.read_text())
+    assert got["complete"] and got["errors"] == {}  # (saved after every run: a cut run says complete false)
     assert set(got["rows"]) == {"trl", *OTRAY_ROWS}
     for name, row in got["rows"].items():
         assert set(FIELDS) <= set(row), name
@@ -348,3 +349,8 @@ def test_the_gpu_benchmark_runs_on_the_cpu_against_trl(tmp_path):
     assert report(["--dir", str(tmp_path)]) == 0  # make gpu-check's one JSON, targets read off gpu.json
     targets = json.loads((tmp_path / "gpu_report.json").read_text())["targets"]
     assert targets["compiled_over_trl"]["value"] == got["rows"]["otray_colocated_compiled"]["ratio_to_trl"]
+    cut = tmp_path / "cut"  # a run cut before the split row: that target is not measured, not missed
+    cut.mkdir()
+    (cut / "gpu.json").write_text(json.dumps({**got, "rows": {k: v for k, v in got["rows"].items() if k != "otray_split"}}))
+    assert report(["--dir", str(cut)]) == 0
+    assert json.loads((cut / "gpu_report.json").read_text())["targets"]["split_sync_s"]["met"] is None

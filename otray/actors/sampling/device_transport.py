@@ -15,9 +15,10 @@ buffer on the learner's device that lives as long as the learner (:class:`FlatWe
   ``cuda_ipc``.)
 
 Every update (over any transport, ``transport.py``'s too) carries a :class:`~otray.types.WeightChecksum`
-of a few of its tensors as the learner sent them; the worker sums the same tensors as its sampler holds
-them after loading and refuses a mismatch (:func:`verify`), and the fleet refuses a worker that reports
-another version: a sync that did not apply fails the step instead of sampling stale weights.
+of a few of its tensors as the learner sent them; the worker sums the same tensors as they arrived
+(:func:`verify`) and as its sampler holds them after loading, in the sampler's dtype (:func:`verify_held`),
+and refuses a mismatch; the fleet refuses a worker that reports another version: a sync that did not
+apply fails the step instead of sampling stale weights.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ from __future__ import annotations
 import pickle
 import socket
 from datetime import timedelta
-from typing import Any
 
 import torch
 
@@ -62,19 +62,32 @@ def checksum(tensors: dict[str, torch.Tensor]) -> WeightChecksum:
     return WeightChecksum(names, tuple(tensor_sum(tensors[n]) for n in names))
 
 
-def verify(expected: WeightChecksum | None, held: dict[str, torch.Tensor], who: str, version: int) -> None:
-    """Raise :class:`WeightSyncError` naming ``who`` unless ``held`` (what the sampler holds now) sums to
-    ``expected`` (what the learner sent for ``version``)."""
+def verify(expected: WeightChecksum | None, received: dict[str, torch.Tensor], who: str, version: int) -> None:
+    """Raise :class:`WeightSyncError` naming ``who`` unless ``received`` (the update's tensors as they
+    arrived) sums to ``expected`` (what the learner sent for ``version``)."""
     if expected is None:
         return
-    missing = [n for n in expected.names if n not in held]
+    missing = [n for n in expected.names if n not in received]
     if missing:
-        raise WeightSyncError(f"{who} did not load version {version}: it holds no tensor {missing[0]!r}")
+        raise WeightSyncError(f"{who} did not receive version {version} whole: it has no tensor {missing[0]!r}")
     for name, want in zip(expected.names, expected.sums):
-        got = tensor_sum(held[name])
-        if abs(got - want) > 1e-6 * max(1.0, abs(want)):
-            raise WeightSyncError(f"{who} loaded version {version} but its {name!r} differs from the learner's "
-                                  f"(checksum {got!r} != {want!r}): the update was corrupted or not applied")
+        _same(tensor_sum(received[name]), want, name, who, version, "the update was corrupted on its way")
+
+
+def verify_held(received: dict[str, torch.Tensor], held: dict[str, torch.Tensor], who: str, version: int) -> None:
+    """Raise :class:`WeightSyncError` unless the sampler's tensors ``held`` now are ``received``, each as
+    the sampler stores it (an update sent in float32 to a bf16 sampler is held rounded to bf16)."""
+    for name, t in received.items():
+        if name not in held:
+            raise WeightSyncError(f"{who} did not load version {version}: it holds no tensor {name!r}")
+        _same(tensor_sum(held[name]), tensor_sum(t.to(held[name].dtype)), name, who, version,
+              "the update was not applied")
+
+
+def _same(got: float, want: float, name: str, who: str, version: int, why: str) -> None:
+    if abs(got - want) > 1e-6 * max(1.0, abs(want)):
+        raise WeightSyncError(f"{who} loaded version {version} but its {name!r} differs from the learner's "
+                              f"(checksum {got!r} != {want!r}): {why}")
 
 
 # ---------------------------------------------------------------- the flat buffer

@@ -15,7 +15,7 @@ from typing import Any
 
 from otray.placement import current_node_id
 from otray.actors.sampling.backends.base import Backend
-from otray.actors.sampling.device_transport import device_id, verify
+from otray.actors.sampling.device_transport import device_id, verify, verify_held
 from otray.actors.sampling.transport import Receiver
 from otray.timing import BusyClock
 from otray.device import resolve_device
@@ -95,11 +95,12 @@ class RolloutWorker:
         else:
             self.backend.load_lora(tensors, update.lora_config or {}, update.version)
         if update.checksum is not None:
-            # vLLM's weights live in its engine: there the update is checked as received
-            held = getattr(self.backend, "held", None)
-            names = update.checksum.names
-            verify(update.checksum, held(update.kind, names) if held else {n: tensors[n] for n in names},
-                   f"rollout worker on node {current_node_id()}", update.version)
+            who, names = f"rollout worker on node {current_node_id()}", update.checksum.names
+            received = {n: tensors[n] for n in names if n in tensors}
+            verify(update.checksum, received, who, update.version)
+            held = getattr(self.backend, "held", None)  # vLLM's weights live in its engine: checked as received
+            if held is not None:
+                verify_held(received, held(update.kind, names), who, update.version)
         self.version = update.version
         return self.version
 

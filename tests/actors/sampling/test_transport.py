@@ -143,8 +143,9 @@ def sampler_state(worker, kind):
 
 
 def test_a_corrupted_or_skipped_update_is_caught_naming_the_worker(ray_local, tiny_path):
-    """The checksum sent with an update is checked against the worker's weights after loading; a worker
-    that reports another version than the update's fails the fleet's sync."""
+    """The checksum sent with an update is checked against the update as it arrived and against the
+    worker's weights after loading (in the worker's dtype: float32 sent to a bf16 sampler is no fault); a
+    worker that reports another version than the update's fails the fleet's sync."""
     import dataclasses
 
     import ray
@@ -159,13 +160,17 @@ def test_a_corrupted_or_skipped_update_is_caught_naming_the_worker(ray_local, ti
     name = update.checksum.names[-1]
     corrupted = dataclasses.replace(update, tensors={**update.tensors, name: update.tensors[name] + 1e-3})
     worker = RolloutWorker(tiny_path, "hf")
-    with pytest.raises(WeightSyncError, match=f"loaded version 0 but its '{name}' differs from the learner's"):
+    with pytest.raises(WeightSyncError, match=f"loaded version 0 but its '{name}' differs from the learner's .*"
+                                              "corrupted on its way"):
         worker.update_weights(corrupted)
+    bf16 = RolloutWorker(tiny_path, "hf", dtype="bfloat16")  # the learner's float32, held rounded: accepted
+    assert bf16.update_weights(update) == 0
+    assert next(bf16.backend.model.parameters()).dtype == torch.bfloat16
     worker.backend.load_full_weights = lambda tensors: None  # a loader that silently does nothing
     moved = dataclasses.replace(update, tensors={k: v * 1.01 if v.is_floating_point() else v
                                                  for k, v in update.tensors.items()})
     moved = dataclasses.replace(moved, checksum=checksum(moved.tensors))
-    with pytest.raises(WeightSyncError, match="corrupted or not applied"):
+    with pytest.raises(WeightSyncError, match="differs from the learner's .*: the update was not applied"):
         worker.update_weights(moved)
     actor = ray.remote(num_cpus=0)(RolloutWorker).remote(tiny_path, "hf")
     try:
