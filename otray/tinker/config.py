@@ -86,6 +86,19 @@ class TinkerQuota:
 
 
 @dataclass
+class CustomLossLimits:
+    """What a server-side custom loss (``create_custom_loss``) may cost (``custom_losses``): checked when it is
+    uploaded (a 400 naming the limit) and while it runs on the shared learner (the call fails as the user's
+    error, the learner goes on with the next user's work). ``docs/security.md`` says why each exists."""
+
+    max_nodes: int = 2000  # operations in one graph
+    max_graph_bytes: int = 1_000_000  # one upload's graph as JSON
+    max_literal_numbers: int = 4096  # numbers written into the graph (its constants), all nodes together
+    max_losses: int = 64  # stored losses per user (they go with their session); their bytes count in storage_gb
+    max_call_s: float = 10.0  # learner seconds one forward_backward's loss may run (all its slices); past it, the call fails
+
+
+@dataclass
 class UserShare:
     """An admin's share of the learners for one user (``scheduling.users.<name>``)."""
 
@@ -161,6 +174,7 @@ class TinkerConfig:
     quota: TinkerQuota = field(default_factory=TinkerQuota)  # per user (an over-quota request: 403 naming it)
     user_quotas: dict[str, TinkerQuota] = field(default_factory=dict)  # an admin's per-user exceptions
     scheduling: TinkerScheduling = field(default_factory=TinkerScheduling)  # fair shares of each learner
+    custom_losses: CustomLossLimits = field(default_factory=CustomLossLimits)  # what an uploaded loss may cost
 
 
 def load_tinker(source: str | Path | dict[str, Any] | TinkerConfig | None = None,

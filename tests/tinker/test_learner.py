@@ -84,6 +84,66 @@ def test_the_base_samples_after_every_client_dropped_its_adapter(tiny_path):
     assert learner.sample([job])[0][0].samples[0].token_ids == before
 
 
+def abs_chain_upload(n: int) -> dict:
+    """A create_custom_loss body as the SDK encodes it: ``torch.abs`` applied ``n`` times, then summed (the
+    issue's 1,990-node graph that held the shared learner 5.7 s)."""
+    nodes = [{"op": "placeholder", "name": "logprobs", "target": "logprobs", "args": [], "kwargs": {}}]
+    for i in range(n):
+        nodes.append({"op": "call_function", "name": f"abs_{i}", "target": "torch.abs",
+                      "args": [{"ref": nodes[-1]["name"]}], "kwargs": {}})
+    nodes.append({"op": "call_method", "name": "total", "target": "sum", "args": [{"ref": nodes[-1]["name"]}],
+                  "kwargs": {}})
+    nodes.append({"op": "output", "name": "output", "target": "output",
+                  "args": [{"tuple": [{"ref": "total"}, {"dict": {}}]}], "kwargs": {}})
+    return {"name": "abs_chain", "inputs": [{"name": "logprobs", "rank": 1}], "graph": {"format": 1, "nodes": nodes}}
+
+
+def test_a_costly_custom_loss_is_cut_at_its_budget_and_other_users_steps_run_between_its_slices(tiny_path):
+    """Through the SharedLearner: eve's call of 48 datums with a 1,992-node loss is charged as
+    (tokens + nodes) per datum, so each datum is a slice of its own; bob's one-datum steps, sent while it
+    runs, run between her slices (not after her call); her call fails as her error naming
+    custom_losses.max_call_s, having held the learner about that long, and leaves her adapter's gradients
+    as they were."""
+    import asyncio
+    import time
+
+    from otray.tinker.config import CustomLossLimits
+    from otray.tinker.errors import UserError
+    from otray.tinker.learner.loss_graph import parse_graph
+    from otray.tinker.learner.shared_learner import SharedLearner
+    from otray.tinker.wire.requests import GraphUpload
+
+    budget = 0.4
+    graph = parse_graph(GraphUpload.of(abs_chain_upload(1990)), CustomLossLimits(max_call_s=budget))
+    n = 16
+    eve = [Datum(list(range(1, n + 1)), list(range(2, n + 2)), [1.0] * n, [0.0] * n, [0.0] * n)] * 48
+    bob = [Datum([5, 6, 7, 8], [6, 7, 8, 9], [1.0] * 4, [0.0] * 4, [0.0] * 4)]
+
+    async def scenario() -> None:
+        shared = SharedLearner(tiny_path, slice_tokens=1024, pass_tokens=1280)
+        ran: list[str] = []
+        many = shared.learner.forward_many
+        shared.learner.forward_many = lambda reqs: (ran.extend(r.adapter for r in reqs), many(reqs))[1]
+        for user in ("eve", "bob"):
+            await shared.create(user, user, AdapterSpec(4, seed=1))
+        await shared.forward_backward("bob", "bob", bob, "cross_entropy")  # warm
+        params = shared.learner.switch.params(shared.learner.model, "eve")
+        call = asyncio.ensure_future(shared.forward_backward("eve", "eve", eve, "custom", None, True, graph))
+        t0 = time.monotonic()
+        await asyncio.sleep(0.05)
+        for _ in range(3):
+            await shared.forward_backward("bob", "bob", bob, "cross_entropy")
+        with pytest.raises(UserError, match=r"budget of 0.4 learner seconds \(custom_losses.max_call_s\)"):
+            await call
+        held = time.monotonic() - t0
+        assert all(p.grad is None for p in params)  # no part of the failed call's gradient is left
+        assert ran.count("bob") == 4 and ran[-1] == "eve", ran  # bob's steps ran before eve's call ended
+        assert 1 < ran.count("eve") < len(eve)  # one datum a slice, cut before her last datum
+        assert budget <= shared.usage()["seconds"]["eve"] < budget + 1.0 and held < budget + 2.0
+
+    asyncio.run(scenario())
+
+
 def test_a_custom_loss_failing_in_a_later_slice_leaves_the_gradient_as_it_was(tiny_path):
     """A call in several slices (slice_tokens) whose custom loss fails on its last datum (a gather index
     out of range): the slices before it had added their gradients, and the call puts the adapter's

@@ -194,3 +194,93 @@ def test_the_tensors_a_loss_makes_are_held_to_a_budget_and_deep_arguments_are_re
     node = next(i for i, n in enumerate(body["graph"]["nodes"]) if n["target"] == "operator.mul")
     with pytest.raises(UserError, match="nests too deeply"):
         parse_graph(_mutated(body, node, args=[deep, 2.0]))
+
+
+def chain(n: int):
+    """A loss of ``n`` multiplications by the literal 1.5 (n nodes past the input, n numbers in the graph)."""
+    def loss(logprobs):
+        x = logprobs
+        for _ in range(n):
+            x = x * 1.5
+        return x.sum(), {}
+    return loss
+
+
+def test_each_custom_loss_limit_refuses_a_graph_just_past_it_and_serves_one_just_under():
+    """custom_losses.max_nodes, max_graph_bytes and max_literal_numbers: a graph at the limit parses, the
+    same graph under a limit one smaller is refused naming the setting."""
+    import json
+
+    from otray.tinker.config import CustomLossLimits
+
+    body = upload(chain(12), {"logprobs": 1})
+    measured = {"max_nodes": len(body["graph"]["nodes"]), "max_graph_bytes": len(json.dumps(body["graph"])),
+                "max_literal_numbers": 12}
+    for name, value in measured.items():
+        assert parse_upload(GraphUpload.of(body), CustomLossLimits(**{name: value})).nodes
+        with pytest.raises(UserError, match=f"custom_losses.{name}"):
+            parse_upload(GraphUpload.of(body), CustomLossLimits(**{name: value - 1}))
+
+
+def test_python_integers_are_held_within_2_63_and_devices_and_list_indices_are_refused():
+    """The issue's hostile graphs: squaring a Python integer 20 times (each square 2.5-3x the time before)
+    stops at the node that passes 2**63, at once; a literal past it is refused on upload; ``to("meta")`` and
+    ``device="meta"`` are refused on upload naming the device (a dtype is fine); a Python-list index, which
+    the integer-tensor check did not see, is refused before it runs."""
+    import time
+
+    def squares(logprobs):
+        n = logprobs.size(0) + 1
+        for _ in range(20):
+            n = n * n
+        return logprobs.sum() * (n % 2), {}
+
+    t0 = time.perf_counter()
+    with pytest.raises(UserError, match=r"Python integer past 2\*\*63"):
+        run_graph(parse_graph(upload(squares, {"logprobs": 1})), [-torch.rand(8)], "cpu")
+    assert time.perf_counter() - t0 < 1.0
+    body = upload(lambda logprobs: (logprobs.sum() * 2.0, {}), {"logprobs": 1})
+    node = next(i for i, n in enumerate(body["graph"]["nodes"]) if n["target"] == "operator.mul")
+    with pytest.raises(UserError, match=r"integer past 2\*\*63"):
+        parse_graph(_mutated(body, node, args=[{"ref": "logprobs"}, 2 ** 64]))
+    with pytest.raises(UserError, match="names a device or tensor type \\('meta'\\)"):
+        parse_graph(upload(lambda logprobs: (logprobs.to("meta").sum(), {}), {"logprobs": 1}))
+    with pytest.raises(UserError, match="names a device"):
+        parse_graph(upload(lambda logprobs: ((torch.ones_like(logprobs, device="meta") * logprobs).sum(), {}),
+                           {"logprobs": 1}))
+    ok = parse_graph(upload(lambda logprobs: (logprobs.to(torch.float64).sum(), {}), {"logprobs": 1}))
+    assert run_graph(ok, [-torch.rand(4)], "cpu")[0].dtype == torch.float64
+    listed = parse_graph(upload(lambda logprobs: (logprobs[[0, 2]].sum(), {}), {"logprobs": 1}))
+    with pytest.raises(UserError, match="indexes a tensor with a list"):
+        run_graph(listed, [-torch.rand(4)], "cpu")
+
+
+def test_a_calls_custom_loss_stops_at_its_budget_of_learner_seconds():
+    """1,990 cheap nodes over many datums (the issue's graph that held the learner 5.7 s): the call's clock,
+    shared by its slices, fails it as the user's error soon after ``custom_losses.max_call_s``; a call
+    within its budget runs and spends from its own clock."""
+    import dataclasses
+    import time
+
+    from otray.tinker.config import CustomLossLimits
+    from otray.tinker.learner.loss_run import GraphClock
+
+    def many(logprobs):
+        x = logprobs
+        for _ in range(1990):
+            x = torch.abs(x)
+        return x.sum(), {}
+
+    graph = parse_upload(GraphUpload.of(upload(many, {"logprobs": 1})), CustomLossLimits(max_call_s=0.3))
+    assert graph.call_s == 0.3 and graph.datum_cost == len(graph.nodes) > 1990
+    batch = [Datum(list(range(16)), list(range(16)), [1.0] * 16, [0.0] * 16, [0.0] * 16, [1.0] * 16)] * 64
+    clock = GraphClock(graph.call_s)
+    timed = dataclasses.replace(graph, clock=clock)
+    t0 = time.perf_counter()
+    with pytest.raises(UserError, match=r"budget of 0.3 learner seconds \(custom_losses.max_call_s\)"):
+        for k in range(0, 64, 8):  # eight slices of one call
+            surrogate(timed, batch[k:k + 8], -torch.rand(8, 16), "cpu")
+    assert 0.3 <= clock.spent_s < 0.3 + 0.5 and time.perf_counter() - t0 < 0.3 + 1.0
+    small = dataclasses.replace(graph, clock=GraphClock(5.0))
+    surrogate(small, batch[:2], -torch.rand(2, 16), "cpu")
+    assert 0 < small.clock.spent_s < 5.0

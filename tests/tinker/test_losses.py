@@ -25,7 +25,8 @@ URL = f"http://127.0.0.1:{PORT}"
 BASE = "Qwen/Qwen3-8B"
 
 
-svc = tinker_fixture(PORT, "tinker_losses")
+svc = tinker_fixture(PORT, "tinker_losses", custom_losses={"max_losses": 3, "max_nodes": 500},
+                     user_quotas={"carol": {"storage_gb": 1e-7}})  # carol: 100 bytes of storage
 
 
 def rl_datum(prompt: list[int], seq, advantage: float, *, provenance: bool = True, logprobs=None) -> types.Datum:
@@ -235,7 +236,8 @@ def test_custom_losses_run_server_side_and_train_as_the_same_builtin_loss(svc, t
 
 
 def test_custom_loss_refusals_name_the_problem_and_leave_the_client_served(svc, tokenizer):
-    """A graph with a disallowed operation is refused at create_custom_loss naming the node; a loss id of
+    """A graph with a disallowed operation, or past custom_losses.max_nodes, is refused at create_custom_loss
+    naming it; a user past custom_losses.max_losses or her storage quota (a loss counts in it) is refused; a loss id of
     another session (another user's, or the same user's other ServiceClient) is a 404; an input at the
     wrong rank or a gather out of range (a device-side assert on a GPU) fails as the user's error, and the
     same client's next request is answered at once."""
@@ -261,6 +263,27 @@ def test_custom_loss_refusals_name_the_problem_and_leave_the_client_served(svc, 
     scalar = [types.Datum(model_input=good[0].model_input, loss_fn_inputs={
         "target_tokens": good[0].loss_fn_inputs["target_tokens"], "weights": np.array(1.0, np.float32)})]
     refused_then_served(tc, lambda: tc.forward(scalar, "custom", {"loss_id": nll.loss_id}), "declared rank 1", good)
+    def long_chain(logprobs):
+        x = logprobs
+        for _ in range(600):
+            x = torch.abs(x)
+        return x.sum(), {}
+
+    with pytest.raises(Exception, match=r"at most 500 are served \(custom_losses.max_nodes\)"):
+        sc.create_custom_loss(long_chain, input_ranks={"logprobs": 1}).result(timeout=30)
+    def third(logprobs):
+        return -logprobs.sum(), {}
+
+    def fourth(logprobs):
+        return -2.0 * logprobs.sum(), {}
+
+    sc.create_custom_loss(third, input_ranks={"logprobs": 1}).result()  # her third: the limit
+    with pytest.raises(Exception, match=r"3 custom losses stored, the limit is 3 \(custom_losses.max_losses\)"):
+        sc.create_custom_loss(fourth, input_ranks={"logprobs": 1}).result(timeout=30)
+    carol = tinker.ServiceClient(base_url=URL, api_key=svc["carol"])
+    with pytest.raises(Exception, match=r"quota.storage_gb"):  # a loss's JSON counts in her storage
+        carol.create_custom_loss(neg_ll, input_ranks={"logprobs": 1, "weights": 1}).result(timeout=30)
+    carol.close("success").result()
     for other in (tinker.ServiceClient(base_url=URL, api_key=svc["alice"]),
                   tinker.ServiceClient(base_url=URL, api_key=svc["bob"])):
         stranger = other.create_lora_training_client(base_model=BASE, rank=2).result()

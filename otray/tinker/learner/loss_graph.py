@@ -19,21 +19,26 @@ in-place methods and ``out=`` arguments, modules and captured tensors. Each datu
 element budget (``ELEMENT_FACTOR`` times its inputs' elements, plus ``ELEMENT_SLACK``): a node's
 operands (broadcast together, or in total) are checked before it runs, and the tensors the nodes made
 so far (which autograd keeps for the backward pass) are counted after each, so a loss cannot make the
-shared learner hold more than a fixed multiple of its own inputs.
+shared learner hold more than a fixed multiple of its own inputs. What a loss may cost in all is an admin's
+:class:`~otray.tinker.config.CustomLossLimits` (``custom_losses``): nodes, the graph's bytes and the numbers written
+into it (checked here), Python integers within ``MAX_INT``, devices never named (``to("meta")``), Python-list
+indices refused like integer tensors, and the learner seconds of one call (``call_s``, checked as it runs).
 
 Runs in the TinkerService actor (checking an uploaded graph) and in the SharedLearner (reading it before it runs)."""
 
 from __future__ import annotations
 
+import json
 import math
 import re
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Optional
 
+from otray.tinker.config import CustomLossLimits
 from otray.tinker.errors import UserError
 from otray.tinker.wire.requests import GraphUpload
 
-MAX_NODES = 2000
+MAX_INT = 2 ** 63  # a Python integer in a graph (written in it, or made by its nodes) stays within +-2**63
 MAX_INPUTS = 16  # logprobs included, as the SDK limits it
 ELEMENT_FACTOR, ELEMENT_SLACK = 64, 1 << 20  # a datum's loss may make 64x its input elements + 1Mi in all
 METRIC_KEY = re.compile(r"custom/[a-z0-9_./-]{1,64}:(sum|mean)")
@@ -81,6 +86,14 @@ class LossGraph:
     name: str
     inputs: tuple[tuple[str, int], ...]
     nodes: tuple[LossNode, ...]
+    call_s: float = CustomLossLimits.max_call_s  # learner seconds one call's runs may take (all its slices)
+    clock: Optional[Any] = field(default=None, compare=False)  # a call's :class:`~otray.tinker.learner.loss_run.GraphClock` (set per call)
+
+    @property
+    def datum_cost(self) -> int:
+        """Tokens a datum's run of this loss is charged as, on top of its own (one per node: a node's run on
+        a datum costs about what a token of the pass does, on the CPU), when calls are sliced and shared."""
+        return len(self.nodes)
 
     @property
     def input_names(self) -> tuple[str, ...]:
@@ -91,26 +104,33 @@ class LossGraph:
         return dict(self.inputs)[name]
 
 
-def parse_graph(req: GraphUpload) -> LossGraph:
+def parse_graph(req: GraphUpload, limits: Optional[CustomLossLimits] = None) -> LossGraph:
     """A ``create_custom_loss`` upload's ``name``, ``inputs`` and ``graph`` -> :class:`LossGraph`, every
-    node checked against the allow-list; anything else is a :class:`UserError` naming it."""
+    node checked against the allow-list and the graph against ``limits`` (default: the defaults);
+    anything else is a :class:`UserError` naming it."""
     try:
-        return _parse(req)
+        return _parse(req, limits or CustomLossLimits())
     except RecursionError:
         raise UserError("custom loss: an argument nests too deeply; send it with ServiceClient.create_custom_loss") from None
 
 
-def _parse(req: GraphUpload) -> LossGraph:
+def _parse(req: GraphUpload, limits: CustomLossLimits) -> LossGraph:
     name = str(req.name or "loss")[:200]
     where = f"custom loss {name!r}"
     graph = req.graph
     if not isinstance(graph, dict) or graph.get("format", 1) != 1 or not isinstance(graph.get("nodes"), list):
         raise UserError(f"{where}: graph must be a CustomLossGraph (format 1, a list of nodes); send it with "
                         "ServiceClient.create_custom_loss")
+    size = len(json.dumps(graph))
+    if size > limits.max_graph_bytes:
+        raise UserError(f"{where}: the graph takes {size} bytes as JSON; at most {limits.max_graph_bytes} are "
+                        "served (custom_losses.max_graph_bytes)")
     inputs = _inputs(req.inputs, where)
     raw = graph["nodes"]
-    if not 0 < len(raw) <= MAX_NODES:
-        raise UserError(f"{where}: the graph has {len(raw)} nodes; at most {MAX_NODES} are served")
+    if not 0 < len(raw) <= limits.max_nodes:
+        raise UserError(f"{where}: the graph has {len(raw)} nodes; at most {limits.max_nodes} are served "
+                        "(custom_losses.max_nodes)")
+    numbers = [0]  # the numbers written into the graph so far
     nodes, seen = [], set()
     for i, n in enumerate(raw):
         node = _node(n, i, where)
@@ -126,11 +146,15 @@ def _parse(req: GraphUpload) -> LossGraph:
             raise UserError(f"{at}: the graph must end with its one output node")
         _check_target(node, at)
         for value in (*node.args, *(v for _, v in node.kwargs)):
-            _check_value(value, seen, at)
+            _check_value(value, seen, at, numbers)
+        if numbers[0] > limits.max_literal_numbers:
+            raise UserError(f"{at}: the graph writes more than {limits.max_literal_numbers} numbers into its "
+                            "constants (custom_losses.max_literal_numbers); send large constants as loss_fn_inputs")
+        _check_device_args(node, at)
         seen.add(node.name)
         nodes.append(node)
     _check_output(nodes[-1], where)
-    return LossGraph(name, inputs, tuple(nodes))
+    return LossGraph(name, inputs, tuple(nodes), limits.max_call_s)
 
 
 def _inputs(raw: Any, where: str) -> tuple[tuple[str, int], ...]:
@@ -177,15 +201,21 @@ def _check_target(node: LossNode, at: str) -> None:
                         "sizes and host copies are not); run the loss client-side instead")
 
 
-def _check_value(v: Any, seen: set[str], at: str) -> None:
-    """An encoded argument: JSON scalars and lists, or one of the SDK's one-key objects."""
+def _check_value(v: Any, seen: set[str], at: str, numbers: list[int]) -> None:
+    """An encoded argument: JSON scalars and lists, or one of the SDK's one-key objects (``numbers[0]``:
+    the numbers met so far, counted)."""
     if v is None or isinstance(v, (bool, int, float, str)):
         if isinstance(v, float) and not math.isfinite(v):
             raise UserError(f"{at}: a non-finite number must come as {{'float': 'inf'}}")
+        if isinstance(v, int) and not isinstance(v, bool) and abs(v) > MAX_INT:
+            raise UserError(f"{at}: an integer past 2**63 is not served (Python integers grow without bound)")
+        if isinstance(v, str) and len(v) > 64:
+            raise UserError(f"{at}: a string of {len(v)} characters; at most 64 are served")
+        numbers[0] += isinstance(v, (int, float)) and not isinstance(v, bool)
         return
     if isinstance(v, list):
         for x in v:
-            _check_value(x, seen, at)
+            _check_value(x, seen, at, numbers)
         return
     if not isinstance(v, dict) or len(v) != 1:
         raise UserError(f"{at}: an argument {str(v)[:80]} is not in the SDK's encoding")
@@ -196,11 +226,11 @@ def _check_value(v: Any, seen: set[str], at: str) -> None:
     elif kind in ("tuple", "slice"):
         if not isinstance(x, list) or (kind == "slice" and len(x) != 3):
             raise UserError(f"{at}: a malformed {kind}")
-        _check_value(x, seen, at)
+        _check_value(x, seen, at, numbers)
     elif kind == "dict":
         if not isinstance(x, dict):
             raise UserError(f"{at}: a malformed dict")
-        _check_value(list(x.values()), seen, at)
+        _check_value(list(x.values()), seen, at, numbers)
     elif kind == "float":
         if x not in ("inf", "-inf", "nan"):
             raise UserError(f"{at}: float {x!r} is not inf, -inf or nan")
@@ -215,6 +245,18 @@ def _check_value(v: Any, seen: set[str], at: str) -> None:
             raise UserError(f"{at}: {kind} {x!r} is not one of {sorted(_CONSTANTS[kind])}")
     elif kind != "ellipsis":
         raise UserError(f"{at}: an argument of kind {kind!r} is not in the SDK's encoding")
+
+
+def _check_device_args(node: LossNode, at: str) -> None:
+    """Devices are never named: the loss runs where the learner is (``{"device": ...}`` arguments stand for
+    it). A string where ``to`` / ``type`` take a dtype or device, or as any ``device=``, is refused."""
+    named = [v for k, v in node.kwargs if k == "device" and isinstance(v, str)]
+    if node.op == "call_method" and node.target in ("to", "type"):
+        named += [v for v in node.args[1:] if isinstance(v, str)]
+        named += [v for k, v in node.kwargs if k in ("dtype", "tensor_type") and isinstance(v, str)]
+    if named:
+        raise UserError(f"{at}: names a device or tensor type ({named[0]!r}); a custom loss runs on the learner's "
+                        "device: pass a dtype (torch.float32, ...) or nothing")
 
 
 def _check_output(node: LossNode, where: str) -> None:

@@ -4,7 +4,10 @@
 name is looked up in ``torch``, ``math`` or ``operator`` (never imported from the request), each
 ``call_method`` node calls an allow-listed method of a tensor. Before a node runs, its operands are
 held to the datum's element budget and checked where the allow-list cannot be (Python values,
-``gather`` indices); after it, the elements the nodes made so far are counted against the same budget.
+``gather`` indices, Python-list indices); after it, the elements the nodes made so far are counted against
+the same budget and a Python integer it made is held within ``MAX_INT``. A call's runs share one
+:class:`GraphClock`: past its ``call_s`` learner seconds (``custom_losses.max_call_s``) the call fails as
+the user's error, so a loss cheap per node but run over many nodes and datums cannot keep the learner.
 :func:`surrogate` turns a micro-batch's losses into per-token surrogate losses that carry their
 gradient into the model in one backward pass.
 
@@ -15,10 +18,28 @@ from __future__ import annotations
 import builtins
 import math
 import operator
+import time
+from dataclasses import dataclass
 from typing import Any, Callable
 
-from otray.tinker.learner.loss_graph import ELEMENT_FACTOR, ELEMENT_SLACK, LossGraph, LossNode
+from otray.tinker.learner.loss_graph import ELEMENT_FACTOR, ELEMENT_SLACK, MAX_INT, LossGraph, LossNode
 from otray.tinker.errors import UserError
+
+
+@dataclass
+class GraphClock:
+    """One call's custom-loss seconds on the learner so far (every slice of the call adds to it), against
+    ``limit_s`` (``custom_losses.max_call_s``)."""
+
+    limit_s: float
+    spent_s: float = 0.0
+
+    def check(self, started: float, where: str) -> None:
+        """Raise the user's error when this run (begun at ``started``, ``time.monotonic``) takes the call
+        past its limit."""
+        if self.spent_s + time.monotonic() - started > self.limit_s:
+            raise UserError(f"{where}: this call's custom loss ran past its budget of {self.limit_s:g} learner "
+                            "seconds (custom_losses.max_call_s); send fewer datums per call or a smaller loss")
 
 
 def _resolve(name: str) -> Callable[..., Any]:
@@ -32,10 +53,13 @@ def _resolve(name: str) -> Callable[..., Any]:
     return obj
 
 
-def run_graph(g: LossGraph, values: list[Any], device: Any) -> tuple[Any, dict[str, Any]]:
+def run_graph(g: LossGraph, values: list[Any], device: Any, started: float | None = None) -> tuple[Any, dict[str, Any]]:
     """One datum's ``(loss, metrics)``: ``values`` are ``logprobs`` then the loss's inputs, as tensors on
-    ``device``. A failing node or an over-budget one raises :class:`UserError` naming it."""
+    ``device``. A failing node or an over-budget one raises :class:`UserError` naming it (``g.clock``, if
+    set: the call's clock, this run begun at ``started``)."""
     import torch
+
+    started = time.monotonic() if started is None else started
 
     env: dict[str, Any] = {}
     budget = ELEMENT_FACTOR * sum(v.numel() for v in values) + ELEMENT_SLACK
@@ -75,6 +99,8 @@ def run_graph(g: LossGraph, values: list[Any], device: Any) -> tuple[Any, dict[s
         args, kwargs = [decode(a) for a in node.args], {k: decode(v) for k, v in node.kwargs}
         if node.op == "output":
             return _result(g.name, *args[0])
+        if g.clock is not None:
+            g.clock.check(started, at)
         _within_budget(node, args, kwargs, budget, at)
         _safe_operands(node, args, kwargs, at)
         try:
@@ -90,7 +116,10 @@ def run_graph(g: LossGraph, values: list[Any], device: Any) -> tuple[Any, dict[s
             raise
         except Exception as e:  # noqa: BLE001 - the user's graph failed on this datum: theirs to fix
             raise UserError(f"{at} failed: {str(e).strip().splitlines()[0][:300]}") from None
-        made += _elements(env[node.name])
+        result = env[node.name]
+        if isinstance(result, int) and not isinstance(result, bool) and abs(result) > MAX_INT:
+            raise UserError(f"{at}: makes a Python integer past 2**63 (they grow without bound); compute on tensors")
+        made += _elements(result)
         if made > budget:
             raise UserError(f"{at}: the loss's tensors reach {made} elements, over this datum's budget of {budget} "
                             f"({ELEMENT_FACTOR}x its inputs + {ELEMENT_SLACK}); use fewer steps on whole sequences")
@@ -160,6 +189,9 @@ def _within_budget(node: LossNode, args: list[Any], kwargs: dict[str, Any], budg
         index = args[1] if isinstance(args[1], tuple) else (args[1],)
         if any(isinstance(i, torch.Tensor) and i.dtype != torch.bool for i in index):
             raise UserError(f"{at}: indexes with an integer tensor; use a boolean mask or torch.gather")
+        if isinstance(args[0], torch.Tensor) and any(isinstance(i, (list, tuple)) for i in index):
+            raise UserError(f"{at}: indexes a tensor with a list (an integer index of each element, unchecked on a "
+                            "GPU); use a boolean mask or torch.gather")
     total = sum(t.numel() for t in tensors)
     try:
         broadcast = math.prod(torch.broadcast_shapes(*(t.shape for t in tensors))) if len(tensors) > 1 else 0
@@ -180,16 +212,23 @@ def surrogate(g: LossGraph, batch: list[Any], lp: Any, device: Any) -> tuple[Any
 
     leaf = lp.detach().requires_grad_(True)
     sums: dict[str, float] = {}
-    with torch.enable_grad():
-        losses = []
-        for i, d in enumerate(batch):
-            values = [leaf[i, :len(d)], *(torch.as_tensor(a, device=device) for a in d.custom_inputs)]
-            loss, metrics = run_graph(g, values, device)
-            losses.append(loss.float())
-            for key, value in metrics.items():
-                sums[key] = sums.get(key, 0.0) + float(value.detach().float())
-        total = torch.stack(losses).sum()
-        grad = torch.autograd.grad(total, leaf, allow_unused=True)[0] if total.requires_grad else None
+    started = time.monotonic()
+    try:
+        with torch.enable_grad():
+            losses = []
+            for i, d in enumerate(batch):
+                values = [leaf[i, :len(d)], *(torch.as_tensor(a, device=device) for a in d.custom_inputs)]
+                loss, metrics = run_graph(g, values, device, started)
+                losses.append(loss.float())
+                for key, value in metrics.items():
+                    sums[key] = sums.get(key, 0.0) + float(value.detach().float())
+            total = torch.stack(losses).sum()
+            grad = torch.autograd.grad(total, leaf, allow_unused=True)[0] if total.requires_grad else None
+        if g.clock is not None:
+            g.clock.check(started, f"custom loss {g.name!r}")
+    finally:
+        if g.clock is not None:
+            g.clock.spent_s += time.monotonic() - started
     weights = torch.zeros_like(lp) if grad is None else grad.detach()
     tok = weights * lp
     return (tok.sum(-1) if tok.ndim == 3 else tok), float(total.detach()), sums

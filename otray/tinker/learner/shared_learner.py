@@ -23,6 +23,7 @@ Runs in the SharedLearner actor of one base model."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -35,7 +36,7 @@ from otray.tinker.learner.adapter_learner import AdamStep, AdapterLearner, Adapt
 from otray.tinker.learner.sample_jobs import SampleJob, SampleOut
 from otray.tinker.learner.shared_pass import PassNotRun, PassRequest, PassResult
 from otray.tinker.learner.loss_graph import LossGraph
-from otray.tinker.learner.loss_run import add_sums
+from otray.tinker.learner.loss_run import GraphClock, add_sums
 from otray.types import Datum
 
 
@@ -99,7 +100,10 @@ class SharedLearner:
     async def forward_backward(self, user: str, adapter: str, datums: list[Datum], loss_fn: str,
                                loss_fn_config: Optional[dict[str, float]] = None, backward: bool = True,
                                graph: Optional[LossGraph] = None) -> PassResult:
-        parts = slices([len(d) for d in datums], self.slice_tokens) if self.slice_tokens else [range(len(datums))]
+        if graph is not None:  # the call's runs of its loss share one clock (custom_losses.max_call_s)
+            graph = dataclasses.replace(graph, clock=GraphClock(graph.call_s))
+        cost = graph.datum_cost if graph is not None else 0  # a custom loss's datum is charged more than its tokens
+        parts = slices([len(d) + cost for d in datums], self.slice_tokens) if self.slice_tokens else [range(len(datums))]
         saved: Optional[list] = [] if graph is not None and backward else None
         requests = [PassRequest(adapter, datums[p.start:p.stop], loss_fn, loss_fn_config, backward, graph) for p in parts]
         results = await self.queue.run(user, adapter, [

@@ -54,7 +54,8 @@ class PassRequest:
     graph: Optional[LossGraph] = None
 
     def tokens(self) -> int:
-        return sum(len(d) for d in self.datums)
+        """What the request is charged as in a shared pass: its tokens, and a custom loss's estimate per datum."""
+        return sum(len(d) for d in self.datums) + (self.graph.datum_cost * len(self.datums) if self.graph else 0)
 
     def pack_key(self) -> Optional[tuple]:
         """Requests with equal keys can share a pass: the same gradient mode and the same kind of targets

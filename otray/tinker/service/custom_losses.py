@@ -14,19 +14,26 @@ Runs in the TinkerService actor."""
 from __future__ import annotations
 
 import json
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from otray.tinker.service.futures import Futures, Outcome
 from otray.tinker.learner.loss_graph import LossGraph, parse_graph
 from otray.tinker.service.sessions import Sessions
 from otray.tinker.service.store import Store, session_of
+from otray.tinker.config import CustomLossLimits
 from otray.tinker.errors import UserError
 from otray.tinker.wire.requests import CreateCustomLoss, GraphUpload
 
 
 class CustomLosses:
-    def __init__(self, store: Store, futures: Futures, sessions: Sessions, served: bool = True):
+    """``limits``: what a loss may cost (``custom_losses``); ``storage_room(owner, bytes)``: refuses an upload
+    past the owner's storage quota (a loss's JSON counts in it)."""
+
+    def __init__(self, store: Store, futures: Futures, sessions: Sessions, served: bool = True,
+                 limits: Optional[CustomLossLimits] = None, storage_room: Optional[Callable[[str, int], None]] = None):
         self.store, self.futures, self.sessions, self.served = store, futures, sessions, served
+        self.limits = limits or CustomLossLimits()
+        self.storage_room = storage_room
         self.graphs: dict[str, LossGraph] = {}  # parsed once per service life
 
     def create(self, owner: str, req: CreateCustomLoss) -> dict[str, Any]:
@@ -39,9 +46,16 @@ class CustomLosses:
         seq = req.custom_loss_seq_id
         if not isinstance(seq, int) or isinstance(seq, bool) or seq < 0:
             raise UserError(f"custom_loss_seq_id must be an integer >= 0, got {seq!r}")
-        graph = parse_graph(req.upload)
+        graph = parse_graph(req.upload, self.limits)
         loss_id = f"{session}:loss:{seq}"
-        self.store.add_loss(loss_id, owner, json.dumps({"name": req.name, "inputs": req.inputs, "graph": req.graph}))
+        body = json.dumps({"name": req.name, "inputs": req.inputs, "graph": req.graph})
+        held, _ = self.store.losses_of(owner, besides=loss_id)  # (a retried upload replaces its row)
+        if held >= self.limits.max_losses:
+            raise UserError(f"quota: {owner} has {held} custom losses stored, the limit is {self.limits.max_losses} "
+                            "(custom_losses.max_losses); they go with their sessions: close one", 403)
+        if self.storage_room is not None:
+            self.storage_room(owner, len(body))
+        self.store.add_loss(loss_id, owner, body)
         self.graphs[loss_id] = graph
         request_id = f"{loss_id}:create"
         if self.futures.new(request_id, owner, "create_custom_loss"):
@@ -57,8 +71,8 @@ class CustomLosses:
                 raise UserError(f"no custom loss {loss_id!r} in this training client's session (unknown, another "
                                 "session's or user's, or its session ended); create it with this ServiceClient's "
                                 "create_custom_loss", 404)
-            if loss_id not in self.graphs:
-                self.graphs[loss_id] = parse_graph(GraphUpload.of(json.loads(row[1])))
+            if loss_id not in self.graphs:  # (stored before a restart: checked again under today's limits)
+                self.graphs[loss_id] = parse_graph(GraphUpload.of(json.loads(row[1])), self.limits)
             return self.graphs[loss_id]
 
         return find

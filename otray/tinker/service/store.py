@@ -121,9 +121,10 @@ class Store:
         return self.root / "checkpoints" / owner / safe / SEGMENT[kind] / name
 
     def usage(self, owner: str) -> int:
-        """Bytes of ``owner``'s checkpoint files (named and ephemeral)."""
+        """Bytes ``owner`` stores here: checkpoint files (named and ephemeral) and custom losses."""
         top = self.root / "checkpoints" / owner
-        return sum(f.stat().st_size for f in top.rglob("*") if f.is_file()) if top.is_dir() else 0
+        files = sum(f.stat().st_size for f in top.rglob("*") if f.is_file()) if top.is_dir() else 0
+        return files + self.losses_of(owner)[1]
 
     def prune_ephemeral(self, owner: str, model_id: str, keep: int) -> None:
         """Delete all but the newest ``keep`` ephemeral sampler weights of ``model_id`` (every RL step
@@ -255,6 +256,12 @@ class Store:
     def add_loss(self, loss_id: str, owner: str, body: str) -> None:
         """A custom loss a session created (``{session}:loss:{n}``): its ``create_custom_loss`` JSON."""
         self.db.execute("INSERT OR REPLACE INTO losses VALUES (?, ?, ?)", (loss_id, owner, body))
+
+    def losses_of(self, owner: str, besides: str = "") -> tuple[int, int]:
+        """How many custom losses ``owner`` has stored and their bytes (``besides``: one not counted)."""
+        n, size = self.db.execute("SELECT COUNT(*), COALESCE(SUM(LENGTH(body)), 0) FROM losses WHERE owner = ? "
+                                  "AND loss_id != ?", (owner, besides)).fetchone()
+        return int(n), int(size)
 
     def loss(self, loss_id: str) -> Optional[tuple[str, str]]:
         """A custom loss's (owner, JSON), or None."""

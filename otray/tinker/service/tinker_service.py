@@ -96,7 +96,8 @@ class TinkerService:
                                  self.cfg.gap_timeout_s, lambda owner, m: self.limits.of(self.catalog.run(owner, m).base_model),
                                  lambda user: quota_of(self.cfg, user), self.recordings)
         self.sessions = Sessions(self.store, self.cfg.session_timeout_s, self._session_closed)
-        self.losses = CustomLosses(self.store, self.futures, self.sessions, self.cfg.custom_loss_server_side)
+        self.losses = CustomLosses(self.store, self.futures, self.sessions, self.cfg.custom_loss_server_side,
+                                   self.cfg.custom_losses, self.training.storage_room)
         self.merges = Merges(self.store, self.catalog, self.futures, self.paths, self.training.storage_room)
         self.recovered = False  # leases a predecessor left open are closed on the first call
         self.tasks: list[asyncio.Task] = []  # the session sweep and the learners' watches

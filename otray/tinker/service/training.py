@@ -300,12 +300,14 @@ class Training:
         """The last version of ``model_id``'s inflight target published (0: none yet)."""
         return self.inflight.get(model_id, 0)
 
-    def storage_room(self, owner: str) -> None:
-        """Refuse a save while ``owner``'s checkpoint files take their storage quota or more."""
+    def storage_room(self, owner: str, adding: int = 0) -> None:
+        """Refuse a save while ``owner``'s checkpoints and custom losses take their storage quota or more
+        (``adding``: bytes about to be stored, known in advance, counted too)."""
         limit, used = self.quotas(owner).storage_gb, self.store.usage(owner) / 1e9
-        if used >= limit:
-            raise UserError(f"quota: {owner}'s checkpoints take {used:.2f} GB, the limit is {limit:g} GB "
-                            "(quota.storage_gb); delete some (RestClient.delete_checkpoint) or ask an admin", 403)
+        if used >= limit or (adding and used + adding / 1e9 > limit):
+            raise UserError(f"quota: {owner}'s checkpoints and custom losses take {used:.2f} GB, the limit is "
+                            f"{limit:g} GB (quota.storage_gb); delete some (RestClient.delete_checkpoint) or ask "
+                            "an admin", 403)
 
     def load_into(self, owner: str, req: Q.LoadWeights, ckpt: Checkpoint, optimizer: bool) -> dict[str, Any]:
         """``load_weights`` into a live model, in its order."""
