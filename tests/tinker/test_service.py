@@ -10,6 +10,7 @@ import concurrent.futures
 import json
 import time
 from pathlib import Path
+from typing import Optional
 
 import httpx
 import numpy as np
@@ -401,6 +402,35 @@ def test_an_abandoned_sample_is_cancelled_and_the_clients_next_one_served(svc, t
     t0 = time.time()
     assert sampler.sample(types.ModelInput.from_ints(prompt), 1, types.SamplingParams(max_tokens=4)).result(timeout=60)
     assert time.time() - t0 < 10
+
+
+def test_retrieve_future_answers_json_unless_protobuf_is_asked_for(svc, tokenizer):
+    """Raw HTTP, as curl or another language sends it: a sample's result is JSON without an Accept header or
+    with ``application/json``, and the same result's protobuf (what the SDK asks for) decodes to it."""
+    from tinker.proto.response_conv import deserialize_sample_response
+
+    alice = {"X-API-Key": svc["alice"]}
+    prompt = problems(tokenizer, 1)[0][0][:4]
+    body = {"base_model": BASE, "num_samples": 2, "prompt": {"chunks": [{"type": "encoded_text", "tokens": prompt}]},
+            "sampling_params": {"max_tokens": 5, "stop": [], "seed": 3}}
+    rid = httpx.post(f"{URL}/api/v1/asample", json=body, headers=alice).json()["request_id"]
+
+    def fetch(accept: Optional[str]) -> httpx.Response:
+        headers = {**alice, **({"Accept": accept} if accept else {})}
+        while True:
+            r = httpx.post(f"{URL}/api/v1/retrieve_future", json={"request_id": rid}, headers=headers, timeout=30)
+            if "try_again" not in r.text[:200]:
+                return r
+
+    proto = fetch("application/x-protobuf")
+    assert proto.headers["content-type"] == "application/x-protobuf"
+    want = deserialize_sample_response(proto.content)
+    for accept in (None, "application/json"):
+        got = fetch(accept)
+        assert got.headers["content-type"] == "application/json", accept
+        seqs = got.json()["sequences"]
+        assert [s["tokens"] for s in seqs] == [s.tokens for s in want.sequences] and len(seqs[0]["tokens"]) == 5
+        assert all(np.allclose(g["logprobs"], w.logprobs) for g, w in zip(seqs, want.sequences))
 
 
 def test_a_batch_that_fails_is_sent_again_one_request_at_a_time(svc, tokenizer, ray_local):

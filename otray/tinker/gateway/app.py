@@ -4,7 +4,9 @@
 Every route is under ``/api/v1``, as the ``tinker`` SDK calls it. The key arrives as
 ``X-API-Key``; with auth on it must be a ``tml-`` key from ``otray users add`` (the same secret
 as the user's ``otr_`` key) and the caller's user name goes with every service call; with auth
-off every caller is ``local``. Bodies are JSON except ``forward_backward`` (protobuf). A
+off every caller is ``local``. Bodies are JSON except ``forward_backward`` (protobuf); answers are JSON
+except ``retrieve_future``'s training and sampling results, protobuf when ``Accept`` names it (the SDK
+does) and their JSON form otherwise (:mod:`otray.tinker.wire.json_answers`). A
 request the service cannot use gets a 4xx whose ``detail`` says why; a failure inside a
 request the service accepted comes back from ``retrieve_future`` as a failed promise with a
 ``user`` or ``server`` category. Nothing a client sends gives a 5xx: the SDK would retry it.
@@ -27,12 +29,12 @@ from otray.tinker.gateway.callers import Callers
 from otray.tinker.errors import unwrap as _unwrap
 from otray.tinker.config import client_config
 from otray.tinker.wire import requests as Q
+from otray.tinker.wire.json_answers import PROTO, proto_as_json, wants_proto
 from otray.tinker.wire.messages import check_request_fields
 from otray.tinker.errors import UserError
 
 APP_NAME = "otray-tinker"
 tinker_api = FastAPI(title="otray tinker", docs_url=None, redoc_url=None)
-PROTO = "application/x-protobuf"
 ROUTE_PREFIX = "/api/v1"  # the routes below are under it; otray serve's app may share the port at "/"
 
 
@@ -304,8 +306,10 @@ class TinkerGateway:
         outcome = await self._call(request, self.service.retrieve, data["request_id"])
         if outcome is None:
             return JSONResponse({"type": "try_again", "request_id": data["request_id"], "queue_state": "active"})
-        if outcome.kind == "proto":
-            return Response(outcome.body, media_type=PROTO)
+        if outcome.kind == "proto":  # protobuf when asked for (the SDK), else its JSON form (curl, other clients)
+            if wants_proto(request.headers.get("accept", "")):
+                return Response(outcome.body, media_type=PROTO)
+            return JSONResponse(proto_as_json(outcome.body, outcome.message))
         return JSONResponse(outcome.body)
 
     # ------------------------------------------------------------------ runs and checkpoints (REST)

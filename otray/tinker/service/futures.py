@@ -26,10 +26,12 @@ from otray.tinker.errors import UserError
 
 @dataclass
 class Outcome:
-    """A finished request: ``json`` (a dict), ``proto`` (bytes) or ``error`` (message, category)."""
+    """A finished request: ``json`` (a dict), ``proto`` (bytes of the protobuf ``message``, e.g.
+    ``SampleResponse``: the gateway answers JSON clients with its JSON form) or ``error`` (message, category)."""
 
     kind: str
     body: Any
+    message: str = ""
 
     @staticmethod
     def error(message: str, category: str = "user") -> "Outcome":

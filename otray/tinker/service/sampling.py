@@ -194,7 +194,7 @@ class SampleBatcher:
                 lps = R.last_n(out.prompt_logprobs, w.last_n)
                 fill = (functools.partial(fill_response, scores=cut_before(out.scores, w.last_n), targets=w.targets)
                         if out.scores is not None else None)
-                self._finish(w.request_id, Outcome("proto", sample_output(out.samples, lps, fill)))
+                self._finish(w.request_id, Outcome("proto", sample_output(out.samples, lps, fill), "SampleResponse"))
         return False
 
     async def _one_by_one(self, sampler: Any, name: str, groups: Groups, owner: str) -> bool:

@@ -214,7 +214,7 @@ class Training:
                 self.leases.note_pass(call.model_id, res.loss_sum, sum(len(lp) for lp in res.logprobs))
             k = call.datums[0].target_k and len(call.datums[0].target_k[0])
             return Outcome("proto", train_output(res.logprobs, res.losses, res.loss_sum, k or None,
-                                                 reduced(res.metric_sums, len(call.datums))))
+                                                 reduced(res.metric_sums, len(call.datums))), "ForwardBackwardOutput")
 
         return self._queue(owner, call.model_id, call.seq_id, run, "forward" if call.forward_only else "forward_backward")
 
