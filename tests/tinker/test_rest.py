@@ -58,6 +58,36 @@ def test_jwt_auth_and_whoami(svc, tokenizer):
     sc.close("success").result()
 
 
+def test_a_deleted_users_or_a_rotated_keys_jwt_is_refused_at_the_next_request(svc, ray_local):
+    """docs/security.md promises deletion holds from the next request on: dave's JWT (and erin's, minted for
+    a key since rotated) served a request, then the admin deletes dave and erin rotates her key; the very
+    next request with either JWT is a 401 marked invalid_token, and exchanging the old key again is a 401.
+    erin's new key gets a JWT that works."""
+    from otray.actors.control.registry import tinker_key
+    from otray.actors.control.resource_manager import NAME, NAMESPACE
+
+    rm = ray_local.get_actor(NAME, namespace=NAMESPACE)
+    keys = {u: tinker_key(ray_local.get(rm.add_user.remote(u, False, svc["alice"]))) for u in ("dave", "erin")}
+
+    def jwt_of(key: str) -> str:
+        return httpx.post(f"{URL}/api/v1/auth/token", json={}, headers={"X-API-Key": key}).json()["jwt"]
+
+    def runs(credential: str) -> httpx.Response:
+        return httpx.get(f"{URL}/api/v1/training_runs", headers={"X-API-Key": credential})
+
+    tokens = {u: jwt_of(k) for u, k in keys.items()}
+    assert all(runs(t).status_code == 200 for t in tokens.values())
+    ray_local.get(rm.delete_user.remote("dave", svc["alice"]))
+    new_erin = tinker_key(ray_local.get(rm.rotate_key.remote(None, keys["erin"])))
+    for user, token in tokens.items():
+        r = runs(token)
+        assert r.status_code == 401 and "deleted or rotated" in r.json()["detail"], (user, r.text)
+        assert 'error="invalid_token"' in r.headers["www-authenticate"]
+        assert httpx.post(f"{URL}/api/v1/auth/token", json={}, headers={"X-API-Key": keys[user]}).status_code == 401
+    assert runs(jwt_of(new_erin)).status_code == 200
+    ray_local.get(rm.delete_user.remote("erin", svc["alice"]))
+
+
 def test_user_checkpoints_publish_and_ttl(svc, tokenizer):
     sc = tinker.ServiceClient(base_url=URL, api_key=svc["alice"])
     rest = tinker.RestClient(base_url=URL, api_key=svc["alice"])

@@ -162,6 +162,13 @@ class Registry:
             raise AuthError("wrong API key: no user has this key (ask an admin for a new one)")
         return User(row[0], row[1], bool(row[2]))
 
+    def key_tag(self, name: str) -> str | None:
+        """A tag of ``name``'s current key (from its salt, which a rotation replaces): what a token minted
+        for that key carries, so the token stops when the key is rotated or the user deleted (None: no
+        such user)."""
+        row = self.db.execute("SELECT salt FROM users WHERE name = ?", (name,)).fetchone()
+        return None if row is None else hashlib.sha256(b"key-tag:" + bytes(row[0])).hexdigest()[:24]
+
     def users(self) -> list[User]:
         return [User(r[0], r[1], bool(r[2])) for r in self.db.execute("SELECT id, name, admin FROM users ORDER BY id")]
 

@@ -215,6 +215,17 @@ class ResourceManager:
         who = self.gate.caller(api_key)
         return Identity(who.name, who.admin, self.gate.auth_enabled)
 
+    async def key_tag(self, api_key: str | None = None) -> str | None:
+        """The tag of the caller's current key (:meth:`Registry.key_tag`): a token service puts it in the
+        tokens it mints for that key (None with auth off)."""
+        who = self.gate.caller(api_key)
+        return self.registry.key_tag(who.name) if self.gate.auth_enabled else None
+
+    async def key_live(self, name: str, tag: str | None) -> bool:
+        """Whether ``tag`` is still ``name``'s key's (False once the key was rotated or the user deleted):
+        checked on every request that carries a token minted for it."""
+        return not self.gate.auth_enabled or (tag is not None and self.registry.key_tag(name) == tag)
+
     async def servable(self, api_key: str | None = None) -> list[ServableJob]:
         """The caller's jobs that have checkpoints: id, model path it was trained from, checkpoint steps."""
         who = self.gate.caller(api_key)

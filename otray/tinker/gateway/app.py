@@ -166,7 +166,7 @@ class TinkerGateway:
         key = request.headers.get("x-api-key") or ""
         if tokens.looks_like_jwt(key):
             raise UserError("exchange the tml- API key for a JWT, not a JWT", 401)
-        return {"jwt": await self.service.mint_token.remote(await self.callers.key_owner(key), key)}
+        return {"jwt": await self.service.mint_token.remote(*await self.callers.minted(key), key)}
 
     @tinker_api.post("/client/dynamic_config")
     async def dynamic_config(self, request: Request) -> dict[str, Any]:

@@ -19,11 +19,31 @@ class Callers:
         self.secret: bytes | None = None  # the JWT signing key, fetched from the service once
 
     async def owner(self, key: str) -> str:
-        """The caller's user name: from a JWT this service minted, or a key checked against the
+        """The caller's user name: from a JWT this service minted (while the key it was exchanged for is
+        still its user's: asked of the ResourceManager each time), or a key checked against the
         ResourceManager's registry when auth is on."""
         if tokens.looks_like_jwt(key):
-            return tokens.user_of(await self._secret(), key)
+            user, tag = tokens.user_of(await self._secret(), key)
+            if await self._auth_on() and not await self._registry("key_live", user, tag):
+                raise tokens.BadToken("the API key this JWT was exchanged for was deleted or rotated; exchange a "
+                                      "current key at /auth/token")
+            return user
         return await self.key_owner(key)
+
+    async def minted(self, key: str) -> tuple[str, str | None]:
+        """For ``/auth/token``: the key's user and its tag (None with auth off), the key checked."""
+        user = await self.key_owner(key)
+        return user, (await self._registry("key_tag", key) if await self._auth_on() else None)
+
+    async def _registry(self, method: str, *args: Any) -> Any:
+        from otray.serve.http import rm_handle
+
+        try:
+            return await getattr(rm_handle(), method).remote(*args)
+        except Exception as e:  # noqa: BLE001 - AuthError from the registry, or no manager
+            if isinstance(unwrap(e), PermissionError):
+                raise UserError(str(unwrap(e)).splitlines()[-1], 401) from None
+            raise UserError("no ResourceManager answers on this cluster, so keys cannot be checked", 503) from None
 
     async def _secret(self) -> bytes:
         if self.secret is None:
@@ -31,19 +51,11 @@ class Callers:
         return self.secret
 
     async def key_owner(self, key: str) -> str:
-        from otray.serve.http import rm_handle
-
         if not key.startswith("tml-"):
             raise UserError("missing or malformed API key: send X-API-Key: tml-... (from `otray users add`)", 401)
         if not await self._auth_on():
             return "local"
-        try:
-            who = await rm_handle().whoami.remote(key)
-        except Exception as e:  # noqa: BLE001 - AuthError from the registry, or no manager
-            if isinstance(unwrap(e), PermissionError):
-                raise UserError(str(unwrap(e)).splitlines()[-1], 401) from None
-            raise UserError("no ResourceManager answers on this cluster, so keys cannot be checked", 503) from None
-        return who.name
+        return (await self._registry("whoami", key)).name
 
     async def _auth_on(self) -> bool:
         from otray.serve.http import rm_handle

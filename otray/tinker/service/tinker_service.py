@@ -167,8 +167,8 @@ class TinkerService:
     async def jwt_secret(self) -> bytes:  # the key the gateway checks JWTs with (otray/tinker/service/tokens.py)
         return self.secret
 
-    async def mint_token(self, user: str, key: str) -> str:  # a JWT for user (key checked theirs), key kept for leases
-        return self.exchanges.mint(self.secret, user, key, self.cfg.jwt_ttl_s)
+    async def mint_token(self, user: str, tag: str | None, key: str) -> str:  # a JWT for user (key checked theirs,
+        return self.exchanges.mint(self.secret, user, key, self.cfg.jwt_ttl_s, tag)  # tag its), key kept for leases
 
     # ------------------------------------------------------------------ runs
 

@@ -9,8 +9,9 @@ without a request, so it works only with JWT auth on.
 Tokens are HS256, signed with a random secret the service keeps beside its SQLite index
 (``<storage>/jwt.secret``, created once, mode 0600), so tokens survive a restart of the service
 and stop working when the file is replaced. A JWT is accepted until it expires (``jwt_ttl_s``,
-15 minutes by default) even if its user's key is rotated meanwhile: the key is checked again at
-the next exchange.
+15 minutes by default) while the key it was exchanged for stays its user's: it carries that key's tag
+(``ktag``, :meth:`~otray.actors.control.registry.Registry.key_tag`), which the gateway checks with the
+ResourceManager on every request, so a deleted user's or a rotated key's JWTs stop at the next request.
 
 A training client is a ResourceManager lease opened with its user's own key, so the service keeps
 the key each JWT was exchanged for (:class:`Exchanges`, in memory, until the JWT expires): a
@@ -51,12 +52,15 @@ def looks_like_jwt(credential: str) -> bool:
     return credential.startswith("eyJ") and credential.count(".") == 2
 
 
-def user_of(secret: bytes, token: str) -> str:
-    """The user a valid, unexpired token was minted for; :class:`InvalidToken` naming why otherwise."""
-    sub = str(_claims(secret, token)["sub"])
+def user_of(secret: bytes, token: str) -> tuple[str, str | None]:
+    """The user a valid, unexpired token was minted for and its key's tag (``ktag``; None if it has none);
+    :class:`BadToken` naming why otherwise."""
+    claims = _claims(secret, token)
+    sub = str(claims["sub"])
     if not sub.startswith(USER_PREFIX) or sub == USER_PREFIX:
         raise BadToken(f"the JWT names no user of this service (sub={sub!r})")
-    return sub[len(USER_PREFIX):]
+    tag = claims.get("ktag")
+    return sub[len(USER_PREFIX):], tag if isinstance(tag, str) else None
 
 
 def _claims(secret: bytes, token: str) -> dict:
@@ -84,12 +88,13 @@ class Exchanges:
     def __init__(self) -> None:
         self.keys: dict[str, tuple[str, float]] = {}  # jti -> (key, expiry)
 
-    def mint(self, secret: bytes, user: str, key: str, ttl_s: float) -> str:
-        """A JWT for ``user`` (``key`` checked to be theirs), valid for ``ttl_s``; ``key`` kept until then."""
+    def mint(self, secret: bytes, user: str, key: str, ttl_s: float, tag: str | None = None) -> str:
+        """A JWT for ``user`` (``key`` checked to be theirs, ``tag`` its tag), valid for ``ttl_s`` while the
+        key stays theirs; ``key`` kept until it expires."""
         now = int(time.time())
         self.keys = {j: v for j, v in self.keys.items() if v[1] > now}
         claims = {"sub": f"{USER_PREFIX}{user}", "org_id": ORG_ID, "email": "", "iat": now, "exp": now + int(ttl_s),
-                  "jti": secrets.token_hex(8)}
+                  "jti": secrets.token_hex(8), **({"ktag": tag} if tag else {})}
         self.keys[claims["jti"]] = (key, float(claims["exp"]))
         return jwt.encode(claims, secret, algorithm=ALGORITHM)
 
