@@ -26,7 +26,7 @@ PORT = 8032
 URL = f"http://127.0.0.1:{PORT}"
 BASE = "Qwen/Qwen3-8B"
 
-svc = tinker_fixture(PORT, "tinker_external")
+svc = tinker_fixture(PORT, "tinker_external", user_quotas={"carol": {"storage_gb": 0.009}})  # carol: 9 MB
 
 
 def trained(svc, tokenizer):
@@ -191,4 +191,40 @@ def test_the_service_merges_a_checkpoint_into_a_model_to_download(svc, tokenizer
     rest.delete_checkpoint_from_tinker_path(merged).result()
     with pytest.raises(tinker.NotFoundError):
         rest.get_external_weights_urls(merged).result()
+    sc.close("success").result()
+
+
+def test_concurrent_merges_never_pass_the_storage_quota(svc, tokenizer):
+    """carol's quota is 9 MB; a merge of the tiny base is ~3.4 MB. Six merge_weights sent at once: each
+    reserves its base's size when it starts, so two are taken and four are refused at once naming
+    quota.storage_gb (before, all six passed a check that charged the size only after the merge: 2.3x
+    over); what she stores in the end is within the quota."""
+    import concurrent.futures
+
+    import httpx
+
+    sc = tinker.ServiceClient(base_url=URL, api_key=svc["carol"])
+    tc = sc.create_lora_training_client(base_model=BASE, rank=2, seed=0).result()
+    tc.forward_backward([sft(*problems(tokenizer, 1)[0])], "cross_entropy").result()
+    state = tc.save_state("s").result().path
+
+    def merge(i: int) -> httpx.Response:
+        return httpx.post(f"{URL}/api/v1/merge_weights", json={"path": state, "name": f"m{i}"},
+                          headers={"X-API-Key": svc["carol"]}, timeout=60)
+
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        answers = list(pool.map(merge, range(6)))
+    taken = [r.json()["request_id"] for r in answers if r.status_code == 200]
+    refused = [r for r in answers if r.status_code != 200]
+    assert len(taken) == 2, [r.text for r in answers]
+    assert all(r.status_code == 403 and "quota.storage_gb" in r.json()["detail"] for r in refused)
+    for rid in taken:
+        while True:
+            out = httpx.post(f"{URL}/api/v1/retrieve_future", json={"request_id": rid},
+                             headers={"X-API-Key": svc["carol"]}, timeout=60).json()
+            if out.get("type") != "try_again":
+                break
+        assert out.get("type") == "merge_weights", out
+    stored = sum(f.stat().st_size for f in (svc["store"] / "checkpoints" / "carol").rglob("*") if f.is_file())
+    assert 2 * 3e6 < stored <= 0.009e9
     sc.close("success").result()

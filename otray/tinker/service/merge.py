@@ -36,13 +36,14 @@ import urllib.error
 import urllib.request
 import uuid
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 
 from otray.tinker.service.catalog import Catalog
 from otray.tinker.service.futures import Futures, Outcome, settle
 from otray.tinker.service.runs import check_name
+from otray.tinker.service.storage import StorageLedger, files_size
 from otray.tinker.service.store import Checkpoint, Store
 from otray.tinker.errors import UserError
 from otray.tinker.wire.requests import MergeWeights
@@ -154,10 +155,9 @@ class Merges:
     loop stays free) and keeps the result as an ``external`` checkpoint of the source's run. Its promise
     finishes with ``{"path": tinker://..., "type": "merge_weights"}`` or the error, by category."""
 
-    def __init__(self, store: Store, catalog: Catalog, futures: Futures, paths: dict[str, str],
-                 storage_room: Callable[[str], None]):
+    def __init__(self, store: Store, catalog: Catalog, futures: Futures, paths: dict[str, str], storage: StorageLedger):
         self.store, self.catalog, self.futures, self.paths = store, catalog, futures, paths
-        self.storage_room = storage_room
+        self.storage = storage  # a merge reserves its base model's size until its files are written
         self.tasks: set[asyncio.Task] = set()
 
     def start(self, owner: str, req: MergeWeights) -> dict[str, str]:
@@ -171,11 +171,12 @@ class Merges:
         if self.store.checkpoint(src.model_id, "external", name) and not req.overwrite:
             raise UserError(f"external weights {name!r} exist for {src.model_id}; pick another name or pass "
                             "overwrite: true", 409)
-        self.storage_room(owner)
         base = self.base_dir(self.store.run(src.model_id).base_model)
+        release = self.storage.reserve(owner, files_size(base))  # the merged model is about the base's size
         request_id = f"{src.model_id}:merge:{uuid.uuid4().hex[:12]}"
         self.futures.new(request_id, owner, "merge_weights")
         task = asyncio.get_running_loop().create_task(self._run(owner, request_id, src, base, name, ttl))
+        task.add_done_callback(lambda _: release())
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
         return {"request_id": request_id}

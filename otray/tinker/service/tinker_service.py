@@ -97,8 +97,8 @@ class TinkerService:
                                  lambda user: quota_of(self.cfg, user), self.recordings)
         self.sessions = Sessions(self.store, self.cfg.session_timeout_s, self._session_closed)
         self.losses = CustomLosses(self.store, self.futures, self.sessions, self.cfg.custom_loss_server_side,
-                                   self.cfg.custom_losses, self.training.storage_room)
-        self.merges = Merges(self.store, self.catalog, self.futures, self.paths, self.training.storage_room)
+                                   self.cfg.custom_losses, self.training.storage.room)
+        self.merges = Merges(self.store, self.catalog, self.futures, self.paths, self.training.storage)
         self.recovered = False  # leases a predecessor left open are closed on the first call
         self.tasks: list[asyncio.Task] = []  # the session sweep and the learners' watches
         self.engines = VllmSamplers(self.models, self.paths, NAME, NAMESPACE)
@@ -255,7 +255,7 @@ class TinkerService:
     async def copy_weights(self, owner: str, q: CopyWeights) -> dict[str, str]:
         if q.session_id is not None:
             self.sessions.check(owner, q.session_id)
-        self.training.storage_room(owner)
+        self.training.storage.room(owner)
         return self.catalog.copy(owner, q)
 
     async def merge_weights(self, owner: str, req: Q.MergeWeights) -> dict[str, str]:  # merge.py: a promise

@@ -26,6 +26,7 @@ from otray.tinker.service.futures import Futures, OrderedExecutor, Outcome
 from otray.tinker.service.leases import LeaseEnded, Leases, LeaseSpec
 from otray.tinker.service.store import Checkpoint, Sampler, Store
 from otray.tinker.service.stability import Recordings, with_recordings
+from otray.tinker.service.storage import StorageLedger
 from otray.tinker.errors import unwrap
 from otray.tinker.learner.loss_run import reduced
 from otray.tinker.wire.messages import TrainCall, parse_train_call, train_output
@@ -71,6 +72,7 @@ class Training:
                  leases: Leases, gap_timeout_s: float, limits: Callable[[str, str], Any], quotas: Callable[[str], Any],
                  recordings: Recordings):
         self.learners, self.store, self.catalog, self.futures, self.leases = learners, store, catalog, futures, leases
+        self.storage = StorageLedger(store, quotas)  # storage quotas, with what saves and merges in flight reserved
         self.recordings = recordings  # sampled sequences' stability info, for stable_reinforce
         self.quotas = quotas  # user -> their TinkerQuota
         self.order = OrderedExecutor(futures, gap_timeout_s)
@@ -273,7 +275,13 @@ class Training:
         async def run() -> Outcome:
             if self.store.checkpoint(model_id, kind, name) and not overwrite and not ephemeral:
                 raise UserError(f"checkpoint {name!r} exists for {model_id}; pick another name or pass overwrite")
-            self.storage_room(owner)
+            release = self.storage.reserve(owner, self.storage.last_size(model_id, kind))
+            try:
+                return await saved()
+            finally:
+                release()
+
+        async def saved() -> Outcome:
             where = self.store.checkpoint_dir(owner, model_id, kind, name)
             version = None
             if inflight:
@@ -300,14 +308,6 @@ class Training:
         """The last version of ``model_id``'s inflight target published (0: none yet)."""
         return self.inflight.get(model_id, 0)
 
-    def storage_room(self, owner: str, adding: int = 0) -> None:
-        """Refuse a save while ``owner``'s checkpoints and custom losses take their storage quota or more
-        (``adding``: bytes about to be stored, known in advance, counted too)."""
-        limit, used = self.quotas(owner).storage_gb, self.store.usage(owner) / 1e9
-        if used >= limit or (adding and used + adding / 1e9 > limit):
-            raise UserError(f"quota: {owner}'s checkpoints and custom losses take {used:.2f} GB, the limit is "
-                            f"{limit:g} GB (quota.storage_gb); delete some (RestClient.delete_checkpoint) or ask "
-                            "an admin", 403)
 
     def load_into(self, owner: str, req: Q.LoadWeights, ckpt: Checkpoint, optimizer: bool) -> dict[str, Any]:
         """``load_weights`` into a live model, in its order."""
