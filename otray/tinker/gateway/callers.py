@@ -6,7 +6,7 @@ Runs in the gateway's Ray Serve replica."""
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Callable
 
 from otray.tinker.service import tokens
 from otray.tinker.errors import UserError, unwrap
@@ -24,7 +24,7 @@ class Callers:
         ResourceManager's registry when auth is on."""
         if tokens.looks_like_jwt(key):
             user, tag = tokens.user_of(await self._secret(), key)
-            if await self._auth_on() and not await self._registry("key_live", user, tag):
+            if await self._auth_on() and not await self._registry(lambda rm: rm.key_live.remote(user, tag)):
                 raise tokens.BadToken("the API key this JWT was exchanged for was deleted or rotated; exchange a "
                                       "current key at /auth/token")
             return user
@@ -33,13 +33,14 @@ class Callers:
     async def minted(self, key: str) -> tuple[str, str | None]:
         """For ``/auth/token``: the key's user and its tag (None with auth off), the key checked."""
         user = await self.key_owner(key)
-        return user, (await self._registry("key_tag", key) if await self._auth_on() else None)
+        return user, (await self._registry(lambda rm: rm.key_tag.remote(key)) if await self._auth_on() else None)
 
-    async def _registry(self, method: str, *args: Any) -> Any:
+    async def _registry(self, call: Callable[[Any], Any]) -> Any:
+        """``call(the ResourceManager)``'s answer; a 401 for a refused key, a 503 when no manager answers."""
         from otray.serve.http import rm_handle
 
         try:
-            return await getattr(rm_handle(), method).remote(*args)
+            return await call(rm_handle())
         except Exception as e:  # noqa: BLE001 - AuthError from the registry, or no manager
             if isinstance(unwrap(e), PermissionError):
                 raise UserError(str(unwrap(e)).splitlines()[-1], 401) from None
@@ -55,7 +56,7 @@ class Callers:
             raise UserError("missing or malformed API key: send X-API-Key: tml-... (from `otray users add`)", 401)
         if not await self._auth_on():
             return "local"
-        return (await self._registry("whoami", key)).name
+        return (await self._registry(lambda rm: rm.whoami.remote(key))).name
 
     async def _auth_on(self) -> bool:
         from otray.serve.http import rm_handle
