@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from otray import config as config_mod
 from otray.records import EpisodePage, JobStatus
@@ -23,6 +23,10 @@ from otray.types import OtrayError
 
 class JobFailedError(OtrayError, RuntimeError):
     """``JobHandle.wait(raise_on_failure=True)`` on a job that did not succeed."""
+
+
+class ManagerGoneError(OtrayError, RuntimeError):
+    """The cluster's ResourceManager stopped answering and did not come back within the client's wait."""
 
 
 class JobHandle:
@@ -36,27 +40,27 @@ class JobHandle:
         return self.client.api_key
 
     def status(self) -> JobStatus:
-        return _get(self.client.rm.status.remote(self.id, api_key=self._key))
+        return self.client.call(lambda rm: rm.status.remote(self.id, api_key=self._key))
 
     def metrics(self, since: int = 0) -> list[dict[str, Any]]:
         """The job's metrics rows from index ``since`` on (keys: :mod:`otray.metric_keys`)."""
-        return _get(self.client.rm.metrics.remote(self.id, since, api_key=self._key))
+        return self.client.call(lambda rm: rm.metrics.remote(self.id, since, api_key=self._key))
 
     def cancel(self) -> JobStatus:
-        return _get(self.client.rm.cancel.remote(self.id, api_key=self._key))
+        return self.client.call(lambda rm: rm.cancel.remote(self.id, api_key=self._key))
 
     def episodes(self, step: int | None = None) -> EpisodePage:
         """The episodes the job logged at ``step`` (default: its latest)."""
-        return _get(self.client.rm.episodes.remote(self.id, step, api_key=self._key))
+        return self.client.call(lambda rm: rm.episodes.remote(self.id, step, api_key=self._key))
 
     def checkpoints(self) -> list[int]:
-        return _get(self.client.rm.checkpoints.remote(self.id, api_key=self._key))
+        return self.client.call(lambda rm: rm.checkpoints.remote(self.id, api_key=self._key))
 
     def outputs(self, page: int = 1000) -> list[dict[str, Any]]:
         """An inference job's output rows (one per episode or game), fetched through Ray from any node."""
         rows: list[dict[str, Any]] = []
         while True:
-            got = _get(self.client.rm.outputs.remote(self.id, len(rows), page, api_key=self._key))
+            got = self.client.call(lambda rm: rm.outputs.remote(self.id, len(rows), page, api_key=self._key))
             rows.extend(got)
             if len(got) < page:
                 return rows
@@ -66,7 +70,7 @@ class JobHandle:
         ``dest/state`` (learner state) and ``dest/model`` (HF/PEFT model)."""
         from otray.checkpoints import unpack_dir
 
-        _, blob = _get(self.client.rm.checkpoint_blob.remote(self.id, step, api_key=self._key))
+        _, blob = self.client.call(lambda rm: rm.checkpoint_blob.remote(self.id, step, api_key=self._key))
         return unpack_dir(blob, dest)
 
     def wait(self, timeout: float | None = None, poll_s: float = 0.5, raise_on_failure: bool = False) -> JobStatus:
@@ -86,17 +90,34 @@ class JobHandle:
         return f"JobHandle({self.id!r})"
 
 
-def _get(ref: Any) -> Any:
-    import ray
-
-    return ray.get(ref)
-
-
 class Client:
-    """A driver's view of the cluster's ResourceManager, with the caller's key."""
+    """A driver's view of the cluster's ResourceManager, with the caller's key. The manager restarts itself
+    when its process dies (its jobs that were running end FAILED, ``ResourceManagerRestarted``); a call
+    made meanwhile waits for it, up to ``manager_wait_s``, then raises :class:`ManagerGoneError`."""
 
-    def __init__(self, rm: Any, api_key: str | None):
-        self.rm, self.api_key = rm, api_key
+    def __init__(self, rm: Any, api_key: str | None, manager_wait_s: float = 60.0):
+        self.rm, self.api_key, self.manager_wait_s = rm, api_key, manager_wait_s
+
+    def call(self, send: Callable[[Any], Any]) -> Any:
+        """``send(the manager)``'s answer (an ObjectRef, waited for), through a restart of the manager."""
+        import ray
+
+        from otray.actors.control.resource_manager import NAME, NAMESPACE
+
+        deadline = time.monotonic() + self.manager_wait_s
+        while True:
+            try:
+                return ray.get(send(self.rm))
+            except ray.exceptions.RayActorError as e:  # restarting (unavailable), or replaced by a new one
+                if time.monotonic() > deadline:
+                    raise ManagerGoneError(f"the ResourceManager stopped answering ({type(e).__name__}) and did not "
+                                           f"come back in {self.manager_wait_s:g} s; see `ray status` and `otray "
+                                           "status`, then resubmit") from None
+                time.sleep(0.5)
+                try:
+                    self.rm = ray.get_actor(NAME, namespace=NAMESPACE)
+                except ValueError:
+                    pass  # none registered under its name yet
 
     def submit(self, config: str | Path | dict[str, Any] | config_mod.Config,
                overrides: list[str] | None = None) -> JobHandle:
@@ -111,10 +132,10 @@ class Client:
         return JobHandle(self, job_id)
 
     def jobs(self) -> list[JobStatus]:
-        return _get(self.rm.jobs.remote(api_key=self.api_key))
+        return self.call(lambda rm: rm.jobs.remote(api_key=self.api_key))
 
     def add_user(self, name: str, admin: bool = False) -> str:
-        return _get(self.rm.add_user.remote(name, admin, api_key=self.api_key))
+        return self.call(lambda rm: rm.add_user.remote(name, admin, api_key=self.api_key))
 
 
 def connect(address: str | None = None, api_key: str | None = None, *, db_path: str | None = None,

@@ -65,7 +65,7 @@ class Gate:
         like one that does not exist (the registry's KeyError), so job ids cannot be probed."""
         who = self.caller(api_key)
         try:
-            job = self.registry.job(job_id)
+            job = self.registry.job(job_id) if isinstance(job_id, str) else None  # (any value may come over Ray)
         except KeyError:
             job = None
         if job is None or (not who.admin and job.owner != who.name):
@@ -131,7 +131,7 @@ class Gate:
         return self._job_tokens[job_id]
 
     def check_job(self, job_id: str, token: Any) -> None:
-        want = self._job_tokens.get(job_id)
+        want = self._job_tokens.get(job_id) if isinstance(job_id, str) else None
         if want is None or not isinstance(token, str) or not hmac.compare_digest(want, token):
             raise AuthError(f"not the job token of {job_id}: only that job's driver may report for it")
 
