@@ -37,6 +37,10 @@ class JobSection:
     kind: str = "rl"  # rl | sft | infer (batch inference: see InferSection)
     seed: int = 0
     output_dir: str = "runs"
+    # failures the ResourceManager heals: an actor of the job that dies (a worker, the learner, the driver)
+    # restarts the job from its last checkpoint in its placement group; the next failure past these ends it
+    # FAILED with every reason (0: never restart; jobs run with `python -m otray.train` are not healed)
+    max_failures: int = 3
 
 
 @dataclass

@@ -36,10 +36,14 @@ LEARNER_IDLE_FRAC = "time/learner_idle_frac"
 ROLLOUT_IDLE_FRAC = "time/rollout_idle_frac"
 
 # base: before the SFT warm-up; sft: after it (or an SFT job's step); init: before RL without warm-up;
-# grpo: an RL step; infer: an inference job's one row; tinker: a Tinker training client's optim_step
+# grpo: an RL step; infer: an inference job's one row; tinker: a Tinker training client's optim_step;
+# recovery: the ResourceManager restarted the job after a failure (job.max_failures), from step STEP
 PHASE_BASE, PHASE_SFT, PHASE_INIT, PHASE_GRPO = "base", "sft", "init", "grpo"
-PHASE_INFER, PHASE_TINKER = "infer", "tinker"
-PHASES = (PHASE_BASE, PHASE_SFT, PHASE_INIT, PHASE_GRPO, PHASE_INFER, PHASE_TINKER)
+PHASE_INFER, PHASE_TINKER, PHASE_RECOVERY = "infer", "tinker", "recovery"
+PHASES = (PHASE_BASE, PHASE_SFT, PHASE_INIT, PHASE_GRPO, PHASE_INFER, PHASE_TINKER, PHASE_RECOVERY)
+RECOVERY_FAILURE = "recovery/failure"  # which failure this was (1, 2, ...), of at most job.max_failures
+RECOVERY_REASON = "recovery/reason"  # the failure, as its error is stored (Type: message)
+RECOVERY_FROM = "recovery/resumed_from"  # the checkpoint step the job went on from (None: from the start)
 
 
 def time_part(part: str) -> str:

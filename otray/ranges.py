@@ -51,7 +51,7 @@ RANGES: dict[str, tuple[Any, Any]] = {
     "sft.steps": (0, 1_000_000), "sft.batch_size": (1, 1 << 16), "sft.learning_rate": (0, None),
     "sft.warmup_steps": (0, None), "sft.stop_at_accuracy": (0, 1), "sft.check_every": (1, None),
     "sft.check_samples": (1, None), "sft.eval_samples": (1, None),
-    "checkpoint.save_every": (0, None), "infer.limit": (1, None),
+    "checkpoint.save_every": (0, None), "infer.limit": (1, None), "job.max_failures": (0, 100),
     **{f"envs.*.{k}": v for k, v in _ENV.items()},
     "envs.*.splits.*.num_samples": (1, None), "sft.splits.*.num_samples": (1, None),
     **{f"game.{k}": v for k, v in _GAME.items()},

@@ -47,6 +47,7 @@ class JobStatus:
     started: float | None = None
     finished: float | None = None
     waiting: str | None = None  # a QUEUED job: why it has not started (the scheduler's words)
+    recoveries: list[str] = field(default_factory=list)  # failures healed by a restart: "step N: Type: message"
 
     @property
     def terminal(self) -> bool:

@@ -51,6 +51,11 @@ class RolloutError(OtrayError, RuntimeError):
     """Generation failed on every rollout worker (names the failing workers)."""
 
 
+class WorkersLostError(RolloutError):
+    """Every rollout worker of a policy died (their actors or processes; each named with why): a failure a
+    restart can heal (``job.max_failures``), unlike rollouts that fail in their environment."""
+
+
 class WeightSyncError(OtrayError, RuntimeError):
     """A weight update that a rollout worker did not apply as sent (checksum or version mismatch)."""
 

@@ -233,6 +233,20 @@ class Registry:
         self.db.execute("INSERT INTO metrics VALUES (?, (SELECT COUNT(*) FROM metrics WHERE job_id = ?), ?)",
                         (job_id, job_id, row))
 
+    def rewind(self, job_id: str, step: int) -> None:
+        """Forget a job's metrics rows and episodes after ``step`` (a restarted job runs those steps again:
+        kept, they would be duplicates). Its rows are in step order, so what goes is their tail."""
+        self.db.execute("DELETE FROM metrics WHERE job_id = ? AND CAST(json_extract(row, '$.step') AS INTEGER) > ?",
+                        (job_id, step))
+        self.db.execute("DELETE FROM episodes WHERE job_id = ? AND step > ?", (job_id, step))
+        self.db.commit()
+
+    def recoveries(self, job_id: str) -> list[dict[str, Any]]:
+        """The job's recovery rows (phase ``recovery``), in order."""
+        rows = self.db.execute("SELECT row FROM metrics WHERE job_id = ? AND json_extract(row, '$.phase') = "
+                               "'recovery' ORDER BY seq", (job_id,))
+        return [json.loads(r[0]) for r in rows]
+
     def metrics(self, job_id: str, since: int = 0) -> list[dict[str, Any]]:
         """The job's metrics rows from index ``since`` on, in order."""
         rows = self.db.execute("SELECT row FROM metrics WHERE job_id = ? AND seq >= ? ORDER BY seq", (job_id, since))

@@ -28,6 +28,7 @@ from typing import Any
 import ray
 
 from otray import config as config_mod
+from otray import metric_keys as K
 from otray import trust
 from otray.actors.control.checkpoint_store import CheckpointStore
 from otray.checkpoints import pin_refs, registered_refs
@@ -104,8 +105,10 @@ class ResourceManager:
         return [self._seen(j) for j in self.registry.jobs(None if who.admin else who.name)]
 
     def _seen(self, job: JobRecord) -> JobStatus:
-        """A job's status, a queued one's with why it waits."""
+        """A job's status: a queued one's with why it waits, one healed by restarts with each failure."""
         st = job.status()
+        healed = [f"step {r.get(K.STEP)}: {r.get(K.RECOVERY_REASON)}" for r in self.registry.recoveries(st.id)]
+        st = dataclasses.replace(st, recoveries=healed) if healed else st
         return dataclasses.replace(st, waiting=self.jobs_.waiting(st.id)) if st.state is JobState.QUEUED else st
 
     async def cancel(self, job_id: str, api_key: str | None = None) -> JobStatus:
@@ -165,10 +168,12 @@ class ResourceManager:
         return path
 
     async def ref_blob(self, job_id: str, ref: str, token: str | None = None) -> tuple[int, bytes]:
-        """A checkpoint that job ``job_id``'s config names (resume_from, frozen policies); the caller's
-        right to read it was checked at submit, so only refs in the job's own config are served."""
+        """A checkpoint that job ``job_id``'s config names (resume_from, frozen policies), or one of its own
+        (a restart resumes from it); the caller's right to read another was checked at submit, so only refs
+        in the job's own config are served."""
         self.gate.check_job(job_id, token)
-        if ref not in registered_refs(config_mod.load(self.registry.job(job_id).config)):
+        own = (parse_ref(ref) or ("", None))[0] == job_id
+        if not own and ref not in registered_refs(config_mod.load(self.registry.job(job_id).config)):
             raise AuthError(f"job {job_id}'s config does not name checkpoint {ref!r}")
         src, step = parse_ref(ref)
         step, path = self.registry.checkpoint(src, step)

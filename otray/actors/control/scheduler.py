@@ -7,6 +7,13 @@ one; once its placement group is asked for it blocks the rest until it is placed
 a larger one that waits for room). A started job's driver gets its
 job token from the :class:`~otray.actors.control.gate.Gate`; its end (success, failure, cancel,
 driver death) frees the placement group and stores the innermost error (:func:`job_error`).
+
+Healing (``job.max_failures``): a running job that fails because one of its actors died (a rollout
+worker, a learner, the driver itself: :func:`healable`) is restarted in the placement group it holds,
+from its last checkpoint (``JOB_ID:STEP``, restored as a manual resume restores it: weights, optimizer,
+data position, RNG), with a new job token (the dead driver's late reports are refused). The rows and
+episodes it had reported after that step are forgotten (it runs them again: no duplicates) and a
+``recovery`` row records the failure. Past ``max_failures`` the job ends FAILED naming every failure.
 Runs on the ResourceManager's event loop; the manager owns the one instance.
 """
 
@@ -25,6 +32,9 @@ from otray.actors.control.lease import JobDriver, bundles_for, placed, placement
 from otray.actors.control.registry import JobState, Registry
 
 POLL_S = 0.2
+# a job's failure that a restart can heal: one of its actors (or their processes, or their node) died
+HEALABLE = ("RayActorError", "ActorDiedError", "ActorUnavailableError", "WorkerCrashedError", "OwnerDiedError",
+            "ObjectLostError", "NodeDiedError", "OutOfMemoryError", "LocalRayletDiedError", "WorkersLostError")
 
 
 class JobQueue:
@@ -33,6 +43,7 @@ class JobQueue:
         self.queue: deque[str] = deque()
         self.pending: dict[str, Any] = {}  # job id -> placement group not yet placed
         self.running: dict[str, tuple[Any, Any]] = {}  # job id -> (driver actor, placement group)
+        self.failures: dict[str, list[str]] = {}  # job id -> the failures healed so far (their errors)
         self._scheduler: asyncio.Task | None = None
         for job in registry.jobs():  # what a restarted manager finds
             if job.state is JobState.QUEUED:
@@ -124,10 +135,11 @@ class JobQueue:
         return fair_pick([(j, self.registry.job(j).owner) for j in self.queue],
                          [self.registry.job(j).owner for j in self.running])
 
-    async def _start(self, job_id: str, cfg: config_mod.Config, pg: Any) -> None:
+    async def _start(self, job_id: str, cfg: config_mod.Config, pg: Any, restart: bool = False) -> None:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        self.registry.set_state(job_id, JobState.STARTING)
+        if not restart:
+            self.registry.set_state(job_id, JobState.STARTING)
         job_dir = str(Path(cfg.job.output_dir if cfg.job.output_dir != "runs" else self.output_dir).absolute() / job_id)
         driver = JobDriver.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
             pg, placement_group_bundle_index=0)).remote(config_mod.to_dict(cfg), job_dir, job_id,
@@ -138,17 +150,48 @@ class JobQueue:
         except Exception as e:  # noqa: BLE001
             return self._finish(job_id, JobState.FAILED, f"JobDriverStartError: the job driver failed to start: "
                                                          f"{job_error(e)}")
-        self.registry.set_state(job_id, JobState.RUNNING)
+        if not restart:
+            self.registry.set_state(job_id, JobState.RUNNING)
         asyncio.get_running_loop().create_task(self._watch(job_id, driver.run.remote()))
 
     async def _watch(self, job_id: str, ref: Any) -> None:
         try:
             await ref
-        except Exception as e:  # noqa: BLE001 - any failure ends the job as FAILED
-            if self.registry.job(job_id).state is not JobState.CANCELLED:
-                self._finish(job_id, JobState.FAILED, job_error(e))
+        except Exception as e:  # noqa: BLE001 - any failure ends the job as FAILED, unless a restart heals it
+            if self.registry.job(job_id).state is JobState.CANCELLED or job_id not in self.running:
+                return
+            error = job_error(e)
+            if not await self._heal(job_id, error):
+                earlier = self.failures.pop(job_id, [])
+                self._finish(job_id, JobState.FAILED, error + "".join(
+                    f"; earlier failure {k} (healed by a restart): {why}" for k, why in enumerate(earlier, 1)))
             return
+        self.failures.pop(job_id, None)
         self._finish(job_id, JobState.SUCCEEDED, None)
+
+    async def _heal(self, job_id: str, error: str) -> bool:
+        """Restart a job that failed with ``error`` from its last checkpoint, in its placement group, if the
+        failure is :func:`healable` and the job has restarts left (``job.max_failures``); False otherwise."""
+        from otray import metric_keys as K
+
+        cfg = config_mod.load(self.registry.job(job_id).config)
+        healed = self.failures.setdefault(job_id, [])
+        if not healable(error) or len(healed) >= cfg.job.max_failures:
+            return False
+        healed.append(error)
+        driver, pg = self.running[job_id]
+        ray.kill(driver)  # its learners and workers die with it: their bundles free up for the new ones
+        try:
+            step: int | None = self.registry.checkpoint(job_id)[0]
+        except KeyError:
+            step = None  # none saved yet: from the start (or from the checkpoint it was submitted to resume)
+        self.registry.rewind(job_id, step or 0)
+        self.registry.set_progress(job_id, {K.STEP: step or 0, K.PHASE: K.PHASE_RECOVERY, K.RECOVERY_FAILURE: len(healed),
+                                            K.RECOVERY_REASON: error[:500], K.RECOVERY_FROM: step})
+        if step is not None:
+            cfg.checkpoint.resume_from = f"{job_id}:{step}"
+        await self._start(job_id, cfg, pg, restart=True)
+        return True
 
     def _finish(self, job_id: str, state: JobState, error: str | None) -> None:
         pair = self.running.pop(job_id, None)  # (its token stays: reports it sent last may still be queued)
@@ -157,6 +200,12 @@ class JobQueue:
         if not self.registry.job(job_id).state.terminal:
             self.registry.set_state(job_id, state, error)
         self.kick()
+
+
+def healable(error: str) -> bool:
+    """Whether a job's stored ``error`` (``Type: message``) is an actor's death a restart can heal (one of
+    :data:`HEALABLE`; not a failing environment or bad input)."""
+    return error.split(":", 1)[0] in HEALABLE
 
 
 def fair_pick(queued: list[tuple[str, str]], running_owners: list[str]) -> str:

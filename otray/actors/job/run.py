@@ -74,7 +74,7 @@ def _train(cfg: Config, job: TrainJob, job_dir: Path, report: Callable[[dict[str
     print(HEADER, flush=True)
     ck, sft_job = cfg.checkpoint, cfg.job.kind == "sft"
     if ck.resume_from:
-        job.resume(ck.resume_from)
+        job.rewind_metrics(job.resume(ck.resume_from))  # (restarted in its own directory: no duplicate rows)
     elif cfg.sft.steps and not sft_job:
         emit({K.STEP: 0, K.PHASE: K.PHASE_BASE, **job.evaluate()})
         row = {K.STEP: 0, K.PHASE: K.PHASE_SFT, **job.sft.warmup(), **job.evaluate()}

@@ -28,7 +28,7 @@ from otray.actors.sampling.transport import choose
 from otray.placement import in_bundle, threads_env
 from otray.records import CheckpointMeta
 from otray.timing import StepClock
-from otray.types import Datum, LossNormalizer, RolloutError, WorkerInfo
+from otray.types import Datum, LossNormalizer, WorkerInfo, WorkersLostError
 
 
 def actor_name(job_id: str, role: str) -> str:
@@ -196,13 +196,13 @@ class PolicyRuntime:
 
     def check_health(self, timeout: float = 30.0) -> list[str]:
         """Ping the fleet's workers between steps; returns a line for each worker found dead now (the
-        fleet drops it), and raises RolloutError when none is left."""
+        fleet drops it), and raises WorkersLostError when none is left."""
         if self.fleet is None:
             return []
         before = set(self.fleet.dead)
         self.fleet.health_check(timeout)
         if not self.fleet.live:
-            raise RolloutError(f"policy {self.name!r}: every rollout worker failed: " +
+            raise WorkersLostError(f"policy {self.name!r}: every rollout worker failed: " +
                                "; ".join(f"worker {i}: {why}" for i, why in self.fleet.dead.items()))
         return [f"policy {self.name!r}: rollout worker {i} failed ({why}); {len(self.fleet.live)} left"
                 for i, why in self.fleet.dead.items() if i not in before]

@@ -181,3 +181,12 @@ class TrainJob:
     def write_metrics(self, row: dict[str, Any]) -> None:
         with (self.dir / "metrics.jsonl").open("a") as f:
             f.write(json.dumps(row) + "\n")
+
+    def rewind_metrics(self, step: int) -> None:
+        """Drop the rows after ``step`` from this job directory's ``metrics.jsonl`` (a job restarted there
+        from its checkpoint at ``step`` runs those steps again)."""
+        path = self.dir / "metrics.jsonl"
+        if path.exists():
+            kept = [line for line in path.read_text().splitlines()
+                    if line.strip() and int(json.loads(line).get("step", 0)) <= step]
+            path.write_text("".join(line + "\n" for line in kept))

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from otray.types import ConfigError, GenerateResult, RolloutError, SamplingParams, WeightSyncError
+from otray.types import ConfigError, GenerateResult, SamplingParams, WeightSyncError, WorkersLostError
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ class RolloutFleet:
         while pending:
             live = self.live
             if not live:
-                raise RolloutError("every rollout worker failed: " +
+                raise WorkersLostError("every rollout worker failed: " +
                                    "; ".join(f"worker {i}: {why}" for i, why in self.dead.items()))
             shares = {w: pending[k::len(live)] for k, w in enumerate(live)}
             refs = {w: self.workers[w].generate.remote([prompts[j] for j in idx], params, n,
@@ -126,5 +126,6 @@ class RolloutFleet:
                                       f"version {version}: it did not apply the update")
             versions.append(got)
         if not versions:
-            raise RolloutError("no rollout worker accepted the weight update")
+            raise WorkersLostError("no rollout worker accepted the weight update: " +
+                                   "; ".join(f"worker {i}: {why}" for i, why in self.dead.items()))
         return versions

@@ -153,9 +153,10 @@ def _kill_process_of(ray, class_name):
     return time.time()
 
 
-def _running_job(ray, rm, root, tmp_path):
+def _running_job(ray, rm, root, tmp_path, max_failures=0):
     data = admin_cfg(tmp_path, steps=500)
     data["checkpoint"] = {"save_every": 1}
+    data["job"]["max_failures"] = max_failures  # 0: a death ends the job (healing is tested below)
     job = ray.get(rm.submit.remote(data, root))
     wait_job(ray, rm, job, root, until="step")
     return job, ray.get(rm.placement_group_id.remote(job, root))
@@ -172,6 +173,57 @@ def test_a_killed_worker_or_learner_fails_the_job_and_frees_its_lease(keyed, ray
     assert ray_local.util.placement_group_table()[pg]["state"] == "REMOVED"
     trained = max(r["step"] for r in ray_local.get(rm.metrics.remote(job, 0, root)) if r.get("phase") == "grpo")
     assert max(ray_local.get(rm.checkpoints.remote(job, root))) <= trained  # none saved from a failed step
+
+
+def _wait(ray, rm, job, root, done, what, timeout=120):
+    deadline = time.time() + timeout
+    while True:
+        st = ray.get(rm.status.remote(job, root))
+        if done(st):
+            return st
+        assert time.time() < deadline and not st.terminal, f"{what}: {st}"
+        time.sleep(0.3)
+
+
+def test_a_killed_worker_learner_and_driver_are_healed_from_the_last_checkpoint(keyed, ray_local, tmp_path):
+    """job.max_failures 3: a rollout worker, the learner and the job driver killed in turn (their processes
+    SIGKILLed mid-run); each time the job restarts in its placement group from its last checkpoint, a
+    recovery row and a line of its status name the failure, and the job SUCCEEDS with every step's row
+    exactly once. A second job with max_failures 1 killed twice ends FAILED naming both failures. No
+    placement group is left behind."""
+    rm, root = keyed["rm"], keyed["root"]
+    data = admin_cfg(tmp_path, steps=14)
+    data["checkpoint"] = {"save_every": 1}
+    data["job"]["max_failures"] = 3
+    job = ray_local.get(rm.submit.remote(data, root))
+    wait_job(ray_local, rm, job, root, until="step")
+    pg = ray_local.get(rm.placement_group_id.remote(job, root))
+    for k, victim in enumerate(("RolloutWorker", "PolicyLearner", "JobDriver"), 1):
+        _kill_process_of(ray_local, victim)
+        st = _wait(ray_local, rm, job, root, lambda st: len(st.recoveries) == k, f"no recovery from the {victim}'s death")
+        assert st.state.value == "RUNNING" and ray_local.get(rm.placement_group_id.remote(job, root)) == pg
+        resumed = ray_local.get(rm.metrics.remote(job, 0, root))[-1]
+        assert resumed["phase"] == "recovery" and resumed["recovery/failure"] == k, resumed
+        _wait(ray_local, rm, job, root, lambda st: st.progress.get("phase") == "grpo"
+              and st.progress["step"] > resumed["step"], f"the job did not go on after the {victim}'s death")
+    st = wait_job(ray_local, rm, job, root, timeout=240)
+    assert st.state.value == "SUCCEEDED" and len(st.recoveries) == 3, st
+    assert "WorkersLostError: " in st.recoveries[0] and "ActorDiedError" in st.recoveries[1]
+    steps = [r["step"] for r in ray_local.get(rm.metrics.remote(job, 0, root)) if r["phase"] == "grpo"]
+    assert steps == list(range(1, 15)), steps  # no gap, no duplicate
+    second, _ = _running_job(ray_local, rm, root, tmp_path, max_failures=1)
+    _kill_process_of(ray_local, "PolicyLearner")
+    _wait(ray_local, rm, second, root, lambda st: len(st.recoveries) == 1, "no recovery")
+    wait_job(ray_local, rm, second, root, until="step")
+    _wait(ray_local, rm, second, root, lambda st: st.progress.get("phase") == "grpo", "no step after the restart")
+    _kill_process_of(ray_local, "PolicyLearner")
+    st = wait_job(ray_local, rm, second, root, timeout=60)
+    assert st.state.value == "FAILED" and "; earlier failure 1 (healed by a restart): ActorDiedError" in st.error, st
+    deadline = time.time() + 30
+    while any(t["name"].startswith("otray-job-") and t["state"] != "REMOVED"
+              for t in ray_local.util.placement_group_table().values()):
+        assert time.time() < deadline, "a placement group was left behind"
+        time.sleep(0.5)
 
 
 def test_a_crashed_manager_restarts_fails_its_running_job_and_keeps_auth(keyed, ray_local, tmp_path):

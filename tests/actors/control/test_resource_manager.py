@@ -42,9 +42,11 @@ def _held(ray) -> str:
 
 
 def _running_long_job(rm, ray, tmp_path, tiny_path):
-    """Submit a job far too long to finish during the test; return (job id, placement group id) once RUNNING."""
+    """Submit a job far too long to finish during the test (never restarted: max_failures 0); return (job id,
+    placement group id) once RUNNING."""
     data = _job(tmp_path, tiny_path)
     data["algo"]["steps"] = 500
+    data["job"]["max_failures"] = 0
     job_id = ray.get(rm.submit.remote(data))
     _wait(rm, ray, job_id, {"RUNNING"})
     return job_id, ray.get(rm.placement_group_id.remote(job_id))
