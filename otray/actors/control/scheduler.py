@@ -204,8 +204,9 @@ class JobQueue:
 
 def healable(error: str) -> bool:
     """Whether a job's stored ``error`` (``Type: message``) is an actor's death a restart can heal (one of
-    :data:`HEALABLE`; not a failing environment or bad input)."""
-    return error.split(":", 1)[0] in HEALABLE
+    :data:`HEALABLE`, or a sharded learner whose rank died of one; not a failing environment or bad input)."""
+    kind = error.split(":", 1)[0]
+    return kind in HEALABLE or (kind == "LearnerGroupError" and any(f"{h}:" in error for h in HEALABLE))
 
 
 def fair_pick(queued: list[tuple[str, str]], running_owners: list[str]) -> str:

@@ -126,3 +126,16 @@ def test_restarted_manager_recovers_the_registry(rm, ray_local):
     again = get_or_create(str(db))
     after = {j.id: j.state for j in ray_local.get(again.jobs.remote())}
     assert after == before
+
+
+def test_which_failures_a_restart_heals():
+    """An actor's death (a worker, a learner, a sharded learner's rank, every rollout worker) is healed;
+    bad input and failing environments are not."""
+    from otray.actors.control.scheduler import healable
+
+    assert healable("ActorDiedError: The actor died unexpectedly before finishing this task.")
+    assert healable("WorkersLostError: every rollout worker failed: worker 0: ActorDiedError: ...")
+    assert healable("LearnerGroupError: learner rank 1 of 2 (node n) failed: ActorDiedError: died")
+    assert not healable("LearnerGroupError: learner rank 1 of 2 (node n) failed: ValueError: bad shape")
+    assert not healable("ConfigError: cannot import 'nosuchmod:Env'")
+    assert not healable("RolloutError: step 3: all 8 rollouts failed (env_exception)")
