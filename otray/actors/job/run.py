@@ -70,6 +70,11 @@ def _train(cfg: Config, job: TrainJob, job_dir: Path, report: Callable[[dict[str
         if on_episodes is not None and episodes:
             on_episodes(episodes)
 
+    def save() -> None:
+        summary["last_checkpoint"] = job.save_checkpoint()
+        if on_checkpoint is not None:
+            on_checkpoint(job.step, summary["last_checkpoint"])
+
     t_start = time.perf_counter()
     print(HEADER, flush=True)
     ck, sft_job = cfg.checkpoint, cfg.job.kind == "sft"
@@ -80,6 +85,8 @@ def _train(cfg: Config, job: TrainJob, job_dir: Path, report: Callable[[dict[str
         row = {K.STEP: 0, K.PHASE: K.PHASE_SFT, **job.sft.warmup(), **job.evaluate()}
         emit(row)
         summary["heldout_start"] = row.get(K.EVAL_ACCURACY)
+        if ck.save_every and cfg.job.max_failures:  # a restart (job.max_failures) goes on from after the warm-up
+            save()
     else:
         row = {K.STEP: 0, K.PHASE: K.PHASE_INIT, **job.evaluate()}
         emit(row)
@@ -95,15 +102,11 @@ def _train(cfg: Config, job: TrainJob, job_dir: Path, report: Callable[[dict[str
             metrics.update(job.evaluate())
         emit({K.PHASE: phase, **metrics})
         if (ck.save_every and job.step % ck.save_every == 0) or (last and ck.save_at_end) or job.league_due():
-            summary["last_checkpoint"] = job.save_checkpoint()
-            if on_checkpoint is not None:
-                on_checkpoint(job.step, summary["last_checkpoint"])
+            save()
         if last:
             summary["heldout_end"] = K.headline_eval(metrics)
     if steps == 0 and ck.save_at_end and not ck.resume_from:  # an SFT warm-up only: keep its result
-        summary["last_checkpoint"] = job.save_checkpoint()
-        if on_checkpoint is not None:
-            on_checkpoint(job.step, summary["last_checkpoint"])
+        save()
     summary["total_s"] = time.perf_counter() - t_start
     summary["first_rollout_at"] = job.first_rollout_at
     if summary.get("heldout_end") is not None and summary.get("heldout_start") is not None:
