@@ -4,9 +4,10 @@ Through a ResourceManager on a local Ray (a fresh registry), the demo (``conf/ar
 ``checkpoint.save_every`` as given: the same for both runs) runs twice, one after the other:
 
 - ``undisturbed``: as it is;
-- ``chaos``: every ``--every`` seconds after it starts running, one of its actors is SIGKILLed (a crash, not a
-  polite ``ray.kill``), ``--kills`` times, the victims a random order of the rollout worker, the learner and the
-  job driver; the job heals by restarting from its last checkpoint (``job.max_failures``, default 3).
+- ``chaos``: every ``--every`` seconds after it starts running (default: the undisturbed run's time over
+  ``--kills`` + 1, so that every kill lands), one of its actors is SIGKILLed (a crash, not a polite
+  ``ray.kill``), ``--kills`` times, the victims a random order of the rollout worker, the learner and the job
+  driver; the job heals by restarting from its last checkpoint (``job.max_failures``, default 3).
 
 Then ``past_limit``: a short job with ``job.max_failures: 1`` whose learner is killed twice: it must end FAILED
 naming both failures.
@@ -16,7 +17,7 @@ undisturbed one's (target: within 5 points) and its time (submit to end) over th
 <= 1.6x), the steps run again (the step each kill came at minus the step it resumed from), duplicate rows
 (rows per GRPO step past one: target 0), the placement groups left behind (target 0).
 
-    python benchmarks/chaos.py [--every 40] [--kills 3] [--save-every 10]
+    python benchmarks/chaos.py [--every S] [--kills 3] [--save-every 10]
 
 Writes ``benchmarks/results/chaos.json``. Alone on the machine: it runs two demos (~15 minutes here).
 """
@@ -98,7 +99,7 @@ def run_job(client: Any, overrides: list[str], kills: list[str], every: float, l
 
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--every", type=float, default=40.0, help="seconds between kills")
+    ap.add_argument("--every", type=float, default=None, help="seconds between kills (default: see above)")
     ap.add_argument("--kills", type=int, default=3)
     ap.add_argument("--save-every", type=int, default=10)
     ap.add_argument("--seed", type=int, default=0, help="the kill order's")
@@ -115,10 +116,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     order = random.Random(args.seed).sample(VICTIMS * ((args.kills + 2) // 3), args.kills)
     kills: list[dict] = []
     print("undisturbed ...", flush=True)
-    calm = run_job(client, base, [], args.every, kills)
+    calm = run_job(client, base, [], 0.0, kills)
     print(f"  {calm['state']} in {calm['seconds']:.0f} s, held-out {calm['final_heldout']}", flush=True)
-    print(f"chaos ({', '.join(order)}) ...", flush=True)
-    chaos = run_job(client, base, order, args.every, kills)
+    every = args.every or calm["seconds"] / (args.kills + 1)
+    print(f"chaos ({', '.join(order)}, one every {every:.0f} s) ...", flush=True)
+    chaos = run_job(client, base, order, every, kills)
     print(f"  {chaos['state']} in {chaos['seconds']:.0f} s, held-out {chaos['final_heldout']}, "
           f"recoveries {len(chaos['recoveries'])}", flush=True)
     print("past the limit (max_failures 1, the learner killed twice) ...", flush=True)
@@ -133,7 +135,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             if k["phase"] == "grpo" and k["step"] is not None]
     gap = None if None in (chaos["final_heldout"], calm["final_heldout"]) else chaos["final_heldout"] - calm["final_heldout"]
     result = {
-        "args": vars(args), "kill_order": order, "kills": kills, "undisturbed": calm, "chaos": chaos, "past_limit": limit,
+        "args": vars(args), "every_s": every, "kill_order": order, "kills": kills, "undisturbed": calm, "chaos": chaos, "past_limit": limit,
         "heldout_gap_points": None if gap is None else 100 * gap,
         "time_ratio": chaos["seconds"] / calm["seconds"], "steps_run_again": lost,
         "duplicate_rows": calm["duplicate_rows"] + chaos["duplicate_rows"], "leaked_placement_groups": leaked,

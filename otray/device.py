@@ -5,9 +5,13 @@ actor that holds the model (Ray makes an actor's GPUs visible to it only when it
 - ``device``: ``auto`` = the first GPU this process sees, else the CPU; ``cpu``; ``cuda`` (an
   error naming the key when the process sees no GPU).
 - ``dtype``: ``auto`` = bfloat16 on a GPU, float32 on the CPU; or ``float32`` / ``bfloat16`` / ``float16``.
+- RNG states (:func:`rng_state`, :func:`set_rng_state`): a process's random generators, which a checkpoint
+  keeps for the learner and each rollout worker, so a resumed job samples what the uninterrupted one did.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from otray.types import ConfigError
 
@@ -36,3 +40,27 @@ def resolve_dtype(setting: str, device: str, where: str = "model.dtype") -> str:
     if setting == "auto":
         return "bfloat16" if device == "cuda" else "float32"
     return setting
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's RNG states: torch's CPU generator, Python's, and every visible GPU's."""
+    import random
+
+    import torch
+
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """This process's RNG states as :func:`rng_state` gave them (GPU states only onto as many GPUs)."""
+    import random
+
+    import torch
+
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(state["cuda"])

@@ -30,6 +30,8 @@ from otray.records import CheckpointMeta
 from otray.timing import StepClock
 from otray.types import Datum, LossNormalizer, WorkerInfo, WorkersLostError
 
+WORKERS_RNG = "workers_rng.pt"  # a checkpoint's rollout-worker RNG states (under state/)
+
 
 def actor_name(job_id: str, role: str) -> str:
     """What a job's actor is called in the Ray dashboard's actor list: ``otray:<job id>:<role>``
@@ -215,19 +217,32 @@ class PolicyRuntime:
         return ray.get([self.learner.busy_s.remote(), *[w.busy_s.remote() for w in live]])
 
     def save(self, path: Path, extra_state: dict[str, Any]) -> None:
-        """Learner state (``path/state``, with ``extra_state``) and the exported model (``path/model``)."""
+        """Learner state (``path/state``, with ``extra_state``), the exported model (``path/model``) and the
+        rollout workers' RNG states (``path/state/workers_rng.pt``: what their unseeded sampling draws from)."""
         import ray
+        import torch
 
         ray.get(self.learner.save_state.remote(str(path / "state"), extra_state))
         ray.get(self.learner.export.remote(str(path / "model")))
+        if self.fleet is not None:
+            states = ray.get([self.fleet.workers[i].rng_state.remote() for i in self.fleet.live])
+            torch.save(states, path / "state" / WORKERS_RNG)
 
     def load(self, path: Path) -> CheckpointMeta:
-        """Load the learner state saved under ``path/state``, push the weights; returns its meta."""
+        """Load the learner state saved under ``path/state``, push the weights, give the rollout workers
+        their saved RNG states (when as many are live as were saved: a resumed job then samples exactly
+        what the uninterrupted one did); returns its meta."""
         import ray
+        import torch
 
         meta = ray.get(self.learner.load_state.remote(str(path / "state")))
         self.version = ray.get(self.learner.info.remote()).policy_version
         self.sync_weights()
+        saved = path / "state" / WORKERS_RNG
+        if self.fleet is not None and saved.exists():
+            states = torch.load(saved, weights_only=False)
+            if len(states) == len(self.fleet.live):
+                ray.get([self.fleet.workers[i].set_rng_state.remote(st) for i, st in zip(self.fleet.live, states)])
         return meta
 
 

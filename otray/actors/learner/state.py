@@ -14,13 +14,13 @@ Two layouts share ``meta.json`` (step, version, LoRA spec, model path, job ``ext
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from otray.actors.learner.core import new_adamw, trainable
+from otray.device import rng_state, set_rng_state
 from otray.records import CheckpointMeta
 from otray.types import ModelLoadError
 
@@ -35,16 +35,8 @@ def read_meta(src: Path, lora_rank: int) -> CheckpointMeta:
     return meta
 
 
-def rng_state() -> dict[str, Any]:
-    """This process's RNG states: torch's CPU generator, Python's, and every visible GPU's."""
-    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
 def write_meta(out: Path, meta: CheckpointMeta) -> None:
-    """``meta.json`` and ``rng.pt`` (this process's RNG state, :func:`rng_state`) into ``out``."""
+    """``meta.json`` and ``rng.pt`` (this process's RNG state, :func:`otray.device.rng_state`) into ``out``."""
     torch.save(rng_state(), out / "rng.pt")
     (out / "meta.json").write_text(json.dumps(meta.to_json(), indent=1, default=list))
 
@@ -74,11 +66,7 @@ def load_whole(model: torch.nn.Module, src: Path, device: str) -> torch.optim.Op
 
 def restore_rng(src: Path) -> None:
     """This process's RNG state as the checkpoint saved it (:func:`write_meta`)."""
-    rng = torch.load(src / "rng.pt", weights_only=False)
-    torch.set_rng_state(rng["torch"])
-    random.setstate(rng["python"])
-    if "cuda" in rng and torch.cuda.is_available() and len(rng["cuda"]) == torch.cuda.device_count():
-        torch.cuda.set_rng_state_all(rng["cuda"])
+    set_rng_state(torch.load(src / "rng.pt", weights_only=False))
 
 
 def training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:

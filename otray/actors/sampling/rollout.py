@@ -18,7 +18,7 @@ from otray.actors.sampling.backends.base import Backend
 from otray.actors.sampling.device_transport import device_id, verify, verify_held
 from otray.actors.sampling.transport import Receiver
 from otray.timing import BusyClock
-from otray.device import resolve_device
+from otray.device import resolve_device, rng_state, set_rng_state
 from otray.types import ConfigError, GenerateResult, SamplingParams, WeightUpdate, WorkerInfo
 
 BACKENDS = ("auto", "vllm", "hf")
@@ -103,6 +103,14 @@ class RolloutWorker:
                 verify_held(received, held(update.kind, names), who, update.version)
         self.version = update.version
         return self.version
+
+    def rng_state(self) -> dict[str, Any]:
+        """This worker's RNG states (what unseeded sampling draws from), for a checkpoint."""
+        return rng_state()
+
+    def set_rng_state(self, state: dict[str, Any]) -> None:
+        """Go on from a checkpoint's :meth:`rng_state`: a resumed job samples what the uninterrupted one did."""
+        set_rng_state(state)
 
     def policy_version(self) -> int:
         return self.version

@@ -183,7 +183,7 @@ def test_same_seed_same_run(run_job, default_job, tmp_path):
     assert all(tokens > 0 for *_, tokens in first[2:])  # both GRPO steps trained on sampled tokens
 
 
-def test_resume_continues_step_counter_and_data(run_job, tmp_path):
+def test_resume_continues_step_counter_and_data_and_samples_exactly_the_same(run_job, tmp_path):
     def rows_of(job_dir):
         return [json.loads(line) for line in (job_dir / "metrics.jsonl").read_text().splitlines()]
 
@@ -204,9 +204,10 @@ def test_resume_continues_step_counter_and_data(run_job, tmp_path):
     uninterrupted = {r["step"]: r for r in rows_of(a_dir) if r["phase"] == "grpo"}
     resumed = [r for r in rows_of(b_dir) if r["phase"] == "grpo"]
     assert [r["step"] for r in resumed] == [3, 4]
-    for r in resumed:
-        assert r["batch"] == uninterrupted[r["step"]]["batch"]
-        assert r["learner/step"] == uninterrupted[r["step"]]["learner/step"]
+    for r in resumed:  # exactly the same steps: the workers' RNG states are in the checkpoint too
+        same = uninterrupted[r["step"]]
+        assert r["batch"] == same["batch"] and r["learner/step"] == same["learner/step"]
+        assert all(r[k] == same[k] for k in ("reward_mean", "learner/loss", "rollout/logprob_kl")), (r, same)
     assert uninterrupted[3]["batch"] != uninterrupted[4]["batch"]
 
 
