@@ -70,23 +70,32 @@ def _train(cfg: Config, job: TrainJob, job_dir: Path, report: Callable[[dict[str
         if on_episodes is not None and episodes:
             on_episodes(episodes)
 
-    def save() -> None:
-        summary["last_checkpoint"] = job.save_checkpoint()
+    def save(warmup: dict[str, Any] | None = None) -> None:
+        summary["last_checkpoint"] = job.save_checkpoint(warmup)
         if on_checkpoint is not None:
             on_checkpoint(job.step, summary["last_checkpoint"])
 
     t_start = time.perf_counter()
     print(HEADER, flush=True)
     ck, sft_job = cfg.checkpoint, cfg.job.kind == "sft"
-    if ck.resume_from:
-        job.rewind_metrics(job.resume(ck.resume_from))  # (restarted in its own directory: no duplicate rows)
-    elif cfg.sft.steps and not sft_job:
-        emit({K.STEP: 0, K.PHASE: K.PHASE_BASE, **job.evaluate()})
-        row = {K.STEP: 0, K.PHASE: K.PHASE_SFT, **job.sft.warmup(), **job.evaluate()}
+    # a job that heals by restarts (job.max_failures, with checkpoints) also checkpoints its SFT warm-up, at
+    # each accuracy check and when it ends: a restart goes on from there, not from before the warm-up
+    healing = bool(ck.save_every and cfg.job.max_failures)
+
+    def warm_up(resume: dict[str, Any] | None) -> None:
+        row = {K.STEP: 0, K.PHASE: K.PHASE_SFT, **job.sft.warmup(resume, save if healing else None), **job.evaluate()}
         emit(row)
         summary["heldout_start"] = row.get(K.EVAL_ACCURACY)
-        if ck.save_every and cfg.job.max_failures:  # a restart (job.max_failures) goes on from after the warm-up
+        if healing:
             save()
+
+    if ck.resume_from:
+        job.rewind_metrics(job.resume(ck.resume_from))  # (restarted in its own directory: no duplicate rows)
+        if job.warmup_state is not None:  # saved midway through its SFT warm-up: it goes on with it
+            warm_up(job.warmup_state)
+    elif cfg.sft.steps and not sft_job:
+        emit({K.STEP: 0, K.PHASE: K.PHASE_BASE, **job.evaluate()})
+        warm_up(None)
     else:
         row = {K.STEP: 0, K.PHASE: K.PHASE_INIT, **job.evaluate()}
         emit(row)

@@ -98,19 +98,28 @@ class SFTTrainer:
         total = sum(-lp * m for d, lps in zip(datums, logprobs) for lp, m in zip(lps, d.mask))
         return total / max(1.0, sum(sum(d.mask) for d in datums))
 
-    def warmup(self) -> dict[str, float]:
+    def warmup(self, resume: dict[str, Any] | None = None,
+               save: Callable[[dict[str, Any]], None] | None = None) -> dict[str, float]:
         """An RL job's warm-up: up to ``sft.steps`` steps on chat data or the env's tasks, stopping once
-        greedy accuracy on a fixed sample of training tasks reaches ``sft.stop_at_accuracy``."""
+        greedy accuracy on a fixed sample of training tasks reaches ``sft.stop_at_accuracy``. ``save(state)``
+        (a job that heals by restarts) checkpoints it at each accuracy check; ``resume``: such a state,
+        to go on from (the learner's weights and optimizer already loaded)."""
         sft = self.cfg.sft
         source = probe = None
         if self.cfg.envs:  # a game job warms up on chat data only, without the accuracy check
             env_name = sft.env or next(iter(self.cfg.envs))
             source = TaskSource(self.env_splits[env_name]["train"].tasks, seed=self.cfg.job.seed + 1)
             probe = source.tasks[: sft.check_samples]  # fixed training tasks for the early stop
-        t0, losses, train_acc, steps = time.perf_counter(), [], None, 0
-        for steps in range(1, sft.steps + 1):
-            batch = (self.chat_batch(self.chat["train"].sample(sft.batch_size)) if self.chat  # chat demonstrations
-                     else self.env_batch(source.sample(sft.batch_size)))  # the env's prompts + completion_field
+        data = self.chat["train"] if self.chat else source
+        t0, losses, train_acc, first = time.perf_counter(), [], None, 1
+        if resume:
+            first, losses, train_acc = resume["steps"] + 1, list(resume["losses"]), resume["train_accuracy"]
+            data.seek(tuple(resume["position"]))
+            t0 -= resume["seconds"]
+        steps = first - 1
+        for steps in range(first, sft.steps + 1):
+            batch = (self.chat_batch(data.sample(sft.batch_size)) if self.chat  # chat demonstrations
+                     else self.env_batch(data.sample(sft.batch_size)))  # the env's prompts + completion_field
             losses.append(self.update(batch, steps)["loss"])
             if sft.stop_at_accuracy is not None and probe and self.rollouts is not None and steps % sft.check_every == 0:
                 self.policy.sync_weights()
@@ -119,6 +128,9 @@ class SFTTrainer:
                          f"train accuracy {train_acc:.3f}")
                 if train_acc >= sft.stop_at_accuracy:
                     break
+                if save is not None:
+                    save({"steps": steps, "losses": losses[-20:], "train_accuracy": train_acc,
+                          "position": list(data.position), "seconds": time.perf_counter() - t0})
             elif steps % max(1, sft.steps // 5) == 0:
                 self.log(f"  sft {steps}/{sft.steps}: loss {statistics.fmean(losses[-20:]):.3f}")
         self.policy.sync_weights()

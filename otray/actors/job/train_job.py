@@ -70,6 +70,7 @@ class TrainJob:
         self.sft = SFTTrainer(cfg, main, self.tokenizer, chat, self.env_splits, self.rollouts, log)
         self.episodes = EpisodeLog(self.dir)
         self.step = 0
+        self.warmup_state: dict[str, Any] | None = None  # a resumed job's SFT warm-up progress, if it was midway
         self.busy_prev: list[float] = []  # the first policy's actors' busy clocks at the end of the last step
         self.startup_s = time.perf_counter() - t0
         log(f"job ready in {self.startup_s:.1f}s: model {self.model_path}, backend {main.info.backend}, "
@@ -131,15 +132,16 @@ class TrainJob:
 
     # ------------------------------------------------------------------ checkpoints
 
-    def save_checkpoint(self) -> str:
-        """The first policy's learner state (+ job step and data position) and exported model at the top,
-        every other trained policy's under ``policies/<name>/``."""
+    def save_checkpoint(self, warmup: dict[str, Any] | None = None) -> str:
+        """The first policy's learner state (+ job step and data position; ``warmup``: an SFT warm-up's
+        progress, when it is saved midway) and exported model at the top, every other trained policy's
+        under ``policies/<name>/``."""
         path = self.dir / "checkpoints" / f"step-{self.step:06d}"
         if self.league_due():  # the snapshot joins the pool first, so that this checkpoint's state holds it
             self.source.league.add(self.step, path, self.source.elo)
+        first = {"job_step": self.step, "data": self.data_state(), **({"sft_warmup": warmup} if warmup else {})}
         for k, (name, policy) in enumerate(self.policies.items()):
-            policy.save(path if k == 0 else path / "policies" / name,
-                        {"job_step": self.step, "data": self.data_state()} if k == 0 else {})
+            policy.save(path if k == 0 else path / "policies" / name, first if k == 0 else {})
         self.log(f"  checkpoint: {path}")
         return str(path)
 
@@ -158,6 +160,7 @@ class TrainJob:
             if k == 0:
                 self.step = meta.extra_state["job_step"]
                 self.load_data_state(meta.extra_state["data"])
+                self.warmup_state = meta.extra_state.get("sft_warmup")  # saved midway through the warm-up
         self.log(f"resumed from {path} at step {self.step}")
         return self.step
 

@@ -1,6 +1,7 @@
 """TrainJob on a local Ray cluster with the tiny model: a short job, and bad input."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -242,3 +243,38 @@ def test_actors_are_named_after_the_job_and_end_with_it(ray_local, tiny_path, tm
     while names() and time.time() < deadline:
         time.sleep(0.2)
     assert not names()
+
+
+def test_a_job_that_heals_checkpoints_its_warm_up_and_resumes_it_midway_exactly(ray_local, tiny_path, tmp_path):
+    """With checkpoints and job.max_failures, the SFT warm-up is checkpointed at each accuracy check (its
+    progress in the checkpoint's state); a job resumed from one midway finishes the warm-up and the RL steps
+    exactly as the uninterrupted job did."""
+    import shutil
+
+    from otray.actors.job.run import run
+
+    def rows_of(job_dir):
+        return [json.loads(line) for line in (job_dir / "metrics.jsonl").read_text().splitlines()]
+
+    midway = tmp_path / "midway"
+
+    def keep_first_midway(step: int, path: str) -> None:
+        meta = json.loads((Path(path) / "state" / "meta.json").read_text())
+        if "sft_warmup" in meta["extra_state"] and not midway.exists():
+            shutil.copytree(path, midway)
+
+    data = _cfg(tmp_path)
+    data["model"]["path"] = tiny_path
+    data["sft"].update(steps=12, check_every=4, stop_at_accuracy=1.0, check_samples=8)
+    data["checkpoint"] = {"save_every": 1}
+    run(config.load(data), tmp_path / "a", on_checkpoint=keep_first_midway)
+    assert json.loads((midway / "state" / "meta.json").read_text())["extra_state"]["sft_warmup"]["steps"] == 4
+    data["checkpoint"] = {"save_every": 1, "resume_from": str(midway)}
+    run(config.load(data), tmp_path / "b")
+    a, b = rows_of(tmp_path / "a"), rows_of(tmp_path / "b")
+    sft_a, sft_b = ([r for r in rows if r["phase"] == "sft"] for rows in (a, b))
+    assert len(sft_b) == 1 and sft_b[0]["sft_steps"] == sft_a[0]["sft_steps"] == 12
+    assert sft_b[0]["sft_loss"] == sft_a[0]["sft_loss"] and sft_b[0]["eval/accuracy"] == sft_a[0]["eval/accuracy"]
+    grpo_a, grpo_b = ([(r["step"], r["reward_mean"], r["learner/loss"]) for r in rows if r["phase"] == "grpo"]
+                      for rows in (a, b))
+    assert grpo_b == grpo_a and len(grpo_a) == 2
