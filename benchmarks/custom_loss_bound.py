@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.results_io import save  # noqa: E402
-from benchmarks.tinker_fairness import Stepper  # noqa: E402
+from benchmarks.tinker_fairness import Stepper, run_window  # noqa: E402
 
 
 def chain_graph(n: int) -> dict:
@@ -116,13 +116,7 @@ def run(args: argparse.Namespace, path: str) -> dict[str, Any]:
         stop = threading.Event()
         eve_calls.clear()
         threads = [Stepper(bob_step, stop)] + ([Stepper(eve, stop)] if eve else [])
-        for t in threads:
-            t.start()
-        start = time.perf_counter() + args.warmup
-        time.sleep(args.warmup + args.seconds)
-        stop.set()
-        for t in threads:
-            t.join()
+        start = run_window(threads, stop, args)
         steps = [s for t0, s in threads[0].steps if t0 >= start]
         out: dict[str, Any] = {"bob_median_s": statistics.median(steps), "bob_steps": len(steps)}
         if eve:

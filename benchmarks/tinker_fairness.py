@@ -75,19 +75,26 @@ def sdk_step(client: Any, data: list[Any]) -> Callable[[], None]:
     return step
 
 
+def run_window(steppers: list[Stepper], stop: threading.Event, args) -> float:
+    """Run ``steppers`` for ``args.warmup`` + ``args.seconds``, then stop them (``stop``); the measured
+    window's start (``time.perf_counter``: it lasts ``args.seconds``)."""
+    for t in steppers:
+        t.start()
+    start = time.perf_counter() + args.warmup
+    time.sleep(args.warmup + args.seconds)
+    stop.set()
+    for t in steppers:
+        t.join()
+    return start
+
+
 def phase(alice: list[Callable[[], None]], bob: Optional[Callable[[], None]], args, bob_pause: float = 0.0) -> dict[str, Any]:
     """One phase of ``args.seconds`` (after ``args.warmup`` s not counted) with alice's clients' steps and
     bob's (``bob_pause`` s between his; None: bob idle): bob's step times and alice's datums per second."""
     stop = threading.Event()
     alices = [Stepper(step, stop) for step in alice]
     bobs = [Stepper(bob, stop, bob_pause)] if bob is not None else []
-    for t in alices + bobs:
-        t.start()
-    start = time.perf_counter() + args.warmup
-    time.sleep(args.warmup + args.seconds)
-    stop.set()
-    for t in alices + bobs:
-        t.join()
+    start = run_window(alices + bobs, stop, args)
     end = start + args.seconds
     # alice: steps that ended in the window (unbiased for a long window: each client's ends are a renewal
     # process); bob: steps that began and ended in it

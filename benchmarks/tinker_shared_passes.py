@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.results_io import save  # noqa: E402
-from benchmarks.tinker_fairness import Stepper  # noqa: E402
+from benchmarks.tinker_fairness import Stepper, run_window  # noqa: E402
 
 USERS = (1, 2, 4, 8, 16)
 PORT = 8497
@@ -87,13 +87,7 @@ def learner_rates(args, path: str, done_row: Callable[[dict[str, Any]], None]) -
             before = ray.get(learner.usage.remote())["shared"]
             stop = threading.Event()
             threads = [Stepper(step(learner, f"u{i}"), stop) for i in range(users)]
-            for t in threads:
-                t.start()
-            start = time.perf_counter() + args.warmup
-            time.sleep(args.warmup + args.seconds)
-            stop.set()
-            for t in threads:
-                t.join()
+            start = run_window(threads, stop, args)
             done = sum(1 for t in threads for s in t.steps if start <= s[0] + s[1] < start + args.seconds)
             after = ray.get(learner.usage.remote())["shared"]
             calls = after["calls"] - before["calls"]
