@@ -224,7 +224,7 @@ class PolicyRuntime:
 
         ray.get(self.learner.save_state.remote(str(path / "state"), extra_state))
         ray.get(self.learner.export.remote(str(path / "model")))
-        if self.fleet is not None:
+        if self.fleet is not None and not self.colocated:  # (a colocated learner saves its own RNG state)
             states = ray.get([self.fleet.workers[i].rng_state.remote() for i in self.fleet.live])
             torch.save(states, path / "state" / WORKERS_RNG)
 
@@ -239,7 +239,7 @@ class PolicyRuntime:
         self.version = ray.get(self.learner.info.remote()).policy_version
         self.sync_weights()
         saved = path / "state" / WORKERS_RNG
-        if self.fleet is not None and saved.exists():
+        if self.fleet is not None and not self.colocated and saved.exists():
             states = torch.load(saved, weights_only=False)
             if len(states) == len(self.fleet.live):
                 ray.get([self.fleet.workers[i].set_rng_state.remote(st) for i, st in zip(self.fleet.live, states)])
