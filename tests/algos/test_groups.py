@@ -82,7 +82,7 @@ def test_check_batch_fails_a_step_whose_rollouts_all_failed():
     """A batch with nothing to train on (every episode, or every game of every policy, errored; or no
     rollout came back) stops the job; one good rollout anywhere is enough to go on."""
     from otray.actors.job.step import Batch, check_batch
-    from otray.types import RolloutError
+    from otray.types import RolloutError, WorkersLostError
 
     def batch(groups):
         return Batch(groups, "d", 0.0, 0.0, 0.0, 0)
@@ -92,3 +92,10 @@ def test_check_batch_fails_a_step_whose_rollouts_all_failed():
         with pytest.raises(RolloutError, match="step 4: all .*rollouts failed"):
             check_batch(batch(broken), 4)
     check_batch(batch({"main": [dead], "other": [group(1.0, 0.0)]}), 4)  # a game whose other seat played
+    lost = traj(0.0)  # every rollout lost to dead workers: a death a restart heals, not a failing env
+    lost.error = ErrorRecord("rollout_failed", "WorkersLostError: every rollout worker failed: worker 0: ActorDiedError")
+    with pytest.raises(WorkersLostError, match="step 4: all 2 rollouts failed"):
+        check_batch(batch({"main": [TrajectoryGroup(Task("t", "e"), [lost, lost])]}), 4)
+    with pytest.raises(RolloutError) as mixed:  # one env failure among them: not a death
+        check_batch(batch({"main": [TrajectoryGroup(Task("t", "e"), [lost, traj(0.0, error=True)])]}), 4)
+    assert not isinstance(mixed.value, WorkersLostError)

@@ -196,6 +196,7 @@ class JobQueue:
     def _finish(self, job_id: str, state: JobState, error: str | None) -> None:
         pair = self.running.pop(job_id, None)  # (its token stays: reports it sent last may still be queued)
         if pair is not None:
+            ray.kill(pair[0])  # the driver and the actors it owns go now, not when Ray frees the group
             ray.util.remove_placement_group(pair[1])
         if not self.registry.job(job_id).state.terminal:
             self.registry.set_state(job_id, state, error)

@@ -22,7 +22,7 @@ from otray.actors.job.runtime import Objective, PolicyRuntime
 from otray.algos.groups import prepare, select_groups
 from otray.config import AlgoSection
 from otray.timing import StepClock
-from otray.types import RolloutError, Trajectory, TrajectoryGroup
+from otray.types import RolloutError, Trajectory, TrajectoryGroup, WorkersLostError
 
 
 @dataclass
@@ -119,8 +119,11 @@ def check_batch(batch: Batch, step: int) -> None:
         return
     kinds = sorted({t.error.kind for t in failed})
     first = f"; the first: {failed[0].error.kind}: {failed[0].error.message}" if failed else ""
-    raise RolloutError(f"step {step}: all {len(every)} rollouts failed ({', '.join(kinds) or 'none came back'})"
-                       f"{first}. Nothing to train on, so the job stops here without a checkpoint of this step")
+    # every rollout lost to dead workers: a death (healed by a restart, job.max_failures), not the envs' failing
+    lost = bool(failed) and all(t.error.message.startswith(f"{WorkersLostError.__name__}:") for t in failed)
+    raise (WorkersLostError if lost else RolloutError)(
+        f"step {step}: all {len(every)} rollouts failed ({', '.join(kinds) or 'none came back'})"
+        f"{first}. Nothing to train on, so the job stops here without a checkpoint of this step")
 
 
 def logprob_gap(learner_metrics: dict[str, Any]) -> dict[str, float]:

@@ -141,13 +141,19 @@ def test_a_step_whose_rollouts_all_failed_fails_the_job_without_its_checkpoint(k
     assert ray_local.get(rm.checkpoints.remote(job, root)) == []
 
 
-def _kill_process_of(ray, class_name):
-    """SIGKILL the process of the one live actor of ``class_name`` (a crash, not a polite ray.kill)."""
+def _kill_process_of(ray, class_name, wait_s=30.0):
+    """SIGKILL the process of the one live actor of ``class_name`` (a crash, not a polite ray.kill), once it
+    is the only one (an earlier job's or attempt's actors may take a moment to go)."""
     import os
     import signal
 
-    table = ray._private.state.actors().values()  # the state API needs the dashboard, which is off
-    pids = [a["Pid"] for a in table if a["ActorClassName"] == class_name and a["State"] == "ALIVE"]
+    deadline = time.time() + wait_s
+    while True:
+        table = ray._private.state.actors().values()  # the state API needs the dashboard, which is off
+        pids = [a["Pid"] for a in table if a["ActorClassName"] == class_name and a["State"] == "ALIVE"]
+        if len(pids) == 1 or time.time() > deadline:
+            break
+        time.sleep(0.2)
     assert len(pids) == 1, (class_name, pids)
     os.kill(pids[0], signal.SIGKILL)
     return time.time()
