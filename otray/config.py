@@ -62,6 +62,9 @@ class ModelSection:
     device: str = "auto"  # auto (the actor's GPU if Ray gave it one, else the CPU) | cpu | cuda
     cache_dir: str = ".cache/models"
     lora: LoraSection = field(default_factory=LoraSection)
+    # a vision-language model's vision tower (and projector) trains at this times every step's learning rate,
+    # warm-up and RL alike; 0 freezes it. 1: as the language model. (otray.vlm.is_vision_param says which.)
+    vision_lr_scale: float = 1.0
 
 
 @dataclass
@@ -116,6 +119,13 @@ class AlgoSection:
     advantage: str = "zscore"  # mean | zscore | rloo
     aggregation: str = "token_mean"
     learning_rate: float = 1e-4
+    # RL's learning rate over its steps (otray.algos.schedule): constant | linear (to 0 at the last step) |
+    # cosine (to 0.1x at the last step), after a linear warm-up over lr_warmup_steps
+    lr_schedule: str = "constant"
+    lr_warmup_steps: int = 0
+    # > 0: adds this times KL(policy || the policy RL started from, i.e. after the SFT warm-up) to every
+    # sampled token's loss (k3 estimate; otray.actors.learner.anchor). Keeps what the warm-up learned.
+    kl_coeff: float = 0.0
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     weight_decay: float = 0.0
     grad_clip: float = 1.0
@@ -142,7 +152,7 @@ class DatasetSection:
     builder: Optional[str] = None  # "module:fn", called as fn(dir, **kwargs) -> {split: path}
     dir: str = ".cache/data"
     kwargs: dict[str, Any] = field(default_factory=dict)
-    # Data-free envs: "module:fn", called as fn(rng) -> row, num_samples rows per split
+    # Data-free envs: "module:fn", called as fn(rng, **kwargs) -> row, num_samples rows per split
     # (default 1000), seeded by job.seed and the split name. otray.env:seed_task gives {"seed": int}.
     generator: Optional[str] = None
 

@@ -88,7 +88,7 @@ BUNDLED = {
     "textworld": "envs.textworld_env:TextWorldEnv", "alfworld": "envs.alfworld_env:AlfWorldEnv",
     "mcp": "envs.mcp_env:McpToolEnv", "verifiers": "envs.verifiers_env:VerifiersEnv",
     "count_shapes": "envs.shapes:CountShapes", "shapes_times": "envs.shapes:ShapesTimes", "geometry3k": "envs.geometry3k:Geometry3K",
-    "geometry_figures": "envs.geometry3k:GeometryFigures",
+    "geometry_figures": "envs.geometry3k:GeometryFigures", "shape_quiz": "envs.shape_quiz:ShapeQuiz",
 }
 
 

@@ -85,6 +85,14 @@ def build_tiny_vlm(path: str | os.PathLike, seed: int = 0, shape: Any = None) ->
     return path
 
 
+VISION_MODULES = ("visual", "vision_tower", "vision_model", "multi_modal_projector")  # Qwen2-VL, LLaVA, Idefics...
+
+
+def is_vision_param(name: str) -> bool:
+    """Whether parameter ``name`` belongs to a vision-language model's vision tower or its projector."""
+    return any(part in VISION_MODULES for part in name.split("."))
+
+
 NEVER = -1e9  # the logit of a token a policy never samples (finite: a prompt's image token is still a target)
 
 

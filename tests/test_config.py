@@ -45,6 +45,12 @@ def test_overrides_apply_with_types():
     ({**MINIMAL, "job": {"kind": "infer"}}, r"envs\.arithmetic has no 'eval' split .*has: train.*--split"),
     ({**MINIMAL, "job": {"kind": "infer"}, "infer": {"split": "train", "limit": 0}}, r"infer\.limit must be >= 1"),
     ({**MINIMAL, "infer": {"splt": "train"}}, r"infer\.splt.*did you mean 'infer\.split'"),
+    ({**MINIMAL, "algo": {"lr_schedule": "step"}}, r"algo\.lr_schedule='step'.*cosine"),
+    ({**MINIMAL, "algo": {"kl_coeff": -0.1}}, r"algo\.kl_coeff must be >= 0"),
+    ({**MINIMAL, "algo": {"kl_coeff": 0.1}, "resources": {"learner_workers": 2}},
+     r"algo\.kl_coeff=0\.1 .*sharded learner.*learner_workers to 1"),
+    ({**MINIMAL, "model": {"vision_lr_scale": 0.1}, "resources": {"learner_workers": 2}},
+     r"model\.vision_lr_scale=0\.1 .*sharded learner"),
 ])
 def test_bad_configs_name_the_key(data, match):
     with pytest.raises(ConfigError, match=match):

@@ -10,6 +10,7 @@ rerun with the same seed draws the same episodes.
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from typing import Any
@@ -137,18 +138,21 @@ class EnvRollouts:
 
     def evaluate(self, splits: dict[str, dict[str, TaskSource]], ev: EvalSection, step: int) -> dict[str, float]:
         """One episode per task of each env's ``ev.split`` (first ``ev.num_samples``), all envs in one loop:
-        ``eval/<env>/...`` metrics, ``eval/<env>/accuracy`` = success rate, ``eval/accuracy`` their mean."""
+        ``eval/<env>/...`` metrics, ``eval/<env>/accuracy`` = success rate, ``eval/accuracy`` their mean
+        and ``eval/accuracy_stderr`` its standard error (the envs' binomial errors combined)."""
         tasks = [t for s in splits.values() if ev.split in s for t in s[ev.split].tasks[: ev.num_samples]]
         groups = self.rollout(tasks, step, n=1, greedy=ev.greedy) if tasks else []
         out: dict[str, float] = {}
+        variances = []
         for name in splits:
             trajs = [t for g in groups if g.task.env == name for t in g.trajectories]
             if trajs:
                 out.update(episode_metrics(trajs, f"eval/{name}/"))
-                out[f"eval/{name}/accuracy"] = out[f"eval/{name}/success_rate"]
-        accs = [v for k, v in out.items() if k.endswith("/accuracy")]
-        if accs:
-            out[K.EVAL_ACCURACY] = statistics.fmean(accs)
+                p = out[f"eval/{name}/accuracy"] = out[f"eval/{name}/success_rate"]
+                variances.append(p * (1 - p) / len(trajs))
+        if variances:
+            out[K.EVAL_ACCURACY] = statistics.fmean(v for k, v in out.items() if k.endswith("/accuracy"))
+            out[K.EVAL_STDERR] = math.sqrt(sum(variances)) / len(variances)
         return out
 
 

@@ -9,6 +9,7 @@ the ResourceManager (the dashboard's trajectory viewer).
 
 from __future__ import annotations
 
+import functools
 import json
 import statistics
 from collections.abc import Callable
@@ -68,12 +69,13 @@ def load_splits(name: str, dataset: DatasetSection, splits: dict[str, SplitSecti
                 where: str) -> dict[str, TaskSource]:
     """Task sources of one env (or of SFT chat data): explicit split paths, else the builder's output."""
     built: dict[str, Any] = {}
-    if dataset.builder:
+    if dataset.builder:  # kwargs: the builder's, else the generator's
         built = import_object(dataset.builder)(dataset.dir, **dataset.kwargs)
     sources = {}
     for split, sc in splits.items():
         if dataset.generator and not sc.path:
-            sources[split] = TaskSource.from_generator(import_object(dataset.generator), sc.num_samples or 1000, name,
+            make = functools.partial(import_object(dataset.generator), **dataset.kwargs)
+            sources[split] = TaskSource.from_generator(make, sc.num_samples or 1000, name,
                                                        seed=split_seed(seed, split), shuffle=sc.shuffle)
             continue
         path = sc.path or built.get(split)

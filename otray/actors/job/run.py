@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from otray import metric_keys as K
+from otray.actors.job.heldout import HeldoutWatch
 from otray.actors.job.train_job import TrainJob
 from otray.config import Config
 
@@ -23,11 +24,13 @@ HEADER = f"{'step':>5} {'phase':<6} {'reward':>7} {'heldout':>8} {'tok/s':>8} {'
 
 
 def table_row(row: dict[str, Any]) -> str:
-    """One table line; SFT rows show the loss under 'reward' and the held-out loss when no accuracy exists."""
+    """One table line; SFT rows show the loss under 'reward' and the held-out loss when no accuracy exists.
+    A row with the held-out guard's warning (:mod:`otray.actors.job.heldout`) gets it on a second line."""
     acc, reward = K.headline_eval(row), K.headline_reward(row)
-    return (f"{row[K.STEP]:>5} {row[K.PHASE]:<6} {'' if reward is None else f'{reward:.3f}':>7} "
+    line = (f"{row[K.STEP]:>5} {row[K.PHASE]:<6} {'' if reward is None else f'{reward:.3f}':>7} "
             f"{'' if acc is None else f'{acc:.3f}':>8} {row.get(K.TOKENS_PER_S, 0.0):>8.0f} "
             f"{row.get(K.STEP_S, 0.0):>7.2f}")
+    return line + (f"\nWARNING: {row[K.EVAL_WARNING]}" if K.EVAL_WARNING in row else "")
 
 
 def run(cfg: Config, job_dir: Path, *, placement_group: Any = None,
@@ -81,16 +84,19 @@ def _train(cfg: Config, job: TrainJob, job_dir: Path, report: Callable[[dict[str
     # a job that heals by restarts (job.max_failures, with checkpoints) also checkpoints its SFT warm-up, at
     # each accuracy check and when it ends: a restart goes on from there, not from before the warm-up
     healing = bool(ck.save_every and cfg.job.max_failures)
+    watch: HeldoutWatch | None = None  # RL losing held-out accuracy it started with
 
     def warm_up(resume: dict[str, Any] | None) -> None:
+        nonlocal watch
         row = {K.STEP: 0, K.PHASE: K.PHASE_SFT, **job.sft.warmup(resume, save if healing else None), **job.evaluate()}
         emit(row)
-        summary["heldout_start"] = row.get(K.EVAL_ACCURACY)
+        summary["heldout_start"], watch = row.get(K.EVAL_ACCURACY), HeldoutWatch.of(row)
         if healing:
             save()
 
     if ck.resume_from:
         job.rewind_metrics(job.resume(ck.resume_from))  # (restarted in its own directory: no duplicate rows)
+        watch = HeldoutWatch.replay(job.read_metrics())
         if job.warmup_state is not None:  # saved midway through its SFT warm-up: it goes on with it
             warm_up(job.warmup_state)
     elif cfg.sft.steps and not sft_job:
@@ -99,7 +105,9 @@ def _train(cfg: Config, job: TrainJob, job_dir: Path, report: Callable[[dict[str
     else:
         row = {K.STEP: 0, K.PHASE: K.PHASE_INIT, **job.evaluate()}
         emit(row)
-        summary["heldout_start"] = K.headline_eval(row)
+        summary["heldout_start"], watch = K.headline_eval(row), HeldoutWatch.of(row) if not sft_job else None
+    if cfg.algo.kl_coeff and not sft_job:  # RL's reference: the policy as RL starts (a resumed job's own, if saved)
+        job.anchor(keep=bool(ck.resume_from) and job.warmup_state is None)
     steps, step_fn = (cfg.sft.steps if sft_job else cfg.algo.steps), job.step_fn()
     phase = K.PHASE_SFT if sft_job else K.PHASE_GRPO
     while job.step < steps:
@@ -109,6 +117,7 @@ def _train(cfg: Config, job: TrainJob, job_dir: Path, report: Callable[[dict[str
         last = job.step == steps
         if last or (cfg.eval.every and job.step % cfg.eval.every == 0):
             metrics.update(job.evaluate())
+            metrics.update(watch.see(metrics) if watch is not None else {})
         emit({K.PHASE: phase, **metrics})
         if (ck.save_every and job.step % ck.save_every == 0) or (last and ck.save_at_end) or job.league_due():
             save()

@@ -91,6 +91,8 @@ class ActorFactory:
         kwargs = dict(lora=to_dict(cfg)["model"]["lora"], dtype=cfg.model.dtype, device=cfg.model.device,
                       micro_batch_tokens=cfg.algo.micro_batch_tokens, seed=cfg.job.seed, num_threads=res.learner_threads,
                       gradient_checkpointing=cfg.model.gradient_checkpointing)
+        if cfg.model.vision_lr_scale != 1.0:  # (a sharded learner: refused by the config checks)
+            kwargs["vision_lr_scale"] = cfg.model.vision_lr_scale
 
         def actor(cls: type) -> Any:
             return ray.remote(num_cpus=res.learner_cpus, num_gpus=res.learner_gpus)(cls)
@@ -164,15 +166,17 @@ class PolicyRuntime:
         return tuple(self.fleet.workers) if self.fleet is not None else ()
 
     def update(self, datums: list[Datum], objective: Objective, algo: AlgoSection, learning_rate: float,
-               normalizer: LossNormalizer | None = None, clock: StepClock | None = None) -> dict[str, float]:
+               normalizer: LossNormalizer | None = None, clock: StepClock | None = None,
+               kl_to_start: float = 0.0) -> dict[str, float]:
         """forward_backward + optim_step on ``datums`` (nothing when there are none); returns the
-        learner's metrics of both calls and marks them on ``clock``."""
+        learner's metrics of both calls and marks them on ``clock``. ``kl_to_start``: the weight of the
+        KL to the policy RL started from (RL steps: ``algo.kl_coeff``; :meth:`anchor` first)."""
         import ray
 
         if not datums:
             return {}
         fb = ray.get(self.learner.forward_backward.remote(
-            datums, objective.loss_fn, objective.loss_fn_config, objective.aggregation, normalizer))
+            datums, objective.loss_fn, objective.loss_fn_config, objective.aggregation, normalizer, kl_to_start))
         if clock is not None:
             clock.mark("forward_backward")
         opt = ray.get(self.learner.optim_step.remote(
@@ -182,6 +186,13 @@ class PolicyRuntime:
         self.version += 1
         self.synced = False
         return {**fb, **opt}
+
+    def anchor(self, keep: bool = False) -> bool:
+        """The learner takes its weights now as the policy RL starts from (``algo.kl_coeff``'s reference;
+        ``keep``: unless it holds one from its checkpoint). Returns whether it took them."""
+        import ray
+
+        return ray.get(self.learner.set_anchor.remote(keep))
 
     def sync_weights(self, clock: StepClock | None = None) -> float:
         """Push the learner's weights to the fleet over ``weight_sync`` (full ones in the workers' dtype; colocated:

@@ -20,6 +20,7 @@ from typing import Any, Protocol
 from otray import metric_keys as K
 from otray.actors.job.runtime import Objective, PolicyRuntime
 from otray.algos.groups import prepare, select_groups
+from otray.algos.schedule import learning_rate
 from otray.config import AlgoSection
 from otray.timing import StepClock
 from otray.types import RolloutError, Trajectory, TrajectoryGroup, WorkersLostError
@@ -146,10 +147,11 @@ def rl_step(pipeline: Prefetcher, policies: dict[str, PolicyRuntime], algo: Algo
     clock.mark("prepare")
     pipeline.start_next(step + 1)                                                   # (off-policy: next batch now)
     learned: dict[str, dict[str, Any]] = {}
+    lr = learning_rate(algo, step + 1)                                              #    (algo.lr_schedule)
     for name, policy in policies.items():                                           # 6. learn
         t0 = time.perf_counter()
-        out = policy.update(prepared[name].datums, objective, algo, algo.learning_rate,
-                            prepared[name].normalizer, clock)
+        out = policy.update(prepared[name].datums, objective, algo, lr, prepared[name].normalizer, clock,
+                            kl_to_start=algo.kl_coeff)
         learned[name] = {"learn_s": time.perf_counter() - t0, **{f"learner/{k}": v for k, v in out.items()},
                          **logprob_gap(out)}
     pipeline.wait(clock)                                                            # 7. push weights (off-policy:

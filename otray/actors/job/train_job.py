@@ -113,6 +113,13 @@ class TrainJob:
         """What one step of this job is: an SFT job's ``sft_step``, else ``rl_step``."""
         return self.sft_step if self.cfg.job.kind == "sft" else self.rl_step
 
+    def anchor(self, keep: bool = False) -> None:
+        """Every trained policy's learner takes its weights now as the policy RL starts from (``algo.kl_coeff``;
+        ``keep``: a resumed learner keeps the one its checkpoint held)."""
+        for name, policy in self.policies.items():
+            if policy.anchor(keep):
+                self.log(f"  policy {name!r}: KL reference taken at step {self.step} (algo.kl_coeff={self.cfg.algo.kl_coeff})")
+
     def evaluate(self) -> dict[str, float]:
         """Held-out figures: each env's eval split (or the game's evaluation games) with the current
         weights, and, with chat data, ``eval/sft_loss``."""
@@ -184,6 +191,11 @@ class TrainJob:
     def write_metrics(self, row: dict[str, Any]) -> None:
         with (self.dir / "metrics.jsonl").open("a") as f:
             f.write(json.dumps(row) + "\n")
+
+    def read_metrics(self) -> list[dict[str, Any]]:
+        """This job directory's ``metrics.jsonl`` rows (none when it has none yet)."""
+        path = self.dir / "metrics.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
     def rewind_metrics(self, step: int) -> None:
         """Drop the rows after ``step`` from this job directory's ``metrics.jsonl`` (a job restarted there

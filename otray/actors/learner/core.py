@@ -10,7 +10,8 @@ import these, so one call's datums are cut, padded, scored and stepped alike eve
 - :func:`global_normalizer` (what a whole call's aggregation divides by), :func:`batch_stats` (a
   micro-batch's loss statistics, kept on the device) and :class:`LossSums` (their sums, copied to the
   host once per call: the metrics);
-- :func:`trainable`, :func:`new_adamw` and :func:`adamw_step` (clip, step, zero the gradients).
+- :func:`trainable`, :func:`new_adamw` and :func:`adamw_step` (clip, step, zero the gradients), with
+  :func:`scale_learning_rate` for parameters trained slower (a VLM's vision tower: ``model.vision_lr_scale``).
 """
 
 from __future__ import annotations
@@ -112,6 +113,8 @@ class LossSums:
     kl: float = 0.0
     absdiff: float = 0.0
     absdiff_max: float = 0.0  # the largest |sampler - learner| logprob gap of one token
+    nll: float = 0.0  # -(sampler logprob) of the sampled tokens: the sampling entropy's estimate, summed
+    kl_start: float = 0.0  # KL(policy || the policy RL started from), k3 per token, summed (algo.kl_coeff)
     compute_s: float = 0.0
 
     @classmethod
@@ -121,7 +124,8 @@ class LossSums:
             return cls(tokens=tokens, sequences=sequences)
         rows = torch.stack(stats).double().cpu()
         loss, ratio, clipped, kl, absdiff = rows[:, :5].sum(0).tolist()
-        return cls(loss, tokens, sequences, ratio, clipped, kl, absdiff, float(rows[:, 5].max()))
+        return cls(loss, tokens, sequences, ratio, clipped, kl, absdiff, float(rows[:, 5].max()), float(rows[:, 6].sum()),
+                   float(rows[:, 7].sum()))
 
     def plus(self, other: LossSums) -> LossSums:
         """Both calls' sums; ``compute_s`` and ``absdiff_max`` are the larger one's (ranks run side by side)."""
@@ -137,14 +141,18 @@ class LossSums:
                "compute_s": self.compute_s}
         if loss_fn != "cross_entropy":
             out.update({"ratio_mean": self.ratio / n, "clip_frac": self.clipped / n, "approx_kl": self.kl / n,
-                        "logprob_diff_mean": self.absdiff / n, "logprob_diff_max": self.absdiff_max})
+                        "logprob_diff_mean": self.absdiff / n, "logprob_diff_max": self.absdiff_max,
+                        "entropy": self.nll / n})
+        if self.kl_start:
+            out["kl_to_start"] = self.kl_start / n
         return out
 
 
 def batch_stats(loss: torch.Tensor, lp: torch.Tensor, q: torch.Tensor, mask: torch.Tensor, loss_fn: str,
-                cfg: dict[str, float]) -> torch.Tensor:
-    """One micro-batch's ``[loss, ratio sum, clipped tokens, KL sum, |diff| sum, |diff| max]`` over its
-    masked tokens, as one tensor on the device (no host sync: :meth:`LossSums.of` copies them once)."""
+                cfg: dict[str, float], kl_start: torch.Tensor | None = None) -> torch.Tensor:
+    """One micro-batch's ``[loss, ratio sum, clipped tokens, KL sum, |diff| sum, |diff| max, -q sum, KL-to-start
+    sum]`` over its masked tokens (``-q``: the sampled tokens' surprise, whose mean estimates the sampling
+    entropy; ``kl_start``: per-token KL to the anchor, :mod:`otray.actors.learner.anchor`), as one tensor on the device (no host sync: :meth:`LossSums.of` copies them once)."""
     with torch.no_grad():
         ratio = torch.exp(lp - q)
         full = loss_config(loss_fn, **cfg)
@@ -155,13 +163,29 @@ def batch_stats(loss: torch.Tensor, lp: torch.Tensor, q: torch.Tensor, mask: tor
             clipped = torch.zeros((), device=lp.device)
         gap = (q - lp) * mask
         return torch.stack([loss.detach().float(), (ratio * mask).sum(), clipped, gap.sum(), gap.abs().sum(),
-                            gap.abs().max()])
+                            gap.abs().max(), -(q * mask).sum(),
+                            (kl_start.detach() * mask).sum() if kl_start is not None else gap.new_zeros(())])
+
+
+LR_SCALE = "otray_lr_scale"  # a parameter's attribute: its learning rate is this times the step's (default 1)
+
+
+def scale_learning_rate(params: Sequence[torch.nn.Parameter], scale: float) -> None:
+    """Train ``params`` at ``scale`` times the learning rate of each step (:func:`new_adamw` groups them)."""
+    for p in params:
+        setattr(p, LR_SCALE, float(scale))
 
 
 def new_adamw(params: list[torch.nn.Parameter], **kwargs: Any) -> torch.optim.AdamW:
     """AdamW with torch's fused kernel where the parameters allow it (float tensors on CPU or CUDA),
     else the default implementation. Measured here (2 cores, ~100M float32 parameters): fused
-    0.07-0.08 s a step, the default (per-parameter loop on CPU) 0.2-0.8 s."""
+    0.07-0.08 s a step, the default (per-parameter loop on CPU) 0.2-0.8 s. Parameters given a learning-rate
+    scale (:func:`scale_learning_rate`) form their own group, in order of first appearance."""
+    by_scale: dict[float, list[torch.nn.Parameter]] = {}
+    for p in params:
+        by_scale.setdefault(getattr(p, LR_SCALE, 1.0), []).append(p)
+    if len(by_scale) > 1:
+        params = [{"params": ps, "lr_scale": scale} for scale, ps in by_scale.items()]  # type: ignore[misc]
     try:
         return torch.optim.AdamW(params, fused=True, **kwargs)
     except (RuntimeError, ValueError):
@@ -276,7 +300,8 @@ def adamw_step(optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter
     norm clipped to ``grad_clip`` (None or 0: not clipped); zeroes the gradients. Returns the
     gradient norm before clipping."""
     for group in optimizer.param_groups:
-        group.update(lr=learning_rate, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+        group.update(lr=learning_rate * group.get("lr_scale", 1.0), betas=tuple(betas), eps=eps,
+                     weight_decay=weight_decay)
     grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip else float("inf"), foreach=True)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)

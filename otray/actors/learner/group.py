@@ -130,9 +130,12 @@ class LearnerGroup:
         return in_order([row for rank_rows in per_rank for batch_rows in rank_rows for row in batch_rows], order)
 
     def forward_backward(self, datums: Sequence[Datum], loss_fn: str, loss_fn_config: dict[str, float] | None = None,
-                         aggregation: str = "token_mean",
-                         normalizer: LossNormalizer | None = None) -> dict[str, float]:
-        """PolicyLearner.forward_backward over the ranks: the whole batch's normalizer on each."""
+                         aggregation: str = "token_mean", normalizer: LossNormalizer | None = None,
+                         kl_to_start: float = 0.0) -> dict[str, float]:
+        """PolicyLearner.forward_backward over the ranks: the whole batch's normalizer on each. (No
+        ``kl_to_start``: the ranks hold no starting policy; the config refuses algo.kl_coeff here.)"""
+        if kl_to_start:
+            raise ValueError("a sharded learner holds no starting policy: kl_to_start must be 0")
         if not datums:
             return LossSums().metrics(loss_fn)
         norm = global_normalizer(datums, normalizer)
@@ -143,6 +146,9 @@ class LearnerGroup:
         for s in sums[1:]:
             total = total.plus(s)
         return total.metrics(loss_fn)
+
+    def set_anchor(self, keep: bool = False) -> bool:
+        raise ValueError("a sharded learner holds no starting policy (algo.kl_coeff must be 0)")
 
     def optim_step(self, learning_rate: float = 1e-4, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                    weight_decay: float = 0.0, grad_clip: float | None = 1.0) -> dict[str, float]:

@@ -31,8 +31,10 @@ from typing import Any
 
 import torch
 
+from otray.actors.learner.anchor import Anchor, kl_to_anchor
 from otray.actors.learner.core import (LossSums, adamw_step, batch_stats, global_normalizer, in_order, loss_inputs,
-                                       new_adamw, plan_micro_batches, token_logprobs, trainable)
+                                       new_adamw, plan_micro_batches, scale_learning_rate, token_logprobs,
+                                       trainable)
 from otray.actors.learner.precision import budget_for, learner_precision
 from otray.actors.learner.state import load_sharded, load_whole, read_meta, restore_rng, save_whole, write_meta
 from otray.actors.sampling.backends.base import Backend
@@ -44,6 +46,7 @@ from otray.placement import current_node_id
 from otray.records import CheckpointMeta
 from otray.timing import BusyClock, busy
 from otray.models import LoraSpec, apply_lora, copy_side_files, load_model, load_tokenizer
+from otray.vlm import is_vision_param
 from otray.types import (Datum, GenerateResult, LearnerInfo, LossNormalizer, SamplingParams,
                          WeightUpdate, WorkerInfo)
 
@@ -56,7 +59,7 @@ class PolicyLearner:
 
     def __init__(self, model_path: str, *, lora: LoraSpec | dict[str, Any] | None = None, dtype: str = "float32",
                  micro_batch_tokens: int = 8192, seed: int = 0, num_threads: int | None = None, device: str = "auto",
-                 gradient_checkpointing: bool = False):
+                 gradient_checkpointing: bool = False, vision_lr_scale: float = 1.0):
         if num_threads:
             torch.set_num_threads(num_threads)
         torch.manual_seed(seed)
@@ -75,6 +78,7 @@ class PolicyLearner:
             model.config.use_cache = False
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model = apply_lora(model, self.lora) if self.lora.rank > 0 else model
+        slow_vision(self.model, vision_lr_scale)
         self.budget_setting = micro_batch_tokens  # 0: auto (precision.budget_for), set at the first call
         self.optimizer: torch.optim.Optimizer | None = None
         self.step = 0  # optimizer steps taken
@@ -83,6 +87,7 @@ class PolicyLearner:
         self.busy = BusyClock()  # seconds spent in forward passes, optimizer steps and weight export
         self.sampler: Backend | None = None  # colocated generation (``start_sampler``)
         self.publisher = Publisher(self.device)  # weights out, over rollout.weight_sync (sampling.transport)
+        self.anchor: Anchor | None = None  # the policy RL started from (algo.kl_coeff's reference)
 
     def busy_s(self) -> float:
         return self.busy.total
@@ -134,24 +139,36 @@ class PolicyLearner:
 
     @busy
     def forward_backward(self, datums: Sequence[Datum], loss_fn: str, loss_fn_config: dict[str, float] | None = None,
-                         aggregation: str = "token_mean",
-                         normalizer: LossNormalizer | None = None) -> dict[str, float]:
+                         aggregation: str = "token_mean", normalizer: LossNormalizer | None = None,
+                         kl_to_start: float = 0.0) -> dict[str, float]:
         """Accumulate gradients of the aggregated loss; returns loss metrics for this call.
 
         ``normalizer`` sets what ``token_mean`` and ``seq_mean_token_mean`` divide by, when
         ``datums`` is part of a larger batch whose other members were left out because they
-        carry no gradient (zero advantage); by default the datums' own totals."""
+        carry no gradient (zero advantage); by default the datums' own totals. ``kl_to_start`` > 0
+        adds that times the per-token KL to the anchor (:meth:`set_anchor`) to every token's loss."""
         if not datums:
             return LossSums().metrics(loss_fn)
         norm = global_normalizer(datums, normalizer)
-        return self.accumulate(plan_micro_batches(datums, self.micro_batch_tokens)[0], loss_fn, loss_fn_config,
-                               aggregation, norm).metrics(loss_fn)
+        out = self.accumulate(plan_micro_batches(datums, self.micro_batch_tokens)[0], loss_fn, loss_fn_config,
+                              aggregation, norm, kl_to_start).metrics(loss_fn)
+        return {**out, "kl_to_start": out.get("kl_to_start", 0.0)} if kl_to_start else out
+
+    def set_anchor(self, keep: bool = False) -> bool:
+        """Take the weights as they are now as the policy RL started from (``keep``: unless one is held
+        already, e.g. loaded with a checkpoint). Returns whether one was taken."""
+        if keep and self.anchor is not None:
+            return False
+        self.anchor = Anchor.of(self.model)
+        return True
 
     def accumulate(self, batches: Sequence[Sequence[Datum]], loss_fn: str, loss_fn_config: dict[str, float] | None,
-                   aggregation: str, norm: LossNormalizer) -> LossSums:
+                   aggregation: str, norm: LossNormalizer, kl_to_start: float = 0.0) -> LossSums:
         """Backward over each micro-batch in turn, the aggregation divided by ``norm`` (the whole
         batch's totals); returns the sums the metrics are made of. An empty micro-batch is an idle
         pass (:meth:`idle_pass`)."""
+        if kl_to_start and self.anchor is None:
+            raise RuntimeError("forward_backward with kl_to_start > 0 needs the starting policy: call set_anchor first")
         t0 = time.perf_counter()
         self.model.train()
         cfg = dict(loss_fn_config or {})
@@ -160,14 +177,20 @@ class PolicyLearner:
             if not batch:
                 self.idle_pass(backward=True)
                 continue
+            # the anchor's logprobs first: no graph may hold its swapped-in storage (otray.actors.learner.anchor)
+            ref = (self.anchor.logprobs(self.model, batch, self.device, self.precision.autocast(self.device))
+                   if kl_to_start else None)
             with self.precision.autocast(self.device):
                 lp, valid = token_logprobs(self.model, batch, self.device)
             inputs = loss_inputs(batch, lp.shape[1], self.device)
             mask, q = inputs.mask * valid, inputs.sampler_logprobs
             tok_loss = per_token_loss(loss_fn, lp, q, inputs.advantages, inputs.weights, **inputs.extras(), **cfg)
+            kl = kl_to_anchor(lp, ref) if ref is not None else None
+            if kl is not None:
+                tok_loss = tok_loss + kl_to_start * kl
             loss = aggregate(tok_loss, mask, aggregation, total_tokens=norm.tokens, total_sequences=norm.sequences)
             loss.backward()
-            stats.append(batch_stats(loss, lp, q, mask, loss_fn, cfg))  # stays on the device
+            stats.append(batch_stats(loss, lp, q, mask, loss_fn, cfg, kl))  # stays on the device
             tokens += float(sum(sum(d.mask) for d in batch))
             sequences += float(len(batch))
         sums = LossSums.of(stats, tokens, sequences)  # one host copy for the whole call
@@ -296,6 +319,8 @@ class PolicyLearner:
         out = Path(path)
         out.mkdir(parents=True, exist_ok=True)
         save_whole(self.model, self.optimizer, out)
+        if self.anchor is not None:
+            self.anchor.save(out)
         write_meta(out, self.meta())
         return str(out)
 
@@ -307,6 +332,7 @@ class PolicyLearner:
             self.optimizer = load_sharded(self.model, self.optimizer, src, meta)
         else:
             self.optimizer = load_whole(self.model, src, self.device)
+        self.anchor = Anchor.load(src, self.device)
         self.restore_counters(src, meta)
         return meta
 
@@ -314,3 +340,16 @@ class PolicyLearner:
         """RNG state, step, version and the job's ``extra_state`` from a checkpoint."""
         restore_rng(src)
         self.step, self.version, self.extra_state = meta.step, meta.version, meta.extra_state
+
+
+def slow_vision(model: torch.nn.Module, scale: float) -> None:
+    """``model.vision_lr_scale``: a VLM's vision tower trains at ``scale`` times the step's learning rate (0:
+    frozen, no gradients). Measured on the tiny VLM (NOTES.md, issue 55): at the language model's rate the
+    warm-up grew the red shapes' image features ~200x and collapsed green onto blue."""
+    if scale == 1.0:
+        return
+    vision = [p for n, p in model.named_parameters() if p.requires_grad and is_vision_param(n)]
+    for p in vision if scale == 0 else ():
+        p.requires_grad_(False)
+    scale_learning_rate(vision if scale else [], scale)
+

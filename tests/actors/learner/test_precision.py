@@ -121,5 +121,7 @@ def test_loss_sums_of_device_rows_and_their_sum_over_ranks():
     row = batch_stats(torch.tensor(0.25), lp, q, mask, "ppo", {})
     sums = LossSums.of([row, row], tokens=4, sequences=2)
     assert sums.loss == pytest.approx(0.5) and sums.absdiff == pytest.approx(1.0) and sums.absdiff_max == 0.5
+    assert sums.nll == pytest.approx(2 * (1.0 + 2.5))  # the masked sampled tokens' -q, both rows
+    assert sums.metrics("ppo")["entropy"] == pytest.approx(7.0 / 4)
     both = sums.plus(LossSums(absdiff_max=2.0, tokens=1, sequences=1))
     assert both.absdiff_max == 2.0 and both.tokens == 5 and both.absdiff == pytest.approx(1.0)

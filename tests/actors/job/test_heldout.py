@@ -1,0 +1,44 @@
+"""The held-out guard of RL jobs (otray/actors/job/heldout.py) and how the job's table shows it."""
+
+from otray import metric_keys as K
+from otray.actors.job.heldout import HeldoutWatch
+from otray.actors.job.run import table_row
+
+
+def _eval(step, acc, phase=K.PHASE_GRPO):
+    return {K.STEP: step, K.PHASE: phase, K.EVAL_ACCURACY: acc, K.EVAL_STDERR: 0.03}
+
+
+def test_change_from_start_on_every_eval_and_a_warning_at_the_second_eval_in_a_row_below():
+    watch = HeldoutWatch.of(_eval(0, 0.70, K.PHASE_SFT))
+    assert watch.see({K.STEP: 1, K.PHASE: K.PHASE_GRPO}) == {}  # no eval in the row: nothing
+    first = watch.see(_eval(10, 0.66))  # 4 points below, more than the 3-point standard error
+    assert abs(first[K.EVAL_CHANGE] + 0.04) < 1e-12
+    assert K.EVAL_WARNING not in first
+    second = watch.see(_eval(20, 0.60))
+    assert "0.600 at step 20" in second[K.EVAL_WARNING] and "0.700" in second[K.EVAL_WARNING]
+    assert "algo.kl_coeff" in second[K.EVAL_WARNING]
+    assert K.EVAL_WARNING not in watch.see(_eval(30, 0.60))  # told once per run of such evals
+
+
+def test_within_the_standard_error_or_a_recovery_in_between_gives_no_warning():
+    watch = HeldoutWatch.of(_eval(0, 0.70, K.PHASE_SFT))
+    for step, acc in ((10, 0.68), (20, 0.68), (30, 0.60), (40, 0.72), (50, 0.60)):
+        assert K.EVAL_WARNING not in watch.see(_eval(step, acc)), step
+    assert HeldoutWatch.of({K.STEP: 0, K.PHASE: K.PHASE_INIT}) is None  # nothing to hold (no accuracy)
+
+
+def test_a_resumed_job_replays_its_rows_and_warns_where_the_unbroken_run_would():
+    rows = [_eval(0, 0.1, K.PHASE_BASE), _eval(0, 0.70, K.PHASE_SFT), {K.STEP: 5, K.PHASE: K.PHASE_GRPO},
+            _eval(10, 0.60)]
+    watch = HeldoutWatch.replay(rows)
+    assert watch.start == 0.70 and watch.below == 1
+    assert K.EVAL_WARNING in watch.see(_eval(20, 0.61))
+    assert HeldoutWatch.replay([_eval(0, 0.1, K.PHASE_BASE)]) is None
+
+
+def test_the_table_prints_the_warning_under_its_row():
+    row = {**_eval(20, 0.6), K.EVAL_WARNING: "held-out accuracy fell"}
+    line, warning = table_row(row).split("\n")
+    assert line.split()[:2] == ["20", "grpo"] and warning == "WARNING: held-out accuracy fell"
+    assert "\n" not in table_row(_eval(20, 0.6))
