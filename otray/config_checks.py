@@ -38,10 +38,6 @@ def check_values(cfg: Any) -> None:
     one_of(cfg.algo.aggregation, AGGREGATIONS, "algo.aggregation")
     loss_config(cfg.algo.loss_fn, **cfg.algo.loss_fn_config)
     one_of(cfg.algo.lr_schedule, ("constant", "linear", "cosine"), "algo.lr_schedule")
-    if cfg.model.vision_lr_scale != 1.0 and cfg.resources.learner_workers > 1:
-        raise ConfigError(f"model.vision_lr_scale={cfg.model.vision_lr_scale} is a single learner's optimizer "
-                          "setting; a sharded learner (resources.learner_workers > 1) trains every parameter at "
-                          "one rate: set model.vision_lr_scale to 1 or resources.learner_workers to 1")
     if cfg.algo.kl_coeff and cfg.resources.learner_workers > 1:
         raise ConfigError(f"algo.kl_coeff={cfg.algo.kl_coeff} keeps the starting policy's weights beside the "
                           "trained ones in one learner; a sharded learner (resources.learner_workers > 1) does "

@@ -90,9 +90,7 @@ class ActorFactory:
         cfg, res = self.cfg, self.cfg.resources
         kwargs = dict(lora=to_dict(cfg)["model"]["lora"], dtype=cfg.model.dtype, device=cfg.model.device,
                       micro_batch_tokens=cfg.algo.micro_batch_tokens, seed=cfg.job.seed, num_threads=res.learner_threads,
-                      gradient_checkpointing=cfg.model.gradient_checkpointing)
-        if cfg.model.vision_lr_scale != 1.0:  # (a sharded learner: refused by the config checks)
-            kwargs["vision_lr_scale"] = cfg.model.vision_lr_scale
+                      gradient_checkpointing=cfg.model.gradient_checkpointing, vision_lr_scale=cfg.model.vision_lr_scale)
 
         def actor(cls: type) -> Any:
             return ray.remote(num_cpus=res.learner_cpus, num_gpus=res.learner_gpus)(cls)

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from otray.actors.learner.core import token_logprobs
-from otray.actors.learner.policy_learner import PolicyLearner
+from otray.actors.learner.policy_learner import PolicyLearner, slow_vision
 from otray.actors.learner.state import load_sharded, read_meta, training_state, write_meta
 from otray.records import CheckpointMeta
 from otray.timing import busy
@@ -95,6 +95,7 @@ class LearnerRank(PolicyLearner):
         for layer in decoder_layers(self.model):
             fully_shard(layer, mesh=mesh)
         fully_shard(self.model, mesh=mesh)
+        slow_vision(self.model, self.vision_lr_scale)  # (the sharded parameters are new objects)
         for module in self.model.modules():
             if isinstance(module, FSDPModule):
                 module.set_gradient_divide_factor(1.0)  # a sum: each rank's loss is its share already

@@ -56,6 +56,11 @@ def test_short_job_writes_metrics_and_trajectories(default_job):
     for key in ("reward_mean", "tokens_per_s", "step_s", "learner/grad_norm", "eval/accuracy"):
         assert key in grpo
     assert grpo["learner/step"] == 3 + 2  # sft steps + grpo steps share the optimizer step counter
+    # the held-out guard: every eval row has its standard error, RL's the change from the warm-up's score
+    p = rows[1]["eval/accuracy"]
+    assert rows[1]["eval/accuracy_stderr"] == pytest.approx((p * (1 - p) / 10) ** 0.5)  # 10 eval episodes
+    assert grpo["eval/change_from_start"] == pytest.approx(grpo["eval/accuracy"] - rows[1]["eval/accuracy"])
+    assert grpo["learner/entropy"] > 0  # the sampled tokens' mean surprise
     trajs = [json.loads(line) for line in (job_dir / "trajectories.jsonl").read_text().splitlines()]
     assert trajs and trajs[0]["messages"][-1]["role"] == "assistant"
     # drop_uniform_groups is off, so every logged episode was trained on and has an advantage
@@ -122,12 +127,13 @@ def test_one_step_off_policy_trains_on_the_previous_weights_samples_and_resumes(
 
 def test_colocated_job_generates_in_the_learner(run_job, tmp_path):
     """rollout.colocate: no rollout worker actors, every batch sampled by the current policy (lag 0,
-    no weight transfer), and the learner's busy clock covers generation too."""
+    no weight transfer), and the learner's busy clock covers generation too. The same job runs RL's
+    options of issue 55: a linear learning-rate schedule and a KL term to the policy after the warm-up."""
     from otray.actors.control.resource_manager import bundles_for
 
     data = _cfg(tmp_path)
     data["sft"]["steps"] = 2
-    data["algo"]["steps"] = 3
+    data["algo"].update(steps=3, learning_rate=3e-4, lr_schedule="linear", kl_coeff=0.2)
     data["rollout"]["colocate"] = True
     assert len(bundles_for(config.load(data | {"model": {"path": "tiny"}}))) == 1  # the learner's bundle only
     summary, job_dir = run_job(tmp_path, data)
@@ -138,6 +144,9 @@ def test_colocated_job_generates_in_the_learner(run_job, tmp_path):
     assert all(r["time/learner_idle_frac"] < 0.5 for r in grpo)  # it generates as well as trains
     assert grpo[-1]["learner/step"] == 2 + 3 and "eval/accuracy" in grpo[-1]
     assert summary["heldout_end"] is not None
+    assert [r["learner/learning_rate"] for r in grpo] == pytest.approx([3e-4, 2e-4, 1e-4])
+    kl = [r["learner/kl_to_start"] for r in grpo]
+    assert kl[0] == pytest.approx(0.0, abs=1e-6) and kl[-1] > 0  # the first step starts at the reference
 
 
 def test_env_exceptions_become_error_records_and_the_job_finishes(run_job, tmp_path):
