@@ -95,7 +95,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     evals = [r for r in job.metrics() if K.EVAL_ACCURACY in r]
     start = next((r for r in evals if r.get(K.PHASE) in (K.PHASE_SFT, K.PHASE_INIT)), evals[0] if evals else None)
     if start is not None:
-        print(f"held-out accuracy: {start[K.EVAL_ACCURACY]:.3f} before RL -> {evals[-1][K.EVAL_ACCURACY]:.3f} after")
+        change, se = evals[-1][K.EVAL_ACCURACY] - start[K.EVAL_ACCURACY], start.get(K.EVAL_STDERR)
+        print(f"held-out accuracy: {start[K.EVAL_ACCURACY]:.3f} before RL -> {evals[-1][K.EVAL_ACCURACY]:.3f} after"
+              + (f" ({100 * change:+.1f} points; standard error {100 * se:.1f})" if se is not None else ""))
     return 0
 
 

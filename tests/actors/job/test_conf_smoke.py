@@ -50,6 +50,8 @@ SMOKE = {
                         (("num_train", 3), ("num_eval", 2)))],
     "count_shapes.yaml": ["sft.steps=2", "sft.stop_at_accuracy=null", "algo.steps=2", "algo.batch_size=2",
                           "eval.num_samples=4"],
+    "shape_quiz.yaml": ["sft.steps=2", "sft.stop_at_accuracy=null", "algo.steps=2", "algo.batch_size=2",
+                        "eval.num_samples=4", *(f"envs.shape_quiz.{k}.question=where" for k in ("kwargs", "dataset.kwargs"))],
     "shapes_times.yaml": ["sft.steps=2", "sft.stop_at_accuracy=null", "sft.batch_size=4", "algo.steps=2",
                           "algo.batch_size=2", "eval.num_samples=2", "sft.dataset.kwargs.num_train=8",
                           "sft.dataset.kwargs.num_eval=2"],
