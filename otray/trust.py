@@ -50,7 +50,7 @@ BUNDLED_MODULES = frozenset({
     "envs.coin", "envs.connect_four_text",
     "envs.frozen_lake", "envs.geometry3k", "envs.gomoku", "envs.guess_number", "envs.math_word", "envs.mcp_calc_server",
     "envs.mcp_env", "envs.openreward",
-    "envs.openreward_examples", "envs.python_tool", "envs.rps", "envs.shapes", "envs.textworld_env", "envs.textworld_games",
+    "envs.openreward_examples", "envs.python_tool", "envs.rps", "envs.shape_quiz", "envs.shapes", "envs.textworld_env", "envs.textworld_games",
     "envs.textarena_game", "envs.tictactoe_text", "envs.verifiers_env", "envs.vf_reverse_text",
     "otray.env", "otray.games",
     "pettingzoo.classic.tictactoe_v3", "pettingzoo.classic.connect_four_v3",  # PettingZoo's own games, unmodified

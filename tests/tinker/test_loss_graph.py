@@ -271,9 +271,12 @@ def test_a_calls_custom_loss_stops_at_its_budget_of_learner_seconds():
         return x.sum(), {}
 
     batch = [Datum(list(range(16)), list(range(16)), [1.0] * 16, [0.0] * 16, [0.0] * 16, [1.0] * 16)] * 64
-    probe = dataclasses.replace(parse_upload(GraphUpload.of(upload(many, {"logprobs": 1}))), clock=GraphClock(1e9))
-    surrogate(probe, batch[:8], -torch.rand(8, 16), "cpu")
-    slice_s = probe.clock.spent_s  # one slice of 8 datums, on this machine now (the bound below is relative to it)
+    slices = []
+    for _ in range(2):  # one slice of 8 datums, on this machine now (the bounds below are relative to it): the
+        probe = dataclasses.replace(parse_upload(GraphUpload.of(upload(many, {"logprobs": 1}))), clock=GraphClock(1e9))
+        surrogate(probe, batch[:8], -torch.rand(8, 16), "cpu")  # slower of two (a loaded CI machine varies)
+        slices.append(probe.clock.spent_s)
+    slice_s = max(slices)
     budget = round(2.5 * slice_s, 3)
     graph = parse_upload(GraphUpload.of(upload(many, {"logprobs": 1})), CustomLossLimits(max_call_s=budget))
     assert graph.call_s == budget and graph.datum_cost == len(graph.nodes) > 1990
@@ -284,7 +287,7 @@ def test_a_calls_custom_loss_stops_at_its_budget_of_learner_seconds():
         for k in range(0, 64, 8):  # eight slices of one call: about three run, the clock stops the call
             surrogate(timed, batch[k:k + 8], -torch.rand(8, 16), "cpu")
             ran += 1
-    assert ran < 8 and budget <= clock.spent_s < budget + 2 * slice_s, (ran, clock, slice_s)
+    assert ran < 8 and budget <= clock.spent_s < budget + 3 * slice_s, (ran, clock, slice_s)
     small = dataclasses.replace(graph, clock=GraphClock(10 * slice_s))
     surrogate(small, batch[:2], -torch.rand(2, 16), "cpu")
     assert 0 < small.clock.spent_s < 10 * slice_s
