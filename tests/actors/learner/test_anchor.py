@@ -10,9 +10,8 @@ from tests.actors.learner.test_policy_learner import _datums
 def _kl_after(learner, data, kl, steps=6):
     """Train ``steps`` ppo steps on ``data`` with ``kl``; the KL to the anchor the last step measured."""
     learner.set_anchor()
-    out = {}
     for _ in range(steps):
-        out = learner.forward_backward(data, "ppo", {}, "token_mean", None, kl)
+        learner.forward_backward(data, "ppo", {}, "token_mean", None, kl)
         learner.optim_step(learning_rate=3e-3)
     return learner.forward_backward(data, "ppo", {}, "token_mean", None, 1e-9)["kl_to_start"]
 
