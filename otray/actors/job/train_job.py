@@ -202,6 +202,5 @@ class TrainJob:
         from its checkpoint at ``step`` runs those steps again)."""
         path = self.dir / "metrics.jsonl"
         if path.exists():
-            kept = [line for line in path.read_text().splitlines()
-                    if line.strip() and int(json.loads(line).get("step", 0)) <= step]
-            path.write_text("".join(line + "\n" for line in kept))
+            kept = [row for row in self.read_metrics() if int(row.get("step", 0)) <= step]
+            path.write_text("".join(json.dumps(row) + "\n" for row in kept))
