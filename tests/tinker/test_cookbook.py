@@ -56,10 +56,11 @@ def svc(ray_local, tmp_path_factory, tiny_path):
 
 
 class SumEnv(Env):
-    """One question ``What is a + b?``; reward 1 for the right number, else closeness in [0, 0.5].
+    """One question ``What is a + b?``; reward 1 for the right number, closeness in (0, 0.5] for
+    a wrong one, and ``0.1 / (1 + characters)`` for an answer with no number at all.
 
     The partial credit gives a group of samples different rewards (so non-zero advantages) even
-    from an untrained model, which the test needs to see the adapter move.
+    from an untrained model that never writes a digit, which the test needs to see the adapter move.
     """
 
     def __init__(self, a: int, b: int, renderer: renderers.Renderer):
@@ -74,7 +75,10 @@ class SumEnv(Env):
         numbers = re.findall(r"-?\d+", renderers.get_text_content(message))
         guess = int(numbers[-1]) if numbers else None
         answer = self.a + self.b
-        reward = 1.0 if guess == answer else 0.0 if guess is None else 0.5 / (1 + abs(guess - answer))
+        if guess is None:
+            reward = 0.1 / (1 + len(renderers.get_text_content(message)))
+        else:
+            reward = 1.0 if guess == answer else 0.5 / (1 + abs(guess - answer))
         return StepResult(reward=reward, episode_done=True, next_observation=tinker.ModelInput.empty(),
                           next_stop_condition=self.renderer.get_stop_sequences(),
                           metrics={"correct": float(guess == answer)})
