@@ -67,7 +67,7 @@ TINKER_RANGES: dict[str, tuple[Any, Any]] = {  # ``otray tinker`` (otray.tinker.
     "port": (1, 65535), "long_poll_s": (GT(0), 40),  # the SDK gives up on a poll after 45 s
     "result_ttl_s": (GT(0), None), "gap_timeout_s": (GT(0), None), "session_timeout_s": (GT(0), None),
     "max_body_bytes": (1, None), "sample_batch_wait_ms": (0, None), "sample_call_max_samples": (1, None), "max_chunk_datums": (1, None),
-    "max_samples": (1, None), "max_tokens": (1, None), "max_topk": (1, 100_000),
+    "max_samples": (1, None), "max_tokens": (1, None), "max_topk": (1, 100_000), "healing_replay_mb": (0, None),
     **{f"{where}.{k}": (0, None) for where in ("quota", "user_quotas.*")
        for k in ("training_clients", "lora_rank", "samplers", "concurrent_requests", "storage_gb")},
     "custom_losses.max_nodes": (1, 100_000), "custom_losses.max_graph_bytes": (1, None),

@@ -175,6 +175,10 @@ class TinkerConfig:
     user_quotas: dict[str, TinkerQuota] = field(default_factory=dict)  # an admin's per-user exceptions
     scheduling: TinkerScheduling = field(default_factory=TinkerScheduling)  # fair shares of each learner
     custom_losses: CustomLossLimits = field(default_factory=CustomLossLimits)  # what an uploaded loss may cost
+    # a learner that dies (Ray starts it again) gets its live models back: each one's training calls since its
+    # last restore point are replayed (otray/tinker/service/healing.py); past this many MB of them per model the
+    # service saves a new restore point. 0: no healing (a dead learner's models end FAILED)
+    healing_replay_mb: float = 32.0
 
 
 def load_tinker(source: str | Path | dict[str, Any] | TinkerConfig | None = None,

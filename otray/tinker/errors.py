@@ -18,6 +18,11 @@ class UserError(ValueError):
         self.seq_id: int | None = None
 
 
+class AdapterGone(KeyError):
+    """A learner asked for an adapter it does not hold: the model was unloaded, or the learner restarted
+    (the service then rebuilds the model: ``otray.tinker.service.healing``)."""
+
+
 def unwrap(e: BaseException) -> BaseException:
     """The exception a service call raised inside its actor (Ray wraps it)."""
     cause = e

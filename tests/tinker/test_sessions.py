@@ -1,6 +1,7 @@
-"""Leases that end with their clients: a client whose heartbeats stop, a learner that dies, a service
-that dies. Its own ``otray tinker`` (port 8026) with a 6 s session timeout, driven over raw HTTP (the
-SDK heartbeats every 10 s, so its sessions would expire here)."""
+"""Leases that end with their clients: a client whose heartbeats stop, a learner that dies (healing
+off; with it on, tests/tinker/test_healing.py), a service that dies. Its own ``otray tinker`` (port
+8026) with a 6 s session timeout, driven over raw HTTP (the SDK heartbeats every 10 s, so its sessions
+would expire here)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ URL = f"http://127.0.0.1:{PORT}/api/v1"
 BASE = "Qwen/Qwen3-8B"
 
 
-svc = tinker_fixture(PORT, "tinker-sessions", session_timeout_s=6)
+svc = tinker_fixture(PORT, "tinker-sessions", session_timeout_s=6, healing_replay_mb=0)  # healing off: test_healing.py
 
 
 def call(key: str, route: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -84,6 +85,7 @@ def test_a_client_whose_heartbeats_stop_is_ended_after_the_session_timeout(svc, 
 
 
 def test_a_learner_that_dies_fails_its_models_leases_at_once_and_a_new_one_serves(svc, ray_local):
+    """With healing off (``healing_replay_mb: 0``) a dead learner's models end FAILED at once, with why."""
     from otray.tinker.service.tinker_service import NAME, NAMESPACE
 
     _, model = training_client(svc["alice"])

@@ -29,6 +29,7 @@ from typing import Any, Optional
 import torch
 
 from otray.actors.sampling.backends.hf import HFBackend
+from otray.tinker.errors import AdapterGone
 from otray.tinker.learner.adapter_switch import AdapterSwitch
 from otray.tinker.learner.loss_graph import LossGraph
 from otray.tinker.learner.loss_run import add_sums
@@ -150,7 +151,7 @@ class AdapterLearner:
         """Make ``adapter`` the only active one: only it takes part in the pass, so only it gets gradients."""
         if adapter is not None and adapter != self.switch.active:
             if adapter not in self.specs and adapter not in self.slots.names():
-                raise KeyError(f"no adapter {adapter!r} on this learner (it restarted, or the model was unloaded)")
+                raise AdapterGone(f"no adapter {adapter!r} on this learner (it restarted, or the model was unloaded)")
             self.switch.use(self.model, adapter)
 
     def _train_mode(self) -> None:
@@ -286,10 +287,11 @@ class AdapterLearner:
                              f"model is rank {self.specs[adapter].rank} on {self.specs[adapter].target_modules()}")
         set_peft_model_state_dict(self.model, load_file(str(src / "adapter_model.safetensors")), adapter_name=adapter)
         self.optimizers.pop(adapter, None)
+        if optimizer:  # the state: AdamW's moments (none before a first step) and the step count
+            self.steps[adapter] = int(meta["step"])
         if optimizer and (src / "optimizer.pt").exists():
             opt = self.optimizers[adapter] = new_adamw(self._params(adapter), lr=1e-4)
             opt.load_state_dict(torch.load(src / "optimizer.pt", weights_only=True, map_location=self.device))
-            self.steps[adapter] = int(meta["step"])
         return spec
 
     # ------------------------------------------------------------------ sampling

@@ -20,6 +20,7 @@ import torch
 from otray.actors.learner.core import (PAD_SPREAD, by_length, loss_inputs, micro_batches, token_logprobs,
                                        topk_logprobs, topk_weights)
 from otray.algos.losses import per_token_loss
+from otray.tinker.errors import AdapterGone
 from otray.tinker.learner.loss_graph import LossGraph
 from otray.tinker.learner.loss_run import add_sums, surrogate
 from otray.tinker.learner.mixed_lora import RowRouting, groups_of, row_order
@@ -117,11 +118,11 @@ class SharedPass:
         self.applied = False
 
     def run(self, requests: list[PassRequest]) -> list[PassResult | Exception]:
-        """Each request's answer, or its exception: a KeyError for an adapter that is gone (unloaded, or the
+        """Each request's answer, or its exception: an AdapterGone for an adapter that is gone (unloaded, or the
         learner restarted). Raises :class:`PassNotRun` when the pass failed before adding any gradient."""
         out: list[Any] = [_Answer([None] * len(r.datums), [None] * len(r.datums)) if r.adapter in self.ranks
-                          else KeyError(f"no adapter {r.adapter!r} on this learner (it was unloaded, or the learner "
-                                        "restarted)") for r in requests]
+                          else AdapterGone(f"no adapter {r.adapter!r} on this learner (it was unloaded, or the "
+                                           "learner restarted)") for r in requests]
         order = {r.adapter: k for k, r in enumerate(requests)}
         rows = [(i, j) for i, r in enumerate(requests) if isinstance(out[i], _Answer) for j in range(len(r.datums))]
         for name in {requests[i].adapter for i, _ in rows}:

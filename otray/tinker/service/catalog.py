@@ -7,8 +7,6 @@ Runs in the TinkerService actor; the gateway builds its typed queries."""
 from __future__ import annotations
 
 import asyncio
-import os
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +15,7 @@ from typing import Any, Optional, Union
 from otray.tinker.service import external as X
 from otray.tinker.service import session_search
 from otray.tinker.service import runs as R
-from otray.tinker.service.store import Checkpoint, Run, Sampler, Store, parse_path, session_of
+from otray.tinker.service.store import Checkpoint, Run, Sampler, Store, link_tree, parse_path, session_of
 from otray.tinker.service.timeline import Timeline, chrome_trace
 from otray.tinker.errors import UserError
 from otray.tinker.wire.requests import SearchSessions
@@ -252,7 +250,7 @@ class Catalog:
             raise UserError(f"training run {q.model_id!r} exists already; copy into a new model_seq_id", 409)
         source = self.store.run(src.model_id)
         dest = self.store.checkpoint_dir(owner, q.model_id, src.kind, src.name)
-        shutil.copytree(src.path, dest, copy_function=_link)
+        link_tree(src.path, dest)
         self.store.add_run(q.model_id, owner, source.base_model, {**source.spec, "copied_from": src.tinker_path},
                            {"project_id": q.project} if q.project else None)
         copy = Checkpoint(q.model_id, src.kind, src.name, str(dest), time.time(), src.size,
@@ -362,10 +360,3 @@ class Catalog:
         s = self.sampler(owner, sampler_id)
         return {"sampler_id": s.sampler_id, "base_model": s.base_model, "model_path": s.model_path}
 
-
-def _link(src: str, dst: str) -> None:
-    """A hard link, or a copy where the two paths are on different file systems."""
-    try:
-        os.link(src, dst)
-    except OSError:
-        shutil.copy2(src, dst)

@@ -46,6 +46,7 @@ class _Progress:
     step: int = 0
     loss: Optional[float] = None
     tokens: int = 0
+    recoveries: int = 0  # learner deaths the model was rebuilt after
 
 
 class Leases:
@@ -100,6 +101,20 @@ class Leases:
                 log.warning("progress row of %s not recorded: %s", model_id, type(_cause(e)).__name__)
                 return
             self._ended(model_id, held[0])
+
+    async def recovered(self, model_id: str, why: str) -> None:
+        """The model's learner died and the model was rebuilt: a ``recovery`` row (``otray status`` lists it)."""
+        held = self.store.leases().get(model_id)
+        if held is None:
+            return
+        p = self.progress.setdefault(model_id, _Progress())
+        p.recoveries += 1
+        row = {K.STEP: p.step, K.PHASE: K.PHASE_RECOVERY, K.RECOVERY_FAILURE: p.recoveries, K.RECOVERY_REASON: why,
+               K.RECOVERY_FROM: p.step}
+        try:
+            await self.rm.report.remote(held[0], row, held[1])
+        except Exception as e:  # noqa: BLE001 - a lost row does not undo the recovery
+            log.warning("recovery row of %s not recorded: %s", model_id, type(_cause(e)).__name__)
 
     async def close(self, model_id: str, state: JobState = JobState.SUCCEEDED, error: Optional[str] = None) -> None:
         held = self.store.leases().get(model_id)

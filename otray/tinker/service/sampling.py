@@ -29,6 +29,7 @@ import ray
 from otray.tinker.learner.sample_jobs import SampleJob
 from otray.tinker.service import runs as R
 from otray.tinker.service.engines import VllmSamplers
+from otray.tinker.service.healing import until_up
 from otray.tinker.service.futures import Futures, Outcome
 from otray.tinker.learner.prompt_scores import Scoring, Targets, cut_before, fill_response
 from otray.tinker.service.stability import Recorded
@@ -159,9 +160,10 @@ class SampleBatcher:
         finally:
             self.learner_busy.discard(key)
 
-    async def _run(self, sampler: Any, name: str, groups: Groups, owner: str = "") -> bool:
+    async def _run(self, sampler: Any, name: str, groups: Groups, owner: str = "", again: bool = True) -> bool:
         """One ``sample`` call of ``sampler`` (a learner or a vLLM engine) for ``groups``; each request's
-        promise gets its result, or the call's error. True when the sampler's actor died."""
+        promise gets its result, or the call's error. True when the sampler's actor died. A learner that
+        died under the call (Ray starts it again; sampling needs nothing of the old one) is asked once more."""
         if not groups:
             return False
         jobs = [SampleJob(k[1], [w.prompt for w in ws], k[2], k[3], k[4],
@@ -171,8 +173,10 @@ class SampleBatcher:
         try:
             results = await (sampler.sample.remote(jobs, owner) if name == "learner" else sampler.sample.remote(jobs))
         except ray.exceptions.RayActorError as e:
-            again = "; send the request again: a new engine is started" if name == "vllm" else ""
-            self._fail(groups, f"the {name} sampler died ({R.cause(e)}){again}")
+            if name == "learner" and again and await until_up(sampler):
+                return await self._run(sampler, name, groups, owner, again=False)
+            resend = "; send the request again: a new engine is started" if name == "vllm" else ""
+            self._fail(groups, f"the {name} sampler died ({R.cause(e)}){resend}")
             return True
         except Exception as e:  # noqa: BLE001 - every waiting request learns why
             if sum(len(ws) for ws in groups.values()) > 1:

@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from otray.tinker.service.store import session_of
-from otray.tinker.wire.messages import DatumSpans, Span, TrainCall
+from otray.tinker.wire.messages import DatumSpans, TrainCall
 from otray.tinker.errors import UserError
 from otray.types import Datum
 

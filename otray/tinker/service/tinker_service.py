@@ -20,6 +20,7 @@ Runs in the TinkerService actor."""
 from __future__ import annotations
 
 import asyncio
+import random
 import uuid
 from pathlib import Path
 from typing import Any, Optional
@@ -94,7 +95,8 @@ class TinkerService:
                                      self.cfg.stability_max_tokens)
         self.training = Training(self.learners, self.store, self.catalog, self.futures, self.leases,
                                  self.cfg.gap_timeout_s, lambda owner, m: self.limits.of(self.catalog.run(owner, m).base_model),
-                                 lambda user: quota_of(self.cfg, user), self.recordings)
+                                 lambda user: quota_of(self.cfg, user), self.recordings,
+                                 int(self.cfg.healing_replay_mb * 2**20))
         self.sessions = Sessions(self.store, self.cfg.session_timeout_s, self._session_closed)
         self.losses = CustomLosses(self.store, self.futures, self.sessions, self.cfg.custom_loss_server_side,
                                    self.cfg.custom_losses, self.training.storage.room)
@@ -137,7 +139,7 @@ class TinkerService:
             self.recovered = True
             loop = asyncio.get_running_loop()  # the tasks are kept: the loop holds only weak references
             self.tasks = [loop.create_task(self.sessions.sweep()), loop.create_task(self.catalog.sweep_expired(self.cfg.ttl_sweep_s)),
-                          *(loop.create_task(self.training.watch(b)) for b in self.learners)]
+                          *(loop.create_task(self.training.healing.watch(b)) for b in self.learners)]
             await self.leases.close_all(JobState.FAILED, "the Tinker service restarted; its live models are gone: "
                                                   "load their last checkpoints with create_training_client_from_state")
 
@@ -188,7 +190,8 @@ class TinkerService:
         opt = (req.optimizer_config or {}).get("type", "adamw")
         if opt != "adamw":
             raise UserError(f"optimizer {opt!r} is not offered here; this service trains with adamw")
-        spec = AdapterSpec(rank, lora.get("seed"), bool(lora.get("train_mlp", True)), bool(lora.get("train_attn", True)),
+        seed = lora.get("seed")  # drawn here when not given, so a healed adapter starts as it did (healing.py)
+        spec = AdapterSpec(rank, int(seed) if seed is not None else random.randrange(2**31), bool(lora.get("train_mlp", True)), bool(lora.get("train_attn", True)),
                            bool(lora.get("train_unembed", True)), self.models[base].lora_alpha)
         if not spec.target_modules():
             raise UserError("lora_config trains nothing: set one of train_mlp, train_attn, train_unembed")
@@ -197,6 +200,7 @@ class TinkerService:
 
         async def make() -> AdapterSpec:
             await self.learners[base].create.remote(owner, model_id, spec)
+            self.training.healing.made(model_id, owner, base, spec)
             return spec
 
         return await self._opened(req.session_id, await self.training.open(
@@ -246,7 +250,9 @@ class TinkerService:
         learner = self.learners[base]
 
         async def make() -> AdapterSpec:
-            return await learner.load.remote(owner, model_id, ckpt.path, optimizer, True)
+            spec = await learner.load.remote(owner, model_id, ckpt.path, optimizer, True)
+            self.training.healing.loaded(model_id, owner, base, ckpt.path, optimizer)
+            return spec
 
         return await self._opened(req.session_id, await self.training.open(
             owner, model_id, base, req, api_key, make, {"path": req.path, "model_id": model_id, "type": "load_weights"},

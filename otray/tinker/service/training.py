@@ -23,6 +23,7 @@ from otray.tinker.service import external as X
 from otray.tinker.service import runs as R
 from otray.tinker.service.catalog import Catalog
 from otray.tinker.service.futures import Futures, OrderedExecutor, Outcome
+from otray.tinker.service.healing import Healing, Pass, Step
 from otray.tinker.service.leases import LeaseEnded, Leases, LeaseSpec
 from otray.tinker.service.store import Checkpoint, Sampler, Store
 from otray.tinker.service.stability import Recordings, with_recordings
@@ -70,7 +71,10 @@ class Training:
 
     def __init__(self, learners: dict[str, Any], store: Store, catalog: Catalog, futures: Futures,
                  leases: Leases, gap_timeout_s: float, limits: Callable[[str, str], Any], quotas: Callable[[str], Any],
-                 recordings: Recordings):
+                 recordings: Recordings, replay_bytes: int):
+        self.healing = Healing(  # what rebuilds each live model when its learner dies (healing_replay_mb)
+            learners, store.root, replay_bytes, leases.recovered, lambda m, why: self.unload(m, why, JobState.FAILED),
+            lambda base: [m for m, b in self.live.items() if b == base])
         self.learners, self.store, self.catalog, self.futures, self.leases = learners, store, catalog, futures, leases
         self.storage = StorageLedger(store, quotas)  # storage quotas, with what saves and merges in flight reserved
         self.recordings = recordings  # sampled sequences' stability info, for stable_reinforce
@@ -114,6 +118,7 @@ class Training:
                 await self.leases.open(LeaseSpec(model_id, base, spec.rank, req.session_id), api_key)
             except Exception as e:  # noqa: BLE001
                 self.holding.pop(model_id, None)
+                self.healing.forget(model_id)
                 self.learners[base].drop.remote(owner, model_id)
                 self.futures.finish(request_id, Outcome.error(R.cause(e), "server"))
             else:
@@ -128,6 +133,7 @@ class Training:
         base = self.live.pop(model_id, None)
         owner = self.holding.pop(model_id, ("", 0))[0]
         self.order.forget(model_id, f"unloaded before this request ran ({why})")
+        self.healing.forget(model_id)
         if base is not None:
             self.ended[model_id] = why
             self.learners[base].drop.remote(owner, model_id, why)
@@ -153,10 +159,19 @@ class Training:
 
     async def _send(self, model_id: str, send: Callable[[Any], Awaitable[Any]],
                     check: Optional[asyncio.Future] = None) -> Any:
-        """``send(learner)``: one call of ``model_id``'s learner, once ``check`` (its lease check) passed."""
+        """``send(learner)``: one call of ``model_id``'s learner, once ``check`` (its lease check) passed.
+        A learner that died (or restarted) under the call: its models are rebuilt, and the call is sent once
+        more (:meth:`Healing.call`)."""
         if check is not None:
             await check
-        return await send(self.learner_of(model_id))  # raises if the model left while the request waited
+        return await self.healing.call(self.live.get(model_id, ""), lambda: send(self.learner_of(model_id)),
+                                       lambda: model_id in self.live)  # learner_of raises if the model left
+
+    async def _ran(self, owner: str, model_id: str, call: Pass | Step) -> None:
+        """A training call done: in the model's replay log; past the log's bound, a restore point saved."""
+        if self.healing.ran(model_id, call):
+            await self.healing.snapshot(model_id, lambda where: self._send(
+                model_id, lambda learner: learner.save.remote(owner, model_id, where, True)))
 
     @contextmanager
     def refused(self, owner: str, model_id: Any, seq_id: Any) -> Iterator[None]:
@@ -213,24 +228,13 @@ class Training:
                     raise unwrap(e) from None
                 raise
             if not call.forward_only:
+                await self._ran(owner, call.model_id, Pass(call.datums, call.loss_fn, call.loss_fn_config, call.graph))
                 self.leases.note_pass(call.model_id, res.loss_sum, sum(len(lp) for lp in res.logprobs))
             k = call.datums[0].target_k and len(call.datums[0].target_k[0])
             return Outcome("proto", train_output(res.logprobs, res.losses, res.loss_sum, k or None,
                                                  reduced(res.metric_sums, len(call.datums))), "ForwardBackwardOutput")
 
         return self._queue(owner, call.model_id, call.seq_id, run, "forward" if call.forward_only else "forward_backward")
-
-    async def watch(self, base: str) -> None:
-        """When ``base``'s learner dies (Ray starts a new one, without adapters) its live models end
-        FAILED at once, with the reason, instead of failing each client's next request obscurely."""
-        while True:
-            try:
-                await self.learners[base].until_gone.remote()
-            except Exception as e:  # noqa: BLE001 - it died
-                why = f"the learner of {base} died ({type(e).__name__}); a new one was started"
-                for model_id in [m for m, b in self.live.items() if b == base]:
-                    await self.unload(model_id, why, JobState.FAILED)
-            await asyncio.sleep(1.0)
 
     def optim_step(self, owner: str, req: Q.OptimStep) -> dict[str, Any]:
         model_id = req.model_id
@@ -243,6 +247,7 @@ class Training:
 
         async def run() -> Outcome:
             metrics = await self._send(model_id, lambda learner: learner.optim_step.remote(owner, model_id, step), check)
+            await self._ran(owner, model_id, Step(step))
             try:
                 await self.leases.report_step(model_id, step.learning_rate)
             except LeaseEnded as e:  # cancelled: this step stands, the model goes
@@ -319,6 +324,7 @@ class Training:
 
         async def run() -> Outcome:
             await self._send(model_id, lambda learner: learner.load.remote(owner, model_id, ckpt.path, optimizer, False))
+            self.healing.loaded_into(model_id, ckpt.path, optimizer)
             return Outcome("json", {"path": req.path, "model_id": model_id, "type": "load_weights"})
 
         return self._queue(owner, model_id, req.seq_id, run, "load_weights")

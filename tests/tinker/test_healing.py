@@ -1,0 +1,142 @@
+"""A learner that dies under its training clients (issue 54): the service rebuilds every live model on
+the new learner from its restore point and replay log (otray/tinker/service/healing.py), so the
+client goes on with the official SDK and ends with the adapter it would have had. Its own
+``otray tinker`` (port 8034) with a replay log bound of 4 KB, so a restore point is saved every other
+step and healing uses both (a saved restore point, then the calls since)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.conftest import tinker_fixture
+from tests.fixtures.tinker_data import problems, sft, to_otray
+
+tinker = pytest.importorskip("tinker")
+from tinker import types  # noqa: E402
+
+PORT = 8034
+URL = f"http://127.0.0.1:{PORT}"
+BASE = "Qwen/Qwen3-8B"
+LR = 1e-2
+
+svc = tinker_fixture(PORT, "tinker-healing", healing_replay_mb=4 / 1024)
+
+
+def learner(ray_local):
+    from otray.tinker.service.tinker_service import NAME, NAMESPACE
+
+    return ray_local.get_actor(f"{NAME}-learner-{BASE}", namespace=NAMESPACE)
+
+
+def kill_learner(ray_local) -> None:
+    """Kill the base model's learner process; Ray starts it again (without adapters)."""
+    ray_local.kill(learner(ray_local), no_restart=False)
+
+
+def saved_adapter(store: Path, state_path: str) -> dict[str, np.ndarray]:
+    from safetensors.numpy import load_file
+
+    model_id, _, name = state_path.removeprefix("tinker://").split("/")
+    hits = list(store.glob(f"checkpoints/*/{model_id.replace(':', '_')}/weights/{name}/adapter_model.safetensors"))
+    assert len(hits) == 1, hits
+    return load_file(str(hits[0]))
+
+
+def reference(tiny_path: str, steps: list[list], seed: int) -> dict[str, np.ndarray]:
+    """An in-process AdapterLearner that never died, trained on the same steps."""
+    from otray.tinker.learner.adapter_learner import AdamStep, AdapterLearner, AdapterSpec
+
+    ref = AdapterLearner(tiny_path)
+    ref.create("ref", AdapterSpec(4, seed))
+    for data in steps:
+        ref.forward_backward("ref", [to_otray(d) for d in data], "cross_entropy")
+        ref.optim_step("ref", AdamStep(learning_rate=LR))
+    return {k.replace(".ref.", ".").replace("base_model.model.", ""): v.numpy()
+            for k, v in ref.adapter_tensors("ref").items()}
+
+
+def max_diff(saved: dict[str, np.ndarray], ref: dict[str, np.ndarray]) -> float:
+    saved = {k.replace("base_model.model.", ""): v for k, v in saved.items()}
+    assert sorted(saved) == sorted(ref), (sorted(saved)[:2], sorted(ref)[:2])
+    return max(float(np.abs(saved[k] - ref[k]).max()) for k in saved)
+
+
+def recoveries(ray_local, key: str, model_id: str) -> list[str]:
+    """What ``otray status`` lists as the training client's lease's recoveries, and its state."""
+    from otray.actors.control.resource_manager import NAME, NAMESPACE
+
+    rm = ray_local.get_actor(NAME, namespace=NAMESPACE)
+    job = next(j for j in ray_local.get(rm.jobs.remote(key)) if j.name == model_id)
+    assert job.state == "RUNNING", (job.state, job.error)
+    return list(job.recoveries or [])
+
+
+def test_a_killed_learner_loses_no_step_of_its_clients(svc, ray_local, tokenizer, tiny_path):
+    """Two clients train; the learner is killed between steps, and once more while a sample and a
+    forward_backward wait on it: both calls are answered, and each adapter ends equal to one trained
+    in-process without a death (restore points were saved and used: the log bound is small)."""
+    sc = tinker.ServiceClient(base_url=URL, api_key=svc["alice"])
+    tcs = [sc.create_lora_training_client(base_model=BASE, rank=4, seed=seed).result() for seed in (3, 4)]
+    steps = [[sft(p, a) for p, a in problems(tokenizer, 6, seed=s)] for s in range(6)]
+    prompt = types.ModelInput.from_ints(tokenizer.encode("12+34="))
+
+    def step(i: int) -> None:
+        for tc in tcs:
+            tc.forward_backward(steps[i], "cross_entropy").result()
+            tc.optim_step(types.AdamParams(learning_rate=LR)).result()
+
+    step(0), step(1)
+    sampler = tcs[0].save_weights_and_get_sampling_client().result()
+    store = svc["store"] / "healing"
+    assert len(list(store.glob("*/0*"))) == 2, list(store.glob("*/*"))  # each model's restore point, saved
+    kill_learner(ray_local)
+    step(2)
+    # killed again while the learner holds a long sample and the client's next forward_backward waits for it
+    sample = sampler.sample(prompt, 8, types.SamplingParams(max_tokens=120, seed=1, stop=[]))
+    fb = tcs[0].forward_backward(steps[3], "cross_entropy")
+    time.sleep(0.5)
+    kill_learner(ray_local)
+    assert len(sample.result().sequences) == 8
+    fb.result()
+    tcs[0].optim_step(types.AdamParams(learning_rate=LR)).result()
+    tcs[1].forward_backward(steps[3], "cross_entropy").result()
+    tcs[1].optim_step(types.AdamParams(learning_rate=LR)).result()
+    step(4)
+
+    for tc, seed in zip(tcs, (3, 4)):
+        got = saved_adapter(svc["store"], tc.save_state("end").result().path)
+        assert max_diff(got, reference(tiny_path, steps[:5], seed)) < 1e-5
+        info = recoveries(ray_local, svc["alice"], tc.model_id)
+        assert len(info) == 2 and all("rebuilt" in r and "no step lost" in r for r in info), info
+
+
+def test_models_loaded_from_a_deleted_checkpoint_are_rebuilt(svc, ray_local, tokenizer):
+    """A client made from a checkpoint, and a live client that loaded it back after training on (its log
+    then holds the load), both come back after a death although the owner deleted the checkpoint (the
+    service keeps its own link of the files), with the loaded weights, optimizer state and step."""
+    sc = tinker.ServiceClient(base_url=URL, api_key=svc["alice"])
+    tc = sc.create_lora_training_client(base_model=BASE, rank=4, seed=5).result()
+    data = [sft(p, a) for p, a in problems(tokenizer, 4)]
+
+    def train(client) -> float:
+        client.forward_backward(data, "cross_entropy").result()
+        return client.optim_step(types.AdamParams(learning_rate=LR)).result().metrics["step:max"]
+
+    train(tc)
+    path = tc.save_state("source").result().path
+    train(tc)
+    tc.load_state_with_optimizer(path).result()
+    loaded = sc.create_training_client_from_state_with_optimizer(path)
+    tinker.RestClient(base_url=URL, api_key=svc["alice"]).delete_checkpoint_from_tinker_path(path).result()
+    kill_learner(ray_local)
+    assert train(tc) == train(loaded) == 2
+    probe = [sft(p, a) for p, a in problems(tokenizer, 3, seed=9)]
+    ours = loaded.forward(probe, "cross_entropy").result().loss_fn_outputs
+    theirs = tc.forward(probe, "cross_entropy").result().loss_fn_outputs
+    for a, b in zip(ours, theirs):
+        assert np.allclose(a["logprobs"].tolist(), b["logprobs"].tolist(), atol=1e-6)
+    assert recoveries(ray_local, svc["alice"], tc.model_id) and recoveries(ray_local, svc["alice"], loaded.model_id)
