@@ -31,6 +31,7 @@ POLICY_LAG = "policy_lag"
 LOGPROB_DIFF_MAX = "rollout/logprob_diff_max"
 LOGPROB_DIFF_MEAN = "rollout/logprob_diff_mean"
 LOGPROB_KL = "rollout/logprob_kl"
+WORKERS_REPLACED = "rollout/workers_replaced"  # dead rollout workers replaced in their bundles so far (a run's)
 WEIGHT_SYNC = "weight_sync"  # the transport that took the step's weights to the workers (its time: sync_s)
 SAMPLER = "sampler"  # what generated the step's samples: eager | compiled (the HF backend's), or the backend
 SAMPLER_COMPILE_S = "sampler_compile_s"  # that sampler's warm-up when the job started (paid once, not in a step)

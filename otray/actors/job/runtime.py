@@ -112,18 +112,22 @@ class ActorFactory:
     def workers(self, first_bundle: int, n: int, model_path: str | None = None, prefix: str = "") -> list[Any]:
         """``n`` RolloutWorkers serving ``model_path`` (default: the job's model) in bundles
         ``first_bundle``, ``first_bundle + 1``, ...; worker i is seeded ``job.seed + i``."""
+        return [self.worker(first_bundle, i, model_path, prefix) for i in range(n)]
+
+    def worker(self, first_bundle: int, i: int, model_path: str | None = None, prefix: str = "") -> Any:
+        """Rollout worker ``i`` of those from bundle ``first_bundle`` on (also a new one in a dead one's place)."""
         import ray
 
         from otray.actors.sampling.rollout import RolloutWorker
 
         cfg, res = self.cfg, self.cfg.resources
-        return [self.start(ray.remote(num_cpus=res.rollout_cpus, num_gpus=res.rollout_gpus)(RolloutWorker),
+        return self.start(ray.remote(num_cpus=res.rollout_cpus, num_gpus=res.rollout_gpus)(RolloutWorker),
             {**in_bundle(self.placement_group, first_bundle + i), **threads_env(res.rollout_threads)},
             f"{prefix}rollout-{i}", model_path or self.model_path, cfg.rollout.backend, num_threads=res.rollout_threads,
             dtype=cfg.model.dtype, device=cfg.model.device, max_model_len=cfg.rollout.max_model_len,
             seed=cfg.job.seed + i, max_lora_rank=cfg.model.lora.rank, kv_cache_gb=cfg.rollout.kv_cache_gb,
             max_batch=cfg.rollout.max_batch, gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
-            enforce_eager=cfg.rollout.enforce_eager, sampler=cfg.rollout.sampler) for i in range(n)]
+            enforce_eager=cfg.rollout.enforce_eager, sampler=cfg.rollout.sampler)
 
 
 @dataclass(frozen=True)
@@ -157,6 +161,13 @@ class PolicyRuntime:
     synced: bool = True
     nodes: dict[str, Any] = field(default_factory=dict)  # Ray node ids of the learner and the workers
     weight_sync: str = "object_store"  # how weights reach the workers (otray.actors.sampling.transport)
+    first_bundle: int = 0  # the placement group bundle of its rollout worker 0 (worker i: first_bundle + i)
+    prefix: str = ""  # its actors' role prefix (a second trained policy's name)
+    replaced: int = 0  # dead rollout workers replaced so far
+    reported: int = 0  # the fleet's drops reported so far
+    replacer: ActorFactory | None = None  # makes new workers in dead ones' places (:meth:`replace_workers`)
+    max_replaced: int = 0
+    notes: list[str] = field(default_factory=list)  # replacements made mid-step, for the next health check
 
     @property
     def workers(self) -> tuple[Any, ...]:
@@ -205,18 +216,61 @@ class PolicyRuntime:
             clock.mark("weight_sync")
         return time.perf_counter() - t0
 
+    def replace_workers(self, factory: ActorFactory, limit: int, mid_step: bool) -> None:
+        """From now on a dead rollout worker is replaced by a new one in its bundle (``factory``), at most
+        ``limit`` times (``job.max_failures``): between steps, and with ``mid_step`` (on-policy jobs, whose
+        sampling never overlaps an update) also when a generate call has lost every worker."""
+        self.replacer, self.max_replaced = factory, limit
+        if self.fleet is not None and mid_step:
+            self.fleet.refill = self._refill
+
+    def _refill(self) -> bool:
+        """The fleet lost its last worker in a generate call: replace them now (True: one is live again)."""
+        self.notes += self.replace_dead()
+        return bool(self.fleet.live)
+
     def check_health(self, timeout: float = 30.0) -> list[str]:
-        """Ping the fleet's workers between steps; returns a line for each worker found dead now (the
-        fleet drops it), and raises WorkersLostError when none is left."""
+        """Ping the fleet's workers between steps; returns a line for each worker lost since the last
+        check (the fleet drops it) and for each replaced (:meth:`replace_workers`); raises
+        WorkersLostError when none is left."""
         if self.fleet is None:
             return []
-        before = set(self.fleet.dead)
         self.fleet.health_check(timeout)
+        lines = [f"policy {self.name!r}: rollout worker {i} failed ({why})" for i, why in self.fleet.drops[self.reported:]]
+        self.reported = len(self.fleet.drops)
+        lines, self.notes = [*lines, *self.notes, *self.replace_dead()], []
         if not self.fleet.live:
             raise WorkersLostError(f"policy {self.name!r}: every rollout worker failed: " +
-                               "; ".join(f"worker {i}: {why}" for i, why in self.fleet.dead.items()))
-        return [f"policy {self.name!r}: rollout worker {i} failed ({why}); {len(self.fleet.live)} left"
-                for i, why in self.fleet.dead.items() if i not in before]
+                                   "; ".join(f"worker {i}: {why}" for i, why in self.fleet.dead.items()))
+        return lines
+
+    def replace_dead(self) -> list[str]:
+        """Each dropped rollout worker replaced by a new one in its bundle, given the current weights, while
+        fewer than ``max_replaced`` were; a line for each. Not with a broadcast group (fixed when the job
+        started: a restart from the checkpoint heals it) or a colocated sampler."""
+        import ray
+
+        from otray.actors.sampling.rollout import wait_ready
+
+        if self.replacer is None or self.fleet is None or self.colocated or self.weight_sync == "broadcast":
+            return []
+        lines = []
+        for i in sorted(self.fleet.dead):
+            if self.replaced >= self.max_replaced:
+                return [*lines, f"policy {self.name!r}: rollout worker {i} not replaced ({self.replaced} replaced "
+                                "already, job.max_failures); the others sample its share"]
+            worker = self.replacer.worker(self.first_bundle, i, prefix=self.prefix)
+            try:  # the learner's weights now (the worker checks them against their checksum)
+                wait_ready([worker])
+                ray.get(worker.update_weights.remote(self.learner.weights.remote(self.weight_sync, self.info.dtype)))
+            except Exception as e:  # noqa: BLE001 - the others go on sampling its share
+                ray.kill(worker)
+                lines.append(f"policy {self.name!r}: rollout worker {i} could not be replaced ({type(e).__name__}: {e})")
+                continue
+            self.fleet.replace(i, worker)
+            self.replaced += 1
+            lines.append(f"policy {self.name!r}: rollout worker {i} replaced by a new one in its bundle")
+        return lines
 
     def busy_s(self) -> list[float]:
         """Busy seconds so far of the learner, then of each live worker (``otray.timing.BusyClock``)."""
@@ -263,6 +317,8 @@ class StartingPolicy:
     name: str
     learner: Any
     workers: list[Any]
+    first_bundle: int = 0  # its rollout worker 0's bundle
+    prefix: str = ""  # its actors' role prefix
 
 
 def start_policies(cfg: Config, factory: ActorFactory) -> list[StartingPolicy]:
@@ -271,7 +327,7 @@ def start_policies(cfg: Config, factory: ActorFactory) -> list[StartingPolicy]:
     per, ranks = policy_bundles(cfg), learner_ranks(cfg)
     prefix = [f"{name}/" if k else "" for k, name in enumerate(trained_policies(cfg))]
     return [StartingPolicy(name, factory.learner(k * per, prefix[k]),
-                           factory.workers(k * per + ranks, per - ranks, prefix=prefix[k]))
+                           factory.workers(k * per + ranks, per - ranks, prefix=prefix[k]), k * per + ranks, prefix[k])
             for k, name in enumerate(trained_policies(cfg))]
 
 
@@ -283,10 +339,10 @@ def ready_policies(cfg: Config, starting: list[StartingPolicy]) -> dict[str, Pol
     from otray.actors.sampling.rollout import wait_ready
 
     colocated = cfg.rollout.colocate and (cfg.job.kind == "rl" or bool(cfg.envs))
-    made = [(p.name, p.learner, p.workers) for p in starting]
-    wait_ready([h for _, learner, workers in made for h in (learner, *workers)])
+    wait_ready([h for p in starting for h in (p.learner, *p.workers)])
     policies = {}
-    for k, (name, learner, workers) in enumerate(made):
+    for k, p in enumerate(starting):
+        name, learner, workers = p.name, p.learner, p.workers
         if colocated:
             infos = [ray.get(learner.start_sampler.remote(cfg.rollout.max_model_len, cfg.rollout.max_batch,
                                                           cfg.rollout.sampler))]
@@ -300,7 +356,8 @@ def ready_policies(cfg: Config, starting: list[StartingPolicy]) -> dict[str, Pol
         if sync == "broadcast" and workers:
             open_broadcast(learner, workers)
         policy = PolicyRuntime(name, learner, fleet, infos[0] if infos else WorkerInfo(None, cfg.rollout.max_model_len),
-                               colocated, version=state.policy_version, nodes=nodes, weight_sync=sync)
+                               colocated, version=state.policy_version, nodes=nodes, weight_sync=sync,
+                               first_bundle=p.first_bundle, prefix=p.prefix)
         if k > 0:
             policy.sync_weights()
         policies[name] = policy

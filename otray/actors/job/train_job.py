@@ -56,6 +56,9 @@ class TrainJob:
             factory.close()  # a bad dataset or tokenizer: the started actors end with the error
             raise
         main = self.main
+        if cfg.game is None:  # a game's coordinator holds its own worker handles (it routes around a dead one)
+            for policy in self.policies.values():
+                policy.replace_workers(factory, cfg.job.max_failures, mid_step=cfg.algo.max_steps_off_policy == 0)
         self.rollouts = (EnvRollouts(cfg, self.tokenizer, main.fleet.generate, main.info.max_model_len)
                          if main.fleet is not None and cfg.envs else None)
         self.source: GroupSource | None = None
@@ -91,7 +94,8 @@ class TrainJob:
     # ------------------------------------------------------------------ steps
 
     def rl_step(self) -> dict[str, Any]:
-        """One RL step (``otray.actors.job.step.rl_step``) after a health check of every fleet."""
+        """One RL step (``otray.actors.job.step.rl_step``) after a health check of every fleet (a dead rollout
+        worker of an env job is replaced in its bundle, up to ``job.max_failures``)."""
         for policy in self.policies.values():
             for line in policy.check_health():
                 self.log(f"  {line}")
@@ -102,7 +106,9 @@ class TrainJob:
         prev = self.busy_prev if len(self.busy_prev) == len(busy) else [0.0] * len(busy)
         delta, self.busy_prev = [b - p for b, p in zip(busy, prev)], busy
         m.clock.mark("other")
-        return {**m.row, **m.clock.metrics(learner_busy_s=delta[0], rollout_busy_s=delta[1:], generate_s=m.generate_s)}
+        replaced = {K.WORKERS_REPLACED: self.main.replaced} if self.main.replaced else {}
+        return {**m.row, **replaced,
+                **m.clock.metrics(learner_busy_s=delta[0], rollout_busy_s=delta[1:], generate_s=m.generate_s)}
 
     def sft_step(self) -> dict[str, Any]:
         row = self.sft.step(self.step)

@@ -15,6 +15,7 @@ shipped to another actor (its copy there would go stale).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from otray.types import ConfigError, GenerateResult, SamplingParams, WeightSyncError, WorkersLostError
@@ -30,6 +31,10 @@ class RolloutFleet:
             raise ConfigError("a rollout fleet needs at least one worker (rollout.num_workers >= 1)")
         self.workers = list(workers)
         self.dead: dict[int, str] = {}  # worker index -> why it was dropped
+        self.drops: list[tuple[int, str]] = []  # every drop so far, in order (a replaced worker may die again)
+        # called when a generate call has lost every worker: True when it made some live again (the job's
+        # PolicyRuntime replaces dead workers in their bundles); None: the call fails
+        self.refill: Callable[[], bool] | None = None
 
     @property
     def live(self) -> list[int]:
@@ -50,6 +55,11 @@ class RolloutFleet:
                 status[i] = False
         return status
 
+    def replace(self, i: int, worker: Any) -> None:
+        """Worker ``i`` (dropped) is ``worker`` from now on, a new actor in its place."""
+        self.workers[i] = worker
+        self.dead.pop(i, None)
+
     def _answers(self, i: int, timeout: float = 10.0) -> bool:
         """Whether worker ``i`` answers a ping: a task that failed with an actor's death may have failed
         on its *argument* (an ObjectRef whose producing actor died), with the worker itself alive."""
@@ -63,6 +73,7 @@ class RolloutFleet:
     def _drop(self, i: int, err: BaseException) -> None:
         first_line = (str(err).strip().splitlines() or [""])[0]
         self.dead[i] = f"{type(err).__name__}: {first_line}"[:300]
+        self.drops.append((i, self.dead[i]))
         log.warning("rollout worker %d dropped: %s", i, err)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, n: int = 1,
@@ -75,6 +86,8 @@ class RolloutFleet:
         pending = list(range(len(prompts)))
         while pending:
             live = self.live
+            if not live and self.refill is not None and self.refill():
+                live = self.live
             if not live:
                 raise WorkersLostError("every rollout worker failed: " +
                                    "; ".join(f"worker {i}: {why}" for i, why in self.dead.items()))

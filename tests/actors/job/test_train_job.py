@@ -287,3 +287,48 @@ def test_a_job_that_heals_checkpoints_its_warm_up_and_resumes_it_midway_exactly(
     grpo_a, grpo_b = ([(r["step"], r["reward_mean"], r["learner/loss"]) for r in rows if r["phase"] == "grpo"]
                       for rows in (a, b))
     assert grpo_b == grpo_a and len(grpo_a) == 2
+
+
+def test_a_dead_rollout_worker_is_replaced_in_its_bundle_up_to_max_failures(ray_local, tiny_path, tmp_path):
+    """A rollout worker killed between steps is replaced before the next step by a new actor in its bundle,
+    given the current weights, and samples its share from then on (no restart of the job); a generate call
+    that lost every worker gets them replaced and goes on; past ``job.max_failures`` replacements the
+    others sample a dead one's share."""
+    import time
+
+    from otray import metric_keys as K
+    from otray.actors.job.train_job import TrainJob
+    from otray.types import SamplingParams
+
+    data = _cfg(tmp_path)
+    data["model"]["path"] = tiny_path
+    data["rollout"]["num_workers"] = 2
+    data["job"]["max_failures"] = 2
+    lines: list[str] = []
+    job = TrainJob(config.load(data), tmp_path / "runs" / "heal", log=lines.append)
+
+    def kill(worker) -> None:  # and wait until it is gone (ray.kill returns at once)
+        ray_local.kill(worker)
+        with pytest.raises(ray_local.exceptions.RayActorError):
+            for _ in range(100):
+                ray_local.get(worker.ping.remote(), timeout=10)
+                time.sleep(0.1)
+
+    try:
+        fleet = job.main.fleet
+        assert K.WORKERS_REPLACED not in job.rl_step()
+        first = fleet.workers[1]
+        kill(first)
+        row = job.rl_step()
+        assert row.get(K.WORKERS_REPLACED) == 1 and fleet.live == [0, 1] and fleet.workers[1] is not first, lines
+        assert any("rollout worker 1 replaced" in line for line in lines), lines
+        assert ray_local.get(fleet.workers[1].policy_version.remote()) == job.main.version  # the weights it was given
+        assert ray_local.get(fleet.workers[1].busy_s.remote()) > 0  # it sampled its share of the step
+        kill(fleet.workers[0]), kill(fleet.workers[1])  # every worker lost under a generate call
+        out = fleet.generate([[1, 2, 3]] * 4, SamplingParams(max_tokens=2))
+        assert len(out) == 4 and fleet.live == [0], fleet.dead  # one replaced (the limit), then sampled all
+        row = job.rl_step()
+        assert row[K.WORKERS_REPLACED] == 2 and fleet.live == [0], lines
+        assert any("rollout worker 1 not replaced (2 replaced already" in line for line in lines), lines
+    finally:
+        job.close()
