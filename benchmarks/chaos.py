@@ -7,7 +7,8 @@ Through a ResourceManager on a local Ray (a fresh registry), the demo (``conf/ar
 - ``chaos``: every ``--every`` seconds after it starts running (default: the undisturbed run's time over
   ``--kills`` + 1, so that every kill lands), one of its actors is SIGKILLed (a crash, not a polite
   ``ray.kill``), ``--kills`` times, the victims a random order of the rollout worker, the learner and the job
-  driver; the job heals by restarting from its last checkpoint (``job.max_failures``, default 3).
+  driver; the job heals by restarting from its last checkpoint (``job.max_failures``, default 3), or for
+  the rollout worker by a new one in its bundle (no restart).
 
 Then ``past_limit``: a short job with ``job.max_failures: 1`` whose learner is killed twice: it must end FAILED
 naming both failures.
@@ -94,7 +95,8 @@ def run_job(client: Any, overrides: list[str], kills: list[str], every: float, l
             "final_heldout": evals[-1][K.EVAL_ACCURACY] if evals else None,
             "seconds": (st.finished or time.time()) - t0, "grpo_steps": len(per_step),
             "duplicate_rows": sum(n - 1 for n in per_step.values()),
-            "resumed_from": [r.get(K.RECOVERY_FROM) for r in recoveries]}
+            "resumed_from": [r.get(K.RECOVERY_FROM) for r in recoveries],
+            "workers_replaced": max((r.get(K.WORKERS_REPLACED, 0) for r in rows), default=0)}
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -131,7 +133,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     leaked = [t["name"] for t in ray.util.placement_group_table().values()
               if str(t.get("name", "")).startswith("otray-job-") and t["state"] != "REMOVED"]
     chaos_kills = [k for k in kills if k["job"] == chaos["job"]]
-    lost = [k["step"] - (r or 0) for k, r in zip(chaos_kills, chaos["resumed_from"])
+    # a rollout worker's death is healed by a new worker in its bundle, not a restart (unless it died where
+    # no replacement applies): pair the restarts with the other kills when the counts agree
+    restarted = [k for k in chaos_kills if k["victim"] != "RolloutWorker"]
+    if len(restarted) != len(chaos["resumed_from"]):
+        restarted = chaos_kills
+    lost = [k["step"] - (r or 0) for k, r in zip(restarted, chaos["resumed_from"])
             if k["phase"] == "grpo" and k["step"] is not None]
     gap = None if None in (chaos["final_heldout"], calm["final_heldout"]) else chaos["final_heldout"] - calm["final_heldout"]
     result = {
@@ -147,7 +154,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                     "past_limit_failed_naming_both": limit["state"] == "FAILED"
                     and "earlier failure 1 (healed by a restart)" in (limit["error"] or "")}}
     print(f"held-out {100 * (calm['final_heldout'] or 0):.1f}% undisturbed, {100 * (chaos['final_heldout'] or 0):.1f}% "
-          f"with {len(chaos['recoveries'])} restarts; time {result['time_ratio']:.2f}x; steps run again {lost}; "
+          f"with {len(chaos['recoveries'])} restarts and {chaos['workers_replaced']} workers replaced; time {result['time_ratio']:.2f}x; steps run again {lost}; "
           f"duplicates {result['duplicate_rows']}; leaked placement groups {len(leaked)}", flush=True)
     print("targets: " + ", ".join(f"{k} {'met' if v else 'NOT met'}" for k, v in result["targets"].items()))
     save(result, args.out)
