@@ -114,29 +114,35 @@ def test_a_killed_learner_loses_no_step_of_its_clients(svc, ray_local, tokenizer
         assert len(info) == 2 and all("rebuilt" in r and "no step lost" in r for r in info), info
 
 
-def test_models_loaded_from_a_deleted_checkpoint_are_rebuilt(svc, ray_local, tokenizer):
-    """A client made from a checkpoint, and a live client that loaded it back after training on (its log
-    then holds the load), both come back after a death although the owner deleted the checkpoint (the
-    service keeps its own link of the files), with the loaded weights, optimizer state and step."""
+def test_models_loaded_from_a_checkpoint_since_overwritten_and_deleted_are_rebuilt(svc, ray_local, tokenizer):
+    """A client made from a checkpoint, and a live client that loaded it after training on its own (its
+    log then holds the load), both come back after a death as they were, although the checkpoint's owner
+    wrote it again and then deleted it (the service keeps its own link of the files as loaded, and a save
+    writes new files, never the linked ones in place): loaded weights, optimizer state and step."""
     sc = tinker.ServiceClient(base_url=URL, api_key=svc["alice"])
-    tc = sc.create_lora_training_client(base_model=BASE, rank=4, seed=5).result()
+    writer, tc = (sc.create_lora_training_client(base_model=BASE, rank=4, seed=seed).result() for seed in (5, 6))
     data = [sft(p, a) for p, a in problems(tokenizer, 4)]
+    probe = [sft(p, a) for p, a in problems(tokenizer, 3, seed=9)]
 
     def train(client) -> float:
         client.forward_backward(data, "cross_entropy").result()
         return client.optim_step(types.AdamParams(learning_rate=LR)).result().metrics["step:max"]
 
-    train(tc)
-    path = tc.save_state("source").result().path
-    train(tc)
+    def logprobs(client) -> np.ndarray:
+        outs = client.forward(probe, "cross_entropy").result().loss_fn_outputs
+        return np.concatenate([o["logprobs"].tolist() for o in outs])
+
+    train(writer), train(tc)
+    path = writer.save_state("source").result().path
     tc.load_state_with_optimizer(path).result()
     loaded = sc.create_training_client_from_state_with_optimizer(path)
-    tinker.RestClient(base_url=URL, api_key=svc["alice"]).delete_checkpoint_from_tinker_path(path).result()
+    before = logprobs(loaded)
+    train(writer)
+    writer.save_state("source", overwrite=True).result()  # the owner writes the checkpoint again ...
+    tinker.RestClient(base_url=URL, api_key=svc["alice"]).delete_checkpoint_from_tinker_path(path).result()  # ... and deletes it
     kill_learner(ray_local)
+    for client in (tc, loaded):
+        assert np.allclose(logprobs(client), before, atol=1e-6)
     assert train(tc) == train(loaded) == 2
-    probe = [sft(p, a) for p, a in problems(tokenizer, 3, seed=9)]
-    ours = loaded.forward(probe, "cross_entropy").result().loss_fn_outputs
-    theirs = tc.forward(probe, "cross_entropy").result().loss_fn_outputs
-    for a, b in zip(ours, theirs):
-        assert np.allclose(a["logprobs"].tolist(), b["logprobs"].tolist(), atol=1e-6)
+    assert np.allclose(logprobs(tc), logprobs(loaded), atol=1e-6)
     assert recoveries(ray_local, svc["alice"], tc.model_id) and recoveries(ray_local, svc["alice"], loaded.model_id)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -255,8 +256,10 @@ class AdapterLearner:
         with its optimizer state when ``optimizer`` and ``version`` in its metadata (an inflight target's,
         which samples report); returns the bytes written."""
         out = Path(path)
-        out.mkdir(parents=True, exist_ok=True)
-        self.slots.forget(str(out))  # overwritten: what is loaded from it is stale
+        if out.exists():  # overwritten: new files, never rewritten in place (a hard link of the old ones, a
+            shutil.rmtree(out)  # copied checkpoint's or the service's restore point, keeps what it linked)
+        out.mkdir(parents=True)
+        self.slots.forget(str(out))  # what is loaded from it is stale
         self.model.save_pretrained(str(out), selected_adapters=[adapter], safe_serialization=True,
                                    save_embedding_layers=False)  # the base's (tied) embeddings are not trained
         nested = out / adapter  # PEFT puts a non-default adapter in a subdirectory

@@ -192,10 +192,6 @@ class Healing:
 
     # ------------------------------------------------------------------ healing
 
-    def seen(self, base: str) -> int:
-        """The deaths of ``base``'s learner known so far (pass it to :meth:`heal` after a call failed)."""
-        return self.deaths[base]
-
     async def ready(self, base: str) -> None:
         """Wait for a healing of ``base`` in progress (a call sent before it ends would find no adapter)."""
         running = self.current.get(base)
