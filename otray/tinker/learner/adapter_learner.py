@@ -107,9 +107,6 @@ class AdapterLearner:
         self.routing = RowRouting()  # which rows each LoRA layer gives which adapter, in a shared pass
         self.training = False  # the model is in train mode (not switched to eval by a sample since)
 
-    def ping(self) -> bool:
-        return True
-
     def adapters(self) -> list[str]:
         return sorted(self.specs)
 
@@ -256,9 +253,8 @@ class AdapterLearner:
         with its optimizer state when ``optimizer`` and ``version`` in its metadata (an inflight target's,
         which samples report); returns the bytes written."""
         out = Path(path)
-        if out.exists():  # overwritten: new files, never rewritten in place (a hard link of the old ones, a
-            shutil.rmtree(out)  # copied checkpoint's or the service's restore point, keeps what it linked)
-        out.mkdir(parents=True)
+        shutil.rmtree(out, ignore_errors=True)  # overwritten: new files, never the old ones rewritten in place (a
+        out.mkdir(parents=True)  # hard link of them, a copied checkpoint's or a restore point's, keeps what it linked)
         self.slots.forget(str(out))  # what is loaded from it is stale
         self.model.save_pretrained(str(out), selected_adapters=[adapter], safe_serialization=True,
                                    save_embedding_layers=False)  # the base's (tied) embeddings are not trained
@@ -290,11 +286,11 @@ class AdapterLearner:
                              f"model is rank {self.specs[adapter].rank} on {self.specs[adapter].target_modules()}")
         set_peft_model_state_dict(self.model, load_file(str(src / "adapter_model.safetensors")), adapter_name=adapter)
         self.optimizers.pop(adapter, None)
-        if optimizer:  # the state: AdamW's moments (none before a first step) and the step count
+        if optimizer:  # the state: the step count, and AdamW's moments (none saved before a first step)
             self.steps[adapter] = int(meta["step"])
-        if optimizer and (src / "optimizer.pt").exists():
-            opt = self.optimizers[adapter] = new_adamw(self._params(adapter), lr=1e-4)
-            opt.load_state_dict(torch.load(src / "optimizer.pt", weights_only=True, map_location=self.device))
+            if (src / "optimizer.pt").exists():
+                opt = self.optimizers[adapter] = new_adamw(self._params(adapter), lr=1e-4)
+                opt.load_state_dict(torch.load(src / "optimizer.pt", weights_only=True, map_location=self.device))
         return spec
 
     # ------------------------------------------------------------------ sampling

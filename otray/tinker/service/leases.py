@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from otray import metric_keys as K
 from otray.records import JobState
@@ -88,33 +88,34 @@ class Leases:
 
     async def report_step(self, model_id: str, lr: float) -> None:
         """One optim_step done: a progress row. Raises LeaseEnded when the lease is gone."""
-        held = self.store.leases().get(model_id)
-        if held is None:
-            return
-        p = self.progress.setdefault(model_id, _Progress())
-        p.step += 1
-        row = {K.STEP: p.step, K.LOSS: p.loss, "tokens": p.tokens, "learning_rate": lr, K.PHASE: K.PHASE_TINKER}
-        try:
-            await self.rm.report.remote(held[0], row, held[1])
-        except Exception as e:  # noqa: BLE001 - AuthError: the token was dropped
-            if not isinstance(_cause(e), PermissionError):  # the manager is restarting: a lost row, not a failed step
-                log.warning("progress row of %s not recorded: %s", model_id, type(_cause(e)).__name__)
-                return
-            self._ended(model_id, held[0])
+        def row(p: _Progress) -> dict:
+            p.step += 1
+            return {K.STEP: p.step, K.LOSS: p.loss, "tokens": p.tokens, "learning_rate": lr, K.PHASE: K.PHASE_TINKER}
+
+        await self._report(model_id, row, "progress", ends=True)
 
     async def recovered(self, model_id: str, why: str) -> None:
         """The model's learner died and the model was rebuilt: a ``recovery`` row (``otray status`` lists it)."""
+        def row(p: _Progress) -> dict:
+            p.recoveries += 1
+            return {K.STEP: p.step, K.PHASE: K.PHASE_RECOVERY, K.RECOVERY_FAILURE: p.recoveries,
+                    K.RECOVERY_REASON: why, K.RECOVERY_FROM: p.step}
+
+        await self._report(model_id, row, "recovery", ends=False)
+
+    async def _report(self, model_id: str, row: Callable[[_Progress], dict], what: str, ends: bool) -> None:
+        """A row of the lease's job (``row`` makes it from the model's progress); with ``ends``, a dropped
+        token (cancelled) raises LeaseEnded; otherwise (the manager restarting) the row is lost, not the call."""
         held = self.store.leases().get(model_id)
         if held is None:
             return
-        p = self.progress.setdefault(model_id, _Progress())
-        p.recoveries += 1
-        row = {K.STEP: p.step, K.PHASE: K.PHASE_RECOVERY, K.RECOVERY_FAILURE: p.recoveries, K.RECOVERY_REASON: why,
-               K.RECOVERY_FROM: p.step}
+        made = row(self.progress.setdefault(model_id, _Progress()))
         try:
-            await self.rm.report.remote(held[0], row, held[1])
-        except Exception as e:  # noqa: BLE001 - a lost row does not undo the recovery
-            log.warning("recovery row of %s not recorded: %s", model_id, type(_cause(e)).__name__)
+            await self.rm.report.remote(held[0], made, held[1])
+        except Exception as e:  # noqa: BLE001 - AuthError: the token was dropped
+            if ends and isinstance(_cause(e), PermissionError):
+                self._ended(model_id, held[0])
+            log.warning("%s row of %s not recorded: %s", what, model_id, type(_cause(e)).__name__)
 
     async def close(self, model_id: str, state: JobState = JobState.SUCCEEDED, error: Optional[str] = None) -> None:
         held = self.store.leases().get(model_id)
