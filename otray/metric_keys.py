@@ -50,6 +50,9 @@ PHASES = (PHASE_BASE, PHASE_SFT, PHASE_INIT, PHASE_GRPO, PHASE_INFER, PHASE_TINK
 RECOVERY_FAILURE = "recovery/failure"  # which failure this was (1, 2, ...), of at most job.max_failures
 RECOVERY_REASON = "recovery/reason"  # the failure, as its error is stored (Type: message)
 RECOVERY_FROM = "recovery/resumed_from"  # the checkpoint step the job went on from (None: from the start)
+# in an RL row: the rollout workers that died and were replaced in their bundles in that step, in words (a
+# recovery without a restart; ``otray status`` lists it with the restarts)
+RECOVERY_WORKERS = "recovery/workers"
 
 
 def time_part(part: str) -> str:

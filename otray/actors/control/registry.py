@@ -242,9 +242,11 @@ class Registry:
         self.db.commit()
 
     def recoveries(self, job_id: str) -> list[dict[str, Any]]:
-        """The job's recovery rows (phase ``recovery``), in order."""
-        rows = self.db.execute("SELECT row FROM metrics WHERE job_id = ? AND json_extract(row, '$.phase') = "
-                               "'recovery' ORDER BY seq", (job_id,))
+        """The job's recovery rows (phase ``recovery``: restarts) and rows naming rollout workers replaced in a
+        step (``recovery/workers``), in order."""
+        rows = self.db.execute("SELECT row FROM metrics WHERE job_id = ? AND (json_extract(row, '$.phase') = "
+                               "'recovery' OR json_extract(row, '$.\"recovery/workers\"') IS NOT NULL) ORDER BY seq",
+                               (job_id,))
         return [json.loads(r[0]) for r in rows]
 
     def metrics(self, job_id: str, since: int = 0) -> list[dict[str, Any]]:

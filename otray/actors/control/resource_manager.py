@@ -107,7 +107,8 @@ class ResourceManager:
     def _seen(self, job: JobRecord) -> JobStatus:
         """A job's status: a queued one's with why it waits, one healed by restarts with each failure."""
         st = job.status()
-        healed = [f"step {r.get(K.STEP)}: {r.get(K.RECOVERY_REASON)}" for r in self.registry.recoveries(st.id)]
+        healed = [f"step {r.get(K.STEP)}: {r.get(K.RECOVERY_REASON) or r.get(K.RECOVERY_WORKERS)}"
+                  for r in self.registry.recoveries(st.id)]
         st = dataclasses.replace(st, recoveries=healed) if healed else st
         return dataclasses.replace(st, waiting=self.jobs_.waiting(st.id)) if st.state is JobState.QUEUED else st
 

@@ -168,6 +168,7 @@ class PolicyRuntime:
     replacer: ActorFactory | None = None  # makes new workers in dead ones' places (:meth:`replace_workers`)
     max_replaced: int = 0
     notes: list[str] = field(default_factory=list)  # replacements made mid-step, for the next health check
+    healed: list[str] = field(default_factory=list)  # workers replaced since the last step's row, and why
 
     @property
     def workers(self) -> tuple[Any, ...]:
@@ -267,6 +268,7 @@ class PolicyRuntime:
                 ray.kill(worker)
                 lines.append(f"policy {self.name!r}: rollout worker {i} could not be replaced ({type(e).__name__}: {e})")
                 continue
+            self.healed.append(f"policy {self.name!r}: rollout worker {i} replaced in its bundle ({self.fleet.dead[i]})")
             self.fleet.replace(i, worker)
             self.replaced += 1
             lines.append(f"policy {self.name!r}: rollout worker {i} replaced by a new one in its bundle")

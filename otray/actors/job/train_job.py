@@ -107,6 +107,11 @@ class TrainJob:
         delta, self.busy_prev = [b - p for b, p in zip(busy, prev)], busy
         m.clock.mark("other")
         replaced = {K.WORKERS_REPLACED: self.main.replaced} if self.main.replaced else {}
+        healed = [line for p in self.policies.values() for line in p.healed]
+        for p in self.policies.values():
+            p.healed.clear()
+        if healed:
+            replaced[K.RECOVERY_WORKERS] = "; ".join(healed)
         return {**m.row, **replaced,
                 **m.clock.metrics(learner_busy_s=delta[0], rollout_busy_s=delta[1:], generate_s=m.generate_s)}
 

@@ -322,13 +322,15 @@ def test_a_dead_rollout_worker_is_replaced_in_its_bundle_up_to_max_failures(ray_
         row = job.rl_step()
         assert row.get(K.WORKERS_REPLACED) == 1 and fleet.live == [0, 1] and fleet.workers[1] is not first, lines
         assert any("rollout worker 1 replaced" in line for line in lines), lines
+        assert row[K.RECOVERY_WORKERS].startswith("policy 'main': rollout worker 1 replaced in its bundle (") \
+            and "Error: " in row[K.RECOVERY_WORKERS], row
         assert ray_local.get(fleet.workers[1].policy_version.remote()) == job.main.version  # the weights it was given
         assert ray_local.get(fleet.workers[1].busy_s.remote()) > 0  # it sampled its share of the step
         kill(fleet.workers[0]), kill(fleet.workers[1])  # every worker lost under a generate call
         out = fleet.generate([[1, 2, 3]] * 4, SamplingParams(max_tokens=2))
         assert len(out) == 4 and fleet.live == [0], fleet.dead  # one replaced (the limit), then sampled all
         row = job.rl_step()
-        assert row[K.WORKERS_REPLACED] == 2 and fleet.live == [0], lines
+        assert row[K.WORKERS_REPLACED] == 2 and fleet.live == [0] and "rollout worker 0 replaced" in row[K.RECOVERY_WORKERS]
         assert any("rollout worker 1 not replaced (2 replaced already" in line for line in lines), lines
     finally:
         job.close()
