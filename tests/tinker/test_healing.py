@@ -146,3 +146,30 @@ def test_models_loaded_from_a_checkpoint_since_overwritten_and_deleted_are_rebui
     assert train(tc) == train(loaded) == 2
     assert np.allclose(logprobs(tc), logprobs(loaded), atol=1e-6)
     assert recoveries(ray_local, svc["alice"], tc.model_id) and recoveries(ray_local, svc["alice"], loaded.model_id)
+
+
+def test_a_replay_log_is_bounded_even_without_optim_steps(tmp_path):
+    """Past the bound, the next optim_step asks for a restore point; a client that only sends
+    forward_backward calls (a gradient pending, so no restore point can be saved) has its log dropped at
+    twice the bound, with the reason a later death will give: the service's memory stays bounded."""
+    from otray.tinker.learner.adapter_learner import AdamStep, AdapterSpec
+    from otray.tinker.service.healing import Healing, Pass, Step
+    from otray.types import Datum
+
+    async def nothing(*_) -> None:
+        return None
+
+    healing = Healing({"base": None}, tmp_path, 4000, nothing, nothing, lambda base: [])
+    datum = Datum(list(range(100)), list(range(100)), [1.0] * 100, [0.0] * 100, [0.0] * 100)
+    call = Pass([datum], "cross_entropy", None, None)
+    for model_id in ("stepping", "accumulating"):
+        healing.made(model_id, "alice", "base", AdapterSpec(4, 0))
+    assert not healing.ran("stepping", call) and not healing.ran("stepping", Step(AdamStep()))
+    while healing.replays["stepping"].bytes <= 4000:
+        assert not healing.ran("stepping", call)
+    assert healing.ran("stepping", Step(AdamStep()))  # past the bound, at a step: save a restore point now
+    for _ in range(100):
+        healing.ran("accumulating", call)
+    assert "accumulating" not in healing.replays and "twice healing_replay_mb" in healing.lost["accumulating"]
+    healing.forget("accumulating")
+    assert "accumulating" not in healing.lost

@@ -124,6 +124,7 @@ class Healing:
         self.learners, self.dir, self.replay_bytes = learners, root / "healing", replay_bytes
         self.recovered, self.failed, self.live = recovered, failed, live
         self.replays: dict[str, Replay] = {}
+        self.lost: dict[str, str] = {}  # model id -> why it is no longer kept healable
         self.deaths: dict[str, int] = dict.fromkeys(learners, 0)  # per base: learner deaths healed or being healed
         self.current: dict[str, asyncio.Future] = {}  # per base: the latest healing (failures by model id)
         self.healed = 0  # models rebuilt, since the service started
@@ -163,6 +164,10 @@ class Healing:
             return False
         replay.calls.append(call)
         replay.bytes += len(pickle.dumps(call, protocol=pickle.HIGHEST_PROTOCOL))
+        if replay.bytes > 2 * self.replay_bytes and not isinstance(call, Step):  # no step to save a restore point at
+            self.forget(model_id)
+            self.lost[model_id] = (f"its training calls since its last optim_step passed twice healing_replay_mb "
+                                   f"({self.replay_bytes / 2**20:g} MB) and were not kept")
         return isinstance(call, Step) and replay.bytes > self.replay_bytes
 
     async def snapshot(self, model_id: str, save: Callable[[str], Awaitable[Any]]) -> None:
@@ -181,6 +186,7 @@ class Healing:
 
     def forget(self, model_id: str) -> None:
         """The model left its learner: its log and restore points go."""
+        self.lost.pop(model_id, None)
         if self.replays.pop(model_id, None) is not None:
             shutil.rmtree(self._model_dir(model_id), ignore_errors=True)
 
@@ -260,6 +266,9 @@ class Healing:
         else:
             return {m: f"its learner died {REBUILD_TRIES} times while it was rebuilt"
                     for m, r in self.replays.items() if r.base == base}
+        for model_id in self.live(base):
+            if model_id not in self.replays and model_id not in failed:
+                failed[model_id] = self.lost.get(model_id, "no restore point was kept for it")
         for model_id, n in rebuilt.items():
             self.healed += 1
             log.warning("the learner of %s died; %s rebuilt (%d calls replayed)", base, model_id, n)
