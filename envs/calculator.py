@@ -159,6 +159,33 @@ def make_dataset(out_dir: str | Path, *, seed: int = 0, num_train: int = 5000, n
     return paths
 
 
+def make_chat(out_dir: str | Path, *, seed: int = 0, num_train: int = 2000, num_eval: int = 100) -> dict[str, Path]:
+    """Whole :class:`Calculator` episodes as chat JSONL (train/eval), for an SFT warm-up: the question, the
+    tool call with the question's expression, the env's own tool response, the answer. Drawn with seeds apart
+    from :func:`make_dataset`'s, and without its eval split's expressions (same ``seed``)."""
+    import json
+
+    from otray.tools import ToolCall, format_tool_call
+    from otray.types import Task
+
+    tag = f"s{seed}_{num_train}_{num_eval}"
+    paths, built = dataset_paths(out_dir, {"train": f"chat_train_{tag}.jsonl", "eval": f"chat_eval_{tag}.jsonl"})
+    if built:
+        return paths
+    env = Calculator()
+    held_out = {r["expression"] for r in make_problems(seed + 10_000, 1000)}  # make_dataset's eval rows
+    for split, n, rows_seed in (("train", num_train, seed + 20_000), ("eval", num_eval, seed + 30_000)):
+        with paths[split].open("w") as f:
+            for row in [r for r in make_problems(rows_seed, n) if r["expression"] not in held_out]:
+                first, _ = env.reset(Task(row["id"], "calculator", row))
+                call = format_tool_call(ToolCall("calculator", {"expression": row["expression"]}))
+                msgs = [{"role": "system", "content": env.system_prompt}, {"role": "user", "content": first},
+                        {"role": "assistant", "content": call}, {"role": "user", "content": env.step(call).observation},
+                        {"role": "assistant", "content": row["answer"]}]
+                f.write(json.dumps({"id": row["id"], "messages": msgs}) + "\n")
+    return paths
+
+
 def calculator_tool(expression: str) -> str:
     try:
         return format_number(evaluate(expression))

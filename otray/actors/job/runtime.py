@@ -278,8 +278,8 @@ class PolicyRuntime:
         """Busy seconds so far of the learner, then of each live worker (``otray.timing.BusyClock``)."""
         import ray
 
-        live = [self.fleet.workers[i] for i in self.fleet.live] if self.fleet is not None else []
-        return ray.get([self.learner.busy_s.remote(), *[w.busy_s.remote() for w in live]])
+        learner = ray.get(self.learner.busy_s.remote())
+        return [learner, *(self.fleet.busy_s() if self.fleet is not None else [])]
 
     def save(self, path: Path, extra_state: dict[str, Any]) -> None:
         """Learner state (``path/state``, with ``extra_state``), the exported model (``path/model``) and the
@@ -290,8 +290,8 @@ class PolicyRuntime:
         ray.get(self.learner.save_state.remote(str(path / "state"), extra_state))
         ray.get(self.learner.export.remote(str(path / "model")))
         if self.fleet is not None and not self.colocated:  # (a colocated learner saves its own RNG state)
-            states = ray.get([self.fleet.workers[i].rng_state.remote() for i in self.fleet.live])
-            torch.save(states, path / "state" / WORKERS_RNG)
+            states = self.fleet.ask(lambda w: w.rng_state.remote())  # (a worker dead meanwhile: a resume will not sample exactly)
+            torch.save(list(states.values()), path / "state" / WORKERS_RNG)
 
     def load(self, path: Path) -> CheckpointMeta:
         """Load the learner state saved under ``path/state``, push the weights, give the rollout workers

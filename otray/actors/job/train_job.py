@@ -104,7 +104,7 @@ class TrainJob:
         self.episodes.add(self.step, m.shown, m.advantage_of)
         busy = self.main.busy_s()
         prev = self.busy_prev if len(self.busy_prev) == len(busy) else [0.0] * len(busy)
-        delta, self.busy_prev = [b - p for b, p in zip(busy, prev)], busy
+        delta, self.busy_prev = [max(0.0, b - p) for b, p in zip(busy, prev)], busy  # (a new worker starts at 0)
         m.clock.mark("other")
         replaced = {K.WORKERS_REPLACED: self.main.replaced} if self.main.replaced else {}
         healed = [line for p in self.policies.values() for line in p.healed]

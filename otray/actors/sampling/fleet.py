@@ -105,11 +105,23 @@ class RolloutFleet:
                     pending.extend(shares[w])
         return results  # type: ignore[return-value]
 
-    def busy_s(self) -> list[float]:
-        """Each live worker's busy seconds so far (see ``otray.timing.BusyClock``)."""
+    def ask(self, call: Callable[[Any], Any]) -> dict[int, Any]:
+        """``call(worker)`` (an actor call's reference) for every live worker: worker index -> its answer; a
+        worker that died meanwhile is dropped (and left out) instead of failing the caller."""
         import ray
 
-        return ray.get([self.workers[i].busy_s.remote() for i in self.live])
+        refs = {i: call(self.workers[i]) for i in self.live}
+        answers = {}
+        for i, ref in refs.items():
+            try:
+                answers[i] = ray.get(ref)
+            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
+                self._drop(i, e)
+        return answers
+
+    def busy_s(self) -> list[float]:
+        """Each live worker's busy seconds so far (see ``otray.timing.BusyClock``)."""
+        return list(self.ask(lambda w: w.busy_s.remote()).values())
 
     def update_weights(self, update_ref: Any, version: int | None = None, sender: Any = None) -> list[int]:
         """Push one weight update (an ObjectRef: its handle or tensors travel via the object store) to every
@@ -138,6 +150,8 @@ class RolloutFleet:
                 raise WeightSyncError(f"rollout worker {i} reports policy version {got} after the update to "
                                       f"version {version}: it did not apply the update")
             versions.append(got)
+        if not versions and self.refill is not None and self.refill():  # new workers, given the learner's weights
+            versions = [version] * len(self.live)
         if not versions:
             raise WorkersLostError("no rollout worker accepted the weight update: " +
                                    "; ".join(f"worker {i}: {why}" for i, why in self.dead.items()))
