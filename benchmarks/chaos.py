@@ -90,7 +90,7 @@ def run_job(client: Any, overrides: list[str], kills: list[str], every: float, l
     rows = job.metrics()
     evals = [r for r in rows if K.EVAL_ACCURACY in r]
     per_step = Counter(r[K.STEP] for r in rows if r.get(K.PHASE) == K.PHASE_GRPO)
-    recoveries = [r for r in rows if r.get(K.PHASE) == K.PHASE_RECOVERY]
+    recoveries = [r for r in rows if r.get(K.PHASE) == K.PHASE_RECOVERY and K.RECOVERY_FAILURE in r]  # restarts
     return {"job": job.id, "state": st.state.value, "error": st.error, "recoveries": st.recoveries,
             "final_heldout": evals[-1][K.EVAL_ACCURACY] if evals else None,
             "seconds": (st.finished or time.time()) - t0, "grpo_steps": len(per_step),

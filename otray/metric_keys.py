@@ -50,8 +50,8 @@ PHASES = (PHASE_BASE, PHASE_SFT, PHASE_INIT, PHASE_GRPO, PHASE_INFER, PHASE_TINK
 RECOVERY_FAILURE = "recovery/failure"  # which failure this was (1, 2, ...), of at most job.max_failures
 RECOVERY_REASON = "recovery/reason"  # the failure, as its error is stored (Type: message)
 RECOVERY_FROM = "recovery/resumed_from"  # the checkpoint step the job went on from (None: from the start)
-# in an RL row: the rollout workers that died and were replaced in their bundles in that step, in words (a
-# recovery without a restart; ``otray status`` lists it with the restarts)
+# the rollout workers that died and were replaced in their bundles in a step, in words: a recovery row of its
+# own (no restart, no RECOVERY_FAILURE), kept when a restart rewinds the rows; ``otray status`` lists it
 RECOVERY_WORKERS = "recovery/workers"
 
 

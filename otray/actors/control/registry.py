@@ -236,17 +236,15 @@ class Registry:
     def rewind(self, job_id: str, step: int) -> None:
         """Forget a job's metrics rows and episodes after ``step`` (a restarted job runs those steps again:
         kept, they would be duplicates). Its rows are in step order, so what goes is their tail."""
-        self.db.execute("DELETE FROM metrics WHERE job_id = ? AND CAST(json_extract(row, '$.step') AS INTEGER) > ?",
-                        (job_id, step))
+        self.db.execute("DELETE FROM metrics WHERE job_id = ? AND CAST(json_extract(row, '$.step') AS INTEGER) > ? "
+                        "AND json_extract(row, '$.phase') IS NOT 'recovery'", (job_id, step))  # (events: they stay)
         self.db.execute("DELETE FROM episodes WHERE job_id = ? AND step > ?", (job_id, step))
         self.db.commit()
 
     def recoveries(self, job_id: str) -> list[dict[str, Any]]:
-        """The job's recovery rows (phase ``recovery``: restarts) and rows naming rollout workers replaced in a
-        step (``recovery/workers``), in order."""
-        rows = self.db.execute("SELECT row FROM metrics WHERE job_id = ? AND (json_extract(row, '$.phase') = "
-                               "'recovery' OR json_extract(row, '$.\"recovery/workers\"') IS NOT NULL) ORDER BY seq",
-                               (job_id,))
+        """The job's recovery rows (phase ``recovery``: restarts, and rollout workers replaced), in order."""
+        rows = self.db.execute("SELECT row FROM metrics WHERE job_id = ? AND json_extract(row, '$.phase') = "
+                               "'recovery' ORDER BY seq", (job_id,))
         return [json.loads(r[0]) for r in rows]
 
     def metrics(self, job_id: str, since: int = 0) -> list[dict[str, Any]]:

@@ -114,6 +114,9 @@ def _train(cfg: Config, job: TrainJob, job_dir: Path, report: Callable[[dict[str
         t_step = time.perf_counter()
         metrics = step_fn()
         metrics[K.STEP_WALL_S] = time.perf_counter() - t_step  # as the caller saw it (the parts should sum to it)
+        healed = metrics.pop(K.RECOVERY_WORKERS, None)  # rollout workers replaced in the step: an event row of its own
+        if healed:  # (kept when a restart rewinds the step's rows: `otray status` lists it)
+            emit({K.STEP: job.step, K.PHASE: K.PHASE_RECOVERY, K.RECOVERY_WORKERS: healed})
         last = job.step == steps
         if last or (cfg.eval.every and job.step % cfg.eval.every == 0):
             metrics.update(job.evaluate())

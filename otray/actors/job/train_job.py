@@ -213,5 +213,6 @@ class TrainJob:
         from its checkpoint at ``step`` runs those steps again)."""
         path = self.dir / "metrics.jsonl"
         if path.exists():
-            kept = [row for row in self.read_metrics() if int(row.get("step", 0)) <= step]
+            kept = [row for row in self.read_metrics()
+                    if int(row.get("step", 0)) <= step or row.get(K.PHASE) == K.PHASE_RECOVERY]  # (events stay)
             path.write_text("".join(json.dumps(row) + "\n" for row in kept))

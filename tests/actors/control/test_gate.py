@@ -211,7 +211,9 @@ def test_a_killed_worker_learner_and_driver_are_healed_from_the_last_checkpoint(
     _kill_process_of(ray_local, "RolloutWorker")
     st = _wait(ray_local, rm, job, root, lambda st: len(st.recoveries) == 1, "the killed worker was not replaced")
     assert st.state.value == "RUNNING" and "rollout worker 0 replaced in its bundle" in st.recoveries[0], st
-    assert not [r for r in ray_local.get(rm.metrics.remote(job, 0, root)) if r["phase"] == "recovery"]  # no restart
+    rows = ray_local.get(rm.metrics.remote(job, 0, root))
+    assert not [r for r in rows if "recovery/failure" in r]  # no restart
+    assert [r for r in rows if r["phase"] == "recovery"][0]["recovery/workers"] == st.recoveries[0].split(": ", 1)[1]
     for k, victim in enumerate(("PolicyLearner", "JobDriver"), 1):
         _kill_process_of(ray_local, victim)
         st = _wait(ray_local, rm, job, root, lambda st: len(st.recoveries) == k + 1, f"no recovery from the {victim}'s death")
