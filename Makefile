@@ -67,7 +67,7 @@ sandbox:
 	  || echo "could not install bubblewrap (needs root or sudo): the code tool and its tests will refuse to run"
 
 test: $(STAMP) browser sandbox
-	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=20
+	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=20 --junitxml=.cache/test-times.xml
 
 # the in-process tests: no Ray, no vLLM, no servers in other processes (markers: tests/conftest.py),
 # in two pytest-xdist workers (a file's tests stay together), one torch thread each: no spin-waiting
