@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from otray.config import AlgoSection, Config, learner_ranks, policy_bundles, to_dict, trained_policies
+from otray.actors.job.replacement import WorkerReplacer
 from otray.actors.sampling.fleet import RolloutFleet
 from otray.actors.sampling.transport import choose
 from otray.placement import in_bundle, threads_env
@@ -163,12 +164,8 @@ class PolicyRuntime:
     weight_sync: str = "object_store"  # how weights reach the workers (otray.actors.sampling.transport)
     first_bundle: int = 0  # the placement group bundle of its rollout worker 0 (worker i: first_bundle + i)
     prefix: str = ""  # its actors' role prefix (a second trained policy's name)
-    replaced: int = 0  # dead rollout workers replaced so far
     reported: int = 0  # the fleet's drops reported so far
-    replacer: ActorFactory | None = None  # makes new workers in dead ones' places (:meth:`replace_workers`)
-    max_replaced: int = 0
-    notes: list[str] = field(default_factory=list)  # replacements made mid-step, for the next health check
-    healed: list[str] = field(default_factory=list)  # workers replaced since the last step's row, and why
+    replacer: WorkerReplacer | None = None  # replaces dead rollout workers (:meth:`replace_workers`)
 
     @property
     def workers(self) -> tuple[Any, ...]:
@@ -220,14 +217,27 @@ class PolicyRuntime:
     def replace_workers(self, factory: ActorFactory, limit: int, mid_step: bool) -> None:
         """From now on a dead rollout worker is replaced by a new one in its bundle (``factory``), at most
         ``limit`` times (``job.max_failures``): between steps, and with ``mid_step`` (on-policy jobs, whose
-        sampling never overlaps an update) also when a generate call has lost every worker."""
-        self.replacer, self.max_replaced = factory, limit
-        if self.fleet is not None and mid_step:
+        sampling never overlaps an update) also when a generate call has lost every worker. Not for a colocated
+        sampler or a broadcast group (fixed when the job started: a restart from the checkpoint heals it)."""
+        if self.fleet is None or self.colocated or self.weight_sync == "broadcast":
+            return
+        self.replacer = WorkerReplacer(self.name, factory, limit, self.fleet, self.learner, self.first_bundle,
+                                       self.prefix, self.weight_sync, self.info.dtype)
+        if mid_step:
             self.fleet.refill = self._refill
+
+    @property
+    def replaced(self) -> int:
+        """Dead rollout workers replaced so far."""
+        return self.replacer.replaced if self.replacer is not None else 0
+
+    def take_healed(self) -> list[str]:
+        """Why each rollout worker replaced since the last call was replaced (a step's ``recovery/workers``)."""
+        return self.replacer.take_healed() if self.replacer is not None else []
 
     def _refill(self) -> bool:
         """The fleet lost its last worker in a generate call: replace them now (True: one is live again)."""
-        self.notes += self.replace_dead()
+        self.replacer.pending += self.replacer.replace_dead()
         return bool(self.fleet.live)
 
     def check_health(self, timeout: float = 30.0) -> list[str]:
@@ -239,39 +249,11 @@ class PolicyRuntime:
         self.fleet.health_check(timeout)
         lines = [f"policy {self.name!r}: rollout worker {i} failed ({why})" for i, why in self.fleet.drops[self.reported:]]
         self.reported = len(self.fleet.drops)
-        lines, self.notes = [*lines, *self.notes, *self.replace_dead()], []
+        if self.replacer is not None:
+            lines += [*self.replacer.take_pending(), *self.replacer.replace_dead()]
         if not self.fleet.live:
             raise WorkersLostError(f"policy {self.name!r}: every rollout worker failed: " +
                                    "; ".join(f"worker {i}: {why}" for i, why in self.fleet.dead.items()))
-        return lines
-
-    def replace_dead(self) -> list[str]:
-        """Each dropped rollout worker replaced by a new one in its bundle, given the current weights, while
-        fewer than ``max_replaced`` were; a line for each. Not with a broadcast group (fixed when the job
-        started: a restart from the checkpoint heals it) or a colocated sampler."""
-        import ray
-
-        from otray.actors.sampling.rollout import wait_ready
-
-        if self.replacer is None or self.fleet is None or self.colocated or self.weight_sync == "broadcast":
-            return []
-        lines = []
-        for i in sorted(self.fleet.dead):
-            if self.replaced >= self.max_replaced:
-                return [*lines, f"policy {self.name!r}: rollout worker {i} not replaced ({self.replaced} replaced "
-                                "already, job.max_failures); the others sample its share"]
-            worker = self.replacer.worker(self.first_bundle, i, prefix=self.prefix)
-            try:  # the learner's weights now (the worker checks them against their checksum)
-                wait_ready([worker])
-                ray.get(worker.update_weights.remote(self.learner.weights.remote(self.weight_sync, self.info.dtype)))
-            except Exception as e:  # noqa: BLE001 - the others go on sampling its share
-                ray.kill(worker)
-                lines.append(f"policy {self.name!r}: rollout worker {i} could not be replaced ({type(e).__name__}: {e})")
-                continue
-            self.healed.append(f"policy {self.name!r}: rollout worker {i} replaced in its bundle ({self.fleet.dead[i]})")
-            self.fleet.replace(i, worker)
-            self.replaced += 1
-            lines.append(f"policy {self.name!r}: rollout worker {i} replaced by a new one in its bundle")
         return lines
 
     def busy_s(self) -> list[float]:

@@ -107,9 +107,7 @@ class TrainJob:
         delta, self.busy_prev = [max(0.0, b - p) for b, p in zip(busy, prev)], busy  # (a new worker starts at 0)
         m.clock.mark("other")
         replaced = {K.WORKERS_REPLACED: self.main.replaced} if self.main.replaced else {}
-        healed = [line for p in self.policies.values() for line in p.healed]
-        for p in self.policies.values():
-            p.healed.clear()
+        healed = [line for p in self.policies.values() for line in p.take_healed()]
         if healed:
             replaced[K.RECOVERY_WORKERS] = "; ".join(healed)
         return {**m.row, **replaced,
