@@ -66,8 +66,15 @@ sandbox:
 	@command -v bwrap >/dev/null 2>&1 || (apt-get update -q && apt-get install -y -q --no-install-recommends bubblewrap) \
 	  || echo "could not install bubblewrap (needs root or sudo): the code tool and its tests will refuse to run"
 
+# Two stages (issue 56): the in-process tests in two xdist workers (as test-pure: ~1.5 min instead of ~3),
+# then the Ray, cluster, vLLM and service tests one at a time (two cores: never two jobs at once). Both run;
+# either failing fails `make test`. Every test's time goes to .cache/test-times*.xml (benchmarks/test_times.py).
 test: $(STAMP) browser sandbox
-	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=20 --junitxml=.cache/test-times.xml
+	status=0; OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile \
+	  -m "not ray and not cluster and not vllm and not service" --junitxml=.cache/test-times-pure.xml || status=1; \
+	  $(BIN)/python -m pytest -q -p no:cacheprovider --durations=20 --junitxml=.cache/test-times.xml \
+	  -m "ray or cluster or vllm or service" || status=1; \
+	  [ $$status = 0 ] || echo "make test: a stage failed (the in-process one is the first summary above)"; exit $$status
 
 # the in-process tests: no Ray, no vLLM, no servers in other processes (markers: tests/conftest.py),
 # in two pytest-xdist workers (a file's tests stay together), one torch thread each: no spin-waiting
