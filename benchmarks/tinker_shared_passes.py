@@ -2,10 +2,12 @@
 
 ``throughput``: N = 1, 2, 4, 8, 16 users, each a thread looping one ~16-token datum's forward_backward then
 optim_step, straight to a :class:`~otray.tinker.learner.shared_learner.SharedLearner` over Ray (no HTTP: the
-learner and its queue are what is measured). Two learners side by side, runs alternating: ``own``
-(``pass_tokens=0``: every user's slice a pass of its own, the behaviour before shared passes) and ``shared``
+learner and its queue are what is measured). Three learners side by side, runs rotating: ``own``
+(``pass_tokens=0``: every user's slice a pass of its own, the behaviour before shared passes), ``shared``
 (the default ``scheduling.pass_tokens``: queued slices of several users in one pass, each row through its own
-adapter). Reported: aggregate datums/s per N and mode, and shared/own.
+adapter) and ``followers`` (shared, with ``scheduling.wait_for_followers``: optimizer steps first and a shared
+call waiting for its clients' next jobs). Reported: aggregate datums/s per N and mode, each over own, and the
+steps a call holds by kind (forward_backward passes, optimizer steps).
 
 ``tenant``: through the official SDK against ``otray tinker`` (auth on) with the base already warm: the
 seconds from ``create_lora_training_client`` returning to its first ``forward_backward`` result, for a few
@@ -41,6 +43,16 @@ PORT = 8497
 TEXT = "12 plus 30 is 42, so the answer is 42."
 
 
+def per_key(before: dict[str, dict[str, int]], after: dict[str, dict[str, int]]) -> dict[str, float]:
+    """Steps per packable call by pack key (forward_backward passes, optimizer steps) between two usages."""
+    out = {}
+    for key, now in after.items():
+        calls = now["calls"] - before.get(key, {}).get("calls", 0)
+        if calls:
+            out[key] = (now["steps"] - before.get(key, {}).get("steps", 0)) / calls
+    return out
+
+
 def learner_rates(args, path: str, done_row: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
     """Aggregate datums/s of N users' one-datum steps, per N (``args.users``), on a learner with and without
     shared passes; ``done_row(rows)`` after each N (the script saves what it has: a time cap keeps it)."""
@@ -55,13 +67,14 @@ def learner_rates(args, path: str, done_row: Callable[[dict[str, Any]], None]) -
     ids = load_tokenizer(path).encode(TEXT)
     n = len(ids) - 1
     data = [Datum(ids[:-1], ids[1:], [1.0] * n, [0.0] * n, [0.0] * n, [1.0] * n)]
-    modes = {"own": 0, "shared": TinkerScheduling().pass_tokens}
+    modes = {"own": (0, False), "shared": (TinkerScheduling().pass_tokens, False),
+             "followers": (TinkerScheduling().pass_tokens, True)}
     users_list = [int(u) for u in args.users.split(",")]
     t0 = time.perf_counter()
     learners = {}
-    for mode, pass_tokens in modes.items():
-        learners[mode] = ray.remote(SharedLearner).options(num_cpus=1, num_gpus=0.5 if args.gpu else 0).remote(
-            path, slice_tokens=TinkerScheduling().slice_tokens, pass_tokens=pass_tokens,
+    for mode, (pass_tokens, wait) in modes.items():
+        learners[mode] = ray.remote(SharedLearner).options(num_cpus=1, num_gpus=0.3 if args.gpu else 0).remote(
+            path, slice_tokens=TinkerScheduling().slice_tokens, pass_tokens=pass_tokens, wait_for_followers=wait,
             num_threads=None if args.gpu else 1)
         ray.get([learners[mode].create.remote(f"u{i}", f"u{i}", AdapterSpec(32, i)) for i in range(max(users_list))])
 
@@ -76,28 +89,32 @@ def learner_rates(args, path: str, done_row: Callable[[dict[str, Any]], None]) -
     for learner in learners.values():
         for i in range(max(users_list)):
             step(learner, f"u{i}")()
-    print(f"two learners with {max(users_list)} adapters each, every adapter stepped once: "
+    print(f"three learners with {max(users_list)} adapters each, every adapter stepped once: "
           f"{time.perf_counter() - t0:.1f} s", flush=True)
 
     rows: dict[str, Any] = {}
     for k, users in enumerate(users_list):
         row = {}
-        for mode in (list(modes) if k % 2 == 0 else list(modes)[::-1]):  # alternating: drift hits both
+        for mode in list(modes)[k % 3:] + list(modes)[:k % 3]:  # rotating: drift hits all three
             learner = learners[mode]
-            before = ray.get(learner.usage.remote())["shared"]
+            usage = ray.get(learner.usage.remote())
             stop = threading.Event()
             threads = [Stepper(step(learner, f"u{i}"), stop) for i in range(users)]
             start = run_window(threads, stop, args)
             done = sum(1 for t in threads for s in t.steps if start <= s[0] + s[1] < start + args.seconds)
-            after = ray.get(learner.usage.remote())["shared"]
-            calls = after["calls"] - before["calls"]
+            after = ray.get(learner.usage.remote())
+            before, now = usage["shared"], after["shared"]
+            calls = now["calls"] - before["calls"]
             row[mode] = {"datums_per_s": done / args.seconds,  # shared calls: forward_backward passes and optim steps
-                         "mean_steps_per_shared_call": (after["steps"] - before["steps"]) / calls if calls else 1.0}
+                         "mean_steps_per_shared_call": (now["steps"] - before["steps"]) / calls if calls else 1.0,
+                         "steps_per_call_by_key": per_key(usage["packed"], after["packed"])}
         own = row["own"]["datums_per_s"]
-        row["shared_over_own"] = row["shared"]["datums_per_s"] / own if own else None  # None: no own step ended
-        print(f"N={users:2}: own {own:.1f} datums/s, shared {row['shared']['datums_per_s']:.1f} "
-              f"({row['shared_over_own'] or float('nan'):.2f}x; "
-              f"{row['shared']['mean_steps_per_shared_call']:.1f} steps a shared call)", flush=True)
+        for mode in ("shared", "followers"):  # None: no own step ended
+            row[f"{mode}_over_own"] = row[mode]["datums_per_s"] / own if own else None
+        line = "; ".join(f"{m} {row[m]['datums_per_s']:.1f} ({row[f'{m}_over_own'] or float('nan'):.2f}x; a call holds "
+                         + ", ".join(f"{k} {v:.1f}" for k, v in row[m]["steps_per_call_by_key"].items()) + ")"
+                         for m in ("shared", "followers"))
+        print(f"N={users:2}: own {own:.1f} datums/s; {line}", flush=True)
         rows[str(users)] = row
         done_row(rows)
     for learner in learners.values():

@@ -169,6 +169,44 @@ def test_packable_steps_share_a_call_no_bigger_than_the_chosen_one_and_are_charg
     asyncio.run(main())
 
 
+def test_clients_looping_a_step_and_its_optimizer_step_share_every_pass():
+    """Six clients each loop a forward_backward slice then its optimizer step, each result reaching its client
+    1-5 ms later (a round trip). Left alone they split into cohorts that take turns (about half to a pass);
+    with optimizer steps first and a shared call waiting for its clients' next jobs (``first_keys``), all
+    six share almost every pass. A seventh client that pauses 0.1 s after each round (longer than
+    ``follow_s``) is not waited for."""
+    import random
+
+    from otray.tinker.learner.fair import Packable
+
+    async def pack(works: list[str]) -> list[str]:
+        await asyncio.sleep(0.004 if works[0] == "opt" else 0.02)
+        return works
+
+    async def client(queue: FairQueue, i: int, pause: float) -> None:
+        rng = random.Random(i)
+        await asyncio.sleep(0.003 * i)  # they come one after another, as users do
+        for _ in range(12):
+            await queue.run(f"u{i}", f"c{i}", [Packable("fb", 16, "fb")], follow=True)
+            await asyncio.sleep(0.001 + 0.004 * rng.random())
+            await queue.run(f"u{i}", f"c{i}", [Packable(("optim",), 1, "opt")])
+            await asyncio.sleep(pause or 0.001 + 0.004 * rng.random())
+
+    def run(first_keys: tuple, slow: bool = False) -> FairQueue:
+        async def main() -> FairQueue:
+            queue = FairQueue(pack=pack, pass_tokens=1000, first_keys=first_keys)
+            await asyncio.gather(*(client(queue, i, 0.1 if i == 6 else 0.0) for i in range(7 if slow else 6)))
+            return queue
+
+        return asyncio.run(main())
+
+    OPTIM = ("optim",)
+    assert run(()).packed["fb"]["calls"] > 18  # cohorts: 72 steps in 24-27 passes
+    assert run((OPTIM,)).packed["fb"]["calls"] <= 15  # 72 steps in 12 passes, after the first one or two
+    slow = run((OPTIM,), slow=True)
+    assert slow.packed["fb"]["steps"] == 84 and slow.held < 0.3, (slow.packed, slow.held)  # no 50 ms waits for it
+
+
 def test_withdrawn_jobs_fail_at_once_and_never_run():
     """A client's queued jobs are withdrawn (its model unloaded): they fail with the reason given and
     their steps never run; the job running now ends with its step; the queue goes on."""

@@ -189,6 +189,46 @@ def test_small_users_ride_in_a_shared_pass_and_a_dropped_users_rows_never_reach_
     asyncio.run(scenario())
 
 
+def test_wait_for_followers_puts_every_looping_client_in_each_pass(tiny_path):
+    """``scheduling.wait_for_followers``: four clients looping a one-datum forward_backward and its optim_step
+    (each result back 1-4 ms later) share the learner's passes and optimizer calls nearly whole; off by default.
+    The service config takes the setting and the learner honours it."""
+    import asyncio
+    import random
+
+    from otray.tinker.config import load_tinker
+    from otray.tinker.learner.shared_learner import OPTIM, SharedLearner
+
+    assert load_tinker({"scheduling": {"wait_for_followers": True}}).scheduling.wait_for_followers
+    assert not load_tinker({}).scheduling.wait_for_followers
+    assert SharedLearner(tiny_path, pass_tokens=400).queue.first_keys == frozenset()
+    rng = np.random.default_rng(3)
+    data = {f"u{i}": [datum(rng, 12)] for i in range(4)}
+
+    async def scenario() -> dict:
+        shared = SharedLearner(tiny_path, pass_tokens=400, wait_for_followers=True)
+        assert shared.queue.first_keys == {OPTIM}
+
+        async def client(user: str, k: int) -> None:
+            jitter = random.Random(k)
+            await asyncio.sleep(0.002 * k)
+            for _ in range(6):
+                await shared.forward_backward(user, user, data[user], "cross_entropy")
+                await asyncio.sleep(0.001 + 0.003 * jitter.random())
+                await shared.optim_step(user, user, AdamStep(learning_rate=1e-4))
+                await asyncio.sleep(0.001 + 0.003 * jitter.random())
+
+        for k, user in enumerate(data):
+            await shared.create(user, user, AdapterSpec(4, seed=k))
+        await asyncio.gather(*(client(u, k) for k, u in enumerate(data)))
+        return shared.usage()["packed"]
+
+    packed = asyncio.run(scenario())
+    passes = next(v for k, v in packed.items() if k != str(OPTIM))
+    assert passes["steps"] == 24 and passes["calls"] <= 9, packed  # 6 passes of 4, after the first one or two
+    assert packed[str(OPTIM)]["calls"] <= 9, packed
+
+
 def test_optimizer_steps_of_several_adapters_in_one_fused_call_equal_their_own(tiny_path):
     """optim_many: adapters past their first step take one fused AdamW call together (clipped each by its
     own gradient norm); their weights, optimizer state and reported norms equal those of steps one by one

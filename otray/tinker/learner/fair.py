@@ -30,6 +30,15 @@ waiting for a turn of its own; the pass's
 seconds are charged to its users in proportion to their tokens. Only users of the chosen user's
 priority ride along (a higher one would have been chosen).
 
+Cohorts: N clients that each loop a forward_backward and its optim_step split, left alone, into two halves
+that take turns (one half's pass runs while the other's optimizer steps and round trips happen), so a pass
+holds N/2 of them (session 38, on the CPU and an H200 alike). With ``first_keys`` (the SharedLearner's
+``wait_for_followers``), steps of those keys (optimizer steps: milliseconds) go before the other steps of
+their priority, and after a shared call the queue waits, up to ``follow_s``, for the next jobs of the call's
+clients whose next job usually comes that fast (:class:`Followers`): every client's optimizer step then runs
+in one call, and every pass holds all of them. It costs fair shares (a busy user beside a small one that
+loops back to back kept 25% of its rate, 69% without), so it is off unless an admin turns it on.
+
 Runs in the SharedLearner actor of one base model."""
 
 from __future__ import annotations
@@ -66,6 +75,31 @@ class _Job:
     results: list = field(default_factory=list)
 
 
+class Followers:
+    """How soon each client's next job follows its last (from one job's end to the next one's arrival): the
+    clients a shared call waits for (:meth:`FairQueue._gather`)."""
+
+    def __init__(self) -> None:
+        self.ended: dict[tuple[str, str], float] = {}  # (user, client) -> when its last job ended
+        self.gap: dict[tuple[str, str], float] = {}  # (user, client) -> the seconds its last next job took to come
+
+    def arrived(self, user: str, client: str) -> None:
+        end = self.ended.pop((user, client), None)
+        if end is not None:
+            self.gap[(user, client)] = time.monotonic() - end
+
+    def finished(self, user: str, client: str) -> None:
+        self.ended[(user, client)] = time.monotonic()
+
+    def forget(self, user: str, client: str) -> None:
+        self.ended.pop((user, client), None)
+        self.gap.pop((user, client), None)
+
+    def soon(self, clients: Sequence[tuple[str, str]], within: float) -> dict[tuple[str, str], float]:
+        """Those of ``clients`` whose next job came within ``within`` seconds last time, with that gap."""
+        return {c: self.gap[c] for c in clients if self.gap.get(c, within + 1.0) <= within}
+
+
 @dataclass
 class _User:
     finish: float = 0.0  # virtual time: learner seconds used / weight
@@ -76,12 +110,15 @@ class FairQueue:
     """The learner's work, one step at a time (owned by the learner actor's event loop)."""
 
     def __init__(self, shares: dict[str, Share] | None = None, policy: str = "fair", follow_s: float = 0.05,
-                 pack: Optional[Pack] = None, pass_tokens: int = 0):
+                 pack: Optional[Pack] = None, pass_tokens: int = 0, first_keys: Sequence[Hashable] = ()):
         self.shares, self.policy, self.follow_s = shares or {}, policy, follow_s
         self.pack, self.pass_tokens = pack, pass_tokens  # shared passes (fair policy only); 0 tokens: none
+        self.first_keys = frozenset(first_keys) if pack is not None and pass_tokens > 0 and policy == "fair" else frozenset()
+        self.followers = Followers()
         self.running: set[int] = set()  # ids of the jobs whose step is on the learner now
         self.passes: list[int] = []  # steps per shared call, the latest 1,000 (tests)
         self.shared = {"calls": 0, "steps": 0}  # shared calls and the steps they held, since the start
+        self.packed: dict[str, dict[str, int]] = {}  # by pack key: packable calls (one step or more) and their steps
         self.arrived = asyncio.Event()  # set by every new job (a held turn waits for one)
         self.users: dict[str, _User] = {}
         self.vtime = 0.0
@@ -101,6 +138,7 @@ class FairQueue:
         the client's next job is likely on its way (see :meth:`_hold`)."""
         job = _Job(deque(steps), asyncio.get_running_loop().create_future(), next(self.arrivals), follow)
         self.users.setdefault(user, _User()).clients.setdefault(client, deque()).append(job)
+        self.followers.arrived(user, client)
         self.arrived.set()
         self.pending += 1
         if not self.busy:
@@ -118,6 +156,13 @@ class FairQueue:
                     min(jobs[0].arrival for jobs in nu[1].clients.values()))
 
         name, u = min(((n, u) for n, u in self.users.items() if u.clients), key=order)
+        if self.first_keys:  # a quick step of the chosen priority first (the cohorts in the module's doc)
+            level = self.share(name).priority
+            quick = [(n, v, c, jobs[0]) for n, v in self.users.items() if self.share(n).priority == level
+                     for c, jobs in v.clients.items() if jobs[0].steps and isinstance(jobs[0].steps[0], Packable)
+                     and jobs[0].steps[0].key in self.first_keys]
+            if quick:
+                return min(quick, key=lambda x: (order((x[0], x[1])), x[3].arrival))
         client = next(iter(u.clients))
         return name, u, client, u.clients[client][0]
 
@@ -129,6 +174,9 @@ class FairQueue:
                 self.vtime = max(self.vtime, u.finish)
                 members = [first, *self._riders(first)]
                 steps = [m[3].steps[0] for m in members]
+                if isinstance(steps[0], Packable):
+                    count = self.packed.setdefault(str(steps[0].key), {"calls": 0, "steps": 0})
+                    count["calls"], count["steps"] = count["calls"] + 1, count["steps"] + len(steps)
                 tokens = [s.tokens if isinstance(s, Packable) else 1 for s in steps]
                 self.running.update(id(m[3]) for m in members)
                 t0 = time.monotonic()
@@ -149,7 +197,9 @@ class FairQueue:
                     else:
                         mjob.results.append(outcome)
                     self._advance(n, mu, c, mjob)
-                if job.follow and not job.steps and self.pending and self.policy == "fair":
+                if self.first_keys and isinstance(steps[0], Packable):
+                    await self._gather([(m[0], m[2]) for m in members if not m[3].steps])
+                elif job.follow and not job.steps and self.pending and self.policy == "fair":
                     await self._hold(name, client)
         except Exception as e:  # a fault of the queue itself: every waiting caller learns it (none hangs)
             self._fail_all(e)
@@ -211,6 +261,7 @@ class FairQueue:
         """Fail ``client``'s queued jobs with ``error`` (its model was unloaded: cancelled or expired), so
         none of their steps reaches the learner; a job whose step is on the learner now ends with that
         step. Returns the jobs withdrawn."""
+        self.followers.forget(user, client)
         u = self.users.get(user)
         jobs = u.clients.get(client) if u else None
         if not jobs:
@@ -236,6 +287,7 @@ class FairQueue:
         if not job.steps:
             jobs.popleft()
             self.pending -= 1
+            self.followers.finished(name, client)
             if not job.done.done():
                 job.done.set_result(job.results)
         if jobs:
@@ -261,6 +313,34 @@ class FairQueue:
                     await asyncio.wait_for(self.arrived.wait(), deadline - time.monotonic())
                 except asyncio.TimeoutError:
                     self.users[name].finish += (time.monotonic() - t0) / self.share(name).weight
+                    return
+        finally:
+            self.held += time.monotonic() - t0
+
+    async def _gather(self, clients: list[tuple[str, str]]) -> None:
+        """After a shared call: wait for the next jobs of those ``clients`` (user, client) whose next job came
+        within ``follow_s`` last time, up to twice the slowest of their gaps (and ``follow_s``), so they share the
+        next call instead of forming a cohort of their own. A wait that a client does not end is charged to its
+        user, as :meth:`_hold`'s is."""
+        soon = self.followers.soon(clients, self.follow_s)
+        if not soon:
+            return
+        t0 = time.monotonic()
+        deadline = t0 + min(self.follow_s, 2 * max(soon.values()) + 0.002)
+
+        def missing() -> list[tuple[str, str]]:
+            return [(n, c) for n, c in soon if n not in self.users or c not in self.users[n].clients]
+
+        try:
+            while missing():
+                self.arrived.clear()
+                try:
+                    await asyncio.wait_for(self.arrived.wait(), deadline - time.monotonic())
+                except asyncio.TimeoutError:
+                    late = missing()
+                    for n, _ in late:
+                        if n in self.users:
+                            self.users[n].finish += (time.monotonic() - t0) / len(late) / self.share(n).weight
                     return
         finally:
             self.held += time.monotonic() - t0

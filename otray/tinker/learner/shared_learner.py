@@ -56,13 +56,17 @@ class SharedLearner:
     """Ray actor: one base model's adapters, trained and sampled in fair turns (``policy``: fair | fifo;
     ``shares``: an admin's weights and priorities by user; ``slice_tokens``: 0 for whole calls;
     ``follow_s``: how long a turn is kept for a forward_backward's optim_step, :meth:`FairQueue._hold`;
-    ``pass_tokens``: slices of several clients share a pass up to this many tokens, 0: never)."""
+    ``pass_tokens``: slices of several clients share a pass up to this many tokens, 0: never;
+    ``wait_for_followers``: optimizer steps first and shared calls wait for their clients' next jobs,
+    :mod:`otray.tinker.learner.fair`'s "Cohorts")."""
 
     def __init__(self, model_path: str, *, policy: str = "fair", slice_tokens: int = 0, follow_s: float = 0.05,
-                 shares: Optional[dict[str, Share]] = None, pass_tokens: int = 0, **learner: Any):
+                 shares: Optional[dict[str, Share]] = None, pass_tokens: int = 0, wait_for_followers: bool = False,
+                 **learner: Any):
         self.learner = AdapterLearner(model_path, **learner)
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="learner")  # the model is used by one thread
-        self.queue = FairQueue(shares, policy, follow_s, self._pack, pass_tokens)
+        self.queue = FairQueue(shares, policy, follow_s, self._pack, pass_tokens,
+                               first_keys=(OPTIM,) if wait_for_followers else ())
         self.slice_tokens = slice_tokens if policy == "fair" else 0
 
     def _step(self, fn: Callable[..., Any], *args: Any) -> Callable[[], Any]:
@@ -79,10 +83,10 @@ class SharedLearner:
         await asyncio.Event().wait()
 
     def usage(self) -> dict[str, Any]:
-        """Learner seconds and steps by user since the actor started, and the seconds turns were kept
-        for a follower (:meth:`FairQueue._hold`)."""
+        """Learner seconds and steps by user since the actor started, the seconds turns were kept for a
+        follower (:meth:`FairQueue._hold`), shared calls, and packable calls and their steps by pack key."""
         return {"seconds": dict(self.queue.used), "steps": dict(self.queue.steps), "held_s": self.queue.held,
-                "shared": dict(self.queue.shared)}
+                "shared": dict(self.queue.shared), "packed": {k: dict(v) for k, v in self.queue.packed.items()}}
 
     async def adapters(self) -> list[str]:
         return self.learner.adapters()

@@ -64,7 +64,7 @@ def start_learners(cfg: TinkerConfig, paths: dict[str, str]) -> dict[str, Any]:
             num_cpus=m.learner_cpus, num_gpus=m.learner_gpus, runtime_env={"env_vars": {"OMP_NUM_THREADS": str(threads)}})
         learners[m.name] = remote.remote(paths[m.name], num_threads=threads, max_model_len=m.max_context_length,
                                          dtype=m.dtype, policy=fair.policy, slice_tokens=fair.slice_tokens,
-                                         pass_tokens=fair.pass_tokens,
+                                         pass_tokens=fair.pass_tokens, wait_for_followers=fair.wait_for_followers,
                                          follow_s=fair.follow_ms / 1000, shares=shares_of(cfg))
     return learners
 
