@@ -150,13 +150,22 @@ def fresh_resource_manager(db_path, **kwargs):
 
 
 def _ray_cluster_processes() -> dict[int, str]:
-    """PID -> command of every Ray cluster's root processes (GCS servers, raylets) on this machine."""
+    """PID -> command of the root processes (GCS servers, raylets) of the Ray clusters this pytest process's
+    tests started: under pytest-xdist (`make test`'s first stage) a cluster started by the other worker's test
+    is not this worker's to judge (their environments name different ``PYTEST_XDIST_WORKER``s, which the
+    cluster's processes inherit from whoever started them, a subprocess's included)."""
     import psutil
 
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
     out = {}
     for p in psutil.process_iter(["pid", "name", "cmdline"]):
         cmd = " ".join(p.info["cmdline"] or [])
         if p.info["name"] in ("gcs_server", "raylet") or "/ray/gcs/gcs_server" in cmd or "/raylet/raylet" in cmd:
+            try:
+                if p.environ().get("PYTEST_XDIST_WORKER") != worker:
+                    continue
+            except (psutil.Error, OSError):  # gone meanwhile, or not readable: not this worker's to kill
+                continue
             out[p.info["pid"]] = cmd
     return out
 
