@@ -96,11 +96,37 @@ def from_shared(ref: SharedTensors) -> dict[str, Any]:
     return out
 
 
+def sweep_dead_files() -> int:
+    """Remove the shared weight files of learners no longer running on this node (their files are named by
+    their process id: a learner killed, or ended without closing its :class:`SharedFiles`, left them in
+    shared memory, which is RAM); returns how many. Run when a learner starts its files."""
+    removed = 0
+    for path in SHM_DIR.glob("otray-weights-*-v*"):
+        pid = path.name.removeprefix("otray-weights-").split("-v", 1)[0]
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+            continue  # alive (or another user's process, the same pid: kept)
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue
+        path.unlink(missing_ok=True)
+        removed += 1
+    return removed
+
+
 class SharedFiles:
-    """The learner's side: the shared files it wrote, the latest ``keep`` kept, the rest removed."""
+    """The learner's side: the shared files it wrote, the latest ``keep`` kept, the rest removed; those of
+    learners that died on this node are swept when one starts, and its own go when its process exits."""
 
     def __init__(self, keep: int = 2):
+        import atexit
+
         self.keep, self.paths = keep, []
+        sweep_dead_files()
+        atexit.register(self.close)
 
     def publish(self, tensors: dict[str, Any], tag: str) -> SharedTensors:
         """Write ``tensors`` under ``tag`` (a tag sent again, the same version resent, replaces its file

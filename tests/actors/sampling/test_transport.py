@@ -80,6 +80,29 @@ def test_a_handle_from_another_node_or_a_removed_file_is_a_clear_error(monkeypat
         from_shared(ref)
 
 
+def test_a_starting_learner_sweeps_the_shared_files_of_dead_learners(monkeypatch, tmp_path):
+    """Shared memory is RAM: files left by learners that were killed (named by their process id) are removed
+    when a learner starts its files; a live process's and other files stay. (Before this, the test suite
+    left 2,070 files, 7.7 GB, in /dev/shm of this machine.)"""
+    import os
+    import subprocess
+
+    import otray.actors.sampling.transport as transport
+
+    monkeypatch.setattr(transport, "SHM_DIR", tmp_path)
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    names = [f"otray-weights-{dead.pid}-v3.bin", f"otray-weights-{dead.pid}-v4.partial", "otray-weights-1-v2.bin",
+             f"otray-weights-{os.getpid()}-v1.bin", "otray-weights-test-node.bin"]
+    for name in names:
+        (tmp_path / name).write_bytes(b"x")
+    files = SharedFiles()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names[2:])
+    ref = files.publish({"w": torch.ones(2)}, f"{os.getpid()}-v2")
+    files.close()
+    assert not Path(ref.path).exists()
+
+
 def test_auto_takes_cuda_ipc_when_every_worker_shares_the_learners_gpu():
     gpu, other = "cuda:GPU-aaaa", "cuda:GPU-bbbb"
     assert choose("auto", "n1", ["n1", "n1"], gpu, [gpu, gpu]) == "cuda_ipc"
