@@ -295,7 +295,6 @@ class FairQueue:
         if not u.clients and u.finish <= self.vtime:  # nothing to remember: it would start at V anyway
             del self.users[name]
 
-
     async def _hold(self, name: str, client: str) -> None:
         """A job that usually has a follower ended (a forward_backward: the SDK sends its optim_step with
         it, but the service passes it on only when the forward_backward is done). If that user is owed
@@ -304,18 +303,10 @@ class FairQueue:
         one more slice of another user's work to wait. A hold that no follower ends is charged to that
         user as learner time (it kept the learner idle for nothing); one that brought the follower is
         not (charging it would hand the turn it kept to the others)."""
-        deadline = time.monotonic() + self.follow_s
         t0 = time.monotonic()
-        try:
-            while self._owed(name) and client not in self.users[name].clients:
-                self.arrived.clear()
-                try:
-                    await asyncio.wait_for(self.arrived.wait(), deadline - time.monotonic())
-                except asyncio.TimeoutError:
-                    self.users[name].finish += (time.monotonic() - t0) / self.share(name).weight
-                    return
-        finally:
-            self.held += time.monotonic() - t0
+        if not await self._wait_for_arrivals(
+                lambda: not self._owed(name) or client in self.users[name].clients, t0 + self.follow_s):
+            self.users[name].finish += (time.monotonic() - t0) / self.share(name).weight
 
     async def _gather(self, clients: list[tuple[str, str]]) -> None:
         """After a shared call: wait for the next jobs of those ``clients`` (user, client) whose next job came
@@ -326,22 +317,29 @@ class FairQueue:
         if not soon:
             return
         t0 = time.monotonic()
-        deadline = t0 + min(self.follow_s, 2 * max(soon.values()) + 0.002)
 
         def missing() -> list[tuple[str, str]]:
             return [(n, c) for n, c in soon if n not in self.users or c not in self.users[n].clients]
 
+        if not await self._wait_for_arrivals(lambda: not missing(),
+                                             t0 + min(self.follow_s, 2 * max(soon.values()) + 0.002)):
+            late = missing()
+            for n, _ in late:
+                if n in self.users:
+                    self.users[n].finish += (time.monotonic() - t0) / len(late) / self.share(n).weight
+
+    async def _wait_for_arrivals(self, done: Callable[[], bool], deadline: float) -> bool:
+        """Wait until ``done()`` (checked again at each job's arrival) or the monotonic ``deadline``, whichever
+        comes first: whether ``done()`` came true. The learner is idle meanwhile: the time counts in ``held``."""
+        t0 = time.monotonic()
         try:
-            while missing():
+            while not done():
                 self.arrived.clear()
                 try:
                     await asyncio.wait_for(self.arrived.wait(), deadline - time.monotonic())
                 except asyncio.TimeoutError:
-                    late = missing()
-                    for n, _ in late:
-                        if n in self.users:
-                            self.users[n].finish += (time.monotonic() - t0) / len(late) / self.share(n).weight
-                    return
+                    return False
+            return True
         finally:
             self.held += time.monotonic() - t0
 
