@@ -16,6 +16,7 @@ The figures are the bundled configs' as they are: any ``OVERRIDE`` (key=value) a
 from __future__ import annotations
 
 import argparse
+import json
 import subprocess
 import sys
 import time
@@ -78,6 +79,17 @@ def run(name: str, family: Family, seed: int, overrides: list[str], runs: Path) 
             "held": a1 >= a0 - se, "gained": a1 - a0 >= GAIN - 1e-9, "end_step": end["step"], "eval_rows": rows}
 
 
+def kept(out: Path, overrides: list[str]) -> list[dict]:
+    """The runs saved in ``out`` by an earlier invocation, which must have used the same overrides."""
+    if not out.exists():
+        return []
+    earlier = json.loads(out.read_text())
+    if earlier.get("overrides", []) != overrides:
+        raise SystemExit(f"--update: {out} holds runs made with overrides {earlier.get('overrides')}, not "
+                         f"{overrides}: use another --out, or the same overrides")
+    return list(earlier["results"])
+
+
 def verdict(results: list[dict]) -> dict:
     ran = [r for r in results if "failed" not in r]
     gained = sum(r["gained"] for r in ran)
@@ -92,13 +104,16 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--runs", type=Path, default=ROOT / "runs" / "bench_recipes")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "recipes.json")
+    parser.add_argument("--update", action="store_true",
+                        help="keep the runs already in --out (made with the same overrides) and replace or add "
+                             "only the families and seeds run now")
     parser.add_argument("overrides", nargs="*", help="config overrides (key=value) for every run")
     args = parser.parse_args()
-    results: list[dict] = []
+    results = kept(args.out, args.overrides) if args.update else []
     for name in args.families:
         for seed in args.seeds:
             r = run(name, FAMILIES[name], seed, args.overrides, args.runs)
-            results.append(r)
+            results = [x for x in results if (x["family"], x["seed"]) != (name, seed)] + [r]
             line = (r["failed"] if "failed" in r else
                     f"{r['start']:.3f} -> {r['end']:.3f} ({r['change_points']:+.1f} points, stderr "
                     f"{100 * r['stderr']:.1f}): {'held' if r['held'] else 'LOST'}, "

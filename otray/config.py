@@ -127,7 +127,8 @@ class AlgoSection:
     lr_warmup_steps: int = 0
     # > 0: adds this times KL(policy || the policy RL started from, i.e. after the SFT warm-up) to every
     # sampled token's loss (k3 estimate; otray.actors.learner.anchor). Keeps what the warm-up learned.
-    kl_coeff: float = 0.0
+    # Unset: 1.0 on a vision-language model with one learner, else 0 (train_job.resolve_kl_coeff says why)
+    kl_coeff: Optional[float] = None
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     weight_decay: float = 0.0
     grad_clip: float = 1.0

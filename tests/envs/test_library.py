@@ -117,6 +117,20 @@ def test_math_word_answers_in_many_forms():
     assert env.step("\\boxed{1235}").reward == 0.0
 
 
+def test_math_word_levels_draw_their_numbers_and_an_unknown_level_is_named(tmp_path):
+    import json
+    import re
+
+    easy = mw_dataset(tmp_path / "easy", level="easy", num_train=200, num_eval=50)
+    rows = [json.loads(line) for line in easy["train"].read_text().splitlines()]
+    assert len(rows) == 200 and max(int(x) for r in rows for x in re.findall(r"\d+", r["question"])) <= 12
+    hard = mw_dataset(tmp_path / "hard", num_train=200, num_eval=50)  # the default: as first built
+    assert max(int(x) for line in hard["train"].read_text().splitlines()
+               for x in re.findall(r"\d+", json.loads(line)["question"].replace(",", ""))) > 99
+    with pytest.raises(ValueError, match="level must be one of hard, easy"):
+        mw_dataset(tmp_path / "x", level="medium")
+
+
 # --------------------------------------------------------------------------- the code tool contains escapes
 
 

@@ -1,5 +1,6 @@
 """The held-out guard of RL jobs (otray/actors/job/heldout.py) and how the job's table shows it."""
 
+from otray import config
 from otray import metric_keys as K
 from otray.actors.job.heldout import HeldoutWatch
 from otray.actors.job.run import table_row
@@ -42,3 +43,20 @@ def test_the_table_prints_the_warning_under_its_row():
     line, warning = table_row(row).split("\n")
     assert line.split()[:2] == ["20", "grpo"] and warning == "WARNING: held-out accuracy fell"
     assert "\n" not in table_row(_eval(20, 0.6))
+
+
+def test_kl_coeff_unset_pulls_a_vision_language_model_towards_its_warm_up_and_nothing_else(tiny_path, vl_path):
+    from otray.actors.job.train_job import resolve_kl_coeff
+
+    def cfg(**algo):
+        return config.load({"model": {"path": "tiny"}, "algo": algo,
+                                 "envs": {"a": {"entry": "envs.arithmetic:Arithmetic", "splits": {"train": {}}}}})
+
+    assert cfg().algo.kl_coeff is None
+    assert resolve_kl_coeff(cfg(), vl_path) == 1.0  # unset, a VLM: the pull
+    assert resolve_kl_coeff(cfg(), tiny_path) == 0.0  # unset, a text model: none
+    assert resolve_kl_coeff(cfg(kl_coeff=0.0), vl_path) == 0.0  # set: as set
+    assert resolve_kl_coeff(cfg(kl_coeff=0.3), tiny_path) == 0.3
+    sharded = cfg()
+    sharded.resources.learner_workers = 2  # keeps no starting policy: never an unset pull
+    assert resolve_kl_coeff(sharded, vl_path) == 0.0
