@@ -62,7 +62,14 @@ class Anchor:
         return cls(torch.load(path, weights_only=True, map_location=device)) if path.exists() else None
 
 
+K3_CAP = 10.0  # the largest per-token k3 that carries a gradient (verl's low_var_kl caps it the same way)
+
+
 def kl_to_anchor(lp: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
-    """Per-token k3 estimate of KL(policy || anchor) at the sampled tokens (``lp`` carries the gradient)."""
+    """Per-token k3 estimate of KL(policy || anchor) at the sampled tokens (``lp`` carries the gradient),
+    capped at :data:`K3_CAP`. The estimate's gradient is ``1 - exp(ref - lp)``: a sampled token the policy
+    has made e^d times rarer than the anchor did pulls e^d times harder than usual. Unbiased over many
+    samples, but a batch samples such a token rarely, and then its one pull outweighs the rest of the
+    step (grad_clip scales the whole step down to it). Past the cap (d > ~2.6) a token pulls no more."""
     d = ref.detach() - lp
-    return torch.exp(d) - d - 1
+    return (torch.exp(d) - d - 1).clamp(max=K3_CAP)

@@ -43,6 +43,19 @@ def test_kl_coeff_keeps_the_policy_near_where_it_started(tiny_path):
     assert held < free / 3, (held, free)
 
 
+def test_a_token_far_rarer_than_the_anchor_had_it_pulls_no_harder_than_the_cap():
+    from otray.actors.learner.anchor import K3_CAP, kl_to_anchor
+
+    lp = torch.tensor([-1.0, -1.5, -9.0], requires_grad=True)  # the policy's logprobs of three sampled tokens
+    ref = torch.tensor([-1.0, -1.0, -1.0])  # the anchor's: the third token is now e^8 times rarer
+    k3 = kl_to_anchor(lp, ref)
+    k3.sum().backward()
+    assert k3[0].item() == pytest.approx(0.0) and 0 < k3[1].item() < K3_CAP and k3[2].item() == K3_CAP
+    d = 0.5  # below the cap: the k3 gradient, 1 - e^d, pulls the token back up
+    assert lp.grad[:2].tolist() == pytest.approx([0.0, 1 - torch.exp(torch.tensor(d)).item()])
+    assert lp.grad[2].item() == 0.0  # past it: no pull (uncapped it would be 1 - e^8, ~ -2980)
+
+
 def test_forward_backward_with_a_kl_weight_needs_an_anchor(tiny_path):
     with pytest.raises(RuntimeError, match="set_anchor"):
         PolicyLearner(tiny_path).forward_backward(_datums(), "ppo", {}, "token_mean", None, 0.1)
