@@ -46,7 +46,7 @@ FAMILIES = {
     "arithmetic": Family("arithmetic_grpo"),
     "math_word": Family("math_word"),
     "calculator": Family("calculator"),
-    "guess_number": Family("guess_number", ["algo.steps=100", "eval.every=50"]),
+    "guess_number": Family("guess_number"),
     "count_shapes": Family("count_shapes"),
     "shapes_times": Family("shapes_times"),
     "textworld": Family("textworld"),

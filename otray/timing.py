@@ -16,7 +16,7 @@ Parts of an RL step (metrics ``time/<part>_s``):
 - ``prepare``: dropping groups, advantages, building datums;
 - ``forward_backward``, ``optim_step``: the learner calls, including transport;
 - ``weight_sync``: pushing the new weights to every rollout worker;
-- ``other``: metrics, logging, reading the actors' busy clocks.
+- ``other``: the fleets' health check before the step, metrics, logging, reading the actors' busy clocks.
 
 There is no reference- or old-logprob pass: the loss uses the sampler's logprobs as the
 behaviour policy's (``q`` in ARCHITECTURE.md), and no KL-to-reference term exists.

@@ -135,10 +135,12 @@ def logprob_gap(learner_metrics: dict[str, Any]) -> dict[str, float]:
             K.LOGPROB_DIFF_MEAN: learner_metrics["logprob_diff_mean"], K.LOGPROB_KL: learner_metrics["approx_kl"]}
 
 
-def rl_step(pipeline: Prefetcher, policies: dict[str, PolicyRuntime], algo: AlgoSection, step: int) -> StepMetrics:
+def rl_step(pipeline: Prefetcher, policies: dict[str, PolicyRuntime], algo: AlgoSection, step: int,
+            clock: StepClock | None = None) -> StepMetrics:
     """One RL step: the batch, then for every trained policy groups -> advantages -> datums -> update,
-    then weights pushed. ``step`` counts the steps done before this one."""
-    clock, objective = StepClock(), Objective.of(algo)
+    then weights pushed. ``step`` counts the steps done before this one; ``clock`` is the step's clock when
+    the caller started it earlier (its parts so far count in the step)."""
+    clock, objective = clock or StepClock(), Objective.of(algo)
     batch = pipeline.take(step, clock)                                              # 1-3. tasks, episodes, rewards
     check_batch(batch, step + 1)                                                    #    (all failed: stop)
     chosen = {name: select_groups(batch.groups.get(name, []), algo.drop_uniform_groups)  # 4. drop failing and

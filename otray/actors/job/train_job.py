@@ -27,6 +27,7 @@ from otray.actors.job.episodes import EpisodeLog, load_splits
 from otray.actors.job.runtime import ActorFactory, PolicyRuntime, ready_policies, start_policies
 from otray.actors.job.sft import SFTTrainer
 from otray.actors.job.step import GroupSource, Prefetcher, rl_step
+from otray.timing import StepClock
 from otray.config import Config, to_dict
 from otray.models import is_vision_model, load_tokenizer, resolve_model_path
 from otray.types import ModelLoadError
@@ -97,10 +98,12 @@ class TrainJob:
     def rl_step(self) -> dict[str, Any]:
         """One RL step (``otray.actors.job.step.rl_step``) after a health check of every fleet (a dead rollout
         worker of an env job is replaced in its bundle, up to ``job.max_failures``)."""
+        clock = StepClock()  # the health check is part of the step's time ("other")
         for policy in self.policies.values():
             for line in policy.check_health():
                 self.log(f"  {line}")
-        m = rl_step(self.pipeline, self.policies, self.cfg.algo, self.step)
+        clock.mark("other")
+        m = rl_step(self.pipeline, self.policies, self.cfg.algo, self.step, clock)
         self.step += 1
         self.episodes.add(self.step, m.shown, m.advantage_of)
         busy = self.main.busy_s()
