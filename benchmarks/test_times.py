@@ -5,7 +5,9 @@
 time) and ``.cache/test-times.xml`` (the rest, one at a time). This reads one or more runs (e.g. one with the
 caches outside the clone emptied and a warm re-run; a run's files joined by commas), and prints and saves, per
 run: the total, the time per test folder and file, the slowest tests, and with two or more runs the files whose
-time differs most. It only reads the XML (issue 56's accounting; the method is in ``benchmarks/README.md``).
+time differs most. It only reads the XML (issue 56's accounting; the method is in ``benchmarks/README.md``),
+including the CPU probes ``tests/conftest.py`` records (fixed work timed as each stage and module starts): this
+shared machine's speed swings by up to ~3x, so a run's times are read against its probes.
 """
 
 from __future__ import annotations
@@ -31,6 +33,21 @@ def read(path: Path) -> dict[str, float]:
         file = "/".join(parts[:k + 1]) + ".py"
         name = "::".join([file, *parts[k + 1:], case.get("name", "")])
         out[name] = out.get(name, 0.0) + float(case.get("time", 0.0))
+    return out
+
+
+def probes(path: Path) -> dict[str, float]:
+    """The run's CPU probes, if recorded (``tests/conftest.py``'s ``cpu_probe_s``: seconds for fixed work, lower
+    is faster): as the run started and ended, and the per-module ones (~4x shorter work) as min, median, max."""
+    import statistics
+
+    props = {prop.get("name", ""): float(prop.get("value", "nan")) for prop in ET.parse(path).getroot().iter("property")
+             if prop.get("name", "").startswith("cpu_probe")}
+    modules = sorted(v for k, v in props.items() if k.startswith("cpu_probe_module_s:"))
+    out = {k: v for k, v in props.items() if not k.startswith("cpu_probe_module_s:")}
+    if modules:
+        out |= {"module_min_s": modules[0], "module_median_s": statistics.median(modules), "module_max_s": modules[-1],
+                "modules": len(modules)}
     return out
 
 
@@ -70,8 +87,11 @@ def main() -> None:
         parser.error(f"{len(args.xml)} XML files but {len(labels)} labels: give one label per file")
     runs = {label: {k: v for p in paths.split(",") for k, v in read(Path(p)).items()} for label, paths in zip(labels, args.xml)}
     out: dict = {"runs": {label: summary(t, args.top) for label, t in runs.items()}}
+    for label, paths in zip(labels, args.xml):  # the machine's speed as each stage started and ended
+        out["runs"][label]["cpu_probe_s"] = {Path(p).stem: probes(Path(p)) for p in paths.split(",")}
     for label, s in out["runs"].items():
-        print(f"{label}: {s['tests']} tests, {s['total_s'] / 60:.1f} min")
+        print(f"{label}: {s['tests']} tests, {s['total_s'] / 60:.1f} min; CPU probe (s, lower is faster): "
+              f"{s['cpu_probe_s']}")
         for k, v in s["folders_s"].items():
             print(f"  {v:8.1f} s  {k}")
         print("  slowest files:")

@@ -33,6 +33,47 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: item.get_closest_marker("cluster") is not None)  # stable: order kept otherwise
 
 
+def cpu_probe_s(n: int = 4_000_000) -> float:
+    """Seconds this machine takes for a fixed piece of single-threaded Python work (``n`` = 4M: ~0.18 s on an
+    idle core here): a run's test times read against it, since this shared machine's speed swings (a CI whose
+    job tests took 2.7x their time of an hour later, on identical code and packages: NOTES.md, issue 56)."""
+    import time
+
+    t, x = time.perf_counter(), 0
+    for i in range(n):
+        x += i * i % 7
+    return round(time.perf_counter() - t, 3)
+
+
+def _xml(config):
+    """pytest's junitxml writer: only where --junitxml is given (not in xdist's workers)."""
+    from _pytest.junitxml import xml_key
+
+    return config.stash.get(xml_key, None)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionstart(session):
+    if _xml(session.config) is not None:  # the probe as the run starts and as it ends: benchmarks/test_times.py
+        _xml(session.config).add_global_property("cpu_probe_start_s", cpu_probe_s())
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionfinish(session):
+    if _xml(session.config) is not None:
+        _xml(session.config).add_global_property("cpu_probe_end_s", cpu_probe_s())
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _cpu_probe_per_module(request):
+    """A short probe (1M: ~0.045 s) as each test module starts, where the run keeps test times (one process:
+    ``make test``'s second stage), named ``cpu_probe_module_s:<module>``."""
+    if _xml(request.config) is not None:
+        name = f"cpu_probe_module_s:{request.module.__name__}"
+        _xml(request.config).add_global_property(name, cpu_probe_s(1_000_000))
+    yield
+
+
 _TINKER_CLIENTS: list = []  # weak references to every tinker ServiceClient the suite made
 
 
