@@ -149,7 +149,7 @@ def main() -> None:
 
     tiny = resolve_model_path("tiny")
     model = [model_share(tiny, args.model_games, actors=False, repeats=args.model_repeats)]
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         model.append(model_share(tiny, args.model_games, actors=True, repeats=args.model_repeats))
     finally:

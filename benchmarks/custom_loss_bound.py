@@ -159,7 +159,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     path = resolve_model_path("tiny" if args.shape == "tiny" else f"tiny-{args.shape}", ROOT / ".cache" / "models")
     own = not ray.is_initialized()
     if own:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     save(run(args, path), args.out)
     if own:
         ray.shutdown()

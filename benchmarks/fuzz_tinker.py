@@ -81,7 +81,7 @@ def start(port: int, tmp: Path) -> tuple[Made, Any]:
     from otray.tinker.gateway.app import run
     from otray.tinker.config import load_tinker
 
-    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False,
+    ray.init(address="local", num_cpus=3, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
     rm = get_or_create(str(tmp / "registry.db"), auth_enabled=True)
     alice = ray.get(rm.add_user.remote("alice"))

@@ -82,7 +82,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     path = resolve_model_path("tiny" if args.shape == "tiny" else f"tiny-{args.shape}", ROOT / ".cache" / "models")
     own = not ray.is_initialized()  # (a test calls this in a process whose Ray is already up)
     if own:
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     results = {policy: run_policy(policy, args, path) for policy in args.policies.split(",")}
     save({**summarize(results, args, f"tiny-{args.shape}"), "through": "Ray calls to the SharedLearner"}, args.out)
     if own:

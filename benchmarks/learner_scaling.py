@@ -121,7 +121,7 @@ def main() -> None:
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     model = resolve_model_path(f"tiny-{args.shape}", str(ROOT / ".cache" / "models"))
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     try:
         floor_actor = ray.remote(num_cpus=0)(Floor).remote()
         floor = memory_of(ray.get(floor_actor.pid.remote()))["VmRSS"] if args.device == "cpu" else 0.0

@@ -116,7 +116,7 @@ def main() -> None:
         sample = batcher.generate([chat_prompt_ids(tok, messages(i))], params, 1)[0][0]
         tok.decode(sample.token_ids, skip_special_tokens=True)
 
-    ray.init(num_cpus=THREADS + 1, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=THREADS + 1, include_dashboard=False, log_to_driver=False)
     cfg = serve_config.load_serve({"port": args.port, "models": [{"name": "tiny", "path": tiny, "num_threads": THREADS,
                                                             "replica_cpus": 1, "max_ongoing_requests": 64,
                                                             "batch_wait_ms": args.batch_wait_ms}],

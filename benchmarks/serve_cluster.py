@@ -35,7 +35,7 @@ def start(port: int) -> Served:
     from otray.serve.app import run
 
     tmp = Path(tempfile.mkdtemp(prefix="otray-bench-serve-"))
-    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False, namespace="otray",
+    ray.init(address="local", num_cpus=3, include_dashboard=False, log_to_driver=False, namespace="otray",
              runtime_env={"env_vars": {"VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}})
     rm = get_or_create(str(tmp / "registry.db"), auth_enabled=True)
     admin = ray.get(rm.add_user.remote("admin"))

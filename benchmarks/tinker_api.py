@@ -97,7 +97,7 @@ def through_sdk(path: str, args, pairs, prompts, engine: str = "learner",
     from otray.tinker.gateway.app import run
     from otray.tinker.config import load_tinker
 
-    ray.init(include_dashboard=False, log_to_driver=False)
+    ray.init(address=os.environ.get("RAY_ADDRESS", "local"), include_dashboard=False, log_to_driver=False)
     run(load_tinker({"port": PORT, "auth": "off", "storage": str(Path(args.tmp) / "store"),
                      "sample_batch_wait_ms": args.batch_wait_ms,
                      "models": [{"name": "m", "path": path, "learner_cpus": 1, "num_threads": THREADS,

@@ -224,7 +224,7 @@ def main() -> None:
     from otray.actors.control.resource_manager import get_or_create
 
     tmp = Path(tempfile.mkdtemp(prefix="otray-fairness-"))
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     rm = get_or_create(str(tmp / "registry.db"), auth_enabled=True)
     alice = ray.get(rm.add_user.remote("alice"))
     keys = {"alice": tinker_key(alice), "bob": tinker_key(ray.get(rm.add_user.remote("bob", False, alice)))}

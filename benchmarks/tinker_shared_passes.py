@@ -179,7 +179,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     path = resolve_model_path("tiny" if args.shape == "tiny" else f"tiny-{args.shape}", ROOT / ".cache" / "models")
     own = not ray.is_initialized()
     if own:
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     out: dict[str, Any] = {"args": vars(args), "model": path, "through": "Ray calls to the SharedLearner",
                            "targets": {"shared_over_own_at_8_min": 5.0 if args.gpu else 3.0, "tenant_first_step_max_s": 1.0}}
     parts = args.parts.split(",")

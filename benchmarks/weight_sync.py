@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     from otray.models import resolve_model_path
 
     path = resolve_model_path("tiny" if args.shape == "tiny" else f"tiny-{args.shape}", ROOT / ".cache" / "models")
-    ray.init(num_cpus=2, num_gpus=1 if args.gpu else 0, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, num_gpus=1 if args.gpu else 0, include_dashboard=False, log_to_driver=False)
     gpus = 0.5 if args.gpu else 0
     learner = ray.remote(num_cpus=1, num_gpus=gpus)(PolicyLearner).remote(path, dtype="auto")
     worker = ray.remote(num_cpus=1, num_gpus=gpus)(RolloutWorker).remote(path, "hf", dtype="auto", sampler="eager")

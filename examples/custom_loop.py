@@ -12,6 +12,7 @@ and the ``tinker`` SDK (``examples/tinker_rl_loop.py``).
 from __future__ import annotations
 
 import argparse
+import os
 import random
 
 import ray
@@ -37,7 +38,7 @@ def main() -> None:
     ap.add_argument("--group", type=int, default=8)
     args = ap.parse_args()
 
-    ray.init(include_dashboard=False, log_to_driver=False)
+    ray.init(address=os.environ.get("RAY_ADDRESS", "local"), include_dashboard=False, log_to_driver=False)
     tc = TrainingClient.for_model("tiny", lora_rank=0)
     tok = load_tokenizer(tc.model_path)
     problems = make_problems(0)

@@ -35,7 +35,7 @@ def ensure_service(url: str = URL, base_model: str = "tiny", path: str = "tiny")
     from otray.tinker.config import load_tinker
 
     port = int(url.rsplit(":", 1)[1])
-    ray.init(include_dashboard=False, log_to_driver=False)
+    ray.init(address=os.environ.get("RAY_ADDRESS", "local"), include_dashboard=False, log_to_driver=False)
     run(load_tinker({"port": port, "auth": "off", "storage": ".cache/tinker-examples",
                      "models": [{"name": base_model, "path": path, "learner_cpus": 1, "num_threads": 2}]}))
     print(f"started otray tinker at {url}", flush=True)

@@ -10,8 +10,8 @@
     otray tinker [CONFIG] [key=value ...] the Tinker-compatible training API (tinker SDK), until Ctrl-C
     otray infer CONFIG [--checkpoint REF] [--split eval] [--limit N] [--out FILE] [key=value ...]
 
-``--address`` (or ``RAY_ADDRESS``) joins a running cluster; without it a local Ray
-starts for the command. ``OTRAY_API_KEY`` carries the key when auth is on.
+``--address`` (or ``RAY_ADDRESS``) joins a running cluster (``auto``: the last ``ray start`` on this
+machine); without it a local Ray starts for the command. ``OTRAY_API_KEY`` carries the key when auth is on.
 Exit codes: 0 success, 1 the job failed or was cancelled, 2 bad input (also when the cluster
 found it: a job that failed with a config, dataset, model-path or permission error).
 """

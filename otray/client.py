@@ -147,7 +147,9 @@ def connect(address: str | None = None, api_key: str | None = None, *, db_path: 
     from otray.actors.control.resource_manager import get_or_create
 
     if not ray.is_initialized():
-        ray.init(address=address or os.environ.get("RAY_ADDRESS"), include_dashboard=False, log_to_driver=False,
+        # "local" when none is named: Ray would otherwise join the cluster a past `ray start` recorded in
+        # /tmp/ray/ray_current_cluster, and hang for minutes when that one is gone (`--address auto` joins it)
+        ray.init(address=address or os.environ.get("RAY_ADDRESS") or "local", include_dashboard=False, log_to_driver=False,
                  namespace="otray",
                  runtime_env={"env_vars": {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
                                            "TOKENIZERS_PARALLELISM": "false"}})

@@ -19,7 +19,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m otray.train", description=__doc__)
     parser.add_argument("config")
     parser.add_argument("overrides", nargs="*", help="dotted key=value overrides")
-    parser.add_argument("--address", default=os.environ.get("RAY_ADDRESS"), help="Ray cluster (default: start local)")
+    parser.add_argument("--address", default=os.environ.get("RAY_ADDRESS") or "local",
+                        help="Ray cluster (default: RAY_ADDRESS, else start a local one; auto: the last `ray start`)")
     args = parser.parse_args(argv)
     try:
         cfg = config_mod.load(args.config, args.overrides)

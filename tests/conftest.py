@@ -150,7 +150,9 @@ def tokenizer(tiny_path):
 def ray_local():
     import ray
 
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+    # "local": always a cluster of its own; with no address Ray connects to the last `ray start`
+    # recorded in /tmp/ray/ray_current_cluster, a file a stopped cluster leaves behind (CI failed so)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}})
     yield ray
     ray.shutdown()

@@ -128,7 +128,7 @@ def test_ray_actors_hold_gpu_memory(tiny_path):
     from otray.actors.learner.policy_learner import PolicyLearner
     from otray.actors.sampling.rollout import RolloutWorker
 
-    ray.init(num_gpus=1, num_cpus=4, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_gpus=1, num_cpus=4, include_dashboard=False, log_to_driver=False)
     try:
         learner = ray.remote(num_gpus=0.5)(PolicyLearner).remote(tiny_path, device="cuda", dtype="auto")
         worker = ray.remote(num_gpus=0.5)(RolloutWorker).remote(tiny_path, "hf", device="cuda", dtype="auto")
@@ -300,7 +300,7 @@ def test_cuda_ipc_gives_a_worker_on_the_same_gpu_the_object_stores_weights(tiny_
     from otray.actors.sampling.transport import choose
     from otray.types import DeviceTensors
 
-    ray.init(num_cpus=4, num_gpus=1, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=4, num_gpus=1, include_dashboard=False, log_to_driver=False)
     try:
         learner = ray.remote(num_gpus=0.5)(PolicyLearner).remote(tiny_path, dtype="bfloat16")
         workers = [ray.remote(num_gpus=0.25)(RolloutWorker).remote(tiny_path, "hf", dtype="bfloat16")

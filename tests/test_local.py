@@ -1,6 +1,9 @@
 """Tinker-style primitives on actor handles, and the custom-loop example."""
 
+import os
+import shutil
 import subprocess
+import tempfile
 
 import pytest
 import sys
@@ -37,8 +40,18 @@ def test_train_save_load_and_sample(ray_local, tiny_path, tokenizer, tmp_path):
 
 @pytest.mark.ray  # the example starts a Ray of its own
 def test_custom_loop_example_runs(tmp_path):
-    run = subprocess.run([sys.executable, str(ROOT / "examples" / "custom_loop.py"), "--steps", "2",
-                          "--sft-steps", "5", "--group", "2"], capture_output=True, text=True, cwd=tmp_path, timeout=300,
-                         env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+    # a `ray start` killed without `ray stop` leaves its address in <RAY_TMPDIR>/ray_current_cluster, and a
+    # plain ray.init() joins it (hanging for minutes): the example starts a cluster of its own all the same
+    ray_tmp = Path(tempfile.mkdtemp(prefix="orl", dir="/tmp"))  # short: Ray's socket paths live under it
+    (ray_tmp / "ray").mkdir()
+    (ray_tmp / "ray" / "ray_current_cluster").write_text("127.0.0.1:6399")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_TMPDIR": str(ray_tmp)}
+    env.pop("RAY_ADDRESS", None)
+    try:
+        run = subprocess.run([sys.executable, str(ROOT / "examples" / "custom_loop.py"), "--steps", "2",
+                              "--sft-steps", "5", "--group", "2"], capture_output=True, text=True, cwd=tmp_path,
+                             timeout=300, env=env)
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
     assert run.returncode == 0, run.stderr[-2000:]
     assert "after SFT: held-out accuracy" in run.stdout and "after 2 GRPO steps" in run.stdout
