@@ -22,13 +22,16 @@ def fused_adamw_steps(groups: list[list[torch.nn.Parameter]], optimizers: list[t
     group's gradient norm before clipping."""
     from torch.optim.adamw import adamw
 
-    grads = [[p.grad for p in g] for g in groups]
-    norms = [float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(g)))) for g in grads]
+    from torch.nn.utils import clip_grads_with_norm_, get_total_norm
+
+    # clip_grad_norm_'s own two halves (as adamw_step clips one adapter): the same norm and scaling to the
+    # last bit (a norm of torch._foreach_norm's differed in its last bits under torch 2.13, and the weights
+    # by 2e-6 after three steps)
+    totals = [get_total_norm([p.grad for p in g], foreach=True) for g in groups]
     if grad_clip > 0:
-        for g, norm in zip(grads, norms):
-            coef = grad_clip / (norm + 1e-6)
-            if coef < 1.0:
-                torch._foreach_mul_(g, coef)
+        for g, total in zip(groups, totals):
+            clip_grads_with_norm_(g, grad_clip, total, foreach=True)
+    norms = [float(t) for t in totals]
     flat = [p for g in groups for p in g]
     states = [opt.state[p] for opt, g in zip(optimizers, groups) for p in g]
     adamw(flat, [p.grad for p in flat], [st["exp_avg"] for st in states], [st["exp_avg_sq"] for st in states], [],
