@@ -59,12 +59,15 @@ class TinyShape:
     vocab_size: int = 512
     builder: str | None = None  # "module:fn" that builds this shape instead (the tiny VLM: otray.vlm)
     extra: dict[str, Any] = field(default_factory=dict)
+    # raised when this shape's build changes: its cache directory's name carries it (``tiny-vl-seed0-r1``),
+    # so a model built by an older otray is not reused
+    revision: int = 0
 
 
 SHAPES = {
     "tiny": TinyShape(),
     # the tiny model's language model in a Qwen2-VL, with a 2-block vision tower (otray.vlm)
-    "vl": TinyShape(builder="otray.vlm:build_tiny_vlm"),
+    "vl": TinyShape(builder="otray.vlm:build_tiny_vlm", revision=1),  # 1: rotary base 10 (otray.vlm)
     # ~4.6M parameters: the tiny model twice as wide and 1.5x as deep, for games the tiny one plays too weakly
     # (benchmarks/gomoku_learning.py model.path=tiny-4m; docs/notes/learning.md)
     "4m": TinyShape(hidden_size=256, intermediate_size=768, num_hidden_layers=6, num_attention_heads=8,
@@ -214,7 +217,8 @@ def resolve_model_path(spec: str, cache_dir: str | os.PathLike = ".cache/models"
     if shape not in SHAPES:
         raise ModelLoadError(f"unknown tiny model shape {name!r}; use one of: " + ", ".join(
             "tiny" if s == "tiny" else f"tiny-{s}" for s in SHAPES))
-    out = Path(cache_dir).absolute() / f"{name}-seed{seed or 0}"
+    revision = SHAPES[shape].revision
+    out = Path(cache_dir).absolute() / (f"{name}-seed{seed or 0}" + (f"-r{revision}" if revision else ""))
     if not (out / "config.json").exists():
         tmp = out.with_name(out.name + f".tmp{os.getpid()}")
         build_tiny_model(tmp, int(seed or 0), shape)

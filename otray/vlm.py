@@ -44,6 +44,12 @@ VL_CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 TINY_IMAGE_SIDE = 56  # the tiny VLM's processor resizes every image to 56x56: 4x4 patches, 4 tokens
+# The tiny VLM's rotary base. Qwen2-VL gives an image token's height and width the last two of three sections
+# of the rotary frequencies: at the usual base of 10000 and head_dim 32, one column turned a query by 0.003
+# radians at most (one row by 0.1), and the model could not tell left from right: "where is the shape?"
+# stayed at chance after 400 warm-up steps, at either vision-tower rate. At 10 the slowest pair turns by
+# 0.12 radians a column, and the same warm-up learns it (74% and 100%; docs/notes/learning.md).
+TINY_VL_ROPE_THETA = 10.0
 DEFAULT_MAX_IMAGES = 8  # images one sequence may hold (``max_images`` in otray_vision.json overrides)
 
 
@@ -69,7 +75,7 @@ def build_tiny_vlm(path: str | os.PathLike, seed: int = 0, shape: Any = None) ->
             vocab_size=len(tokenizer), hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
             num_hidden_layers=spec.num_hidden_layers, num_attention_heads=spec.num_attention_heads,
             num_key_value_heads=spec.num_key_value_heads, max_position_embeddings=spec.max_position_embeddings,
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+            rope_parameters={"rope_type": "default", "rope_theta": TINY_VL_ROPE_THETA,
                              "mrope_section": [head_dim // 2 - 2 * side, side, side]},
             bos_token_id=eot, eos_token_id=im_end, pad_token_id=eot, tie_word_embeddings=True),
         vision_config=dict(depth=2, embed_dim=64, hidden_size=spec.hidden_size, num_heads=2, mlp_ratio=2,

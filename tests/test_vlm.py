@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+from pathlib import Path
 import random
 
 import pytest
@@ -17,7 +18,7 @@ from otray.env import Env, StepResult
 from otray.models import LoraSpec, apply_lora, build_tiny_model, copy_side_files, load_model
 from otray.types import GenerateResult, SamplingParams, Task, Trajectory
 from otray.vision import Image, ImageError
-from otray.vlm import VisionInputs, observation_prompt, unsampled_ids, vision_inputs
+from otray.vlm import TINY_VL_ROPE_THETA, VisionInputs, observation_prompt, unsampled_ids, vision_inputs
 from envs.shapes import draw, scene
 
 TOL = 1e-4  # the text path's sampler/learner tolerance (tests/actors/sampling)
@@ -68,6 +69,9 @@ def test_tiny_vlm_is_byte_identical_per_seed_and_a_real_qwen2_vl(tmp_path, vl_pa
     vision = VisionInputs.load(str(a))
     assert vision.tokens_per_image(pictures(1)[0]) == 4  # 56x56: 4x4 patches of 14, merged 2x2
     assert len(unsampled_ids(model.config)) == 3  # vision start, image pad (= video pad), vision end
+    # the rotary base that lets it tell columns apart, and a cache name that a build of another base never had
+    assert model.config.text_config.rope_parameters["rope_theta"] == TINY_VL_ROPE_THETA < 100
+    assert Path(vl_path).name == "tiny-vl-seed0-r1"
 
 
 def test_sampler_and_learner_agree_on_image_prompts_and_the_image_matters(backend):
