@@ -1,7 +1,7 @@
 """Does RL hold and add on every bundled recipe? ``python benchmarks/recipes.py [--families F ...] [--seeds 0 1] [OVERRIDE ...]``.
 
 Runs each single-agent config family (``FAMILIES``: the arithmetic demo, math_word, calculator, guess_number,
-count_shapes, shapes_times, textworld, openreward, and the three shape_quiz questions no recipe was tuned on)
+count_shapes, shapes_times, textworld, openreward, and the four shape_quiz questions no recipe was tuned on)
 once per seed, one run after another (never beside the test suite: two cores), with step counts cut to what
 still shows learning. Per run it keeps the held-out score RL started from (after the SFT warm-up, or before
 any training without one), its standard error, the score at the end and the change, and whether the run
@@ -54,6 +54,7 @@ FAMILIES = {
     "shape_quiz_colour": quiz("colour"),
     "shape_quiz_kind": quiz("kind"),
     "shape_quiz_where": quiz("where"),
+    "shape_quiz_size": quiz("size"),
 }
 
 

@@ -7,6 +7,9 @@ and the question asks about one property of it; the answer is the number of a ch
 - ``colour``: "What colour is the shape?" 1 red, 2 green, 3 blue (chance 1/3)
 - ``kind``: "Which shape is it?" 1 square, 2 disc, 3 triangle (chance 1/3)
 - ``where``: "Where is the shape?" 1 top left, 2 top right, 3 bottom left, 4 bottom right (chance 1/4)
+- ``size``: "How big is the shape?" 1 small (12-15 pixels across), 2 medium (16-18), 3 large (19-22)
+  (chance ~1/3; neighbouring sizes a pixel apart, and a disc or triangle covers less than a square of its
+  size: the one question the tiny VLM does not answer near 100% after its warm-up)
 
 The questions are short on purpose: with the choices spelled out in the prompt (59-86 tokens instead of
 ~40), otray's tiny VLM did not learn any of the three in 400 warm-up steps (held-out 27-33%), though a
@@ -34,10 +37,12 @@ from otray.vision import Image
 COLOURS = {"red": (220, 30, 30), "green": (30, 150, 30), "blue": (30, 60, 220)}
 KINDS = ("square", "disc", "triangle")
 PLACES = ("top left", "top right", "bottom left", "bottom right")
+SIZES = {"small": (12, 15), "medium": (16, 18), "large": (19, 22)}  # pixels across, both ends included
 QUESTIONS = {
     "colour": "What colour is the shape?",
     "kind": "Which shape is it?",
     "where": "Where is the shape?",
+    "size": "How big is the shape?",
 }
 
 
@@ -49,11 +54,13 @@ def quiz_scene(seed: int) -> tuple[int, str, str, int]:
 
 def quiz_answer(seed: int, question: str) -> int:
     """The right choice (1-based) for ``question`` about ``seed``'s picture."""
-    cell, kind, colour, _ = quiz_scene(seed)
+    cell, kind, colour, size = quiz_scene(seed)
     if question == "colour":
         return tuple(COLOURS).index(colour) + 1
     if question == "kind":
         return KINDS.index(kind) + 1
+    if question == "size":
+        return next(i for i, (lo, hi) in enumerate(SIZES.values(), 1) if lo <= size <= hi)
     return cell + 1
 
 

@@ -77,32 +77,35 @@ def test_count_shapes_env_passes_check_env_and_shows_its_count():
     assert env.step("no idea").info["parse_error"]
 
 
-@pytest.mark.parametrize("question", ["colour", "kind", "where"])
+@pytest.mark.parametrize("question", ["colour", "kind", "where", "size"])
 def test_shape_quiz_envs_pass_check_env_and_their_answer_is_in_the_picture(question):
     import random
 
-    from envs.shape_quiz import COLOURS, KINDS, ShapeQuiz, quiz_scene, quiz_task
+    from envs.shape_quiz import COLOURS, KINDS, SIZES, ShapeQuiz, quiz_scene, quiz_task
 
     rng = random.Random(5)
     tasks = [Task(f"t{i}", "shape_quiz", quiz_task(rng, question)) for i in range(60)]
     env = ShapeQuiz(question)
     check_env(env, tasks[0])
-    choices = {"colour": 3, "kind": 3, "where": 4}[question]
+    choices = {"colour": 3, "kind": 3, "where": 4, "size": 3}[question]
     assert {t.data["answer"] for t in tasks} == set(range(1, choices + 1))  # every choice occurs
     for task in tasks[:10]:
-        cell, kind, colour, _ = quiz_scene(task.data["seed"])
+        cell, kind, colour, size = quiz_scene(task.data["seed"])
+        band = (size > 15) + (size > 18)  # 0 small, 1 medium, 2 large
         first, _ = env.reset(task)
         centre = images_of(first)[0].to_pil().getpixel(((cell % 2) * 28 + 14, (cell // 2) * 28 + 14))
         assert centre == COLOURS[colour]  # the shape is where and what the answer says
         assert task.data["answer"] == {"colour": list(COLOURS).index(colour) + 1, "kind": KINDS.index(kind) + 1,
-                                       "where": cell + 1}[question]
+                                       "where": cell + 1, "size": band + 1}[question]
+        lo, hi = list(SIZES.values())[band]
+        assert lo <= size <= hi and sum(b - a + 1 for a, b in SIZES.values()) == 11  # 12-22, no gap
         assert env.step(f"It is {task.data['answer']}").reward == 1.0
         env.reset(task)
         assert env.step(str(task.data["answer"] % choices + 1)).reward == 0.0
     blank = ShapeQuiz(question, blank=True)
     assert images_of(blank.reset(tasks[0])[0])[0].to_pil().getcolors() == [(56 * 56, (255, 255, 255))]
-    with pytest.raises(ValueError, match="colour, kind, where.*'size'"):
-        ShapeQuiz("size")
+    with pytest.raises(ValueError, match="colour, kind, where, size.*'shade'"):
+        ShapeQuiz("shade")
 
 
 def test_a_task_generator_takes_the_dataset_kwargs():
