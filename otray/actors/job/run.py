@@ -85,18 +85,19 @@ def _train(cfg: Config, job: TrainJob, job_dir: Path, report: Callable[[dict[str
     # each accuracy check and when it ends: a restart goes on from there, not from before the warm-up
     healing = bool(ck.save_every and cfg.job.max_failures)
     watch: HeldoutWatch | None = None  # RL losing held-out accuracy it started with
+    kl = float(cfg.algo.kl_coeff or 0.0)  # (resolved by the TrainJob: the warning's advice names it)
 
     def warm_up(resume: dict[str, Any] | None) -> None:
         nonlocal watch
         row = {K.STEP: 0, K.PHASE: K.PHASE_SFT, **job.sft.warmup(resume, save if healing else None), **job.evaluate()}
         emit(row)
-        summary["heldout_start"], watch = row.get(K.EVAL_ACCURACY), HeldoutWatch.of(row)
+        summary["heldout_start"], watch = row.get(K.EVAL_ACCURACY), HeldoutWatch.of(row, kl)
         if healing:
             save()
 
     if ck.resume_from:
         job.rewind_metrics(job.resume(ck.resume_from))  # (restarted in its own directory: no duplicate rows)
-        watch = HeldoutWatch.replay(job.read_metrics())
+        watch = HeldoutWatch.replay(job.read_metrics(), kl)
         if job.warmup_state is not None:  # saved midway through its SFT warm-up: it goes on with it
             warm_up(job.warmup_state)
     elif cfg.sft.steps and not sft_job:
@@ -105,7 +106,7 @@ def _train(cfg: Config, job: TrainJob, job_dir: Path, report: Callable[[dict[str
     else:
         row = {K.STEP: 0, K.PHASE: K.PHASE_INIT, **job.evaluate()}
         emit(row)
-        summary["heldout_start"], watch = K.headline_eval(row), HeldoutWatch.of(row) if not sft_job else None
+        summary["heldout_start"], watch = K.headline_eval(row), HeldoutWatch.of(row, kl) if not sft_job else None
     if cfg.algo.kl_coeff and not sft_job:  # RL's reference: the policy as RL starts (a resumed job's own, if saved)
         job.anchor(keep=bool(ck.resume_from) and job.warmup_state is None)
     steps, step_fn = (cfg.sft.steps if sft_job else cfg.algo.steps), job.step_fn()

@@ -18,7 +18,18 @@ def test_change_from_start_on_every_eval_and_a_warning_at_the_second_eval_in_a_r
     assert K.EVAL_WARNING not in first
     second = watch.see(_eval(20, 0.60))
     assert "0.600 at step 20" in second[K.EVAL_WARNING] and "0.700" in second[K.EVAL_WARNING]
-    assert "algo.kl_coeff" in second[K.EVAL_WARNING]
+    assert "algo.kl_coeff > 0" in second[K.EVAL_WARNING]  # a job without a pull is told to add one
+    assert K.EVAL_WARNING not in watch.see(_eval(30, 0.60))  # told once per run of such evals
+
+
+def test_a_job_that_already_pulls_is_told_to_pull_harder_not_to_add_a_pull():
+    watch = HeldoutWatch.of(_eval(0, 0.70, K.PHASE_SFT), kl_coeff=1.0)
+    watch.see(_eval(10, 0.60))
+    warning = watch.see(_eval(20, 0.60))[K.EVAL_WARNING]
+    assert "a larger algo.kl_coeff (the pull towards the starting policy is 1)" in warning
+    assert "kl_coeff > 0" not in warning and "sft.stop_at_accuracy" in warning
+    replayed = HeldoutWatch.replay([_eval(0, 0.70, K.PHASE_SFT), _eval(10, 0.60)], kl_coeff=0.5)
+    assert "is 0.5)" in replayed.see(_eval(20, 0.60))[K.EVAL_WARNING]
     assert K.EVAL_WARNING not in watch.see(_eval(30, 0.60))  # told once per run of such evals
 
 
