@@ -9,7 +9,7 @@ and the question asks about one property of it; the answer is the number of a ch
 - ``where``: "Where is the shape?" 1 top left, 2 top right, 3 bottom left, 4 bottom right (chance 1/4)
 - ``size``: "How big is the shape?" 1 small (12-15 pixels across), 2 medium (16-18), 3 large (19-22)
   (chance ~1/3; neighbouring sizes a pixel apart, and a disc or triangle covers less than a square of its
-  size: the one question the tiny VLM does not answer near 100% after its warm-up)
+  size: its warm-ups end at 81-84%, leaving RL room; benchmarks/recipes.py, session 42)
 
 The questions are short on purpose: with the choices spelled out in the prompt (59-86 tokens instead of
 ~40), otray's tiny VLM did not learn any of the three in 400 warm-up steps (held-out 27-33%), though a

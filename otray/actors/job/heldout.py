@@ -16,7 +16,6 @@ from typing import Any
 from otray import metric_keys as K
 
 
-
 def advice(kl_coeff: float) -> str:
     """What to try when RL loses held-out accuracy, for a job whose pull to its starting policy is ``kl_coeff``."""
     pull = ("algo.kl_coeff > 0 (a pull towards the starting policy)" if not kl_coeff

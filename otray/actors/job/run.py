@@ -107,7 +107,7 @@ def _train(cfg: Config, job: TrainJob, job_dir: Path, report: Callable[[dict[str
         row = {K.STEP: 0, K.PHASE: K.PHASE_INIT, **job.evaluate()}
         emit(row)
         summary["heldout_start"], watch = K.headline_eval(row), HeldoutWatch.of(row, kl) if not sft_job else None
-    if cfg.algo.kl_coeff and not sft_job:  # RL's reference: the policy as RL starts (a resumed job's own, if saved)
+    if kl and not sft_job:  # RL's reference: the policy as RL starts (a resumed job's own, if saved)
         job.anchor(keep=bool(ck.resume_from) and job.warmup_state is None)
     steps, step_fn = (cfg.sft.steps if sft_job else cfg.algo.steps), job.step_fn()
     phase = K.PHASE_SFT if sft_job else K.PHASE_GRPO
