@@ -108,7 +108,7 @@ gpu-check:
 
 gpu-check-tinker:
 	mkdir -p $(GPU_OUT)
-	timeout -k 5 170 $(PY) benchmarks/tinker_shared_passes.py --gpu --shape 0.5b --parts throughput --seconds 4 \
+	timeout -k 5 200 $(PY) benchmarks/tinker_shared_passes.py --gpu --shape 0.5b --parts kernels,throughput --seconds 4 \
 	    --users 1,8,16 --warmup 1 --out $(GPU_OUT)/tinker_shared_passes.json > $(GPU_OUT)/tinker_shared_passes.log 2>&1; \
 	  status=$$?; grep -a "N=\|learners\|Error" $(GPU_OUT)/tinker_shared_passes.log; \
 	  timeout -k 5 90 $(PY) benchmarks/learner_fairness.py --gpu --shape 0.5b --policies fair --slice-tokens 2048 \

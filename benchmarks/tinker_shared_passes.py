@@ -13,10 +13,13 @@ steps a call holds by kind (forward_backward passes, optimizer steps).
 seconds from ``create_lora_training_client`` returning to its first ``forward_backward`` result, for a few
 new tenants.
 
-    python benchmarks/tinker_shared_passes.py [--shape tiny] [--gpu] [--seconds 20] [--parts throughput,tenant]
+``kernels``: in-process (no Ray, no queue), one user's step against N users' shared step: the operators that
+compute (kernel launches on a GPU, where a small pass is launch-bound; counted alike on the CPU) and seconds.
+
+    python benchmarks/tinker_shared_passes.py [--shape tiny] [--gpu] [--seconds 20] [--parts throughput,tenant,kernels]
 
 Prints the figures and writes ``benchmarks/results/tinker_shared_passes.json`` (``--gpu``: part of
-``make gpu-check``, throughput only).
+``make gpu-check-tinker``, throughput and kernels).
 """
 
 from __future__ import annotations
@@ -122,6 +125,69 @@ def learner_rates(args, path: str, done_row: Callable[[dict[str, Any]], None]) -
     return rows
 
 
+def kernels(args, path: str) -> dict[str, Any]:
+    """In-process, no Ray or queue: one user's step (forward_backward + optim_step, one ~16-token datum) against
+    N users' shared step (one forward_many + one optim_many), per N: the operators that compute
+    (:class:`~benchmarks.op_count.ComputeOps`: kernel launches on a GPU) and the median seconds (device synced)."""
+    import torch
+
+    from benchmarks.op_count import ComputeOps
+    from otray.models import load_tokenizer
+    from otray.tinker.learner.adapter_learner import AdamStep, AdapterLearner, AdapterSpec
+    from otray.tinker.learner.shared_pass import PassRequest
+    from otray.types import Datum
+
+    ids = load_tokenizer(path).encode(TEXT)
+    n = len(ids) - 1
+    data = [Datum(ids[:-1], ids[1:], [1.0] * n, [0.0] * n, [0.0] * n, [1.0] * n)]
+    learner = AdapterLearner(path, device="auto" if args.gpu else "cpu")
+    sync = torch.cuda.synchronize if learner.device.startswith("cuda") else (lambda: None)
+    adam = AdamStep(learning_rate=1e-5)
+    users = max(int(u) for u in args.users.split(","))
+    names = [f"u{i}" for i in range(users)]
+    for i, name in enumerate(names):
+        learner.create(name, AdapterSpec(32, i))
+
+    def one() -> None:
+        learner.forward_backward("u0", data, "cross_entropy")
+        learner.optim_step("u0", adam)
+
+    def shared(k: int) -> Callable[[], None]:
+        def go() -> None:
+            learner.forward_many([PassRequest(name, data, "cross_entropy") for name in names[:k]])
+            learner.optim_many([(name, adam) for name in names[:k]])
+        return go
+
+    def measure(fn: Callable[[], None]) -> dict[str, float]:
+        fn()
+        fn()  # every adapter's optimizer made and warm
+        with ComputeOps() as ops:
+            fn()
+        times = []
+        for _ in range(5):
+            sync()
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            times.append(time.perf_counter() - t0)
+        return {"ops": ops.count, "median_s": statistics.median(times)}
+
+    base = measure(one)
+    rows: dict[str, Any] = {"one_user": base}
+    for k in sorted({int(u) for u in args.users.split(",")} - {1}):
+        got = measure(shared(k))
+        got["ops_in_users"] = got["ops"] / base["ops"]  # how many one-user steps' operators the shared step has
+        got["speed_over_own"] = k * base["median_s"] / got["median_s"]
+        rows[str(k)] = got
+        print(f"in-process N={k:2}: a shared step computes {got['ops']} operators = {got['ops_in_users']:.2f} one-user "
+              f"steps ({base['ops']}); {got['median_s'] * 1e3:.1f} ms against {k} x {base['median_s'] * 1e3:.1f}: "
+              f"{got['speed_over_own']:.2f}x", flush=True)
+    del learner
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the Ray learners of the next part share the device
+    return rows
+
+
 def tenant_start(args, path: str) -> dict[str, Any]:
     """Seconds from a new tenant's create_lora_training_client returning to its first forward_backward's
     result, on a service whose base model is warm (another client stepped on it first)."""
@@ -168,7 +234,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--warmup", type=float, default=3.0)
     ap.add_argument("--tenants", type=int, default=5)
     ap.add_argument("--users", default=",".join(map(str, USERS)), help="the N of the throughput part")
-    ap.add_argument("--parts", default="throughput,tenant")
+    ap.add_argument("--parts", default="throughput,tenant,kernels")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "tinker_shared_passes.json"))
     args = ap.parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -177,15 +243,18 @@ def main(argv: Optional[list[str]] = None) -> int:
     from otray.models import resolve_model_path
 
     path = resolve_model_path("tiny" if args.shape == "tiny" else f"tiny-{args.shape}", ROOT / ".cache" / "models")
-    own = not ray.is_initialized()
+    parts = args.parts.split(",")
+    own = not ray.is_initialized() and bool({"throughput", "tenant"} & set(parts))
     if own:
         ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     out: dict[str, Any] = {"args": vars(args), "model": path, "through": "Ray calls to the SharedLearner",
                            "targets": {"shared_over_own_at_8_min": 5.0 if args.gpu else 3.0, "tenant_first_step_max_s": 1.0}}
-    parts = args.parts.split(",")
     if Path(args.out).exists():  # a part not run now keeps its last figures
         kept = json.loads(Path(args.out).read_text())
-        out.update({k: kept[k] for k in ("throughput", "tenant") if k in kept and k not in parts})
+        out.update({k: kept[k] for k in ("throughput", "tenant", "kernels") if k in kept and k not in parts})
+    if "kernels" in parts:  # first: seconds, and a time cap on the rest keeps it
+        out["kernels"] = kernels(args, path)
+        save(out, args.out)
     if "throughput" in parts:
         out["throughput"] = learner_rates(args, path, lambda rows: save({**out, "throughput": rows}, args.out))
     if "tenant" in parts:

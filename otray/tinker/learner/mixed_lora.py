@@ -17,6 +17,15 @@ The adapter's update is computed in the activations' dtype from the adapter's fl
 cast of every LoRA input to float32 and back. Gradients reach each adapter from its rows only, so an
 adapter trained in mixed passes equals one trained alone (tests/tinker/test_mixed_passes.py).
 
+On a GPU a small pass costs its kernel launches, so a batched segment launches no more than one adapter's
+own matmuls would: the products are written ``B (A x^T)``, which makes the stacked weights' gradient
+contiguous, and each adapter's gradient is then its slice of it (written ``x A^T B^T`` the slices were
+transposed views, and autograd copied each into a gradient of its own: two kernels per tensor and adapter,
+half of a shared pass's operators); no layer makes a tensor from host values (a copy that waits for the
+device). A gradient slice keeps its pass's stacked block alive until every adapter in it has stepped or
+dropped its gradient. 8 one-datum users' pass: 1.2x one user's operators (2.7x before; benchmarks/
+tinker_shared_passes.py, ``kernels``).
+
 Runs in the SharedLearner actor of one base model."""
 
 from __future__ import annotations
@@ -58,7 +67,8 @@ class Segment:
     stop: int
     names: tuple[str, ...]
     width: int = 1
-    index: Optional[torch.Tensor] = None
+    index: Optional[tuple[int, ...]] = None
+    keep: Optional[tuple[int, ...]] = None  # with ``index``: the padded update's rows that are real rows
 
 
 class RowRouting:
@@ -69,6 +79,7 @@ class RowRouting:
         self.rows = 0
         self._installed: Optional[list[Any]] = None
         self._plans: dict[tuple, list[Segment]] = {}  # per pass: the adapters a layer holds -> its segments
+        self._consts: dict[tuple, torch.Tensor] = {}  # per pass: small index and scale tensors on the device
 
     def install(self, layers: list[Any]) -> None:
         """Give each LoRA layer in ``layers`` the routed forward (once per layer; a set of layers changes
@@ -91,6 +102,16 @@ class RowRouting:
         finally:
             self.groups, self.rows = None, 0
             self._plans.clear()
+            self._consts.clear()
+
+    def const(self, values: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """``values`` as a tensor on ``device``, made once per pass: a tensor made from host values in every
+        layer is a copy to the device that waits for the device to drain (CUDA), so host and device would take
+        turns for the whole pass instead of the host queueing work ahead."""
+        key = (values, dtype, device)
+        if key not in self._consts:
+            self._consts[key] = torch.tensor(values, dtype=dtype).to(device)
+        return self._consts[key]
 
     def plan(self, layer: Any) -> list[Segment]:
         """The pass's segments for a layer holding the adapters it holds (built once per pass and set)."""
@@ -128,9 +149,11 @@ def _batched(run: list[Group]) -> Segment:
     first, last = run[0][1], run[-1][2]
     pad = last - first  # the zero row appended after the segment's rows
     index = [row - first if row < stop else pad for _, start, stop in run for row in range(start, start + width)]
+    names = tuple(n for n, _, _ in run)
     if all(stop - start == width for _, start, stop in run):
-        return Segment("batched", first, last, tuple(n for n, _, _ in run), width)
-    return Segment("batched", first, last, tuple(n for n, _, _ in run), width, torch.tensor(index))
+        return Segment("batched", first, last, names, width)
+    keep = tuple(i for i, at in enumerate(index) if at != pad)
+    return Segment("batched", first, last, names, width, tuple(index), keep)
 
 
 def row_order(sizes: dict[str, int], ranks: dict[str, int], order: dict[str, int]) -> Callable[[str], tuple]:
@@ -153,11 +176,13 @@ def _forward(layer: Any, routing: RowRouting, original: Callable[..., torch.Tens
     segments = routing.plan(layer)
     if all(seg.kind == "zero" for seg in segments):
         return result
-    parts = [_update(layer, seg, x[seg.start:seg.stop], result.shape[-1]) for seg in segments]
+    # a segment of every row takes x whole: a slice's backward is two more kernels a layer
+    parts = [_update(layer, routing, seg, x if seg.stop - seg.start == routing.rows else x[seg.start:seg.stop],
+                     result.shape[-1]) for seg in segments]
     return result + (parts[0] if len(parts) == 1 else torch.cat(parts)).to(result.dtype)
 
 
-def _update(layer: Any, seg: Segment, x: torch.Tensor, out_features: int) -> torch.Tensor:
+def _update(layer: Any, routing: RowRouting, seg: Segment, x: torch.Tensor, out_features: int) -> torch.Tensor:
     """One segment's LoRA update ``scale * B A x``, computed in the activations' dtype."""
     if seg.kind == "zero":
         return x.new_zeros((*x.shape[:-1], out_features))
@@ -167,15 +192,18 @@ def _update(layer: Any, seg: Segment, x: torch.Tensor, out_features: int) -> tor
         return F.linear(F.linear(x, w_a), w_b) * layer.scaling[name]
     k, inner = len(seg.names), x.shape[1:-1]
     if seg.index is not None:  # rows padded to the widest group: padding reads a zero row
-        x = torch.cat([x, x.new_zeros((1, *x.shape[1:]))]).index_select(0, seg.index.to(x.device))
+        x = torch.cat([x, x.new_zeros((1, *x.shape[1:]))]).index_select(0, routing.const(seg.index, torch.long,
+                                                                                           x.device))
     w_a = torch.stack([layer.lora_A[n].weight for n in seg.names]).to(x.dtype)  # (k, r, in)
     w_b = torch.stack([layer.lora_B[n].weight for n in seg.names]).to(x.dtype)  # (k, out, r)
-    scales = torch.tensor([float(layer.scaling[n]) for n in seg.names], dtype=x.dtype, device=x.device)
+    scales = tuple(float(layer.scaling[n]) for n in seg.names)
     xs = x.reshape(k, -1, x.shape[-1])  # each group's rows (and positions) one after another
-    up = torch.bmm(torch.bmm(xs, w_a.transpose(1, 2)), w_b.transpose(1, 2)) * scales.view(k, 1, 1)
+    # transposed products, B (A x^T): the weights' gradients come out contiguous, so each adapter's gradient is
+    # its slice of them, not a copy (x A^T B^T made them transposed views: a copy per tensor and adapter)
+    up = torch.bmm(w_b, torch.bmm(w_a, xs.transpose(1, 2))).transpose(1, 2)
+    # one scale for all (the usual case): a Python number, as PEFT scales
+    up = up * scales[0] if len(set(scales)) == 1 else up * routing.const(scales, x.dtype, x.device).view(k, 1, 1)
     up = up.reshape(k * seg.width, *inner, out_features)
-    if seg.index is not None:
-        real = torch.tensor([i for i, at in enumerate(seg.index.tolist()) if at != seg.stop - seg.start],
-                            device=x.device)
-        up = up.index_select(0, real)
+    if seg.keep is not None:
+        up = up.index_select(0, routing.const(seg.keep, torch.long, x.device))
     return up

@@ -141,26 +141,31 @@ class SharedPass:
         return [PassResult(a.logprobs, a.losses, a.total, a.metrics) if isinstance(a, _Answer) else a for a in out]
 
     def _micro_batch(self, requests: list[PassRequest], out: list, rows: list[tuple[int, int]], backward: bool) -> None:
-        """One micro-batch (``rows``: (request, datum), grouped by adapter): forward, each request's loss,
-        one backward; each answer's rows filled in."""
+        """One micro-batch (``rows``: (request, datum), grouped by adapter): forward, the losses (one for all the
+        requests of one built-in loss and config, :meth:`_loss_groups`), one backward; each answer's rows filled in."""
         batch = [requests[i].datums[j] for i, j in rows]
         owners = [i for i, _ in rows]
         with torch.set_grad_enabled(backward), self.routing.routed(groups_of([requests[i].adapter for i in owners])):
             lp, valid = batch_logprobs(self.model, batch, self.device)
             terms, parts = [], []
-            for i in dict.fromkeys(owners):
-                if isinstance(out[i], Exception):
-                    continue
-                at = [k for k, o in enumerate(owners) if o == i]
-                r, sel = requests[i], torch.tensor(at, device=lp.device)
+            todo = self._loss_groups(requests, [i for i in dict.fromkeys(owners) if not isinstance(out[i], Exception)])
+            while todo:
+                group = todo.pop(0)
+                at = [k for k, o in enumerate(owners) if o in group]
+                r = requests[group[0]]
+                sel = (slice(None) if at == list(range(len(owners)))
+                       else self.routing.const(tuple(at), torch.long, lp.device))
                 try:
                     tok, custom = rows_loss(lp[sel], valid[sel], [batch[k] for k in at], self.device, r.loss_fn,
                                             r.loss_fn_config or {}, r.graph)
-                except Exception as e:  # noqa: BLE001 - this request's own loss: it fails alone
-                    out[i] = e
+                except Exception as e:  # noqa: BLE001 - the requests' own loss: each fails alone
+                    if len(group) > 1:
+                        todo.extend([i] for i in group)
+                    else:
+                        out[group[0]] = e
                     continue
                 terms.append(tok.sum())
-                parts.append((i, at, tok, custom))
+                parts.append((at, tok, custom))
             if backward and terms:
                 failed = {requests[i].adapter for i in dict.fromkeys(owners) if isinstance(out[i], Exception)}
                 bare = [p for name in failed for p in self.params(name) if p.grad is None]
@@ -168,15 +173,30 @@ class SharedPass:
                 torch.stack(terms).sum().backward()
                 for p in bare:  # a failed request's rows passed zeros back: its adapter keeps no gradient
                     p.grad = None
-        lp_host = lp.detach().cpu()  # one host copy per micro-batch
-        for i, at, tok, custom in parts:
-            answer, tok_host = out[i], tok.detach().cpu()
-            answer.total += custom[0] if custom else float(tok_host.sum())
-            answer.metrics = add_sums(answer.metrics, custom[1] if custom else {})
-            for n, k in enumerate(at):
-                j = rows[k][1]
-                answer.logprobs[j] = lp_host[k, :len(batch[k])].reshape(-1).tolist()
-                answer.losses[j] = tok_host[n, :len(batch[k])].tolist()
+        lp_host = lp.detach().cpu()  # one host copy per micro-batch, and one per loss
+        for at, tok, custom in parts:
+            tok_host = tok.detach().cpu()
+            for i in dict.fromkeys(owners[k] for k in at):
+                answer, mine = out[i], [n for n, k in enumerate(at) if owners[k] == i]
+                answer.total += custom[0] if custom else float(tok_host[mine].sum())
+                answer.metrics = add_sums(answer.metrics, custom[1] if custom else {})
+                for n in mine:
+                    k = at[n]
+                    answer.logprobs[rows[k][1]] = lp_host[k, :len(batch[k])].reshape(-1).tolist()
+                    answer.losses[rows[k][1]] = tok_host[n, :len(batch[k])].tolist()
+
+    @staticmethod
+    def _loss_groups(requests: list[PassRequest], live: list[int]) -> list[list[int]]:
+        """The requests (indices into ``requests``) whose losses are computed together: one group per built-in
+        loss and config (a loss's ops once for all their rows, not once per client); a custom loss alone."""
+        groups: dict[Any, list[int]] = {}
+        for i in live:
+            r = requests[i]
+            weighted = {d.weights is not None for d in r.datums}  # a batch's first datum says if it has weights
+            key = ((r.loss_fn, tuple(sorted((r.loss_fn_config or {}).items())), weighted.pop())
+                   if r.graph is None and len(weighted) == 1 else ("alone", i))
+            groups.setdefault(key, []).append(i)
+        return list(groups.values())
 
     def _plan(self, datums: list[Datum]) -> list[list[int]]:
         """Micro-batches of a shared pass, as lists of indices into ``datums``: one when they fit the token
