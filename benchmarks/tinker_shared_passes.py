@@ -182,9 +182,6 @@ def kernels(args, path: str) -> dict[str, Any]:
         print(f"in-process N={k:2}: a shared step computes {got['ops']} operators = {got['ops_in_users']:.2f} one-user "
               f"steps ({base['ops']}); {got['median_s'] * 1e3:.1f} ms against {k} x {base['median_s'] * 1e3:.1f}: "
               f"{got['speed_over_own']:.2f}x", flush=True)
-    del learner
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()  # the Ray learners of the next part share the device
     return rows
 
 
@@ -255,6 +252,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     if "kernels" in parts:  # first: seconds, and a time cap on the rest keeps it
         out["kernels"] = kernels(args, path)
         save(out, args.out)
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # the part's learner is gone; the Ray learners of the next part share the device
     if "throughput" in parts:
         out["throughput"] = learner_rates(args, path, lambda rows: save({**out, "throughput": rows}, args.out))
     if "tenant" in parts:
