@@ -10,7 +10,7 @@ a client sends its optim_step once its forward_backward is done. fifo and fair s
 Runs on the CPU (the tiny model, one torch thread) and on a GPU (``--gpu``, e.g. ``--shape 0.5b``:
 part of ``make gpu-check``; it needs Ray, no vLLM or SDK).
 
-    python benchmarks/learner_fairness.py [--shape tiny] [--gpu] [--slice-tokens 256]
+    python benchmarks/learner_fairness.py [--shape tiny] [--gpu] [--slice-tokens 256] [--wait-for-followers]
 
 Prints a table and writes ``benchmarks/results/learner_fairness.json``.
 """
@@ -55,7 +55,7 @@ def run_policy(policy: str, args, path: str) -> dict[str, Any]:
 
     learner = ray.remote(SharedLearner).options(num_cpus=1, num_gpus=1 if args.gpu else 0).remote(
         path, policy=policy, slice_tokens=args.slice_tokens, pass_tokens=args.pass_tokens,
-        num_threads=None if args.gpu else 1)
+        wait_for_followers=args.wait_for_followers, num_threads=None if args.gpu else 1)
     ray.get(learner.ping.remote())
     tok = load_tokenizer(path)
     text = tok.encode("the answer is the sum of the number you are a helpful assistant " * 40)
@@ -74,7 +74,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="tiny", help="a tiny model shape: tiny, 100m, 0.5b, 1.5b")
     ap.add_argument("--gpu", action="store_true", help="the learner on a GPU")
+    ap.add_argument("--wait-for-followers", action="store_true",
+                    help="the fair policy's scheduling.wait_for_followers (off by default, as in the config)")
     args = arguments(ap, "learner_fairness.json", argv)
+    if args.wait_for_followers and (args.pass_tokens <= 0 or args.policies != "fair"):
+        ap.error("--wait-for-followers needs shared passes (--pass-tokens > 0) and --policies fair")
     import ray
 
     from otray.models import resolve_model_path
