@@ -115,16 +115,16 @@ class TinkerScheduling:
     slice of at most ``slice_tokens`` tokens, so a small step waits for about one slice of another
     user's work. Slices of several clients (any users of one priority) share a pass of at most
     ``pass_tokens`` tokens, each row through its own adapter, charged by tokens: a small step rides in
-    the next pass (0: every slice a pass of its own); ``wait_for_followers`` merges clients that loop a step
-    and its optim_step into every pass. ``fifo``: calls whole, in arrival order (no isolation: the baseline
+    the next pass (0: every slice a pass of its own) and waits, briefly, for the due steps of clients that
+    loop alike (no cohorts); ``wait_for_followers`` also waits for every looping client of a call. ``fifo``: calls whole, in arrival order (no isolation: the baseline
     ``benchmarks/tinker_fairness.py`` measures)."""
 
     policy: str = "fair"  # fair | fifo
     slice_tokens: int = 2048  # about what the learner passes in a small step's time (docs/notes/tinker.md)
     pass_tokens: int = 2560  # one shared call's tokens: a slice plus room for small riders (0: none share)
     follow_ms: float = 50.0  # a turn kept this long for a forward_backward's optim_step (if that user is owed it)
-    # With shared passes: optimizer steps first, and a shared call waits up to follow_ms for its clients that come
-    # back that fast, so N clients looping a step share every pass, not half (fair.py, "Cohorts"). Off by default:
+    # With shared passes: optimizer steps first, and a shared call waits up to follow_ms for all its clients that
+    # come back that fast (fair.py, "Cohorts"; like-sized due riders are waited for without it). Off by default:
     # it trades fair shares for throughput (benchmarks/README.md, tinker_shared_passes.py and learner_fairness.py).
     wait_for_followers: bool = False
     users: dict[str, UserShare] = field(default_factory=dict)  # default: weight 1, priority 0

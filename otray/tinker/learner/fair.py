@@ -32,12 +32,15 @@ priority ride along (a higher one would have been chosen).
 
 Cohorts: N clients that each loop a forward_backward and its optim_step split, left alone, into two halves
 that take turns (one half's pass runs while the other's optimizer steps and round trips happen), so a pass
-holds N/2 of them (session 38, on the CPU and an H200 alike). With ``first_keys`` (the SharedLearner's
-``wait_for_followers``), steps of those keys (optimizer steps: milliseconds) go before the other steps of
-their priority, and after a shared call the queue waits, up to ``follow_s``, for the next jobs of the call's
-clients whose next job usually comes that fast (:class:`Followers`): every client's optimizer step then runs
-in one call, and every pass holds all of them. It costs fair shares (a busy user beside a small one that
-loops back to back kept 25% of its rate, 69% without), so it is off unless an admin turns it on.
+held N/2 of them (session 38, on the CPU and an H200 alike). So before a shared pass the queue waits, up to
+twice their last gap (and ``follow_s``), for the clients whose next step is due and would ride in it: of its
+key and about its size (:meth:`FairQueue._await_riders`, :class:`Followers`); a busy user's slice does not wait
+for a small user's step nor a small step for a big one, so fair shares are kept, and a pass holds all N
+(session 43). With ``first_keys`` (the SharedLearner's ``wait_for_followers``), steps of those keys
+(optimizer steps: milliseconds) go before the other steps of their priority, and after a shared call the
+queue waits for the next jobs of all the call's clients whose next job usually comes that fast: it costs
+fair shares (a busy user beside a small one that loops back to back kept 25% of its rate, 69% without), so
+it is off unless an admin turns it on.
 
 Runs in the SharedLearner actor of one base model."""
 
@@ -82,11 +85,27 @@ class Followers:
     def __init__(self) -> None:
         self.ended: dict[tuple[str, str], float] = {}  # (user, client) -> when its last job ended
         self.gap: dict[tuple[str, str], float] = {}  # (user, client) -> the seconds its last next job took to come
+        self.heads: dict[tuple[str, str], deque] = {}  # (user, client) -> its last two jobs' (key, tokens)
 
-    def arrived(self, user: str, client: str) -> None:
+    def arrived(self, user: str, client: str, head: Any = None) -> None:
         end = self.ended.pop((user, client), None)
         if end is not None:
             self.gap[(user, client)] = time.monotonic() - end
+        self.heads.setdefault((user, client), deque(maxlen=2)).append(
+            (head.key, head.tokens) if isinstance(head, Packable) else None)
+
+    def coming(self, within: float) -> dict[tuple[str, str], tuple[float, Any]]:
+        """The clients whose next job is due: their last job ended less than twice their last gap ago (and
+        ``within``); each with the monotonic time it is due by and the (key, tokens) it is likely to bring
+        (the job before its last: a loop of a forward_backward and its optim_step alternates)."""
+        now, out = time.monotonic(), {}
+        for c, end in self.ended.items():
+            gap, heads = self.gap.get(c), self.heads.get(c)
+            if gap is not None and gap <= within and heads is not None and len(heads) == 2 and heads[0] is not None:
+                due = end + min(within, 2 * gap + 0.002)
+                if due > now:
+                    out[c] = (due, heads[0])
+        return out
 
     def finished(self, user: str, client: str) -> None:
         self.ended[(user, client)] = time.monotonic()
@@ -94,6 +113,7 @@ class Followers:
     def forget(self, user: str, client: str) -> None:
         self.ended.pop((user, client), None)
         self.gap.pop((user, client), None)
+        self.heads.pop((user, client), None)
 
     def soon(self, clients: Sequence[tuple[str, str]], within: float) -> dict[tuple[str, str], float]:
         """Those of ``clients`` whose next job came within ``within`` seconds last time, with that gap."""
@@ -138,7 +158,7 @@ class FairQueue:
         the client's next job is likely on its way (see :meth:`_hold`)."""
         job = _Job(deque(steps), asyncio.get_running_loop().create_future(), next(self.arrivals), follow)
         self.users.setdefault(user, _User()).clients.setdefault(client, deque()).append(job)
-        self.followers.arrived(user, client)
+        self.followers.arrived(user, client, steps[0] if steps else None)
         self.arrived.set()
         self.pending += 1
         if not self.busy:
@@ -172,6 +192,7 @@ class FairQueue:
                 first = self._next()
                 name, u, client, job = first
                 self.vtime = max(self.vtime, u.finish)
+                await self._await_riders(first)
                 members = [first, *self._riders(first)]
                 steps = [m[3].steps[0] for m in members]
                 if isinstance(steps[0], Packable):
@@ -307,6 +328,27 @@ class FairQueue:
         if not await self._wait_for_arrivals(
                 lambda: not self._owed(name) or client in self.users[name].clients, t0 + self.follow_s):
             self.users[name].finish += (time.monotonic() - t0) / self.share(name).weight
+
+    async def _await_riders(self, first: tuple[str, _User, str, _Job]) -> None:
+        """Before a shared pass: wait, up to twice their last gap, for clients whose next step is due and would
+        ride in it (its key, about its size: half to all of its tokens, room left), so that clients looping
+        alike share each pass instead of splitting into cohorts that take turns; a busy user's slice never
+        waits for a small user's step, nor a small step for a big one. (Not with ``first_keys``: it gathers.)"""
+        head = first[3].steps[0]
+        if (not isinstance(head, Packable) or self.pack is None or self.policy != "fair" or self.pass_tokens <= 0
+                or self.first_keys):
+            return
+        room, level, due = self.pass_tokens - head.tokens, self.share(first[0]).priority, []
+        for (n, c), (by, (key, tokens)) in self.followers.coming(self.follow_s).items():
+            queued = n in self.users and c in self.users[n].clients
+            if (not queued and (n, c) != (first[0], first[2]) and self.share(n).priority == level
+                    and key == head.key and head.tokens / 2 <= tokens <= min(room, head.tokens)):
+                due.append(((n, c), by))
+                room -= tokens
+        if due:
+            await self._wait_for_arrivals(
+                lambda: all(n in self.users and c in self.users[n].clients for (n, c), _ in due),
+                max(by for _, by in due))
 
     async def _gather(self, clients: list[tuple[str, str]]) -> None:
         """After a shared call: wait for the next jobs of those ``clients`` (user, client) whose next job came
