@@ -94,17 +94,21 @@ class Followers:
         self.heads.setdefault((user, client), deque(maxlen=2)).append(
             (head.key, head.tokens) if isinstance(head, Packable) else None)
 
-    def coming(self, within: float) -> dict[tuple[str, str], tuple[float, Any]]:
-        """The clients whose next job is due: their last job ended less than twice their last gap ago (and
-        ``within``); each with the monotonic time it is due by and the (key, tokens) it is likely to bring
-        (the job before its last: a loop of a forward_backward and its optim_step alternates)."""
+    def riders(self, head: "Packable", room: int, within: float,
+               can_ride: Callable[[tuple[str, str]], bool]) -> dict[tuple[str, str], float]:
+        """The clients (those ``can_ride`` lets) whose next job is due, their last one having ended less than
+        twice their last gap ago (and ``within``), and likely rides on ``head``: of its key and about its size
+        (half to all of its tokens, within ``room`` together), as the job before their last was (a loop of a
+        forward_backward and its optim_step alternates); each with the monotonic time it is due by."""
         now, out = time.monotonic(), {}
         for c, end in self.ended.items():
             gap, heads = self.gap.get(c), self.heads.get(c)
-            if gap is not None and gap <= within and heads is not None and len(heads) == 2 and heads[0] is not None:
-                due = end + min(within, 2 * gap + 0.002)
-                if due > now:
-                    out[c] = (due, heads[0])
+            if gap is None or gap > within or heads is None or len(heads) < 2 or heads[0] is None:
+                continue
+            (key, tokens), due = heads[0], end + min(within, 2 * gap + 0.002)
+            if due > now and key == head.key and head.tokens / 2 <= tokens <= min(room, head.tokens) and can_ride(c):
+                out[c] = due
+                room -= tokens
         return out
 
     def finished(self, user: str, client: str) -> None:
@@ -330,25 +334,17 @@ class FairQueue:
             self.users[name].finish += (time.monotonic() - t0) / self.share(name).weight
 
     async def _await_riders(self, first: tuple[str, _User, str, _Job]) -> None:
-        """Before a shared pass: wait, up to twice their last gap, for clients whose next step is due and would
-        ride in it (its key, about its size: half to all of its tokens, room left), so that clients looping
-        alike share each pass instead of splitting into cohorts that take turns; a busy user's slice never
-        waits for a small user's step, nor a small step for a big one. (Not with ``first_keys``: it gathers.)"""
+        """Before a shared pass, wait for the due clients whose next step would ride in it (:meth:`Followers.riders`):
+        clients looping alike share each pass, not cohorts taking turns (not with ``first_keys``: it gathers)."""
         head = first[3].steps[0]
-        if (not isinstance(head, Packable) or self.pack is None or self.policy != "fair" or self.pass_tokens <= 0
-                or self.first_keys):
+        if not isinstance(head, Packable) or self.pack is None or self.policy != "fair" or self.pass_tokens <= 0 \
+                or self.first_keys:
             return
-        room, level, due = self.pass_tokens - head.tokens, self.share(first[0]).priority, []
-        for (n, c), (by, (key, tokens)) in self.followers.coming(self.follow_s).items():
-            queued = n in self.users and c in self.users[n].clients
-            if (not queued and (n, c) != (first[0], first[2]) and self.share(n).priority == level
-                    and key == head.key and head.tokens / 2 <= tokens <= min(room, head.tokens)):
-                due.append(((n, c), by))
-                room -= tokens
+        queued = lambda n, c: n in self.users and c in self.users[n].clients  # noqa: E731
+        due = self.followers.riders(head, self.pass_tokens - head.tokens, self.follow_s,  # (a queued one: no wait)
+                                    lambda nc: self.share(nc[0]).priority == self.share(first[0]).priority)
         if due:
-            await self._wait_for_arrivals(
-                lambda: all(n in self.users and c in self.users[n].clients for (n, c), _ in due),
-                max(by for _, by in due))
+            await self._wait_for_arrivals(lambda: all(queued(n, c) for n, c in due), max(due.values()))
 
     async def _gather(self, clients: list[tuple[str, str]]) -> None:
         """After a shared call: wait for the next jobs of those ``clients`` (user, client) whose next job came
