@@ -54,6 +54,7 @@ from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Hashable, Optional, Sequence, Union
 
 from otray.tinker.config import Share
+from otray.tinker.learner.followers import Followers
 
 Step = Callable[[], Awaitable[Any]]
 Pack = Callable[[list[Any]], Awaitable[list[Any]]]  # works -> a result or an exception each
@@ -76,52 +77,6 @@ class _Job:
     arrival: int
     follow: bool  # the client's next job usually comes at once (a forward_backward's optim_step)
     results: list = field(default_factory=list)
-
-
-class Followers:
-    """How soon each client's next job follows its last (from one job's end to the next one's arrival): the
-    clients a shared call waits for (:meth:`FairQueue._gather`)."""
-
-    def __init__(self) -> None:
-        self.ended: dict[tuple[str, str], float] = {}  # (user, client) -> when its last job ended
-        self.gap: dict[tuple[str, str], float] = {}  # (user, client) -> the seconds its last next job took to come
-        self.heads: dict[tuple[str, str], deque] = {}  # (user, client) -> its last two jobs' (key, tokens)
-
-    def arrived(self, user: str, client: str, head: Any = None) -> None:
-        end = self.ended.pop((user, client), None)
-        if end is not None:
-            self.gap[(user, client)] = time.monotonic() - end
-        self.heads.setdefault((user, client), deque(maxlen=2)).append(
-            (head.key, head.tokens) if isinstance(head, Packable) else None)
-
-    def riders(self, head: "Packable", room: int, within: float,
-               can_ride: Callable[[tuple[str, str]], bool]) -> dict[tuple[str, str], float]:
-        """The clients (those ``can_ride`` lets) whose next job is due, their last one having ended less than
-        twice their last gap ago (and ``within``), and likely rides on ``head``: of its key and about its size
-        (half to all of its tokens, within ``room`` together), as the job before their last was (a loop of a
-        forward_backward and its optim_step alternates); each with the monotonic time it is due by."""
-        now, out = time.monotonic(), {}
-        for c, end in self.ended.items():
-            gap, heads = self.gap.get(c), self.heads.get(c)
-            if gap is None or gap > within or heads is None or len(heads) < 2 or heads[0] is None:
-                continue
-            (key, tokens), due = heads[0], end + min(within, 2 * gap + 0.002)
-            if due > now and key == head.key and head.tokens / 2 <= tokens <= min(room, head.tokens) and can_ride(c):
-                out[c] = due
-                room -= tokens
-        return out
-
-    def finished(self, user: str, client: str) -> None:
-        self.ended[(user, client)] = time.monotonic()
-
-    def forget(self, user: str, client: str) -> None:
-        self.ended.pop((user, client), None)
-        self.gap.pop((user, client), None)
-        self.heads.pop((user, client), None)
-
-    def soon(self, clients: Sequence[tuple[str, str]], within: float) -> dict[tuple[str, str], float]:
-        """Those of ``clients`` whose next job came within ``within`` seconds last time, with that gap."""
-        return {c: self.gap[c] for c in clients if self.gap.get(c, within + 1.0) <= within}
 
 
 @dataclass
@@ -162,7 +117,7 @@ class FairQueue:
         the client's next job is likely on its way (see :meth:`_hold`)."""
         job = _Job(deque(steps), asyncio.get_running_loop().create_future(), next(self.arrivals), follow)
         self.users.setdefault(user, _User()).clients.setdefault(client, deque()).append(job)
-        self.followers.arrived(user, client, steps[0] if steps else None)
+        self.followers.arrived(user, client, _head(steps))
         self.arrived.set()
         self.pending += 1
         if not self.busy:
@@ -341,7 +296,7 @@ class FairQueue:
                 or self.first_keys:
             return
         queued = lambda n, c: n in self.users and c in self.users[n].clients  # noqa: E731
-        due = self.followers.riders(head, self.pass_tokens - head.tokens, self.follow_s,  # (a queued one: no wait)
+        due = self.followers.riders((head.key, head.tokens), self.pass_tokens - head.tokens, self.follow_s,  # (a queued one: no wait)
                                     lambda nc: self.share(nc[0]).priority == self.share(first[0]).priority)
         if due:
             await self._wait_for_arrivals(lambda: all(queued(n, c) for n, c in due), max(due.values()))
@@ -389,6 +344,11 @@ class FairQueue:
             return False
         tag = (-self.share(name).priority, max(self.vtime, mine.finish))
         return all(tag <= (-self.share(n).priority, max(self.vtime, u.finish)) for n, u in others)
+
+
+def _head(steps: Sequence[Union[Step, Packable]]) -> Optional[tuple[Hashable, int]]:
+    """A job's first step as :class:`~otray.tinker.learner.followers.Followers` keeps it: (pack key, tokens)."""
+    return (steps[0].key, steps[0].tokens) if steps and isinstance(steps[0], Packable) else None
 
 
 def slices(lengths: Sequence[int], slice_tokens: int) -> list[range]:
