@@ -1,8 +1,9 @@
 """Where `make test`'s time goes: ``python benchmarks/test_times.py [XML ...] [--labels L ...] [--out JSON]``.
 
 `make test` writes every test's time (setup, call and teardown together) as JUnit XML to
-``.cache/test-times-pure.xml`` (the in-process stage, two workers side by side: its sum is more than its wall
-time) and ``.cache/test-times.xml`` (the rest, one at a time). This reads one or more runs (e.g. one with the
+``.cache/test-times-pure.xml`` (the in-process stage) and ``.cache/test-times.xml`` (the rest), each stage in two
+workers side by side, so a stage's summed test time is more than its wall time (both are printed: the wall time is
+the XML's own). This reads one or more runs (e.g. one with the
 caches outside the clone emptied and a warm re-run; a run's files joined by commas), and prints and saves, per
 run: the total, the time per test folder and file, the slowest tests, and with two or more runs the files whose
 time differs most. It only reads the XML (issue 56's accounting; the method is in ``benchmarks/README.md``),
@@ -51,6 +52,11 @@ def probes(path: Path) -> dict[str, float]:
     return out
 
 
+def wall_s(path: Path) -> float:
+    """The stage's wall time: pytest's own for the whole run (with xdist workers, less than its tests' sum)."""
+    return sum(float(suite.get("time", 0.0)) for suite in ET.parse(path).getroot().iter("testsuite"))
+
+
 def by(times: dict[str, float], key) -> dict[str, float]:
     """``times`` summed by ``key(test id)``, largest first."""
     sums: dict[str, float] = {}
@@ -89,8 +95,10 @@ def main() -> None:
     out: dict = {"runs": {label: summary(t, args.top) for label, t in runs.items()}}
     for label, paths in zip(labels, args.xml):  # the machine's speed as each stage started and ended
         out["runs"][label]["cpu_probe_s"] = {Path(p).stem: probes(Path(p)) for p in paths.split(",")}
+        out["runs"][label]["wall_s"] = {Path(p).stem: round(wall_s(Path(p)), 1) for p in paths.split(",")}
     for label, s in out["runs"].items():
-        print(f"{label}: {s['tests']} tests, {s['total_s'] / 60:.1f} min; CPU probe (s, lower is faster): "
+        print(f"{label}: {s['tests']} tests, {sum(s['wall_s'].values()) / 60:.1f} min wall ({s['total_s'] / 60:.1f} min "
+              f"summed per test); CPU probe (s, lower is faster): "
               f"{s['cpu_probe_s']}")
         for k, v in s["folders_s"].items():
             print(f"  {v:8.1f} s  {k}")

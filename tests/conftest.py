@@ -2,7 +2,7 @@
 
 Markers are applied here, so a test cannot forget one: ``ray`` to every test that uses the shared
 local Ray (``ray_local``, directly or through another fixture), ``cluster`` to ``tests/cluster/``
-(tests that start clusters of their own: two nodes, ``ray job submit``), which run last, ``service``
+(tests that start clusters of their own: two nodes, ``ray job submit``), ordered apart, ``service``
 to tests that talk to servers they start in other processes (the OpenReward env servers: the
 ``servers`` fixture). ``make test-pure`` runs the rest, in-process only, without vLLM either.
 """
@@ -21,7 +21,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 def pytest_collection_modifyitems(config, items):
     """Mark Ray tests (``ray``) and cluster tests (``cluster``), and put the cluster tests last: they
-    start clusters of their own, which the shared local Ray must not outlive (it ends with the session)."""
+    start clusters of their own, which the shared local Ray must not outlive (it ends with the session). Under
+    pytest-xdist (``make test``) they go first instead: they run in processes of their own, and two of the
+    longest files left for the end would keep one worker busy while the other waits."""
     cluster_dir = ROOT / "tests" / "cluster"
     for item in items:
         if Path(str(item.fspath)).is_relative_to(cluster_dir):
@@ -30,7 +32,10 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.ray)
         if "servers" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.service)
-    items.sort(key=lambda item: item.get_closest_marker("cluster") is not None)  # stable: order kept otherwise
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # `make test`'s workers: the longest files first (less of a tail
+        items.sort(key=lambda item: item.get_closest_marker("cluster") is None)  # with one worker left alone)
+    else:
+        items.sort(key=lambda item: item.get_closest_marker("cluster") is not None)  # stable: order kept otherwise
 
 
 def cpu_probe_s(n: int = 4_000_000) -> float:

@@ -1,7 +1,8 @@
 """`ray start --head` + `ray job submit --working-dir . -- otray train ...` for two steps.
 
-Runs last (the ``cluster`` marker, tests/conftest.py): it starts a second Ray cluster with its own
-temp dir and stops only that one's processes, leaving the suite's local cluster alone.
+The ``cluster`` marker (tests/conftest.py) orders it: last in one process, first in `make test`'s xdist workers.
+It starts a Ray cluster of its own with its own temp dir and ports and stops only that one's processes, leaving
+the suite's local clusters (one per xdist worker) alone.
 """
 
 import os
