@@ -71,11 +71,12 @@ sandbox:
 # second stage's tests wait on process starts and servers as much as they compute: two at once took 21.9 min
 # against 29.1 one at a time (session 44); OMP_WAIT_POLICY=PASSIVE keeps the two workers' torch threads from
 # spin-waiting on each other's cores. Both stages run; either failing fails `make test`. Every test's time goes
-# to .cache/test-times*.xml (benchmarks/test_times.py).
+# to .cache/test-times*.xml (benchmarks/test_times.py). TEST_WORKERS: the second stage's workers.
+TEST_WORKERS ?= 2
 test: $(STAMP) browser sandbox
 	status=0; OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile \
 	  -m "not ray and not cluster and not vllm and not service" --junitxml=.cache/test-times-pure.xml || status=1; \
-	  OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --durations=20 \
+	  OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --durations=20 \
 	  --junitxml=.cache/test-times.xml -m "ray or cluster or vllm or service" || status=1; \
 	  [ $$status = 0 ] || echo "make test: a stage failed (the in-process one is the first summary above)"; exit $$status
 
