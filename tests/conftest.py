@@ -32,10 +32,8 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.ray)
         if "servers" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.service)
-    if os.environ.get("PYTEST_XDIST_WORKER"):  # `make test`'s workers: the longest files first (less of a tail
-        items.sort(key=lambda item: item.get_closest_marker("cluster") is None)  # with one worker left alone)
-    else:
-        items.sort(key=lambda item: item.get_closest_marker("cluster") is not None)  # stable: order kept otherwise
+    last = not os.environ.get("PYTEST_XDIST_WORKER")  # one process: cluster files last; `make test`'s workers: first
+    items.sort(key=lambda item: (item.get_closest_marker("cluster") is not None) == last)  # stable otherwise
 
 
 def cpu_probe_s(n: int = 4_000_000) -> float:
