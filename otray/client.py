@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from otray import config as config_mod
+from otray.placement import cluster_env
 from otray.records import EpisodePage, JobStatus
 from otray.types import OtrayError
 
@@ -149,10 +150,9 @@ def connect(address: str | None = None, api_key: str | None = None, *, db_path: 
     if not ray.is_initialized():
         # "local" when none is named: Ray would otherwise join the cluster a past `ray start` recorded in
         # /tmp/ray/ray_current_cluster, and hang for minutes when that one is gone (`--address auto` joins it)
-        ray.init(address=address or os.environ.get("RAY_ADDRESS") or "local", include_dashboard=False, log_to_driver=False,
-                 namespace="otray",
-                 runtime_env={"env_vars": {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-                                           "TOKENIZERS_PARALLELISM": "false"}})
+        address = address or os.environ.get("RAY_ADDRESS") or "local"
+        ray.init(address=address, include_dashboard=False, log_to_driver=False, namespace="otray",
+                 **cluster_env(address, {"VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}))
     if auth_enabled is None:
         auth_enabled = os.environ.get("OTRAY_AUTH", "0") == "1"
     rm = get_or_create(db_path, auth_enabled=auth_enabled)  # db_path None: $OTRAY_DB or <otray home>/registry.db

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from otray import config as config_mod
 from otray.actors.job.run import run
+from otray.placement import cluster_env
 from otray.types import OtrayError
 
 
@@ -29,10 +30,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import ray
 
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.rollout.kv_cache_gb))
     ray.init(address=args.address, include_dashboard=False, log_to_driver=True,
-             runtime_env={"env_vars": {"VLLM_CPU_KVCACHE_SPACE": str(cfg.rollout.kv_cache_gb),
-                                       "TOKENIZERS_PARALLELISM": "false"}})
+             **cluster_env(args.address, {"VLLM_CPU_KVCACHE_SPACE": str(cfg.rollout.kv_cache_gb),
+                                          "TOKENIZERS_PARALLELISM": "false"}))
     job_dir = Path(cfg.job.output_dir) / cfg.job.name
     try:
         summary = run(cfg, job_dir)

@@ -155,8 +155,8 @@ def ray_local():
 
     # "local": always a cluster of its own; with no address Ray connects to the last `ray start`
     # recorded in /tmp/ray/ray_current_cluster, a file a stopped cluster leaves behind (CI failed so)
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}})
+    # no runtime_env: the variables above are inherited (one would start every actor through setup_worker.py)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     yield ray
     ray.shutdown()
 

@@ -35,6 +35,7 @@ from fastapi.responses import StreamingResponse
 from ray import serve
 
 from otray.config import to_dict
+from otray.placement import threads_env
 from otray.serve.config import ServeConfig
 from otray.serve.dashboard import DashboardRoutes
 from otray.serve.http import api, rm_handle
@@ -361,9 +362,9 @@ def single_layout(cfg: ServeConfig) -> bool:
 def _replica_options(m: Any) -> dict[str, Any]:
     """Resources, threads and replica count of a deployment that holds base model ``m``."""
     scaling = ({"autoscaling_config": dict(m.autoscaling)} if m.autoscaling else {"num_replicas": m.num_replicas})
-    threads = str(m.num_threads or max(1, int(m.replica_cpus)))
+    threads = m.num_threads or max(1, int(m.replica_cpus))
     return {"ray_actor_options": {"num_cpus": m.replica_cpus, "num_gpus": m.replica_gpus,
-                                  "runtime_env": {"env_vars": {"OMP_NUM_THREADS": threads}}}, **scaling}
+                                  **threads_env(threads, m.replica_cpus)}, **scaling}
 
 
 def build(cfg: ServeConfig, ray_dashboard: str | None = None) -> Any:

@@ -128,7 +128,7 @@ def test_user_checkpoints_publish_and_ttl(svc, tokenizer):
     assert expires[0] is not None
     rest.set_checkpoint_ttl_from_tinker_path(state, None).result()  # no expiry again
     assert [c.expires_at for c in rest.list_checkpoints(tc.model_id).result().checkpoints if c.tinker_path == state] == [None]
-    files = list(svc["store"].glob(f"checkpoints/alice/*/weights/a"))
+    files = list(svc["store"].glob("checkpoints/alice/*/weights/a"))
     assert len(files) == 1 and files[0].is_dir()
     rest.set_checkpoint_ttl_from_tinker_path(state, 1).result()
     time.sleep(2.0)

@@ -97,7 +97,7 @@ class ActorFactory:
             return ray.remote(num_cpus=res.learner_cpus, num_gpus=res.learner_gpus)(cls)
 
         def where(index: int) -> dict[str, Any]:
-            return {**in_bundle(self.placement_group, index), **threads_env(res.learner_threads)}
+            return {**in_bundle(self.placement_group, index), **threads_env(res.learner_threads, res.learner_cpus)}
 
         n = res.learner_workers
         if n == 1:
@@ -123,7 +123,7 @@ class ActorFactory:
 
         cfg, res = self.cfg, self.cfg.resources
         return self.start(ray.remote(num_cpus=res.rollout_cpus, num_gpus=res.rollout_gpus)(RolloutWorker),
-            {**in_bundle(self.placement_group, first_bundle + i), **threads_env(res.rollout_threads)},
+            {**in_bundle(self.placement_group, first_bundle + i), **threads_env(res.rollout_threads, res.rollout_cpus)},
             f"{prefix}rollout-{i}", model_path or self.model_path, cfg.rollout.backend, num_threads=res.rollout_threads,
             dtype=cfg.model.dtype, device=cfg.model.device, max_model_len=cfg.rollout.max_model_len,
             seed=cfg.job.seed + i, max_lora_rank=cfg.model.lora.rank, kv_cache_gb=cfg.rollout.kv_cache_gb,

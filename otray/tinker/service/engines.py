@@ -72,8 +72,7 @@ class VllmSamplers:
 
     async def _start(self, base: str) -> Optional[Any]:
         s = self.models[base].sampler
-        env = threads_env(s.num_threads or max(1, int(s.cpus)))
-        env.setdefault("runtime_env", {}).setdefault("env_vars", {})["VLLM_CPU_KVCACHE_SPACE"] = str(s.kv_cache_gb)
+        env = threads_env(s.num_threads or max(1, int(s.cpus)), s.cpus)  # the KV cache: kv_cache_gb, set by the engine
         handle = ray.remote(LoraSampler).options(
             name=f"{self.prefix}-sampler-{base}", namespace=self.namespace, get_if_exists=True,
             num_cpus=s.cpus, num_gpus=s.gpus, **env).remote(

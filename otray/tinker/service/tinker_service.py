@@ -28,6 +28,7 @@ from typing import Any, Optional
 import ray
 
 from otray.actors.control.resource_manager import get_or_create
+from otray.placement import threads_env
 from otray.tinker.learner.adapter_learner import AdapterSpec
 from otray.tinker.config import TinkerConfig, load_tinker, quota_of, shares_of
 from otray.tinker.service.session_feeds import SessionFeeds, poll_args
@@ -61,7 +62,7 @@ def start_learners(cfg: TinkerConfig, paths: dict[str, str]) -> dict[str, Any]:
         threads = m.num_threads or max(1, int(m.learner_cpus))
         remote = ray.remote(SharedLearner).options(
             name=f"{NAME}-learner-{m.name}", namespace=NAMESPACE, get_if_exists=True, max_restarts=-1,
-            num_cpus=m.learner_cpus, num_gpus=m.learner_gpus, runtime_env={"env_vars": {"OMP_NUM_THREADS": str(threads)}})
+            num_cpus=m.learner_cpus, num_gpus=m.learner_gpus, **threads_env(threads, m.learner_cpus))
         learners[m.name] = remote.remote(paths[m.name], num_threads=threads, max_model_len=m.max_context_length,
                                          dtype=m.dtype, policy=fair.policy, slice_tokens=fair.slice_tokens,
                                          pass_tokens=fair.pass_tokens, wait_for_followers=fair.wait_for_followers,

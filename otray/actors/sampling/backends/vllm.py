@@ -112,7 +112,7 @@ class VLLMBackend:
             raise ConfigError(f"rollout.sampler={sampler!r} is the HF backend's choice and this worker runs vLLM, "
                               "which compiles its own (rollout.enforce_eager): set rollout.sampler to auto or "
                               "rollout.backend to hf")
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(kv_cache_gb))))
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, int(kv_cache_gb)))  # the setting, not an inherited value
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         from vllm import LLM
 
