@@ -172,7 +172,8 @@ class Merges:
             raise UserError(f"external weights {name!r} exist for {src.model_id}; pick another name or pass "
                             "overwrite: true", 409)
         base = self.base_dir(self.store.run(src.model_id).base_model)
-        release = self.storage.reserve(owner, files_size(base))  # the merged model is about the base's size
+        out = self.store.checkpoint_dir(owner, src.model_id, "external", name)
+        release = self.storage.reserve(owner, out, files_size(base))  # the merged model is about the base's size
         request_id = f"{src.model_id}:merge:{uuid.uuid4().hex[:12]}"
         self.futures.new(request_id, owner, "merge_weights")
         task = asyncio.get_running_loop().create_task(self._run(owner, request_id, src, base, name, ttl))

@@ -13,7 +13,7 @@ import sqlite3
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Collection, Optional
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (model_id TEXT PRIMARY KEY, owner TEXT, base_model TEXT, spec TEXT,
@@ -121,10 +121,12 @@ class Store:
         safe = model_id.replace(":", "_").replace("/", "_")
         return self.root / "checkpoints" / owner / safe / SEGMENT[kind] / name
 
-    def usage(self, owner: str) -> int:
-        """Bytes ``owner`` stores here: checkpoint files (named and ephemeral) and custom losses."""
+    def usage(self, owner: str, skip: Collection[Path] = ()) -> int:
+        """Bytes ``owner`` stores here: checkpoint files (named and ephemeral) and custom losses; files under
+        the directories in ``skip`` (saves and merges in flight, counted by their reservations) left out."""
         top = self.root / "checkpoints" / owner
-        files = sum(f.stat().st_size for f in top.rglob("*") if f.is_file()) if top.is_dir() else 0
+        files = sum(f.stat().st_size for f in top.rglob("*")
+                    if f.is_file() and not any(f.is_relative_to(d) for d in skip)) if top.is_dir() else 0
         return files + self.losses_of(owner)[1]
 
     def prune_ephemeral(self, owner: str, model_id: str, keep: int) -> None:

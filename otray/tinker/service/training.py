@@ -280,14 +280,15 @@ class Training:
         async def run() -> Outcome:
             if self.store.checkpoint(model_id, kind, name) and not overwrite and not ephemeral:
                 raise UserError(f"checkpoint {name!r} exists for {model_id}; pick another name or pass overwrite")
-            release = self.storage.reserve(owner, self.storage.last_size(model_id, kind))
+            release = self.storage.reserve(owner, where, self.storage.last_size(model_id, kind))
             try:
                 return await saved()
             finally:
                 release()
 
+        where = self.store.checkpoint_dir(owner, model_id, kind, name)
+
         async def saved() -> Outcome:
-            where = self.store.checkpoint_dir(owner, model_id, kind, name)
             version = None
             if inflight:
                 version = self.inflight[model_id] = self.inflight.get(model_id, 0) + 1

@@ -1,0 +1,54 @@
+"""The storage quota's ledger (otray.tinker.service.storage) on a real Store in a temporary folder: what saves
+and merges in flight count for. Runs in the test process (in the service, the TinkerService actor)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from otray.tinker.errors import UserError
+from otray.tinker.service.storage import StorageLedger
+from otray.tinker.service.store import Store
+
+MB = 1_000_000
+
+
+def ledger(tmp_path, quota_gb: float) -> StorageLedger:
+    return StorageLedger(Store(tmp_path / "store"), lambda owner: SimpleNamespace(storage_gb=quota_gb))
+
+
+def write(where, nbytes: int, name: str = "model.safetensors") -> None:
+    where.mkdir(parents=True, exist_ok=True)
+    (where / name).write_bytes(b"\0" * nbytes)
+
+
+def test_a_directory_in_flight_counts_once_as_the_larger_of_its_reservation_and_its_files(tmp_path):
+    """Two 3.4 MB merges in a 9 MB quota fit, even while the first is half written (counting its files and
+    its reservation both refused the second: the CI failure that found it); a third does not."""
+    book = ledger(tmp_path, 0.009)
+    first = book.store.checkpoint_dir("carol", "run1", "external", "m0")
+    release = book.reserve("carol", first, int(3.4 * MB))
+    write(first, 3 * MB)  # half written
+    assert book.used("carol") == int(3.4 * MB)
+    second = book.reserve("carol", book.store.checkpoint_dir("carol", "run1", "external", "m1"), int(3.4 * MB))
+    with pytest.raises(UserError, match="quota.storage_gb") as refused:
+        book.reserve("carol", book.store.checkpoint_dir("carol", "run1", "external", "m2"), int(3.4 * MB))
+    assert refused.value.status == 403
+    write(first, 4 * MB)  # past its reservation: the files count
+    assert book.used("carol") == 4 * MB + int(3.4 * MB)
+    release()
+    release()  # once only
+    assert book.used("carol") == 4 * MB + int(3.4 * MB)  # now as stored files
+    second()
+    assert book.used("carol") == 4 * MB and book.reserved == {}
+
+
+def test_other_users_and_stored_files_count_as_before(tmp_path):
+    book = ledger(tmp_path, 1.0)
+    write(book.store.checkpoint_dir("carol", "run1", "training", "s"), 2 * MB)
+    write(book.store.checkpoint_dir("dave", "run2", "training", "s"), 5 * MB)
+    release = book.reserve("dave", book.store.checkpoint_dir("dave", "run2", "training", "t"), MB)
+    assert (book.used("carol"), book.used("dave")) == (2 * MB, 6 * MB)
+    release()
+    assert book.used("dave") == 5 * MB
