@@ -88,6 +88,34 @@ def test_a_turn_is_not_kept_for_a_user_who_is_not_owed_it_or_past_follow_time():
     assert asyncio.run(main(0.01))[:3] == ["bob-fb", "alice", "alice"]  # the follower came too late
 
 
+def test_a_client_looping_steps_keeps_its_turn_across_round_trips_while_owed_it():
+    """bob loops forward_backward and optim_step with a round trip between calls, beside alice's busy
+    clients. While he is owed the turn it is kept for his next loop (its next job came soon last time), so
+    some of his loops run back to back: without that, alice's slice started in every round trip and he got
+    about a third of the learner, not half. Fair shares still hold: alice runs between his loops."""
+    async def main() -> list[str]:
+        queue, ran = FairQueue(follow_s=0.2), []
+
+        async def alice() -> None:
+            await asyncio.gather(*(queue.run("alice", f"a{i}", [step(ran, "alice", 0.02)] * 12) for i in range(3)))
+
+        async def bob() -> None:
+            await asyncio.sleep(0.005)
+            for _ in range(10):
+                await queue.run("bob", "b", [step(ran, "bob-fb", 0.01)], follow=True)
+                await asyncio.sleep(0.005)  # the round trip to the service and back
+                await queue.run("bob", "b", [step(ran, "bob-optim", 0.002)])
+                await asyncio.sleep(0.005)
+
+        await asyncio.gather(alice(), bob())
+        return ran
+
+    ran = asyncio.run(main())
+    span = ran[ran.index("bob-fb"):len(ran) - ran[::-1].index("bob-optim")]
+    back_to_back = sum(a == "bob-optim" and b == "bob-fb" for a, b in zip(span, span[1:]))
+    assert back_to_back >= 3 and span.count("alice") >= 3, span
+
+
 def test_two_busy_users_share_the_learner_by_time_in_proportion_to_weight():
     """alice's steps cost twice bob's: equal time means bob runs twice as often; with weight 2 alice
     gets twice bob's time."""

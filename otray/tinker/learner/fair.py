@@ -11,7 +11,8 @@ start-time fair queueing over users:
   at most ``slice_tokens`` tokens, so a small step waits for one slice of another's work, not all);
 - a client's jobs run in the order they came (the service sends a model's requests in ``seq_id``
   order); its next job is ready the moment the previous one ends, so a pipelined ``optim_step``
-  keeps the turn its ``forward_backward`` had;
+  keeps the turn its ``forward_backward`` had, and a client whose next job usually comes within
+  ``follow_s`` keeps its turn for it while owed it (:meth:`FairQueue._hold`);
 - each user has a virtual clock ``finish``: learner seconds used, divided by its ``weight``; the
   next step is the user's with the earliest ``max(V, finish)`` among those with work, ``V`` the start
   of the last step run (a user idle for a while starts at ``V``: no credit for time it did not ask
@@ -179,8 +180,8 @@ class FairQueue:
                     self._advance(n, mu, c, mjob)
                 if self.first_keys and isinstance(steps[0], Packable):
                     await self._gather([(m[0], m[2]) for m in members if not m[3].steps])
-                elif job.follow and not job.steps and self.pending and self.policy == "fair":
-                    await self._hold(name, client)
+                elif not job.steps and self.pending and self.policy == "fair":
+                    await self._hold(name, client, job.follow)
         except Exception as e:  # a fault of the queue itself: every waiting caller learns it (none hangs)
             self._fail_all(e)
             raise
@@ -275,17 +276,27 @@ class FairQueue:
         if not u.clients and u.finish <= self.vtime:  # nothing to remember: it would start at V anyway
             del self.users[name]
 
-    async def _hold(self, name: str, client: str) -> None:
-        """A job that usually has a follower ended (a forward_backward: the SDK sends its optim_step with
-        it, but the service passes it on only when the forward_backward is done). If that user is owed
-        the next turn over every other user waiting, keep the turn up to ``follow_s`` for the follower
-        to arrive (then the usual choice). Without it a small step lost its turn between its two calls:
-        one more slice of another user's work to wait. A hold that no follower ends is charged to that
-        user as learner time (it kept the learner idle for nothing); one that brought the follower is
-        not (charging it would hand the turn it kept to the others)."""
+    async def _hold(self, name: str, client: str, follow: bool) -> None:
+        """A job of ``client`` ended. If its next job is likely on its way and that user is owed the next turn
+        over every other user waiting, keep the turn for it, then make the usual choice. Likely on its way:
+        ``follow`` (a forward_backward: the SDK sends its optim_step with it, but the service passes it on only
+        when the forward_backward is done), kept up to ``follow_s``; or the client's last next job came
+        within ``follow_s`` of its job's end (a loop of steps), kept up to twice that gap. Without it a small
+        user's step lost its turn at each round trip and waited for a slice of another user's work (the queue
+        gives an idle user no credit): a user looping one-datum steps beside a busy one got ~35% of the
+        learner, not half (``benchmarks/custom_loss_bound.py``). A hold that no job ends is charged to that
+        user as learner time (it kept the learner idle for nothing); one that brought the job is not
+        (charging it would hand the turn it kept to the others)."""
+        if follow:
+            within = self.follow_s
+        else:
+            gap = self.followers.soon([(name, client)], self.follow_s).get((name, client))
+            if gap is None or not self._owed(name):
+                return
+            within = min(self.follow_s, 2 * gap + 0.002)
         t0 = time.monotonic()
         if not await self._wait_for_arrivals(
-                lambda: not self._owed(name) or client in self.users[name].clients, t0 + self.follow_s):
+                lambda: not self._owed(name) or client in self.users[name].clients, t0 + within):
             self.users[name].finish += (time.monotonic() - t0) / self.share(name).weight
 
     async def _await_riders(self, first: tuple[str, _User, str, _Job]) -> None:
