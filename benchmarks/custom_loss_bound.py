@@ -14,7 +14,8 @@ hostile call after another. Phases of ``--seconds`` each, side by side in one ru
 - ``alone_after``: bob alone again (the machine's drift).
 
 Reported: bob's median step and its ratio to alone (the mean of both alone phases; target <= 2x) and to
-beside the benign user, and per phase eve's calls: how many, how long each held (median), how each ended (the limit named).
+beside the benign user, his mean step's ratio (steps that wait and steps that do not alike), the learner seconds
+each user was charged, and per phase eve's calls: how many, how long each held (median), how each ended (the limit named).
 
     python benchmarks/custom_loss_bound.py [--seconds 20]
 
@@ -116,9 +117,14 @@ def run(args: argparse.Namespace, path: str) -> dict[str, Any]:
         stop = threading.Event()
         eve_calls.clear()
         threads = [Stepper(bob_step, stop)] + ([Stepper(eve, stop)] if eve else [])
+        before = ray.get(learner.usage.remote())
         start = run_window(threads, stop, args)
+        after = ray.get(learner.usage.remote())
         steps = [s for t0, s in threads[0].steps if t0 >= start]
-        out: dict[str, Any] = {"bob_median_s": statistics.median(steps), "bob_steps": len(steps)}
+        used = {u: after["seconds"].get(u, 0.0) - before["seconds"].get(u, 0.0) for u in ("bob", "eve")}
+        out: dict[str, Any] = {"bob_median_s": statistics.median(steps), "bob_mean_s": statistics.mean(steps),
+                               "bob_steps": len(steps), "learner_s": used,
+                               "held_s": after["held_s"] - before["held_s"]}
         if eve:
             held = [s for s, _ in eve_calls]
             out.update(eve_calls=len(eve_calls), eve_median_call_s=statistics.median(held) if held else None,
@@ -130,12 +136,15 @@ def run(args: argparse.Namespace, path: str) -> dict[str, Any]:
         rows[name] = phase(eve_step(graph))
     rows["alone_after"] = phase(None)
     alone = (rows["alone"]["bob_median_s"] + rows["alone_after"]["bob_median_s"]) / 2
+    alone_mean = (rows["alone"]["bob_mean_s"] + rows["alone_after"]["bob_mean_s"]) / 2
     for name in ("plain", *graphs):
         r = rows[name]
         r["bob_slowdown"] = r["bob_median_s"] / alone
+        r["bob_mean_slowdown"] = r["bob_mean_s"] / alone_mean
         r["bob_over_plain"] = r["bob_median_s"] / rows["plain"]["bob_median_s"]
         print(f"{name:7}: bob {r['bob_median_s']:.3f} s a step beside eve ({r['bob_slowdown']:.2f}x his "
-              f"{alone:.3f} s alone, {r['bob_over_plain']:.2f}x beside a plain busy eve); eve {r['eve_calls']} "
+              f"{alone:.3f} s alone, {r['bob_over_plain']:.2f}x beside a plain busy eve; mean {r['bob_mean_slowdown']:.2f}x); "
+              f"learner s bob {r['learner_s']['bob']:.1f} eve {r['learner_s']['eve']:.1f}; eve {r['eve_calls']} "
               f"calls, median {r['eve_median_call_s'] or 0:.2f} s, ended {r['eve_ended']}", flush=True)
     ray.kill(learner)
     return {"args": vars(args), "rows": rows, "bob_alone_s": alone, "target": {"bob_slowdown_max": 2.0}}
