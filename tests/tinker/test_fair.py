@@ -234,7 +234,7 @@ def test_clients_looping_a_step_and_its_optimizer_step_share_every_pass():
     assert run((OPTIM,)).packed["fb"]["calls"] <= 15  # 72 steps in 12 passes, after the first one or two
     for first_keys in ((), (OPTIM,)):
         slow = run(first_keys, slow=True)
-        assert slow.packed["fb"]["steps"] == 84 and slow.held < 0.3, (slow.packed, slow.held)  # no 50 ms waits
+        assert slow.packed["fb"]["steps"] == 84 and slow.followers.held < 0.3, (slow.packed, slow.followers.held)  # no 50 ms waits
 
 
 def test_withdrawn_jobs_fail_at_once_and_never_run():

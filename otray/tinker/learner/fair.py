@@ -99,7 +99,6 @@ class FairQueue:
         self.passes: list[int] = []  # steps per shared call, the latest 1,000 (tests)
         self.shared = {"calls": 0, "steps": 0}  # shared calls and the steps they held, since the start
         self.packed: dict[str, dict[str, int]] = {}  # by pack key: packable calls (one step or more) and their steps
-        self.arrived = asyncio.Event()  # set by every new job (a held turn waits for one)
         self.users: dict[str, _User] = {}
         self.vtime = 0.0
         self.arrivals = itertools.count()
@@ -107,7 +106,6 @@ class FairQueue:
         self.pending = 0  # jobs not finished
         self.used: dict[str, float] = {}  # learner seconds per user
         self.steps: dict[str, int] = {}  # steps run per user
-        self.held = 0.0  # seconds the learner was kept for a follower (:meth:`_hold`)
 
     def share(self, user: str) -> Share:
         return self.shares.get(user, Share())
@@ -118,8 +116,7 @@ class FairQueue:
         the client's next job is likely on its way (see :meth:`_hold`)."""
         job = _Job(deque(steps), asyncio.get_running_loop().create_future(), next(self.arrivals), follow)
         self.users.setdefault(user, _User()).clients.setdefault(client, deque()).append(job)
-        self.followers.arrived(user, client, _head(steps))
-        self.arrived.set()
+        self.followers.arrived(user, client, _head(steps))  # also wakes a held turn (Followers.wait)
         self.pending += 1
         if not self.busy:
             self.busy = True
@@ -287,15 +284,11 @@ class FairQueue:
         learner, not half (``benchmarks/custom_loss_bound.py``). A hold that no job ends is charged to that
         user as learner time (it kept the learner idle for nothing); one that brought the job is not
         (charging it would hand the turn it kept to the others)."""
-        if follow:
-            within = self.follow_s
-        else:
-            gap = self.followers.soon([(name, client)], self.follow_s).get((name, client))
-            if gap is None or not self._owed(name):
-                return
-            within = min(self.follow_s, 2 * gap + 0.002)
+        within = self.follow_s if follow else self.followers.window(name, client, self.follow_s)
+        if within is None or not (follow or self._owed(name)):
+            return
         t0 = time.monotonic()
-        if not await self._wait_for_arrivals(
+        if not await self.followers.wait(
                 lambda: not self._owed(name) or client in self.users[name].clients, t0 + within):
             self.users[name].finish += (time.monotonic() - t0) / self.share(name).weight
 
@@ -310,7 +303,7 @@ class FairQueue:
         due = self.followers.riders((head.key, head.tokens), self.pass_tokens - head.tokens, self.follow_s,  # (a queued one: no wait)
                                     lambda nc: self.share(nc[0]).priority == self.share(first[0]).priority)
         if due:
-            await self._wait_for_arrivals(lambda: all(queued(n, c) for n, c in due), max(due.values()))
+            await self.followers.wait(lambda: all(queued(n, c) for n, c in due), max(due.values()))
 
     async def _gather(self, clients: list[tuple[str, str]]) -> None:
         """After a shared call: wait for the next jobs of those ``clients`` (user, client) whose next job came
@@ -325,27 +318,12 @@ class FairQueue:
         def missing() -> list[tuple[str, str]]:
             return [(n, c) for n, c in soon if n not in self.users or c not in self.users[n].clients]
 
-        if not await self._wait_for_arrivals(lambda: not missing(),
+        if not await self.followers.wait(lambda: not missing(),
                                              t0 + min(self.follow_s, 2 * max(soon.values()) + 0.002)):
             late = missing()
             for n, _ in late:
                 if n in self.users:
                     self.users[n].finish += (time.monotonic() - t0) / len(late) / self.share(n).weight
-
-    async def _wait_for_arrivals(self, done: Callable[[], bool], deadline: float) -> bool:
-        """Wait until ``done()`` (checked again at each job's arrival) or the monotonic ``deadline``, whichever
-        comes first: whether ``done()`` came true. The learner is idle meanwhile: the time counts in ``held``."""
-        t0 = time.monotonic()
-        try:
-            while not done():
-                self.arrived.clear()
-                try:
-                    await asyncio.wait_for(self.arrived.wait(), deadline - time.monotonic())
-                except asyncio.TimeoutError:
-                    return False
-            return True
-        finally:
-            self.held += time.monotonic() - t0
 
     def _owed(self, name: str) -> bool:
         """``name`` would be chosen next over every other user with work waiting."""

@@ -6,6 +6,7 @@ Runs in the SharedLearner actor of one base model."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import deque
 from typing import Callable, Hashable, Optional, Sequence
@@ -13,9 +14,12 @@ from typing import Callable, Hashable, Optional, Sequence
 
 class Followers:
     """How soon each client's next job follows its last (from one job's end to the next one's arrival): the
-    clients a shared call waits for (:meth:`FairQueue._gather`)."""
+    clients a shared call waits for (:meth:`FairQueue._gather`), how long a turn is kept for a client's next
+    job (:meth:`window`), and the learner's waits for jobs to arrive (:meth:`wait`)."""
 
     def __init__(self) -> None:
+        self.event = asyncio.Event()  # set by every new job (a held turn waits for one: :meth:`wait`)
+        self.held = 0.0  # seconds the learner was kept idle waiting for jobs (:meth:`wait`)
         self.ended: dict[tuple[str, str], float] = {}  # (user, client) -> when its last job ended
         self.gap: dict[tuple[str, str], float] = {}  # (user, client) -> the seconds its last next job took to come
         self.heads: dict[tuple[str, str], deque] = {}  # (user, client) -> its last two jobs' (key, tokens)
@@ -26,6 +30,28 @@ class Followers:
         if end is not None:
             self.gap[(user, client)] = time.monotonic() - end
         self.heads.setdefault((user, client), deque(maxlen=2)).append(head)
+        self.event.set()
+
+    async def wait(self, done: Callable[[], bool], deadline: float) -> bool:
+        """Wait until ``done()`` (checked again at each job's arrival) or the monotonic ``deadline``, whichever
+        comes first: whether ``done()`` came true. The learner is idle meanwhile: the time counts in ``held``."""
+        t0 = time.monotonic()
+        try:
+            while not done():
+                self.event.clear()
+                try:
+                    await asyncio.wait_for(self.event.wait(), deadline - time.monotonic())
+                except asyncio.TimeoutError:
+                    return False
+            return True
+        finally:
+            self.held += time.monotonic() - t0
+
+    def window(self, user: str, client: str, within: float) -> Optional[float]:
+        """How long to keep a turn for ``client``'s next job: up to twice the gap its last one came after (and
+        ``within``); None when that gap was longer than ``within`` (or there was none yet)."""
+        gap = self.gap.get((user, client))
+        return None if gap is None or gap > within else min(within, 2 * gap + 0.002)
 
     def riders(self, head: tuple[Hashable, int], room: int, within: float,
                can_ride: Callable[[tuple[str, str]], bool]) -> dict[tuple[str, str], float]:

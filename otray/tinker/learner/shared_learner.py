@@ -85,7 +85,7 @@ class SharedLearner:
     def usage(self) -> dict[str, Any]:
         """Learner seconds and steps by user since the actor started, the seconds turns were kept for a
         follower (:meth:`FairQueue._hold`), shared calls, and packable calls and their steps by pack key."""
-        return {"seconds": dict(self.queue.used), "steps": dict(self.queue.steps), "held_s": self.queue.held,
+        return {"seconds": dict(self.queue.used), "steps": dict(self.queue.steps), "held_s": self.queue.followers.held,
                 "shared": dict(self.queue.shared), "packed": {k: dict(v) for k, v in self.queue.packed.items()}}
 
     async def adapters(self) -> list[str]:
