@@ -43,7 +43,7 @@ import torch
 from otray.tinker.service.catalog import Catalog
 from otray.tinker.service.futures import Futures, Outcome, settle
 from otray.tinker.service.runs import check_name
-from otray.tinker.service.storage import StorageLedger, files_size
+from otray.tinker.service.storage import PARTIAL, StorageLedger, files_size
 from otray.tinker.service.store import Checkpoint, Store
 from otray.tinker.errors import UserError
 from otray.tinker.wire.requests import MergeWeights
@@ -113,7 +113,7 @@ def merge_lora(base_dir: Path, adapter_dir: Path, out: Path) -> dict[str, Any]:
     if missing:
         raise UserError(f"the base model has no weight for the adapter's modules {missing[:4]}: the checkpoint "
                         "was trained on another base")
-    tmp = out.with_name(out.name + f".partial-{time.time_ns()}")
+    tmp = out.with_name(out.name + f"{PARTIAL}{time.time_ns()}")
     tmp.mkdir(parents=True)
     try:
         for shard, names in shards.items():

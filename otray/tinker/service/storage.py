@@ -5,8 +5,8 @@ A save or merge reserves its expected size for the directory it writes when it s
 (:meth:`StorageLedger.reserve`) and releases it once its files are written (they then count as themselves),
 so concurrent ones cannot together pass the quota that each alone was checked against (15 concurrent merges
 ended 48% over it when the size was only charged after). While it is in flight its directory counts as the
-larger of its reservation and what is written there so far, never both (counting both refused a merge beside
-another that was half written: CI, session 45). Expected sizes: a merge, its base model's files; a save,
+larger of its reservation and what is written there so far (a merge writes a sibling ``<name>.partial-*`` first,
+:data:`PARTIAL`), never both (counting both refused a merge beside another that was half written: CI, session 45). Expected sizes: a merge, its base model's files; a save,
 that run's last checkpoint of the same kind (0 for its first).
 
 Runs in the TinkerService actor (one event loop: a check and its reservation happen with no await between)."""
@@ -20,6 +20,14 @@ from otray.tinker.errors import UserError
 from otray.tinker.service.store import Store
 
 
+PARTIAL = ".partial-"  # a directory written under ``<name>.partial-<ns>``, then renamed to ``<name>`` (merges)
+
+
+def in_flight(where: Path) -> list[Path]:
+    """The directories a save or merge into ``where`` writes: ``where`` and its partial siblings."""
+    return [where, *where.parent.glob(where.name + PARTIAL + "*")] if where.parent.is_dir() else [where]
+
+
 class StorageLedger:
     def __init__(self, store: Store, quotas: Callable[[str], Any]):
         self.store, self.quotas = store, quotas  # quotas: user -> their TinkerQuota
@@ -30,7 +38,9 @@ class StorageLedger:
         flight: dict[Path, int] = {}
         for where, nbytes in self.reserved.get(owner, ()):
             flight[where] = flight.get(where, 0) + nbytes
-        return self.store.usage(owner, skip=list(flight)) + sum(max(n, tree_size(d)) for d, n in flight.items())
+        dirs = {d: in_flight(d) for d in flight}
+        return self.store.usage(owner, skip=[p for ps in dirs.values() for p in ps]) + \
+            sum(max(n, sum(tree_size(p) for p in dirs[d])) for d, n in flight.items())
 
     def room(self, owner: str, adding: int = 0) -> None:
         """Refuse (a 403 naming the quota) while ``owner``'s stored bytes and reservations take their quota,
