@@ -95,6 +95,7 @@ class FairQueue:
         self.pack, self.pass_tokens = pack, pass_tokens  # shared passes (fair policy only); 0 tokens: none
         self.first_keys = frozenset(first_keys) if pack is not None and pass_tokens > 0 and policy == "fair" else frozenset()
         self.followers = Followers()
+        self.hold_due: dict[str, float] = {}  # user -> seconds of a hold its job ended, charged with that job's step
         self.running: set[int] = set()  # ids of the jobs whose step is on the learner now
         self.passes: list[int] = []  # steps per shared call, the latest 1,000 (tests)
         self.shared = {"calls": 0, "steps": 0}  # shared calls and the steps they held, since the start
@@ -163,7 +164,7 @@ class FairQueue:
                 self.running.clear()
                 for (n, mu, c, mjob), outcome, t in zip(members, outcomes, tokens):
                     share = spent * t / sum(tokens)  # a shared pass is charged by tokens
-                    mu.finish = max(self.vtime, mu.finish) + share / self.share(n).weight
+                    mu.finish = max(self.vtime, mu.finish) + (share + self.hold_due.pop(n, 0.0)) / self.share(n).weight
                     self.used[n] = self.used.get(n, 0.0) + share
                     self.steps[n] = self.steps.get(n, 0) + 1
                     if mjob.steps:  # not withdrawn meanwhile
@@ -281,16 +282,20 @@ class FairQueue:
         within ``follow_s`` of its job's end (a loop of steps), kept up to twice that gap. Without it a small
         user's step lost its turn at each round trip and waited for a slice of another user's work (the queue
         gives an idle user no credit): a user looping one-datum steps beside a busy one got ~35% of the
-        learner, not half (``benchmarks/custom_loss_bound.py``). A hold that no job ends is charged to that
-        user as learner time (it kept the learner idle for nothing); one that brought the job is not
-        (charging it would hand the turn it kept to the others)."""
+        learner, not half (``benchmarks/custom_loss_bound.py``). A hold is charged to that user as learner time
+        (the learner was idle for it): at once when no job came, else with that job's step (charged at once,
+        it would hand the turn it kept to the others). Uncharged, a user looping one-datum steps beside a busy
+        one took the held time on top of its half (the busy user kept 44% of its rate, the learner idle 12%)."""
         within = self.follow_s if follow else self.followers.window(name, client, self.follow_s)
         if within is None or not (follow or self._owed(name)):
             return
         t0 = time.monotonic()
-        if not await self.followers.wait(
-                lambda: not self._owed(name) or client in self.users[name].clients, t0 + within):
-            self.users[name].finish += (time.monotonic() - t0) / self.share(name).weight
+        await self.followers.wait(lambda: not self._owed(name) or client in self.users[name].clients, t0 + within)
+        waited, u = time.monotonic() - t0, self.users.get(name)
+        if u is not None and client in u.clients:
+            self.hold_due[name] = self.hold_due.get(name, 0.0) + waited
+        elif u is not None:
+            u.finish += waited / self.share(name).weight
 
     async def _await_riders(self, first: tuple[str, _User, str, _Job]) -> None:
         """Before a shared pass, wait for the due clients whose next step would ride in it (:meth:`Followers.riders`):
