@@ -279,13 +279,11 @@ class FairQueue:
         over every other user waiting, keep the turn for it, then make the usual choice. Likely on its way:
         ``follow`` (a forward_backward: the SDK sends its optim_step with it, but the service passes it on only
         when the forward_backward is done), kept up to ``follow_s``; or the client's last next job came
-        within ``follow_s`` of its job's end (a loop of steps), kept up to twice that gap. Without it a small
-        user's step lost its turn at each round trip and waited for a slice of another user's work (the queue
-        gives an idle user no credit): a user looping one-datum steps beside a busy one got ~35% of the
-        learner, not half (``benchmarks/custom_loss_bound.py``). A hold is charged to that user as learner time
-        (the learner was idle for it): at once when no job came, else with that job's step (charged at once,
-        it would hand the turn it kept to the others). Uncharged, a user looping one-datum steps beside a busy
-        one took the held time on top of its half (the busy user kept 44% of its rate, the learner idle 12%)."""
+        within ``follow_s`` of its job's end (a loop of steps), kept up to twice that gap. Without it a user
+        looping steps lost its turn at each round trip (an idle user gets no credit): ~35% of the learner beside
+        a busy one, not half (``benchmarks/custom_loss_bound.py``). A hold is charged to that user as learner time
+        (the learner was idle for it): at once when no job came, else with that job's step (at once, it would
+        hand the kept turn to the others). Uncharged, a looping user took it on top of its half (busy: 44%)."""
         within = self.follow_s if follow else self.followers.window(name, client, self.follow_s)
         if within is None or not (follow or self._owed(name)):
             return
