@@ -158,6 +158,33 @@ def test_a_failing_step_ends_its_job_with_the_error_and_the_queue_goes_on():
     assert asyncio.run(main()) == ["bad", "bob", "bob"]
 
 
+def test_a_job_that_fails_early_is_charged_the_steps_it_will_not_run():
+    """eve sends 4-step jobs whose first step fails and sends the next at once; bob is busy with steps of the
+    same length. eve is charged the three steps she asked for and did not run, so bob runs about four steps
+    for each of her attempts (one each if a failing job cost only the step that ran)."""
+    async def main() -> list[str]:
+        queue, ran = FairQueue(), []
+
+        async def fails() -> None:
+            ran.append("eve")
+            await asyncio.sleep(0.01)
+            raise ValueError("past a limit")
+
+        async def eve() -> None:
+            for _ in range(4):
+                with pytest.raises(ValueError, match="past a limit"):
+                    await queue.run("eve", "e", [fails] + [step(ran, "never", 0.01)] * 3)
+
+        await asyncio.gather(queue.run("bob", "b", [step(ran, "bob", 0.01)] * 24), eve())
+        return ran
+
+    ran = asyncio.run(main())
+    assert "never" not in ran and ran.count("eve") == 4, ran
+    attempts = [i for i, who in enumerate(ran) if who == "eve"]
+    between = [b - a - 1 for a, b in zip(attempts, attempts[1:])]
+    assert min(between) >= 3, ran
+
+
 def test_slices_cut_a_request_at_the_token_budget_and_keep_a_long_datum_whole():
     assert slices([10, 10, 10, 10], 25) == [range(0, 2), range(2, 4)]
     assert slices([30, 5, 5], 25) == [range(0, 1), range(1, 3)]

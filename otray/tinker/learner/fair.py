@@ -20,7 +20,8 @@ start-time fair queueing over users:
   work (strict; weights within a level); a user's clients take turns, a step each.
 
 Seconds are measured around each step, whatever it does (a slice, an optimizer step, a checkpoint,
-a sample). ``policy: fifo`` runs jobs whole in arrival order (the behaviour before this module, kept
+a sample); a job that fails is also charged the steps it will not run, at the failed step's price (failing
+early makes a large call no cheaper). ``policy: fifo`` runs jobs whole in arrival order (the behaviour before this module, kept
 as the baseline ``benchmarks/tinker_fairness.py`` measures against).
 
 Shared passes: a :class:`Packable` step (a forward_backward slice, an optimizer step) can share one
@@ -169,7 +170,8 @@ class FairQueue:
                     self.steps[n] = self.steps.get(n, 0) + 1
                     if mjob.steps:  # not withdrawn meanwhile
                         mjob.steps.popleft()
-                    if isinstance(outcome, BaseException):
+                    if isinstance(outcome, BaseException):  # the steps it asked for and will not run: charged
+                        mu.finish += _unrun(mjob.steps, share, spent / sum(tokens)) / self.share(n).weight
                         mjob.steps.clear()
                         if not mjob.done.done():
                             mjob.done.set_exception(outcome)
@@ -336,6 +338,16 @@ class FairQueue:
             return False
         tag = (-self.share(name).priority, max(self.vtime, mine.finish))
         return all(tag <= (-self.share(n).priority, max(self.vtime, u.finish)) for n, u in others)
+
+
+def _unrun(steps: Sequence[Union[Step, Packable]], step_s: float, token_s: float) -> float:
+    """The learner seconds a failed job's ``steps`` (those it will not run) would have taken, at the failed
+    step's price: ``token_s`` a token for a packable step, ``step_s`` for any other. A failed job is charged
+    them, so failing early makes a request no cheaper than it asked to be: a user whose large calls fail at
+    their first slice (a custom loss stopped by a limit) took a turn per slice, each call sent, deserialized
+    and queued in the learner's process, and held another user looping beside it at 2.25x his time alone
+    (``benchmarks/custom_loss_bound.py``, issue 54)."""
+    return sum(s.tokens * token_s if isinstance(s, Packable) else step_s for s in steps)
 
 
 def _head(steps: Sequence[Union[Step, Packable]]) -> Optional[tuple[Hashable, int]]:
