@@ -154,7 +154,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                     "past_limit_failed_naming_both": limit["state"] == "FAILED"
                     and "earlier failure 1 (healed by a restart)" in (limit["error"] or "")}}
     print(f"held-out {100 * (calm['final_heldout'] or 0):.1f}% undisturbed, {100 * (chaos['final_heldout'] or 0):.1f}% "
-          f"with {len(chaos['recoveries'])} restarts and {chaos['workers_replaced']} workers replaced; time {result['time_ratio']:.2f}x; steps run again {lost}; "
+          f"after {len(chaos['recoveries'])} recoveries ({chaos['workers_replaced']} a rollout worker replaced, the rest "
+          f"restarts); time {result['time_ratio']:.2f}x; steps run again {lost}; "
           f"duplicates {result['duplicate_rows']}; leaked placement groups {len(leaked)}", flush=True)
     print("targets: " + ", ".join(f"{k} {'met' if v else 'NOT met'}" for k, v in result["targets"].items()))
     save(result, args.out)

@@ -3,7 +3,8 @@
 Runs in the job driver (``JobDriver``), inside :class:`~otray.actors.job.runtime.PolicyRuntime`. A worker that
 died is dropped by its :class:`~otray.actors.sampling.fleet.RolloutFleet`; the replacer makes a new worker in
 the dead one's placement-group bundle, gives it the learner's current weights (checked against their
-checksum) and puts it in the fleet's slot, at most ``job.max_failures`` times in a job. It keeps what it did
+checksum) and the dead one's RNG state after its last generate call (a share it lost is then drawn as it would
+have been), and puts it in the fleet's slot, at most ``job.max_failures`` times in a job. It keeps what it did
 for the driver: lines for the next health check (replacements made inside a generate call) and, for the
 next step's ``recovery/workers`` row, why each worker was replaced.
 """
@@ -61,6 +62,8 @@ class WorkerReplacer:
             try:  # the learner's weights now (the worker checks them against their checksum)
                 wait_ready([worker])
                 ray.get(worker.update_weights.remote(self.learner.weights.remote(self.weight_sync, self.dtype)))
+                if i in self.fleet.rng:  # the dead one's RNG state after its last share (RolloutFleet.keep_rng)
+                    ray.get(worker.set_rng_state.remote(self.fleet.rng[i]))
             except Exception as e:  # noqa: BLE001 - the others go on sampling its share
                 ray.kill(worker)
                 lines.append(f"{who} {i} could not be replaced ({type(e).__name__}: {e})")

@@ -223,6 +223,7 @@ class PolicyRuntime:
             return
         self.replacer = WorkerReplacer(self.name, factory, limit, self.fleet, self.learner, self.first_bundle,
                                        self.prefix, self.weight_sync, self.info.dtype)
+        self.fleet.keep_rng = True
         if mid_step:
             self.fleet.refill = self._refill
 
@@ -290,6 +291,7 @@ class PolicyRuntime:
             states = torch.load(saved, weights_only=False)
             if len(states) == len(self.fleet.live):
                 ray.get([self.fleet.workers[i].set_rng_state.remote(st) for i, st in zip(self.fleet.live, states)])
+                self.fleet.rng.update(zip(self.fleet.live, states))
         return meta
 
 

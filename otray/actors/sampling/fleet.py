@@ -35,6 +35,10 @@ class RolloutFleet:
         # called when a generate call has lost every worker: True when it made some live again (the job's
         # PolicyRuntime replaces dead workers in their bundles); None: the call fails
         self.refill: Callable[[], bool] | None = None
+        # with keep_rng (a job that replaces dead workers): each worker's RNG state after its last generate call,
+        # which its replacement starts from, so it samples what the dead one would have (:meth:`generate`)
+        self.keep_rng = False
+        self.rng: dict[int, Any] = {}
 
     @property
     def live(self) -> list[int]:
@@ -79,7 +83,10 @@ class RolloutFleet:
     def generate(self, prompts: list[list[int]], params: SamplingParams, n: int = 1,
                  images: list[Any] | None = None) -> list[GenerateResult]:
         """Split ``prompts`` (and their ``images``, a vision-language model's) over live workers; a failed
-        share is re-run on the others."""
+        share is re-run on the others. With ``keep_rng``, each worker's RNG state after its share is kept
+        (one more actor call, queued behind the share): a fleet that lost its last worker re-runs the share on
+        a replacement started from the dead one's state, and so draws what it would have (``benchmarks/chaos.py``:
+        without it, a replaced worker's fresh RNG made the healed demo end 5.4 points from the undisturbed run)."""
         import ray
 
         results: list[GenerateResult | None] = [None] * len(prompts)
@@ -95,14 +102,18 @@ class RolloutFleet:
             refs = {w: self.workers[w].generate.remote([prompts[j] for j in idx], params, n,
                                                        [images[j] for j in idx] if images else None)
                     for w, idx in shares.items() if idx}
+            after = {w: self.workers[w].rng_state.remote() for w in refs} if self.keep_rng else {}
             pending = []
             for w, ref in refs.items():
                 try:
                     for j, r in zip(shares[w], ray.get(ref)):
                         results[j] = r
+                    if w in after:
+                        self.rng[w] = ray.get(after[w])
                 except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
                     self._drop(w, e)
-                    pending.extend(shares[w])
+                    if any(results[j] is None for j in shares[w]):  # (not when it died after its share)
+                        pending.extend(shares[w])
         return results  # type: ignore[return-value]
 
     def ask(self, call: Callable[[Any], Any]) -> dict[int, Any]:

@@ -326,9 +326,15 @@ def test_a_dead_rollout_worker_is_replaced_in_its_bundle_up_to_max_failures(ray_
             and "Error: " in row[K.RECOVERY_WORKERS], row
         assert ray_local.get(fleet.workers[1].policy_version.remote()) == job.main.version  # the weights it was given
         assert ray_local.get(fleet.workers[1].busy_s.remote()) > 0  # it sampled its share of the step
+        # what worker 0 would draw next, from its RNG state after its last share (kept by the fleet)
+        params, dead = SamplingParams(max_tokens=8, ignore_eos=True), fleet.workers[0]
+        would = [[s.token_ids for s in r.samples] for r in ray_local.get(dead.generate.remote([[1, 2, 3]] * 4, params))]
+        ray_local.get(dead.set_rng_state.remote(fleet.rng[0]))  # back to that state
         kill(fleet.workers[0]), kill(fleet.workers[1])  # every worker lost under a generate call
-        out = fleet.generate([[1, 2, 3]] * 4, SamplingParams(max_tokens=2))
+        out = fleet.generate([[1, 2, 3]] * 4, params)
         assert len(out) == 4 and fleet.live == [0], fleet.dead  # one replaced (the limit), then sampled all
+        # drawn from the dead worker's state, not a fresh one (the lost shares [0, 2] and [1, 3], in that order)
+        assert [[s.token_ids for s in out[j].samples] for j in (0, 2, 1, 3)] == would
         row = job.rl_step()
         assert row[K.WORKERS_REPLACED] == 2 and fleet.live == [0] and "rollout worker 0 replaced" in row[K.RECOVERY_WORKERS]
         assert any("rollout worker 1 not replaced (2 replaced already" in line for line in lines), lines
