@@ -185,6 +185,30 @@ def test_a_job_that_fails_early_is_charged_the_steps_it_will_not_run():
     assert min(between) >= 3, ran
 
 
+def test_a_shared_call_that_fails_as_a_whole_charges_no_unrun_steps():
+    """A shared call fails for all its steps with one error (the pass's, not a user's): each user is charged the
+    call's seconds, not also the steps its job will not run."""
+    from otray.tinker.learner.fair import Packable
+
+    async def pack(works: list[str]) -> list:
+        await asyncio.sleep(0.02)
+        if "bad" in works[0]:
+            raise RuntimeError("the pass failed")
+        return [f"{w} done" for w in works]
+
+    async def main() -> dict[str, float]:
+        queue = FairQueue(pack=pack, pass_tokens=1000)
+        jobs = [asyncio.ensure_future(queue.run(u, u, [Packable("fb", 10, f"bad {u}")] + [Packable("fb", 10, u)] * 9))
+                for u in ("alice", "bob")]
+        for j in jobs:
+            with pytest.raises(RuntimeError, match="the pass failed"):
+                await j
+        return {n: u.finish for n, u in queue.users.items()}
+
+    finish = asyncio.run(main())  # each charged half the call's 0.02 s; its nine unrun steps would add ~0.09
+    assert set(finish) == {"alice", "bob"} and all(f < 0.05 for f in finish.values()), finish
+
+
 def test_slices_cut_a_request_at_the_token_budget_and_keep_a_long_datum_whole():
     assert slices([10, 10, 10, 10], 25) == [range(0, 2), range(2, 4)]
     assert slices([30, 5, 5], 25) == [range(0, 1), range(1, 3)]

@@ -170,8 +170,9 @@ class FairQueue:
                     self.steps[n] = self.steps.get(n, 0) + 1
                     if mjob.steps:  # not withdrawn meanwhile
                         mjob.steps.popleft()
-                    if isinstance(outcome, BaseException):  # the steps it asked for and will not run: charged
-                        mu.finish += _unrun(mjob.steps, share, spent / sum(tokens)) / self.share(n).weight
+                    if isinstance(outcome, BaseException):  # the steps it asked for and will not run: charged,
+                        if sum(o is outcome for o in outcomes) == 1:  # unless the failure is the shared call's
+                            mu.finish += _unrun(mjob.steps, share, spent / sum(tokens)) / self.share(n).weight
                         mjob.steps.clear()
                         if not mjob.done.done():
                             mjob.done.set_exception(outcome)
@@ -343,7 +344,8 @@ class FairQueue:
 def _unrun(steps: Sequence[Union[Step, Packable]], step_s: float, token_s: float) -> float:
     """The learner seconds a failed job's ``steps`` (those it will not run) would have taken, at the failed
     step's price: ``token_s`` a token for a packable step, ``step_s`` for any other. A failed job is charged
-    them, so failing early makes a request no cheaper than it asked to be: a user whose large calls fail at
+    them (not when its step failed with every other of a shared call, one error for all: the call's failure, not
+    its user's), so failing early makes a request no cheaper than it asked to be: a user whose large calls fail at
     their first slice (a custom loss stopped by a limit) took a turn per slice, each call sent, deserialized
     and queued in the learner's process, and held another user looping beside it at 2.25x his time alone
     (``benchmarks/custom_loss_bound.py``, issue 54)."""
