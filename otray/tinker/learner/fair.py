@@ -170,8 +170,8 @@ class FairQueue:
                     self.steps[n] = self.steps.get(n, 0) + 1
                     if mjob.steps:  # not withdrawn meanwhile
                         mjob.steps.popleft()
-                    if isinstance(outcome, BaseException):  # the steps it asked for and will not run: charged,
-                        if sum(o is outcome for o in outcomes) == 1:  # unless the failure is the shared call's
+                    if isinstance(outcome, BaseException):  # its unrun steps charged, unless the call failed as a whole
+                        if sum(o is outcome for o in outcomes) == 1:
                             mu.finish += _unrun(mjob.steps, share, spent / sum(tokens)) / self.share(n).weight
                         mjob.steps.clear()
                         if not mjob.done.done():
@@ -278,15 +278,12 @@ class FairQueue:
             del self.users[name]
 
     async def _hold(self, name: str, client: str, follow: bool) -> None:
-        """A job of ``client`` ended. If its next job is likely on its way and that user is owed the next turn
-        over every other user waiting, keep the turn for it, then make the usual choice. Likely on its way:
-        ``follow`` (a forward_backward: the SDK sends its optim_step with it, but the service passes it on only
-        when the forward_backward is done), kept up to ``follow_s``; or the client's last next job came
-        within ``follow_s`` of its job's end (a loop of steps), kept up to twice that gap. Without it a user
-        looping steps lost its turn at each round trip (an idle user gets no credit): ~35% of the learner beside
-        a busy one, not half (``benchmarks/custom_loss_bound.py``). A hold is charged to that user as learner time
-        (the learner was idle for it): at once when no job came, else with that job's step (at once, it would
-        hand the kept turn to the others). Uncharged, a looping user took it on top of its half (busy: 44%)."""
+        """A job of ``client`` ended. If its next job is likely on its way (``follow``: a forward_backward's
+        optim_step, kept up to ``follow_s``; or its last next job came within ``follow_s``, a loop of steps, kept up
+        to twice that gap) and that user is owed the next turn, keep the turn for it. Without it a looping user
+        lost its turn at each round trip: ~35% of the learner beside a busy one, not half (``custom_loss_bound.py``).
+        A hold is charged to that user as learner time: at once when no job came, else with that job's step
+        (uncharged, a looping user took it on top of its half: busy alice 44%)."""
         within = self.follow_s if follow else self.followers.window(name, client, self.follow_s)
         if within is None or not (follow or self._owed(name)):
             return
