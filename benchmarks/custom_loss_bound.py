@@ -73,7 +73,7 @@ def run(args: argparse.Namespace, path: str) -> dict[str, Any]:
 
     from otray.models import load_tokenizer
     from otray.tinker.config import TinkerScheduling
-    from otray.tinker.learner.adapter_learner import AdamStep, AdapterSpec
+    from otray.tinker.learner.specs import AdamStep, AdapterSpec
     from otray.tinker.learner.loss_graph import parse_graph
     from otray.tinker.learner.shared_learner import SharedLearner
     from otray.tinker.wire.requests import GraphUpload

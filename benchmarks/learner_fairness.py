@@ -32,7 +32,7 @@ from benchmarks.tinker_fairness import arguments, phases, summarize  # noqa: E40
 def client_step(learner: Any, user: str, adapter: str, data: list) -> Callable[[], None]:
     import ray
 
-    from otray.tinker.learner.adapter_learner import AdamStep
+    from otray.tinker.learner.specs import AdamStep
 
     def step() -> None:
         ray.get(learner.forward_backward.remote(user, adapter, data, "cross_entropy"))
@@ -45,7 +45,7 @@ def run_policy(policy: str, args, path: str) -> dict[str, Any]:
     import ray
 
     from otray.models import load_tokenizer
-    from otray.tinker.learner.adapter_learner import AdapterSpec
+    from otray.tinker.learner.specs import AdapterSpec
     from otray.tinker.learner.shared_learner import SharedLearner
     from otray.types import Datum
 

@@ -48,7 +48,8 @@ def data(tok, n: int, seed: int) -> list[tuple[list[int], list[int]]]:
 def in_process(path: str, args, pairs, prompts) -> dict[str, list[float]]:
     import torch
 
-    from otray.tinker.learner.adapter_learner import AdamStep, AdapterLearner, AdapterSpec
+    from otray.tinker.learner.adapter_learner import AdapterLearner
+    from otray.tinker.learner.specs import AdamStep, AdapterSpec
     from otray.tinker.learner.sample_jobs import SampleJob
     from otray.types import Datum, SamplingParams
 

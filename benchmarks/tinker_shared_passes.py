@@ -63,7 +63,7 @@ def learner_rates(args, path: str, done_row: Callable[[dict[str, Any]], None]) -
 
     from otray.models import load_tokenizer
     from otray.tinker.config import TinkerScheduling
-    from otray.tinker.learner.adapter_learner import AdamStep, AdapterSpec
+    from otray.tinker.learner.specs import AdamStep, AdapterSpec
     from otray.tinker.learner.shared_learner import SharedLearner
     from otray.types import Datum
 
@@ -133,8 +133,9 @@ def kernels(args, path: str) -> dict[str, Any]:
 
     from benchmarks.op_count import ComputeOps
     from otray.models import load_tokenizer
-    from otray.tinker.learner.adapter_learner import AdamStep, AdapterLearner, AdapterSpec
-    from otray.tinker.learner.shared_pass import PassRequest
+    from otray.tinker.learner.adapter_learner import AdapterLearner
+    from otray.tinker.learner.specs import AdamStep, AdapterSpec
+    from otray.tinker.learner.passes import PassRequest
     from otray.types import Datum
 
     ids = load_tokenizer(path).encode(TEXT)

@@ -51,7 +51,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     import torch
 
     from otray.models import load_tokenizer, resolve_model_path
-    from otray.tinker.learner.adapter_learner import AdamStep, AdapterLearner, AdapterSpec
+    from otray.tinker.learner.adapter_learner import AdapterLearner
+    from otray.tinker.learner.specs import AdamStep, AdapterSpec
     from otray.types import Datum
 
     path = resolve_model_path("tiny" if args.shape == "tiny" else f"tiny-{args.shape}", ROOT / ".cache" / "models")

@@ -17,6 +17,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Ray's log monitor globs the log folder every 0.1 s while it holds under this many files, else every 0.5 s:
+# the suite's clusters (every one its tests start inherits this) take the slower pace (~1% of a core each)
+os.environ.setdefault("RAY_LOG_MONITOR_MANY_FILES_THRESHOLD", "0")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -266,6 +269,19 @@ def no_resource_manager_left_behind(request):
     kill_resource_manager()
     pytest.fail(f"{request.module.__name__} left a ResourceManager running: kill it in the test's teardown "
                 "(tests.conftest.kill_resource_manager), or the next module's get_or_create hands it out")
+
+
+def heavy_imports_of(*modules: str) -> list[str]:
+    """Which of torch, vllm and transformers a fresh interpreter has imported after importing ``modules``:
+    for modules that processes other than the learner and the workers import (each heavy import costs a
+    process seconds of CPU as it starts)."""
+    import subprocess
+    import sys
+
+    code = (f"import sys; import {', '.join(modules)};"
+            " print(','.join(m for m in ('torch', 'vllm', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    return [m for m in out.stdout.strip().split(",") if m]
 
 
 def tinker_service(ray_local, tmp: Path, port: int, tiny_path: str, **overrides):

@@ -209,7 +209,8 @@ def test_a_server_side_custom_loss_on_cuda_matches_the_cpu_and_a_bad_index_spare
 
     import numpy as np
 
-    from otray.tinker.learner.adapter_learner import AdapterLearner, AdapterSpec
+    from otray.tinker.learner.adapter_learner import AdapterLearner
+    from otray.tinker.learner.specs import AdapterSpec
     from otray.tinker.learner.loss_graph import parse_graph
     from otray.tinker.errors import UserError
     from otray.tinker.wire.requests import GraphUpload

@@ -48,7 +48,8 @@ def saved_adapter(store: Path, state_path: str) -> dict[str, np.ndarray]:
 
 def reference(tiny_path: str, steps: list[list], seed: int) -> dict[str, np.ndarray]:
     """An in-process AdapterLearner that never died, trained on the same steps."""
-    from otray.tinker.learner.adapter_learner import AdamStep, AdapterLearner, AdapterSpec
+    from otray.tinker.learner.adapter_learner import AdapterLearner
+    from otray.tinker.learner.specs import AdamStep, AdapterSpec
 
     ref = AdapterLearner(tiny_path)
     ref.create("ref", AdapterSpec(4, seed))
@@ -152,7 +153,7 @@ def test_a_replay_log_is_bounded_even_without_optim_steps(tmp_path):
     """Past the bound, the next optim_step asks for a restore point; a client that only sends
     forward_backward calls (a gradient pending, so no restore point can be saved) has its log dropped at
     twice the bound, with the reason a later death will give: the service's memory stays bounded."""
-    from otray.tinker.learner.adapter_learner import AdamStep, AdapterSpec
+    from otray.tinker.learner.specs import AdamStep, AdapterSpec
     from otray.tinker.service.healing import Healing, Pass, Step
     from otray.types import Datum
 

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from otray.tinker.learner.adapter_learner import SAMPLER_CACHE, AdamStep, AdapterLearner, AdapterSpec
+from otray.tinker.learner.adapter_learner import SAMPLER_CACHE, AdapterLearner
+from otray.tinker.learner.specs import AdamStep, AdapterSpec
 from otray.tinker.learner.sample_jobs import SampleJob
 from otray.tinker.learner.prompt_scores import Scoring
 from otray.types import Datum, SamplingParams
@@ -68,7 +69,8 @@ def test_the_base_samples_after_every_client_dropped_its_adapter(tiny_path):
     """The last training client leaving (its session closed) leaves the learner with no adapter; the
     base model still samples, the same tokens as before any adapter existed (PEFT kept the deleted
     adapter's name active, and base sampling failed with a KeyError for every other user)."""
-    from otray.tinker.learner.adapter_learner import AdapterLearner, AdapterSpec
+    from otray.tinker.learner.adapter_learner import AdapterLearner
+    from otray.tinker.learner.specs import AdapterSpec
     from otray.tinker.learner.sample_jobs import SampleJob
     from otray.types import SamplingParams
 

@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from benchmarks.op_count import ComputeOps
-from otray.tinker.learner.adapter_learner import AdamStep, AdapterLearner, AdapterSpec
-from otray.tinker.learner.shared_pass import PassRequest
+from otray.tinker.learner.adapter_learner import AdapterLearner
+from otray.tinker.learner.specs import AdamStep, AdapterSpec
+from otray.tinker.learner.passes import PassRequest
 from otray.types import Datum
 
 SPECS = {"r8": AdapterSpec(8, seed=0), "r32": AdapterSpec(32, seed=1, train_mlp=False),

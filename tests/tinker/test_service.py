@@ -47,7 +47,8 @@ def adapter_file(store: Path, model_id: str, name: str) -> dict[str, np.ndarray]
 
 def reference(tiny_path: str, steps: list[list], rank: int, seed: int, lr: float):
     """An in-process AdapterLearner trained on ``steps`` (one forward_backward call per step)."""
-    from otray.tinker.learner.adapter_learner import AdamStep, AdapterLearner, AdapterSpec
+    from otray.tinker.learner.adapter_learner import AdapterLearner
+    from otray.tinker.learner.specs import AdamStep, AdapterSpec
 
     ref = AdapterLearner(tiny_path)
     ref.create("ref", AdapterSpec(rank, seed))
@@ -601,3 +602,12 @@ def test_a_service_restart_keeps_every_finished_checkpoint(svc, tokenizer, ray_l
     assert lease(ray_local, svc["alice"], again.model_id).state == "RUNNING"
     sc.close("success").result()
     assert lease(ray_local, svc["alice"], again.model_id).state == "SUCCEEDED"
+
+
+def test_the_service_and_its_serve_replicas_start_without_importing_torch():
+    """The TinkerService and the Serve replicas only pass adapters' specs and requests on; each of their
+    processes would otherwise spend seconds of CPU importing torch (and vLLM) before its first call."""
+    from tests.conftest import heavy_imports_of
+
+    assert heavy_imports_of("otray.tinker.service.tinker_service", "otray.tinker.gateway.app",
+                            "otray.tinker.gateway.oai") == []

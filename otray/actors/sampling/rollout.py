@@ -15,7 +15,6 @@ from typing import Any
 
 from otray.placement import current_node_id
 from otray.actors.sampling.backends.base import Backend
-from otray.actors.sampling.device_transport import device_id, verify, verify_held
 from otray.actors.sampling.transport import Receiver
 from otray.timing import BusyClock
 from otray.device import resolve_device, rng_state, set_rng_state
@@ -60,6 +59,10 @@ class RolloutWorker:
         return True
 
     def info(self) -> WorkerInfo:
+        # (device_transport imports torch: imported where used, so that a process holding only a worker's
+        # handle, such as a game's coordinator, does not import torch to unpickle it)
+        from otray.actors.sampling.device_transport import device_id
+
         return WorkerInfo(self.backend.name, self.backend.max_model_len, tuple(self.backend.stop_token_ids),
                           self.version, current_node_id(), sampler=getattr(self.backend, "sampler", self.backend.name),
                           compile_s=getattr(self.backend, "compile_s", 0.0),
@@ -87,6 +90,8 @@ class RolloutWorker:
             return self._update_weights(update)
 
     def _update_weights(self, update: WeightUpdate) -> int:
+        from otray.actors.sampling.device_transport import verify, verify_held
+
         if update.kind not in ("full", "lora"):
             raise ValueError(f"unknown weight update kind {update.kind!r} (expected 'full' or 'lora')")
         tensors = self.receiver.tensors(update)

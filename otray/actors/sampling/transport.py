@@ -23,7 +23,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-from otray.actors.sampling.device_transport import DevicePublisher, DeviceReceiver, checksum
 from otray.placement import current_node_id
 from otray.types import ConfigError, DeviceTensors, SharedTensors, WeightUpdate
 
@@ -150,6 +149,8 @@ class Publisher:
     """The learner's side of every transport: shared-memory files and the device buffer."""
 
     def __init__(self, device: str = "cpu"):
+        from otray.actors.sampling.device_transport import DevicePublisher
+
         self.shared = SharedFiles()
         self.device = DevicePublisher(device)
 
@@ -161,6 +162,8 @@ class Publisher:
         (PEFT keeps adapters in float32 over a bf16 base, and they are small). Shared memory that is full
         sends this update through the object store instead (and says so)."""
         import torch
+
+        from otray.actors.sampling.device_transport import checksum
 
         target = getattr(torch, dtype) if dtype and kind == "full" else None
         tensors = {k: v.detach().to(target) if target is not None and v.is_floating_point() else v.detach()
@@ -183,6 +186,10 @@ class Receiver:
     """A worker's side of every transport: an update's tensors, wherever they travelled."""
 
     def __init__(self, device: str = "cpu"):
+        # device_transport (torch) is imported by the learner and worker that use it, not by every process
+        # that holds a worker's handle (a game's coordinator, the job driver)
+        from otray.actors.sampling.device_transport import DeviceReceiver
+
         self.device = DeviceReceiver(device)
 
     def tensors(self, update: WeightUpdate) -> dict[str, Any]:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import random
 import shutil
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Optional
 
@@ -38,44 +38,16 @@ from otray.tinker.learner.fused_adamw import fused_adamw_steps
 from otray.tinker.learner.mixed_lora import RowRouting
 from otray.tinker.learner.sample_jobs import SampleJob, SampleOut, scores_of
 from otray.tinker.learner.sampler_slots import SamplerSlots
-from otray.tinker.learner.shared_pass import PassRequest, PassResult, SharedPass, batch_loss
+from otray.tinker.learner.specs import AdamStep, AdapterSpec
+from otray.tinker.learner.passes import PassRequest, PassResult
+from otray.tinker.learner.shared_pass import SharedPass, batch_loss
 from otray.tinker.learner.prompt_scores import Scoring
 from otray.actors.learner.core import adamw_step, in_order, new_adamw, plan_micro_batches
 from otray.device import resolve_device, resolve_dtype
 from otray.models import load_model, load_tokenizer
 from otray.types import Datum
 
-ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
-MLP = ("gate_proj", "up_proj", "down_proj")
 SAMPLER_CACHE = 4  # sampler checkpoints kept loaded as adapters
-
-
-@dataclass(frozen=True)
-class AdapterSpec:
-    """A training client's LoRA: Tinker's ``LoraConfig`` plus the scale (alpha) this service uses."""
-
-    rank: int
-    seed: Optional[int] = None
-    train_mlp: bool = True
-    train_attn: bool = True
-    train_unembed: bool = True
-    alpha: float = 32.0
-
-    def target_modules(self) -> list[str]:
-        return [*(ATTN if self.train_attn else ()), *(MLP if self.train_mlp else ()),
-                *(("lm_head",) if self.train_unembed else ())]
-
-
-@dataclass(frozen=True)
-class AdamStep:
-    """Tinker's ``AdamParams``: ``grad_clip_norm`` 0 means no clipping."""
-
-    learning_rate: float = 1e-4
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-12
-    weight_decay: float = 0.0
-    grad_clip_norm: float = 0.0
 
 
 class AdapterLearner:

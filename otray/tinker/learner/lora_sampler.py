@@ -24,7 +24,7 @@ import os
 from pathlib import Path
 from typing import Any, Optional
 
-from otray.tinker.learner.adapter_learner import AdapterSpec
+from otray.tinker.learner.specs import AdapterSpec
 from otray.tinker.learner.sample_jobs import SampleJob, SampleOut, checkpoint_version
 
 # the projections vLLM can put LoRA on (its error names these when given others)

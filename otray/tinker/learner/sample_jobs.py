@@ -10,13 +10,13 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
-import torch
-
-from otray.actors.learner.core import position_log_softmax
 from otray.tinker.learner.prompt_scores import PromptScores, Scoring, Targets, score
 from otray.types import Datum, Sample, SamplingParams
+
+if TYPE_CHECKING:  # the TinkerService builds jobs without torch; the learner's scores_of needs it
+    import torch
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,8 @@ def checkpoint_version(path: str) -> Optional[int]:
 def scores_of(model: Any, job: SampleJob, i: int, samples: list[list[int]], device: str) -> PromptScores:
     """Prompt ``i`` of ``job``'s scores, from the learner's own forward pass (its images, its masked
     vision tokens), as :mod:`otray.tinker.learner.prompt_scores` describes."""
+    from otray.actors.learner.core import position_log_softmax
+
     images = tuple(job.images[i]) if job.images else ()
 
     def position_logprobs(tokens: list[int]) -> torch.Tensor:

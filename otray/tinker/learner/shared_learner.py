@@ -32,9 +32,9 @@ from typing import Any, Callable, Optional
 from otray.tinker.config import Share
 from otray.tinker.errors import UserError
 from otray.tinker.learner.fair import FairQueue, Packable, slices
-from otray.tinker.learner.adapter_learner import AdamStep, AdapterLearner, AdapterSpec
+from otray.tinker.learner.specs import AdamStep, AdapterSpec
 from otray.tinker.learner.sample_jobs import SampleJob, SampleOut
-from otray.tinker.learner.shared_pass import PassNotRun, PassRequest, PassResult
+from otray.tinker.learner.passes import PassNotRun, PassRequest, PassResult
 from otray.tinker.learner.loss_graph import LossGraph
 from otray.tinker.learner.loss_run import GraphClock, add_sums
 from otray.types import Datum
@@ -63,6 +63,9 @@ class SharedLearner:
     def __init__(self, model_path: str, *, policy: str = "fair", slice_tokens: int = 0, follow_s: float = 0.05,
                  shares: Optional[dict[str, Share]] = None, pass_tokens: int = 0, wait_for_followers: bool = False,
                  **learner: Any):
+        # imported here, in the actor: the TinkerService that creates it then does without torch
+        from otray.tinker.learner.adapter_learner import AdapterLearner
+
         self.learner = AdapterLearner(model_path, **learner)
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="learner")  # the model is used by one thread
         self.queue = FairQueue(shares, policy, follow_s, self._pack, pass_tokens,

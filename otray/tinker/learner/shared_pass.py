@@ -1,6 +1,6 @@
 """One forward(_backward) pass over several clients' requests, each row through its own LoRA adapter.
 
-A :class:`PassRequest` is one client's slice of work (adapter, datums, loss); :class:`SharedPass` runs a
+A :class:`~otray.tinker.learner.passes.PassRequest` is one client's slice of work (adapter, datums, loss); :class:`SharedPass` runs a
 list of them on the :class:`~otray.tinker.learner.adapter_learner.AdapterLearner`'s model: rows planned
 into micro-batches, grouped by adapter (:func:`~otray.tinker.learner.mixed_lora.row_order`), one routed
 forward (:class:`~otray.tinker.learner.mixed_lora.RowRouting`), each request's own loss (:func:`rows_loss`),
@@ -24,47 +24,8 @@ from otray.tinker.errors import AdapterGone
 from otray.tinker.learner.loss_graph import LossGraph
 from otray.tinker.learner.loss_run import add_sums, surrogate
 from otray.tinker.learner.mixed_lora import RowRouting, groups_of, row_order
+from otray.tinker.learner.passes import PassNotRun, PassRequest, PassResult
 from otray.types import Datum
-
-
-@dataclass
-class PassResult:
-    """One forward(_backward) call: per datum, each target token's logprob and loss; the loss sum."""
-
-    logprobs: list[list[float]]
-    losses: list[list[float]]
-    loss_sum: float
-    metric_sums: dict[str, float] = field(default_factory=dict)  # a custom loss's metrics, summed over datums
-
-
-class PassNotRun(Exception):
-    """A shared pass failed before it added any gradient (its cause chained): its requests can be run
-    again one by one."""
-
-
-@dataclass(frozen=True)
-class PassRequest:
-    """One client's forward(_backward) work for a pass: its adapter, datums and loss (``graph``: a checked
-    custom loss). Requests of one :meth:`pack_key` can share a pass."""
-
-    adapter: str
-    datums: list[Datum]
-    loss_fn: str
-    loss_fn_config: Optional[dict[str, float]] = None
-    backward: bool = True
-    graph: Optional[LossGraph] = None
-
-    def tokens(self) -> int:
-        """What the request is charged as in a shared pass: its tokens, and a custom loss's estimate per datum."""
-        return sum(len(d) for d in self.datums) + (self.graph.datum_cost * len(self.datums) if self.graph else 0)
-
-    def pack_key(self) -> Optional[tuple]:
-        """Requests with equal keys can share a pass: the same gradient mode and the same kind of targets
-        (one target a position, or K). None: runs alone (images: a vision tower's rows are not the batch's)."""
-        if any(d.images for d in self.datums):
-            return None
-        first = self.datums[0].target_k
-        return self.backward, (len(first[0]) if first else None)
 
 
 def rows_loss(lp: torch.Tensor, valid: torch.Tensor, batch: list[Datum], device: str, loss_fn: str,

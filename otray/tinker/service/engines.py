@@ -21,7 +21,7 @@ from typing import Any, Optional
 
 import ray
 
-from otray.tinker.learner.adapter_learner import AdapterSpec
+from otray.tinker.learner.specs import AdapterSpec
 from otray.tinker.learner.lora_sampler import LoraSampler, checkpoint_spec, serves
 from otray.placement import threads_env
 from otray.tinker.config import TinkerModel
@@ -34,9 +34,9 @@ class VllmSamplers:
     def __init__(self, models: dict[str, TinkerModel], paths: dict[str, str], name_prefix: str, namespace: str):
         from otray.actors.sampling.backends.vllm import vllm_available
 
-        available = vllm_available()
+        # (vLLM is imported to check it only where auto would use it: importing it costs seconds)
         self.models = {n: m for n, m in models.items() if m.sampler.engine == "vllm"
-                       or (m.sampler.engine == "auto" and available and m.sampler.gpus > 0)}
+                       or (m.sampler.engine == "auto" and m.sampler.gpus > 0 and vllm_available())}
         self.paths = paths
         self.prefix, self.namespace = name_prefix, namespace
         self.starting: dict[str, asyncio.Future] = {}

@@ -28,7 +28,7 @@ from typing import Any, Awaitable, Callable, Optional, Union
 import ray
 
 from otray.tinker.errors import AdapterGone
-from otray.tinker.learner.adapter_learner import AdamStep, AdapterSpec
+from otray.tinker.learner.specs import AdamStep, AdapterSpec
 from otray.tinker.learner.loss_graph import LossGraph
 from otray.tinker.service.runs import cause
 from otray.tinker.service.store import link_tree

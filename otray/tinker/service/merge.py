@@ -36,9 +36,10 @@ import urllib.error
 import urllib.request
 import uuid
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
-import torch
+if TYPE_CHECKING:  # torch is imported by safetensors.torch when a merge runs, not with the service
+    import torch
 
 from otray.tinker.service.catalog import Catalog
 from otray.tinker.service.futures import Futures, Outcome, settle

@@ -29,7 +29,7 @@ import ray
 
 from otray.actors.control.resource_manager import get_or_create
 from otray.placement import threads_env
-from otray.tinker.learner.adapter_learner import AdapterSpec
+from otray.tinker.learner.specs import AdapterSpec
 from otray.tinker.config import TinkerConfig, load_tinker, quota_of, shares_of
 from otray.tinker.service.session_feeds import SessionFeeds, poll_args
 from otray.tinker.service.sessions import Sessions

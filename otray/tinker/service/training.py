@@ -18,7 +18,7 @@ from dataclasses import asdict
 from typing import Any, Awaitable, Callable, Optional
 
 from otray.records import JobState
-from otray.tinker.learner.adapter_learner import AdamStep, AdapterSpec
+from otray.tinker.learner.specs import AdamStep, AdapterSpec
 from otray.tinker.service import external as X
 from otray.tinker.service import runs as R
 from otray.tinker.service.catalog import Catalog

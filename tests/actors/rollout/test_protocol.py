@@ -332,3 +332,11 @@ def test_rotated_seatings_train_every_role_once():
     assert [[s[r] for r in roles] for s in rotated] == [[me, rnd, rnd], [rnd, me, rnd], [rnd, rnd, me]]
     assert len(seatings({"a": me, "b": me, "c": me}, roles, rotate=True)) == 1  # self-play: one seating
     assert seatings({"a": me, "b": rnd, "c": rnd}, roles, rotate=False) == [{"a": me, "b": rnd, "c": rnd}]
+
+
+def test_a_coordinator_holding_workers_handles_imports_no_torch():
+    """A game's ProtocolCoordinator holds its rollout workers' handles, and unpickling one imports the
+    worker's module: that module leaves torch to the worker's own methods (seconds of CPU per game job)."""
+    from tests.conftest import heavy_imports_of
+
+    assert heavy_imports_of("otray.actors.rollout.protocol", "otray.actors.sampling.rollout") == []
