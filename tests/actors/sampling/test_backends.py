@@ -50,6 +50,11 @@ def _assert_logprobs_match(worker, learner, prompts):
 
 
 def test_generate_shapes_and_logprobs(worker, prompts):
+    if worker.backend.name == "vllm":  # on the CPU the engine runs here: no engine or worker process spawned,
+        import psutil  # each of which would import torch and vLLM again
+
+        spawned = [" ".join(p.cmdline()) for p in psutil.Process().children(recursive=True)]
+        assert not [c for c in spawned if "multiprocessing" in c], spawned
     results = worker.generate(prompts, SamplingParams(max_tokens=8, temperature=1.0, seed=1), n=4)
     assert len(results) == 2
     for r in results:
@@ -155,9 +160,10 @@ def test_chosen_logprobs_hold_one_step_and_equal_the_raw_log_softmax():
 
 
 def test_vllm_engine_settings_follow_the_device():
-    """dtype ``auto`` and eager mode resolved where the engine runs: here (no GPU) float32 and eager;
-    an explicit choice is kept."""
+    """dtype ``auto`` and eager mode resolved where the engine runs: here (no GPU) float32 and eager,
+    the engine in the caller's process; an explicit choice is kept."""
     from otray.actors.sampling.backends.vllm import engine_settings
 
-    assert engine_settings("auto", None) == {"dtype": "float32", "enforce_eager": True}
-    assert engine_settings("bfloat16", False) == {"dtype": "bfloat16", "enforce_eager": False}
+    assert engine_settings("auto", None) == {"dtype": "float32", "enforce_eager": True, "in_process": True}
+    assert engine_settings("bfloat16", False) == {"dtype": "bfloat16", "enforce_eager": False, "in_process": True}
+
