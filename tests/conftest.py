@@ -20,6 +20,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Ray's log monitor globs the log folder every 0.1 s while it holds under this many files, else every 0.5 s:
 # the suite's clusters (every one its tests start inherits this) take the slower pace (~1% of a core each)
 os.environ.setdefault("RAY_LOG_MONITOR_MANY_FILES_THRESHOLD", "0")
+# names this pytest run (its xdist workers inherit it, and so does every process its tests start): the clusters
+# it may judge as left behind are its own, never a demo's or a benchmark's running beside it
+os.environ.setdefault("OTRAY_PYTEST_RUN", str(os.getpid()))
 
 
 def pytest_collection_modifyitems(config, items):
@@ -202,16 +205,18 @@ def _ray_cluster_processes() -> dict[int, str]:
     """PID -> command of the root processes (GCS servers, raylets) of the Ray clusters this pytest process's
     tests started: under pytest-xdist (`make test`'s first stage) a cluster started by the other worker's test
     is not this worker's to judge (their environments name different ``PYTEST_XDIST_WORKER``s, which the
-    cluster's processes inherit from whoever started them, a subprocess's included)."""
+    cluster's processes inherit from whoever started them, a subprocess's included), nor one that another
+    program started (no ``OTRAY_PYTEST_RUN`` of this run: a benchmark beside a test run lost its clusters so)."""
     import psutil
 
-    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    worker, run = os.environ.get("PYTEST_XDIST_WORKER"), os.environ["OTRAY_PYTEST_RUN"]
     out = {}
     for p in psutil.process_iter(["pid", "name", "cmdline"]):
         cmd = " ".join(p.info["cmdline"] or [])
         if p.info["name"] in ("gcs_server", "raylet") or "/ray/gcs/gcs_server" in cmd or "/raylet/raylet" in cmd:
             try:
-                if p.environ().get("PYTEST_XDIST_WORKER") != worker:
+                env = p.environ()
+                if env.get("PYTEST_XDIST_WORKER") != worker or env.get("OTRAY_PYTEST_RUN") != run:
                     continue
             except (psutil.Error, OSError):  # gone meanwhile, or not readable: not this worker's to kill
                 continue
@@ -284,6 +289,12 @@ def heavy_imports_of(*modules: str) -> list[str]:
     return [m for m in out.stdout.strip().split(",") if m]
 
 
+# Ray Serve's one HTTP port in this pytest process (each xdist worker has its own local Ray, and so its own
+# Serve): the tinker and serve test modules all use it, so Serve is started once per worker, not once per module
+# (a module's apps are deleted when it ends; Serve's controller and proxy stay for the next module)
+SERVE_PORT = 8020 + 10 * int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+
+
 def tinker_service(ray_local, tmp: Path, port: int, tiny_path: str, **overrides):
     """Start ``otray tinker`` on ``port`` with auth on and users alice, bob and carol (made by alice, an admin).
 
@@ -305,8 +316,11 @@ def tinker_service(ray_local, tmp: Path, port: int, tiny_path: str, **overrides)
     run(load_tinker({"port": port, "storage": str(tmp / "store"), "long_poll_s": 5, "models": models, **overrides}))
 
     def stop() -> None:
+        from otray.tinker.gateway.app import APP_NAME
+
         close_tinker_clients()  # before the server goes: their sessions end cleanly
-        serve.shutdown()
+        for app in (APP_NAME, f"{APP_NAME}-openai"):  # Serve itself stays up for the next module (SERVE_PORT)
+            serve.delete(app)
         try:
             ray_local.kill(ray_local.get_actor(NAME, namespace=NAMESPACE))
         except ValueError:

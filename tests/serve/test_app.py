@@ -6,10 +6,10 @@ import time
 from pathlib import Path
 
 import pytest
-from tests.conftest import fresh_resource_manager, kill_resource_manager
+from tests.conftest import SERVE_PORT, fresh_resource_manager, kill_resource_manager
 
 from tests.conftest import ROOT  # noqa: E402 (the repository root)
-PORT = 8461
+PORT = SERVE_PORT  # (tests/conftest.py: Serve is started once per pytest process)
 
 
 def _post(path, body, key=None, raw=None):
@@ -29,7 +29,7 @@ def served(ray_local, tmp_path_factory, tiny_path):
 
     from otray import config
     from otray.serve import config as serve_config
-    from otray.serve.app import run
+    from otray.serve.app import APP_NAME, run
 
     tmp = tmp_path_factory.mktemp("serve")
     rm = fresh_resource_manager(tmp / "registry.db", auth_enabled=True)
@@ -48,7 +48,7 @@ def served(ray_local, tmp_path_factory, tiny_path):
                              "models": [{"name": "tiny", "path": tiny_path, "max_loaded_checkpoints": 1}]})
     run(cfg)
     yield {"alice": alice, "bob": bob, "job": job_id}
-    serve.shutdown()
+    serve.delete(APP_NAME)  # Serve stays up for the next module (tests/conftest.py SERVE_PORT)
     kill_resource_manager()
 
 

@@ -11,7 +11,9 @@ import pytest
 from envs.shapes import draw, scene
 from otray.types import SamplingParams
 
-PORT = 8462
+from tests.conftest import SERVE_PORT
+
+PORT = SERVE_PORT  # (tests/conftest.py: Serve is started once per pytest process)
 QUESTION = "How many shapes are in the picture?"
 
 
@@ -21,7 +23,7 @@ def vl_served(ray_local, tiny_path):
 
     from otray.models import resolve_model_path
     from otray.serve import config as serve_config
-    from otray.serve.app import run
+    from otray.serve.app import APP_NAME, run
     from tests.conftest import ROOT
 
     vl_path = resolve_model_path("tiny-vl", ROOT / ".cache" / "models")
@@ -32,7 +34,7 @@ def vl_served(ray_local, tiny_path):
 
     deploy()
     yield {"path": vl_path, "deploy": deploy}
-    serve.shutdown()
+    serve.delete(APP_NAME)  # Serve stays up for the next module (tests/conftest.py SERVE_PORT)
 
 
 def _client():

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.conftest import tinker_service
+from tests.conftest import SERVE_PORT, tinker_service
 
 pytest.importorskip("tinker")
 pytest.importorskip("tinker_cookbook")
@@ -35,7 +35,7 @@ from tinker_cookbook.supervised.data import FromConversationFileBuilder  # noqa:
 from tinker_cookbook.supervised.types import ChatDatasetBuilderCommonConfig  # noqa: E402
 from tinker_cookbook.tokenizer_utils import get_tokenizer, register_tokenizer  # noqa: E402
 
-PORT = 8022
+PORT = SERVE_PORT  # (tests/conftest.py: Serve is started once per pytest process)
 URL = f"http://127.0.0.1:{PORT}"
 BASE = "Qwen/Qwen3-8B"
 RENDERER = "role_colon"

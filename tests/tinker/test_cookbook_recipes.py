@@ -27,12 +27,12 @@ from pathlib import Path
 import pytest
 
 from envs.shapes import draw, scene
-from tests.conftest import tinker_service
+from tests.conftest import SERVE_PORT, tinker_service
 
 pytest.importorskip("tinker_cookbook")
 datasets = pytest.importorskip("datasets")
 
-PORT = 8033
+PORT = SERVE_PORT  # (tests/conftest.py: Serve is started once per pytest process)
 URL = f"http://127.0.0.1:{PORT}"
 VL, TEXT = "Qwen/Qwen3-VL-30B-A3B-Instruct", "Qwen/Qwen3-8B"
 CLASSES = ["one", "two", "three", "four"]

@@ -12,12 +12,12 @@ import time
 import numpy as np
 import pytest
 
-from tests.conftest import ROOT, tinker_service
+from tests.conftest import ROOT, SERVE_PORT, tinker_service
 
 tinker = pytest.importorskip("tinker")
 from tinker import types  # noqa: E402
 
-PORT = 8031
+PORT = SERVE_PORT  # (tests/conftest.py: Serve is started once per pytest process)
 URL = f"http://127.0.0.1:{PORT}"
 STUDENT, TEACHER = "Qwen/Qwen3-8B", "Qwen/Qwen3-32B"  # the tiny model with seeds 0 and 1
 PROMPTS = [[5, 17, 42, 9, 33], [8, 101, 7, 250, 3, 60], [12, 12, 40, 77]]

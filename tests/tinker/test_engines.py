@@ -11,13 +11,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.conftest import ROOT, tinker_service
+from tests.conftest import ROOT, SERVE_PORT, tinker_service
 from tests.fixtures.tinker_data import problems, sft
 
 tinker = pytest.importorskip("tinker")
 from tinker import types  # noqa: E402
 
-PORT = 8023
+PORT = SERVE_PORT  # (tests/conftest.py: Serve is started once per pytest process)
 URL = f"http://127.0.0.1:{PORT}"
 BASE = "Qwen/Qwen3-8B"
 CALL = 4  # samples per vLLM call at most (sample_call_max_samples), taken in turns over users

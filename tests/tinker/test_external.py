@@ -15,14 +15,14 @@ import numpy as np
 import pytest
 import torch
 
-from tests.conftest import tinker_fixture
+from tests.conftest import SERVE_PORT, tinker_fixture
 from tests.fixtures.tinker_data import problems, sft
 
 tinker = pytest.importorskip("tinker")
 pyrage = pytest.importorskip("pyrage")
 from tinker import types  # noqa: E402
 
-PORT = 8032
+PORT = SERVE_PORT  # (tests/conftest.py: Serve is started once per pytest process)
 URL = f"http://127.0.0.1:{PORT}"
 BASE = "Qwen/Qwen3-8B"
 

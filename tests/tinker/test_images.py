@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from envs.shapes import draw, scene
-from tests.conftest import tinker_service
+from tests.conftest import SERVE_PORT, tinker_service
 
 tinker = pytest.importorskip("tinker")
 from tinker import types  # noqa: E402
 
-PORT = 8029
+PORT = SERVE_PORT  # (tests/conftest.py: Serve is started once per pytest process)
 URL = f"http://127.0.0.1:{PORT}"
 VL, TEXT = "otray/tiny-vl", "Qwen/Qwen3-8B"
 

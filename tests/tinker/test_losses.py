@@ -13,14 +13,14 @@ import time
 import numpy as np
 import pytest
 
-from tests.conftest import tinker_fixture
+from tests.conftest import SERVE_PORT, tinker_fixture
 from tests.fixtures.tinker_data import learner_logprobs, problems, sft
 
 torch = pytest.importorskip("torch")
 tinker = pytest.importorskip("tinker")
 from tinker import types  # noqa: E402
 
-PORT = 8027
+PORT = SERVE_PORT  # (tests/conftest.py: Serve is started once per pytest process)
 URL = f"http://127.0.0.1:{PORT}"
 BASE = "Qwen/Qwen3-8B"
 

@@ -16,13 +16,13 @@ import httpx
 import numpy as np
 import pytest
 
-from tests.conftest import tinker_fixture
+from tests.conftest import SERVE_PORT, tinker_fixture
 from tests.fixtures.tinker_data import problems, sft, to_otray
 
 tinker = pytest.importorskip("tinker")
 from tinker import types  # noqa: E402
 
-PORT = 8021
+PORT = SERVE_PORT  # (tests/conftest.py: Serve is started once per pytest process)
 URL = f"http://127.0.0.1:{PORT}"
 CHUNK = 3  # datums per forward_backward request: an 8-datum call goes out as 3 parallel chunks
 SLICE = 16  # tokens per learner call (scheduling.slice_tokens): a 3-datum chunk of ~8-token datums is 2 slices

@@ -12,9 +12,9 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import tinker_fixture
+from tests.conftest import SERVE_PORT, tinker_fixture
 
-PORT = 8026
+PORT = SERVE_PORT  # (tests/conftest.py: Serve is started once per pytest process)
 URL = f"http://127.0.0.1:{PORT}/api/v1"
 BASE = "Qwen/Qwen3-8B"
 
