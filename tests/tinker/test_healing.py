@@ -1,7 +1,7 @@
 """A learner that dies under its training clients (issue 54): the service rebuilds every live model on
 the new learner from its restore point and replay log (otray/tinker/service/healing.py), so the
 client goes on with the official SDK and ends with the adapter it would have had. Its own
-``otray tinker`` (port 8034) with a replay log bound of 4 KB, so a restore point is saved every other
+``otray tinker`` (on the suite's Serve) with a replay log bound of 4 KB, so a restore point is saved every other
 step and healing uses both (a saved restore point, then the calls since)."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Leases that end with their clients: a client whose heartbeats stop, a learner that dies (healing
-off; with it on, tests/tinker/test_healing.py), a service that dies. Its own ``otray tinker`` (port
-8026) with a 10 s session timeout, driven over raw HTTP (the SDK heartbeats every 10 s, so its sessions
+off; with it on, tests/tinker/test_healing.py), a service that dies. Its own ``otray tinker`` (on the
+suite's Serve) with a 10 s session timeout, driven over raw HTTP (the SDK heartbeats every 10 s, so its sessions
 could expire here)."""
 
 from __future__ import annotations
