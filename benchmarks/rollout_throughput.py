@@ -9,10 +9,14 @@ tokens/s:
   the same per-token logprobs the worker returns (logprobs=0 / output_logits).
 - worker: ``RolloutWorker.generate`` through a Ray actor with the same CPUs.
 
-Prints the worker/direct ratio per (size, backend) and which backend wins at
-each size; saves ``benchmarks/results/rollout_throughput.json``.
+For vLLM the worker runs its engine in its own process on the CPU (``engine_settings``' ``in_process``);
+``worker_engine_process`` is the same worker with vLLM's own engine and worker processes
+(``VLLM_ENABLE_V1_MULTIPROCESSING=1``), measured beside it: ``in_process_over_engine_process``.
 
-    python benchmarks/rollout_throughput.py [--sizes tiny,100m] [--tokens 32] [--repeats 3]
+Prints the worker/direct ratio per (size, backend) and which backend wins at
+each size; saves ``benchmarks/results/rollout_throughput.json`` (or ``--out``).
+
+    python benchmarks/rollout_throughput.py [--sizes tiny,100m] [--tokens 32] [--repeats 3] [--out JSON]
 """
 
 from __future__ import annotations
@@ -85,13 +89,15 @@ def direct_vllm(path: str, prompts: list[list[int]], n_tokens: int):
     return run, llm.llm_engine.engine_core.shutdown
 
 
-def via_worker(path: str, backend: str, prompts: list[list[int]], n_tokens: int, cpus: int):
+def via_worker(path: str, backend: str, prompts: list[list[int]], n_tokens: int, cpus: int,
+               env: dict[str, str] | None = None):
     import ray
 
     from otray.actors.sampling.rollout import RolloutWorker
     from otray.types import SamplingParams
 
-    worker = ray.remote(num_cpus=cpus)(RolloutWorker).remote(path, backend, num_threads=cpus, max_model_len=512,
+    options = {"runtime_env": {"env_vars": env}} if env else {}
+    worker = ray.remote(num_cpus=cpus)(RolloutWorker).options(**options).remote(path, backend, num_threads=cpus, max_model_len=512,
                                                              kv_cache_gb=2)
     ray.get(worker.ping.remote())
     params = SamplingParams(max_tokens=n_tokens, temperature=1.0, ignore_eos=True)
@@ -118,6 +124,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", type=Path, default=RESULTS / "rollout_throughput.json")
     args = ap.parse_args()
     cpus = os.cpu_count() or 1
     ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=False,
@@ -128,16 +135,24 @@ def main() -> None:
         prompts = prompts_for(load_tokenizer(path), args.batch)
         for backend in args.backends.split(","):
             result = {"size": size, "backend": backend, "batch": args.batch, "new_tokens": args.tokens}
-            for mode in ("direct", "worker"):
+            modes = ("direct", "worker", "worker_engine_process") if backend == "vllm" else ("direct", "worker")
+            for mode in modes:
                 if mode == "direct":
                     run, stop = (direct_vllm if backend == "vllm" else direct_hf)(path, prompts, args.tokens)
                 else:
-                    run, stop = via_worker(path, backend, prompts, args.tokens, cpus)
+                    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"} if mode == "worker_engine_process" else None
+                    run, stop = via_worker(path, backend, prompts, args.tokens, cpus, env)
                 secs, tokens = timed(run, args.repeats)
                 stop()
                 result[f"{mode}_tokens_per_s"] = tokens / secs
                 result[f"{mode}_tokens"] = tokens
             result["worker_over_direct"] = result["worker_tokens_per_s"] / result["direct_tokens_per_s"]
+            if backend == "vllm":
+                result["in_process_over_engine_process"] = (result["worker_tokens_per_s"]
+                                                            / result["worker_engine_process_tokens_per_s"])
+                print(f"{size:>5}  vllm: worker with the engine in its process {result['worker_tokens_per_s']:8.0f} "
+                      f"tok/s, with vLLM's engine process {result['worker_engine_process_tokens_per_s']:8.0f} tok/s, "
+                      f"ratio {result['in_process_over_engine_process']:.3f}", flush=True)
             rows.append(result)
             print(f"{size:>5} {backend:>5}: direct {result['direct_tokens_per_s']:8.0f} tok/s, worker "
                   f"{result['worker_tokens_per_s']:8.0f} tok/s, ratio {result['worker_over_direct']:.3f}", flush=True)
@@ -146,11 +161,11 @@ def main() -> None:
         mine = [r for r in rows if r["size"] == size]
         winners[size] = max(mine, key=lambda r: r["worker_tokens_per_s"])["backend"]
         print(f"{size}: fastest backend through the worker: {winners[size]}")
-    RESULTS.mkdir(parents=True, exist_ok=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     out = {"rows": rows, "winner_by_size": winners, "target_ratio": 0.9, "cpus": cpus,
            "machine": platform.platform(), "when": time.strftime("%Y-%m-%d %H:%M:%S")}
-    (RESULTS / "rollout_throughput.json").write_text(json.dumps(out, indent=1))
-    print(f"saved {RESULTS / 'rollout_throughput.json'}")
+    args.out.write_text(json.dumps(out, indent=1))
+    print(f"saved {args.out}")
     ray.shutdown()
 
 
