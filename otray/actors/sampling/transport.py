@@ -26,6 +26,9 @@ from typing import Any
 from otray.placement import current_node_id
 from otray.types import ConfigError, DeviceTensors, SharedTensors, WeightUpdate
 
+# device_transport (torch) is imported inside Publisher and Receiver, by the learner and worker that use them,
+# not by every process that only holds a worker's handle (a game's coordinator)
+
 TRANSPORTS = ("auto", "object_store", "shm", "cuda_ipc", "broadcast")
 ALIGN = 64  # every tensor starts on a 64-byte boundary of the shared file
 SHM_DIR = Path(os.environ.get("OTRAY_SHM_DIR", "/dev/shm"))
@@ -186,8 +189,6 @@ class Receiver:
     """A worker's side of every transport: an update's tensors, wherever they travelled."""
 
     def __init__(self, device: str = "cpu"):
-        # device_transport (torch) is imported by the learner and worker that use it, not by every process
-        # that holds a worker's handle (a game's coordinator, the job driver)
         from otray.actors.sampling.device_transport import DeviceReceiver
 
         self.device = DeviceReceiver(device)

@@ -1,7 +1,7 @@
 """One forward(_backward) pass over several clients' requests, each row through its own LoRA adapter.
 
-A :class:`~otray.tinker.learner.passes.PassRequest` is one client's slice of work (adapter, datums, loss); :class:`SharedPass` runs a
-list of them on the :class:`~otray.tinker.learner.adapter_learner.AdapterLearner`'s model: rows planned
+A :class:`~otray.tinker.learner.passes.PassRequest` is one client's slice of work (adapter, datums, loss);
+:class:`SharedPass` runs a list of them on the :class:`~otray.tinker.learner.adapter_learner.AdapterLearner`'s model: rows planned
 into micro-batches, grouped by adapter (:func:`~otray.tinker.learner.mixed_lora.row_order`), one routed
 forward (:class:`~otray.tinker.learner.mixed_lora.RowRouting`), each request's own loss (:func:`rows_loss`),
 and one backward per micro-batch over the requests whose loss succeeded. A request whose loss raises
