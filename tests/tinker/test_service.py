@@ -10,7 +10,7 @@ import concurrent.futures
 import json
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import httpx
 import numpy as np
@@ -358,12 +358,13 @@ def test_a_poisoned_sample_request_fails_alone_and_the_other_users_request_is_se
 
 def test_an_abandoned_sample_is_cancelled_and_the_clients_next_one_served(svc, tokenizer, ray_local):
     """cancel_future (on through the dynamic config): a request still waiting for its user's learner call
-    leaves it, one in a running call has its result dropped; both promises fail as cancelled. The SDK sends
-    it by itself when a sampling future is abandoned (result_async's timeout). Another user's request is a
-    404, as an unknown one is."""
+    leaves it, one in a running call has its result dropped and that call ends at its next token (nothing
+    else waits for it); both promises fail as cancelled. The SDK sends it by itself when a sampling future is
+    abandoned (result_async's timeout). Another user's request is a 404, as an unknown one is."""
     from otray.tinker.service.tinker_service import NAME, NAMESPACE
 
     service = ray_local.get_actor(NAME, namespace=NAMESPACE)
+    learner = ray_local.get_actor(f"{NAME}-learner-{BASE}", namespace=NAMESPACE)
     prompt = problems(tokenizer, 1)[0][0][:4]
     alice = {"X-API-Key": svc["alice"]}
 
@@ -375,8 +376,20 @@ def test_an_abandoned_sample_is_cancelled_and_the_clients_next_one_served(svc, t
     def cancel(rid, headers=alice) -> httpx.Response:
         return httpx.post(f"{URL}/api/v1/cancel_future", json={"request_id": rid}, headers=headers)
 
-    def cancelled() -> int:
-        return sum(ray_local.get(service.sample_engines.remote())["cancelled"].values())
+    def cancelled(state: str = "") -> int:  # cancel_future calls that found a request in ``state`` (all: "")
+        found = ray_local.get(service.sample_engines.remote())["cancelled"]
+        return found[state] if state else sum(found.values())
+
+    def aborted() -> int:  # learner sampling calls ended early
+        return ray_local.get(learner.usage.remote())["aborted_samples"]
+
+    def until(what: Callable[[], bool], why: str) -> None:
+        deadline = time.time() + 15
+        while not what():
+            assert time.time() < deadline, why
+            time.sleep(0.1)
+
+    first = aborted()
 
     running = asample(400, n=32)  # seconds of generation: still running when cancelled below
     time.sleep(0.5)  # on alice's learner call now: her next request waits for it
@@ -390,19 +403,20 @@ def test_an_abandoned_sample_is_cancelled_and_the_clients_next_one_served(svc, t
         r = httpx.post(f"{URL}/api/v1/retrieve_future", json={"request_id": rid}, headers=alice, timeout=30)
         assert "cancelled by its client" in r.text, r.text
     assert cancel(None).status_code == 400 and cancel([1]).status_code == 400  # missing, not a string
-    # the SDK: a sampling future abandoned by a timeout is cancelled on the service
+    until(lambda: aborted() == first + 1, "the running learner call was not ended early")
+    # the SDK: a sampling future abandoned by a timeout is cancelled on the service, and its learner call ends
     sampler = tinker.ServiceClient(base_url=URL, api_key=svc["alice"]).create_sampling_client(base_model=BASE).result()
-    before = cancelled()
-    abandoned = sampler.sample(types.ModelInput.from_ints(prompt), 32, types.SamplingParams(max_tokens=200))
+    before, running_before = cancelled(), cancelled("running")
+    abandoned = sampler.sample(types.ModelInput.from_ints(prompt), 64, types.SamplingParams(max_tokens=500, stop=[]))
     with pytest.raises((asyncio.TimeoutError, TimeoutError)):
         asyncio.run(abandoned.result_async(timeout=0.2))
-    deadline = time.time() + 15
-    while cancelled() == before:
-        assert time.time() < deadline, "the SDK did not send cancel_future"
-        time.sleep(0.1)
+    until(lambda: cancelled() > before, "the SDK did not send cancel_future")
+    if cancelled("running") > running_before:  # (it may have been cancelled before it reached the learner)
+        until(lambda: aborted() == first + 2, "the abandoned learner call was not ended early")
+    # alice's next request does not wait for the abandoned 64 x 500 tokens (about a minute on 2 cores)
     t0 = time.time()
     assert sampler.sample(types.ModelInput.from_ints(prompt), 1, types.SamplingParams(max_tokens=4)).result(timeout=60)
-    assert time.time() - t0 < 10
+    assert time.time() - t0 < 20
 
 
 def test_retrieve_future_answers_json_unless_protobuf_is_asked_for(svc, tokenizer):

@@ -25,7 +25,7 @@ import random
 import shutil
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -293,12 +293,13 @@ class AdapterLearner:
         self.slots.loaded(path, name, spec, meta.get("version"))
         return name
 
-    def sample(self, jobs: list[SampleJob]) -> list[list[SampleOut]]:
+    def sample(self, jobs: list[SampleJob], stop: Optional[Callable[[], bool]] = None) -> list[list[SampleOut]]:
         """Each job's prompts, ``n`` samples each (one generate call per job); per prompt a
-        :class:`SampleOut`."""
-        return [self._sample_one(job) for job in jobs]
+        :class:`SampleOut`. ``stop`` (asked between tokens): True ends the call early, its samples cut
+        where they were and no prompt scored (its caller abandoned it: the learner is free again)."""
+        return [self._sample_one(job, stop) for job in jobs]
 
-    def _sample_one(self, job: SampleJob) -> list[SampleOut]:
+    def _sample_one(self, job: SampleJob, stop: Optional[Callable[[], bool]] = None) -> list[SampleOut]:
         from contextlib import nullcontext
 
         version = None
@@ -316,10 +317,10 @@ class AdapterLearner:
         with off, torch.inference_mode():
             backend = HFBackend.on_model(model, self.tokenizer, max_model_len=self.max_model_len, packed_linears=False)
             pictures = {"images": job.images} if job.images else {}
-            samples = (backend.generate(job.prompts, job.params, job.n, **pictures) if job.params.max_tokens > 0
-                       else [[]] * len(job.prompts))
+            samples = (backend.generate(job.prompts, job.params, job.n, **pictures, stop=stop)
+                       if job.params.max_tokens > 0 else [[]] * len(job.prompts))
             outs = [SampleOut(s, version=version) for s in samples]
-            if job.scoring != Scoring() or job.targets:
+            if (job.scoring != Scoring() or job.targets) and not (stop is not None and stop()):
                 for i, (p, out) in enumerate(zip(job.prompts, outs)):
                     out.scores = scores_of(model, job, i, [s.token_ids for s in out.samples], self.device)
                     out.prompt_logprobs = out.scores.logprobs

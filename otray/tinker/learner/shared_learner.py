@@ -71,6 +71,8 @@ class SharedLearner:
         self.queue = FairQueue(shares, policy, follow_s, self._pack, pass_tokens,
                                first_keys=(OPTIM,) if wait_for_followers else ())
         self.slice_tokens = slice_tokens if policy == "fair" else 0
+        self.sampling: dict[str, bool] = {}  # named sampling calls queued or running -> abandoned (abort_sample)
+        self.aborted = 0  # sampling calls ended early (abort_sample)
 
     def _step(self, fn: Callable[..., Any], *args: Any) -> Callable[[], Any]:
         return lambda: asyncio.get_running_loop().run_in_executor(self.pool, functools.partial(fn, *args))
@@ -87,9 +89,11 @@ class SharedLearner:
 
     def usage(self) -> dict[str, Any]:
         """Learner seconds and steps by user since the actor started, the seconds turns were kept for a
-        follower (:meth:`FairQueue._hold`), shared calls, and packable calls and their steps by pack key."""
+        follower (:meth:`FairQueue._hold`), shared calls, packable calls and their steps by pack key, and
+        the sampling calls ended early (:meth:`abort_sample`)."""
         return {"seconds": dict(self.queue.used), "steps": dict(self.queue.steps), "held_s": self.queue.followers.held,
-                "shared": dict(self.queue.shared), "packed": {k: dict(v) for k, v in self.queue.packed.items()}}
+                "shared": dict(self.queue.shared), "packed": {k: dict(v) for k, v in self.queue.packed.items()},
+                "aborted_samples": self.aborted}
 
     async def adapters(self) -> list[str]:
         return self.learner.adapters()
@@ -183,6 +187,22 @@ class SharedLearner:
     async def load(self, user: str, adapter: str, path: str, optimizer: bool, create: bool) -> AdapterSpec:
         return await self._one(user, adapter, self.learner.load, adapter, path, optimizer, create)
 
-    async def sample(self, jobs: list[SampleJob], user: str = "") -> list[list[SampleOut]]:
-        """As :meth:`AdapterLearner.sample`, in ``user``'s turn (one step per call)."""
-        return await self._one(user, f"sampling:{user}", self.learner.sample, jobs)
+    async def sample(self, jobs: list[SampleJob], user: str = "", call: str = "") -> list[list[SampleOut]]:
+        """As :meth:`AdapterLearner.sample`, in ``user``'s turn (one step per call). ``call``: the caller's
+        name for it, which :meth:`abort_sample` takes."""
+        if not call:
+            return await self._one(user, f"sampling:{user}", self.learner.sample, jobs)
+        self.sampling[call] = False
+        try:
+            return await self._one(user, f"sampling:{user}", self.learner.sample, jobs,
+                                   lambda: self.sampling.get(call, False))
+        finally:
+            self.aborted += self.sampling.pop(call)
+
+    def abort_sample(self, call: str) -> bool:
+        """End sampling call ``call`` early: every request in it was abandoned (``cancel_future``). Running,
+        it stops at its next token; still queued, it samples nothing. False when no such call is here."""
+        if call not in self.sampling:
+            return False
+        self.sampling[call] = True
+        return True

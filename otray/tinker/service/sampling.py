@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import functools
+import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -105,6 +106,7 @@ class SampleBatcher:
         self.learner_busy: set[tuple[str, str]] = set()  # (base, owner) with a learner call running
         self.tasks: set[asyncio.Task] = set()
         self.live: set[str] = set()  # request ids submitted and not finished (what cancel_future may name)
+        self.learner_calls: dict[str, tuple[Any, set[str]]] = {}  # learner call -> (learner, its uncancelled requests)
         self.cancelled = {"waiting": 0, "running": 0}  # cancel_future calls by the state they found
         self.versions: dict[str, dict[int, int]] = {}  # inflight target dir -> its version -> requests it served
 
@@ -166,12 +168,22 @@ class SampleBatcher:
         died under the call (Ray starts it again; sampling needs nothing of the old one) is asked once more."""
         if not groups:
             return False
+        call = uuid.uuid4().hex if name == "learner" else ""
+        if call:  # cancel_future ends the call early once every request in it is cancelled
+            self.learner_calls[call] = (sampler, {w.request_id for ws in groups.values() for w in ws})
+        try:
+            return await self._call(sampler, name, groups, owner, again, call)
+        finally:
+            self.learner_calls.pop(call, None)
+
+    async def _call(self, sampler: Any, name: str, groups: Groups, owner: str, again: bool, call: str) -> bool:
+        """:meth:`_run`'s call; ``call``: its name on the learner (:meth:`SharedLearner.abort_sample`)."""
         jobs = [SampleJob(k[1], [w.prompt for w in ws], k[2], k[3], k[4],
                           [w.images for w in ws] if any(w.images for w in ws) else None,
                           [w.targets for w in ws] if any(w.targets is not None for w in ws) else None)
                 for k, ws in groups.items()]
         try:
-            results = await (sampler.sample.remote(jobs, owner) if name == "learner" else sampler.sample.remote(jobs))
+            results = await (sampler.sample.remote(jobs, owner, call) if call else sampler.sample.remote(jobs))
         except ray.exceptions.RayActorError as e:
             if name == "learner" and again and await until_up(sampler):
                 return await self._run(sampler, name, groups, owner, again=False)
@@ -186,6 +198,8 @@ class SampleBatcher:
         self.prompts[name] += sum(len(j.prompts) for j in jobs)
         for ws, outs in zip(groups.values(), results):
             for w, out in zip(ws, outs):
+                if w.request_id not in self.live:  # cancelled while it ran: its result is dropped
+                    continue
                 if w.record is not None:
                     prompt = np.asarray(w.prompt, np.int32)  # one array for the request's samples
                     for i, s in enumerate(out.samples):
@@ -224,7 +238,9 @@ class SampleBatcher:
     def cancel(self, request_id: str) -> str:
         """Cancel a sampling request: ``waiting`` (taken out of its batch before any sampler saw it),
         ``running`` (in a sampler call: that call goes on for the requests beside it, and this one's result
-        is dropped) or ``finished`` (its result stays). Its promise fails as cancelled."""
+        is dropped; a learner call with no request left uncancelled ends at its next token, so the user's
+        next request does not wait for it) or ``finished`` (its result stays). Its promise fails as
+        cancelled."""
         if request_id not in self.live:
             if self.futures.items[request_id].outcome is None:
                 raise UserError("only sampling requests can be cancelled: a training request runs in its "
@@ -243,6 +259,11 @@ class SampleBatcher:
                         groups[key] = kept_ws
                     else:
                         del groups[key]
+        for call, (learner, ids) in list(self.learner_calls.items()):
+            if request_id in ids:
+                ids.discard(request_id)
+                if not ids:  # nobody waits for this learner call any more: it ends at its next token
+                    learner.abort_sample.remote(call)
         self.cancelled[state] += 1
         self._finish(request_id, Outcome.error("cancelled by its client (cancel_future): the SDK abandoned the "
                                                "request (a timeout or a cancelled task)", "user"))

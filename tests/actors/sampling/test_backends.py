@@ -138,6 +138,26 @@ def test_ignore_eos_generates_exactly_max_tokens(worker, tiny_path, tokenizer, p
     assert all(len(s.token_ids) == 5 and s.finish_reason is FinishReason.LENGTH for r in full for s in r.samples)
 
 
+def test_a_stop_callback_ends_every_row_early_and_a_call_stopped_before_it_began_samples_nothing(worker, prompts):
+    """``generate(stop=...)`` (the Tinker learner's abandoned sampling call, ``cancel_future``): asked between
+    tokens, and once it says True every row ends where it is, its tokens and logprobs kept in step."""
+    if worker.backend.name == "vllm":
+        pytest.skip("the vLLM backend takes no stop callback: a cancelled request's vLLM call runs to its end")
+    asked: list[int] = []
+
+    def stop() -> bool:
+        asked.append(1)
+        return len(asked) > 3
+
+    params = SamplingParams(max_tokens=200, temperature=1.0, ignore_eos=True, seed=1)
+    cut = [s for r in worker.backend.generate(prompts, params, 2, stop=stop) for s in r]
+    assert len(cut) == 4 and len({len(s.token_ids) for s in cut}) == 1  # every row cut at the same step
+    assert 0 < len(cut[0].token_ids) < 200 and all(len(s.logprobs) == len(s.token_ids) for s in cut)
+    assert all(s.finish_reason is FinishReason.LENGTH for s in cut)
+    never = worker.backend.generate(prompts, params, 2, stop=lambda: True)
+    assert [[s.token_ids for s in r] for r in never] == [[[], []], [[], []]]
+
+
 def test_chosen_logprobs_hold_one_step_and_equal_the_raw_log_softmax():
     """The HF sampler records each chosen token's raw logprob step by step (the processor sees the
     scores before temperature/top-k/top-p), holding one step's log-softmax, never every step's logits."""

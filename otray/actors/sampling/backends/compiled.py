@@ -17,7 +17,7 @@ is kept, as the eager sampler does. Stop ids end a row; stop strings are looked 
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Callable, Optional
 
 import torch
 import torch._dynamo
@@ -118,9 +118,11 @@ class CompiledSampler:
         return self.step(ids, slot)
 
     @torch.inference_mode()
-    def sample(self, rows: list[list[int]], params: SamplingParams, decode_text: Any = None) -> list[Sample]:
+    def sample(self, rows: list[list[int]], params: SamplingParams, decode_text: Any = None,
+               stop: Optional[Callable[[], bool]] = None) -> list[Sample]:
         """One sample per row (``len(rows) <= max_batch``); ``params`` as the eager sampler takes them
-        (``base.effective_params`` applied); ``decode_text``: ids -> text, for ``params.stop``."""
+        (``base.effective_params`` applied); ``decode_text``: ids -> text, for ``params.stop``; ``stop``:
+        asked every few steps, True ends the call with every sample cut where it is."""
         n = len(rows)
         b = bucket_for(n, self.sizes)
         padded = rows + [rows[0]] * (b - n)  # filler rows: sampled and dropped
@@ -148,6 +150,9 @@ class CompiledSampler:
             if t + 1 == steps:
                 break
             if (t + 1) % CHECK_EVERY == 0:
+                if stop is not None and stop():
+                    limits = limits.clamp(max=t + 1)
+                    break
                 if params.stop and decode_text is not None:
                     done = done | self._stop_strings(tokens[:t + 1].T, done, params.stop, decode_text)
                 if bool(done.all()):

@@ -62,6 +62,17 @@ class ChosenLogprobs:
         return torch.stack(steps, dim=1)
 
 
+class StopWhen:
+    """A stopping criterion that ends every row of a ``generate`` call once ``asked()`` says True (its
+    caller abandoned the call): the rows end where they are, each cut at the tokens it has."""
+
+    def __init__(self, asked: Callable[[], bool]):
+        self.asked = asked
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **_: Any) -> torch.Tensor:
+        return torch.full((input_ids.shape[0],), self.asked(), dtype=torch.bool, device=input_ids.device)
+
+
 class NeverSample:
     """A logits processor that rules out ``ids`` (a vision-language policy's vision tokens, ``otray.vlm``),
     before the raw logprobs are recorded: the learner scores the same distribution."""
@@ -164,8 +175,11 @@ class HFBackend:
 
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], params: SamplingParams, n: int,
-                 images: list[Sequence[Image]] | None = None) -> list[list[Sample]]:
-        """``images[i]``: prompt i's images, whose expanded image tokens it holds (a vision-language model)."""
+                 images: list[Sequence[Image]] | None = None,
+                 stop: Callable[[], bool] | None = None) -> list[list[Sample]]:
+        """``images[i]``: prompt i's images, whose expanded image tokens it holds (a vision-language model).
+        ``stop``: asked between tokens; once it says True the call ends early, every sample cut where it
+        was and the batches not begun left empty (its caller abandoned the call: the sampler is free again)."""
         check_prompt_lengths(prompts, self.max_model_len)
         params = effective_params(params, self.stop_token_ids)
         if params.seed is not None:
@@ -179,15 +193,17 @@ class HFBackend:
         samples: list[Sample] = []
         for start in range(0, len(rows), self.max_batch):
             end = start + self.max_batch
-            if self.compiled is not None and not any(pictures[start:end]):
+            if stop is not None and stop():
+                samples.extend(Sample([], [], FinishReason.LENGTH) for _ in rows[start:end])
+            elif self.compiled is not None and not any(pictures[start:end]):
                 samples.extend(apply_stop_strings(s, self._decode, params.stop)
-                               for s in self.compiled.sample(rows[start:end], params, self._decode))
+                               for s in self.compiled.sample(rows[start:end], params, self._decode, stop))
             else:
-                samples.extend(self._generate_batch(rows[start:end], params, pictures[start:end]))
+                samples.extend(self._generate_batch(rows[start:end], params, pictures[start:end], stop))
         return [samples[i * n:(i + 1) * n] for i in range(len(prompts))]
 
-    def _generate_batch(self, rows: list[list[int]], params: SamplingParams,
-                        pictures: list[Sequence[Image]]) -> list[Sample]:
+    def _generate_batch(self, rows: list[list[int]], params: SamplingParams, pictures: list[Sequence[Image]],
+                        stop: Callable[[], bool] | None = None) -> list[Sample]:
         width = max(len(r) for r in rows)
         ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
         attn = torch.zeros((len(rows), width), dtype=torch.long)
@@ -203,6 +219,10 @@ class HFBackend:
             "do_sample": True, "temperature": 1.0, "top_p": 1.0, "top_k": 0, "repetition_penalty": 1.0}
         if params.stop:  # end rows early at a stop string (the exact cut is made below)
             sampling.update(stop_strings=list(params.stop), tokenizer=self.tokenizer)
+        if stop is not None:
+            from transformers import StoppingCriteriaList
+
+            sampling.update(stopping_criteria=StoppingCriteriaList([StopWhen(stop)]))
         eos = list(params.stop_token_ids or self.stop_token_ids)
         recorder = ChosenLogprobs()
         images = [im for row in pictures for im in row]
