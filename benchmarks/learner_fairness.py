@@ -11,6 +11,11 @@ Runs on the CPU (the tiny model, one torch thread) and on a GPU (``--gpu``, e.g.
 part of ``make gpu-check``; it needs Ray, no vLLM or SDK).
 
     python benchmarks/learner_fairness.py [--shape tiny] [--gpu] [--slice-tokens 256] [--wait-for-followers]
+        [--policies fifo,fair,fair-side] [--side-tokens 64]
+
+``fair-side``: the fair policy with the side lane (``scheduling.side_tokens``, :mod:`otray.tinker.learner.fair`):
+bob's one-datum steps on a second compute thread beside alice's passes (the learner given two CPUs, one torch
+thread each); its "learner busy" can pass 100% (two lanes).
 
 Prints a table and writes ``benchmarks/results/learner_fairness.json``.
 """
@@ -53,9 +58,10 @@ def run_policy(policy: str, args, path: str) -> dict[str, Any]:
         n = len(tokens) - 1
         return Datum(tokens[:-1], tokens[1:], [1.0] * n, [0.0] * n, [0.0] * n, [1.0] * n)
 
-    learner = ray.remote(SharedLearner).options(num_cpus=1, num_gpus=1 if args.gpu else 0).remote(
-        path, policy=policy, slice_tokens=args.slice_tokens, pass_tokens=args.pass_tokens,
-        wait_for_followers=args.wait_for_followers, num_threads=None if args.gpu else 1)
+    side = args.side_tokens if policy == "fair-side" else 0  # fair with the side lane, on a second core
+    learner = ray.remote(SharedLearner).options(num_cpus=2 if side else 1, num_gpus=1 if args.gpu else 0).remote(
+        path, policy="fair" if side else policy, slice_tokens=args.slice_tokens, pass_tokens=args.pass_tokens,
+        wait_for_followers=args.wait_for_followers, num_threads=None if args.gpu else 1, side_tokens=side)
     ray.get(learner.ping.remote())
     tok = load_tokenizer(path)
     text = tok.encode("the answer is the sum of the number you are a helpful assistant " * 40)
@@ -76,6 +82,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--gpu", action="store_true", help="the learner on a GPU")
     ap.add_argument("--wait-for-followers", action="store_true",
                     help="the fair policy's scheduling.wait_for_followers (off by default, as in the config)")
+    ap.add_argument("--side-tokens", type=int, default=64,
+                    help="the policy fair-side's scheduling.side_tokens: fair, with small steps on a second compute "
+                         "thread beside a pass (e.g. --policies fair,fair-side)")
     args = arguments(ap, "learner_fairness.json", argv)
     if args.wait_for_followers and (args.pass_tokens <= 0 or args.policies != "fair"):
         ap.error("--wait-for-followers needs shared passes (--pass-tokens > 0) and --policies fair")

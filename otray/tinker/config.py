@@ -127,6 +127,10 @@ class TinkerScheduling:
     # come back that fast (fair.py, "Cohorts"; like-sized due riders are waited for without it). Off by default:
     # it trades fair shares for throughput (benchmarks/README.md, tinker_shared_passes.py and learner_fairness.py).
     wait_for_followers: bool = False
+    # Small steps (at most this many tokens a call: a one-datum user's) of other clients run on a second compute
+    # thread beside a pass, so they wait for no slice (fair.py, "side lane"; learner_fairness.py --side-tokens).
+    # 0: off. It computes on one more core: give the learner one CPU more than its torch threads (learner_cpus).
+    side_tokens: int = 0
     users: dict[str, UserShare] = field(default_factory=dict)  # default: weight 1, priority 0
 
 

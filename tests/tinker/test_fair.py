@@ -309,3 +309,57 @@ def test_withdrawn_jobs_fail_at_once_and_never_run():
         assert ran == ["b1", "a1"] and queue.pending == 0
 
     asyncio.run(main())
+
+
+def test_small_steps_run_on_the_side_lane_beside_a_pass_and_never_beside_another_kind_of_step():
+    """With a side lane (``side_tokens``): bob's 16-token step, sent while alice's 200-token slice runs, runs
+    beside it and ends first; carol's 100-token step (over ``side_tokens``) waits for the main lane. alice's next
+    step is not packable (a checkpoint): the side lane closes first, and dave's small step sent during it runs
+    after it, not beside it. A small step the main lane chose is not taken by the side lane too: no step runs
+    twice; each is charged its seconds."""
+    from otray.tinker.learner.fair import Packable
+
+    spans: dict[str, tuple[float, float]] = {}
+    loop_time = lambda: asyncio.get_running_loop().time()  # noqa: E731
+
+    def timed(seconds: float):
+        async def run(works: list[str]) -> list[str]:
+            t0 = loop_time()
+            await asyncio.sleep(seconds)
+            for w in works:
+                assert w not in spans, f"{w} ran twice"
+                spans[w] = (t0, loop_time())
+            return works
+        return run
+
+    saving: list[asyncio.Event] = []
+
+    async def checkpoint() -> str:
+        t0 = loop_time()
+        saving[0].set()
+        await asyncio.sleep(0.1)
+        spans["save"] = (t0, loop_time())
+        return "save"
+
+    async def main() -> FairQueue:
+        saving.append(asyncio.Event())
+        queue = FairQueue(pack=timed(0.1), pass_tokens=1000, side=timed(0.02), side_tokens=32)
+        assert await queue.run("erin", "e", [Packable("fb", 16, "e1")]) == ["e1"]  # alone: on the main lane, once
+        alice = asyncio.ensure_future(queue.run("alice", "a", [Packable("fb", 200, "a1"), checkpoint]))
+        await asyncio.sleep(0.01)  # a1 is on the learner
+        bob = asyncio.ensure_future(queue.run("bob", "b", [Packable("fb", 16, "b1")]))
+        carol = asyncio.ensure_future(queue.run("carol", "c", [Packable("fb", 100, "c1")]))
+        assert await bob == ["b1"] and not alice.done()
+        await saving[0].wait()  # carol's step ran after a1, then alice's checkpoint began
+        dave = asyncio.ensure_future(queue.run("dave", "d", [Packable("fb", 16, "d1")]))
+        assert await alice == ["a1", "save"] and await carol == ["c1"] and await dave == ["d1"]
+        return queue
+
+    queue = asyncio.run(main())
+    (a0, a1), (b0, b1), (c0, _) = spans["a1"], spans["b1"], spans["c1"]
+    assert a0 < b0 and b1 < a1, spans  # bob beside alice's slice, done before it
+    assert c0 >= a1 - 1e-3, spans  # carol's big step waited for the main lane
+    s0, s1 = spans["save"]
+    assert spans["c1"][1] <= s0 + 1e-3 and spans["d1"][0] >= s1 - 1e-3, spans  # dave's waited for the checkpoint
+    assert queue.side.calls["steps"] >= 1 and queue.pending == 0 and not queue.running
+    assert queue.used["bob"] == pytest.approx(0.02, abs=0.015)

@@ -191,6 +191,45 @@ def test_small_users_ride_in_a_shared_pass_and_a_dropped_users_rows_never_reach_
     asyncio.run(scenario())
 
 
+def test_a_step_on_the_side_lane_beside_a_pass_gives_what_its_own_pass_gives(tiny_path):
+    """``scheduling.side_tokens``: while alice's long call holds the learner (slices in passes), bob's and carol's
+    one-datum steps run on the side lane's thread, beside her passes, and end first; each gets the logprobs
+    and the gradients a pass of its own gives, and alice's call is what it is alone (rows are routed per
+    thread: a side pass never sees the other lane's adapters). Off by default; the service config passes it."""
+    import asyncio
+
+    from otray.tinker.config import load_tinker
+    from otray.tinker.learner.shared_learner import SharedLearner
+
+    assert load_tinker({"scheduling": {"side_tokens": 64}}).scheduling.side_tokens == 64
+    assert load_tinker({}).scheduling.side_tokens == 0 and SharedLearner(tiny_path).queue.side.tokens == 0
+    rng = np.random.default_rng(8)
+    small = {u: [datum(rng, 7)] for u in ("bob", "carol")}
+    long = [datum(rng, 30) for _ in range(12)]
+
+    async def scenario() -> None:
+        shared = SharedLearner(tiny_path, slice_tokens=60, pass_tokens=400, side_tokens=16)
+        for k, user in enumerate(["alice", *small]):
+            await shared.create(user, user, AdapterSpec(8, seed=k))
+        ref = {u: shared.learner.forward_backward(u, d, "cross_entropy") for u, d in small.items()}
+        ref_grads = {u: grads(shared.learner, u) for u in small}
+        ref["alice"] = shared.learner.forward_backward("alice", long, "cross_entropy")
+        ref_grads["alice"] = grads(shared.learner, "alice")
+        calls = [asyncio.ensure_future(shared.forward_backward("alice", "alice", long, "cross_entropy"))]
+        await asyncio.sleep(0.01)  # alice's first slice is on the learner
+        calls += [asyncio.ensure_future(shared.forward_backward(u, u, small[u], "cross_entropy")) for u in small]
+        first = (await asyncio.wait(calls, return_when=asyncio.FIRST_COMPLETED))[0].pop()
+        assert first is not calls[0]  # a small step ended before alice's call
+        done = await asyncio.gather(*calls)
+        assert shared.usage()["side"]["steps"] >= 2, shared.usage()
+        for user, got in zip(["alice", *small], done):
+            same([got], [ref[user]])
+            for g, r in zip(grads(shared.learner, user), ref_grads[user]):
+                assert torch.allclose(g, r, atol=1e-5), user
+
+    asyncio.run(scenario())
+
+
 def test_wait_for_followers_puts_every_looping_client_in_each_pass(tiny_path):
     """``scheduling.wait_for_followers``: four clients looping a one-datum forward_backward and its optim_step
     (each result back 1-4 ms later) share the learner's passes and optimizer calls nearly whole; off by default.

@@ -44,6 +44,9 @@ queue waits for the next jobs of all the call's clients whose next job usually c
 fair shares (a busy user beside a small one that loops back to back kept 25% of its rate, 69% without), so
 it is off unless an admin turns it on.
 
+The side lane (``side_tokens``, :mod:`otray.tinker.learner.side_lane`): small steps of other clients on a
+second compute thread, beside a packable step, so that they wait for no slice.
+
 Runs in the SharedLearner actor of one base model."""
 
 from __future__ import annotations
@@ -52,48 +55,26 @@ import asyncio
 import itertools
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Hashable, Optional, Sequence, Union
 
 from otray.tinker.config import Share
+from otray.tinker.learner.fair_jobs import (Job, Member, Pack, Packable, Step, User, head, next_steps, run_call,
+                                            slices, unrun)
 from otray.tinker.learner.followers import Followers
+from otray.tinker.learner.side_lane import SideLane
 
-Step = Callable[[], Awaitable[Any]]
-Pack = Callable[[list[Any]], Awaitable[list[Any]]]  # works -> a result or an exception each
-
-
-@dataclass(frozen=True)
-class Packable:
-    """A step that can share a pass: ``work`` (what ``pack`` takes) of ``tokens`` tokens; only steps of
-    equal ``key`` share one."""
-
-    key: Hashable
-    tokens: int
-    work: Any
-
-
-@dataclass
-class _Job:
-    steps: deque  # of Step, those not run yet
-    done: asyncio.Future
-    arrival: int
-    follow: bool  # the client's next job usually comes at once (a forward_backward's optim_step)
-    results: list = field(default_factory=list)
-
-
-@dataclass
-class _User:
-    finish: float = 0.0  # virtual time: learner seconds used / weight
-    clients: dict = field(default_factory=dict)  # client -> deque of its _Jobs (insertion order: round robin)
-
+__all__ = ["FairQueue", "Packable", "slices"]
 
 class FairQueue:
     """The learner's work, one step at a time (owned by the learner actor's event loop)."""
 
     def __init__(self, shares: dict[str, Share] | None = None, policy: str = "fair", follow_s: float = 0.05,
-                 pack: Optional[Pack] = None, pass_tokens: int = 0, first_keys: Sequence[Hashable] = ()):
+                 pack: Optional[Pack] = None, pass_tokens: int = 0, first_keys: Sequence[Hashable] = (),
+                 side: Optional[Pack] = None, side_tokens: int = 0):
         self.shares, self.policy, self.follow_s = shares or {}, policy, follow_s
         self.pack, self.pass_tokens = pack, pass_tokens  # shared passes (fair policy only); 0 tokens: none
+        # small steps on a second compute thread beside a pass (``side`` runs a call's works there)
+        self.side = SideLane(self, side, side_tokens if policy == "fair" else 0)
         self.first_keys = frozenset(first_keys) if pack is not None and pass_tokens > 0 and policy == "fair" else frozenset()
         self.followers = Followers()
         self.hold_due: dict[str, float] = {}  # user -> seconds of a hold its job ended, charged with that job's step
@@ -101,7 +82,7 @@ class FairQueue:
         self.passes: list[int] = []  # steps per shared call, the latest 1,000 (tests)
         self.shared = {"calls": 0, "steps": 0}  # shared calls and the steps they held, since the start
         self.packed: dict[str, dict[str, int]] = {}  # by pack key: packable calls (one step or more) and their steps
-        self.users: dict[str, _User] = {}
+        self.users: dict[str, User] = {}
         self.vtime = 0.0
         self.arrivals = itertools.count()
         self.busy = False
@@ -116,80 +97,108 @@ class FairQueue:
         """Run ``steps`` of ``client`` (``user``'s) in order, each in its turn; their results. A step that
         raises ends the job (its later steps do not run) and the exception is raised here. ``follow``:
         the client's next job is likely on its way (see :meth:`_hold`)."""
-        job = _Job(deque(steps), asyncio.get_running_loop().create_future(), next(self.arrivals), follow)
-        self.users.setdefault(user, _User()).clients.setdefault(client, deque()).append(job)
-        self.followers.arrived(user, client, _head(steps))  # also wakes a held turn (Followers.wait)
+        job = Job(deque(steps), asyncio.get_running_loop().create_future(), next(self.arrivals), follow)
+        self.users.setdefault(user, User()).clients.setdefault(client, deque()).append(job)
+        self.followers.arrived(user, client, head(steps))  # also wakes a held turn (Followers.wait)
         self.pending += 1
         if not self.busy:
             self.busy = True
             asyncio.get_running_loop().create_task(self._drain())
+        self.side.kick()
         return await asyncio.shield(job.done)
 
-    def _next(self) -> tuple[str, _User, str, _Job]:
-        """The step to run now: the top priority, earliest virtual start; that user's first client."""
+    def free(self, u: User) -> list[str]:
+        """``u``'s clients whose next job is not on the learner now (on the side lane)."""
+        return [c for c, jobs in u.clients.items() if id(jobs[0]) not in self.running]
+
+    def order_key(self, nu: tuple[str, User]) -> tuple:
+        """Fair order of users: the top priority, then the earliest virtual start, then the earliest arrival."""
+        return (-self.share(nu[0]).priority, max(self.vtime, nu[1].finish),
+                min(jobs[0].arrival for jobs in nu[1].clients.values()))
+
+    def _next(self) -> Optional[Member]:
+        """The step to run now: the top priority, earliest virtual start; that user's first client (not one
+        on the side lane: None when every waiting job is there)."""
         if self.policy == "fifo":
             return min(((n, u, c, jobs[0]) for n, u in self.users.items() for c, jobs in u.clients.items()),
                        key=lambda x: x[3].arrival)
-        def order(nu: tuple[str, _User]) -> tuple:
-            return (-self.share(nu[0]).priority, max(self.vtime, nu[1].finish),
-                    min(jobs[0].arrival for jobs in nu[1].clients.values()))
-
-        name, u = min(((n, u) for n, u in self.users.items() if u.clients), key=order)
+        order = self.order_key
+        free = [(n, u) for n, u in self.users.items() if self.free(u)]
+        if not free:
+            return None
+        name, u = min(free, key=order)
         if self.first_keys:  # a quick step of the chosen priority first (the cohorts in the module's doc)
             level = self.share(name).priority
             quick = [(n, v, c, jobs[0]) for n, v in self.users.items() if self.share(n).priority == level
                      for c, jobs in v.clients.items() if jobs[0].steps and isinstance(jobs[0].steps[0], Packable)
-                     and jobs[0].steps[0].key in self.first_keys]
+                     and jobs[0].steps[0].key in self.first_keys and id(jobs[0]) not in self.running]
             if quick:
                 return min(quick, key=lambda x: (order((x[0], x[1])), x[3].arrival))
-        client = next(iter(u.clients))
+        client = self.free(u)[0]
         return name, u, client, u.clients[client][0]
 
     async def _drain(self) -> None:
         try:
             while self.pending:
                 first = self._next()
+                if first is None:  # every waiting job is on the side lane: the main lane waits for its call
+                    await self.side.call_ends()
+                    continue
                 name, u, client, job = first
+                self.running.add(id(job))  # chosen: the side lane leaves it (the call below keeps it so)
                 self.vtime = max(self.vtime, u.finish)
-                await self._await_riders(first)
+                if self.side.beside(job.steps[0]):
+                    self.side.open = True
+                    self.side.kick()
+                else:  # not packable (a sample, a checkpoint, an adapter made or dropped): the side lane ends first
+                    await self.side.close()
+                if job.steps:
+                    await self._await_riders(first)
+                if not job.steps:  # withdrawn while it waited (its model was unloaded): nothing to run
+                    self.running.discard(id(job))
+                    self._advance(name, u, client, job)
+                    continue
                 members = [first, *self._riders(first)]
                 steps = [m[3].steps[0] for m in members]
                 if isinstance(steps[0], Packable):
                     count = self.packed.setdefault(str(steps[0].key), {"calls": 0, "steps": 0})
                     count["calls"], count["steps"] = count["calls"] + 1, count["steps"] + len(steps)
-                tokens = [s.tokens if isinstance(s, Packable) else 1 for s in steps]
-                self.running.update(id(m[3]) for m in members)
-                t0 = time.monotonic()
-                outcomes = await self._run_step(steps)  # a job withdrawn meanwhile has no steps left after it
-                spent = time.monotonic() - t0
-                self.running.clear()
-                for (n, mu, c, mjob), outcome, t in zip(members, outcomes, tokens):
-                    share = spent * t / sum(tokens)  # a shared pass is charged by tokens
-                    mu.finish = max(self.vtime, mu.finish) + (share + self.hold_due.pop(n, 0.0)) / self.share(n).weight
-                    self.used[n] = self.used.get(n, 0.0) + share
-                    self.steps[n] = self.steps.get(n, 0) + 1
-                    if mjob.steps:  # not withdrawn meanwhile
-                        mjob.steps.popleft()
-                    if isinstance(outcome, BaseException):  # its unrun steps charged, unless the call failed as a whole
-                        if sum(o is outcome for o in outcomes) == 1:
-                            mu.finish += _unrun(mjob.steps, share, spent / sum(tokens)) / self.share(n).weight
-                        mjob.steps.clear()
-                        if not mjob.done.done():
-                            mjob.done.set_exception(outcome)
-                    else:
-                        mjob.results.append(outcome)
-                    self._advance(n, mu, c, mjob)
+                await self.call(members, lambda: run_call(self.pack, steps))
                 if self.first_keys and isinstance(steps[0], Packable):
                     await self._gather([(m[0], m[2]) for m in members if not m[3].steps])
                 elif not job.steps and self.pending and self.policy == "fair":
                     await self._hold(name, client, job.follow)
         except Exception as e:  # a fault of the queue itself: every waiting caller learns it (none hangs)
-            self._fail_all(e)
+            self.fail_all(e)
             raise
         finally:
             self.busy = False
+            self.side.open = False
 
-    def _fail_all(self, error: Exception) -> None:
+    async def call(self, members: list[Member], run: Callable[[], Awaitable[list[Any]]]) -> None:
+        """Run one learner call for ``members`` (their next steps) and settle each: charged its share of the call's
+        seconds by tokens, its result or exception given, its job advanced."""
+        steps = [m[3].steps[0] for m in members]
+        tokens = [s.tokens if isinstance(s, Packable) else 1 for s in steps]
+        ids = {id(m[3]) for m in members}
+        self.running.update(ids)
+        t0 = time.monotonic()
+        try:
+            outcomes = await run()  # a job withdrawn meanwhile has no steps left after it
+        finally:
+            self.running.difference_update(ids)
+        spent = time.monotonic() - t0
+        for (n, mu, c, mjob), outcome, t in zip(members, outcomes, tokens):
+            share = spent * t / sum(tokens)  # a shared pass is charged by tokens
+            mu.finish = max(self.vtime, mu.finish) + (share + self.hold_due.pop(n, 0.0)) / self.share(n).weight
+            self.used[n] = self.used.get(n, 0.0) + share
+            self.steps[n] = self.steps.get(n, 0) + 1
+            left = mjob.took(outcome)
+            if left and sum(o is outcome for o in outcomes) == 1:  # unless the call failed as a whole
+                mu.finish += unrun(left, share, spent / sum(tokens)) / self.share(n).weight
+            self._advance(n, mu, c, mjob)
+
+    def fail_all(self, error: Exception) -> None:
         for u in self.users.values():
             for jobs in u.clients.values():
                 for j in jobs:
@@ -199,21 +208,7 @@ class FairQueue:
         self.pending = 0
         self.running.clear()
 
-    async def _run_step(self, steps: list[Union[Step, Packable]]) -> list[Any]:
-        """Run one step, or several packable ones in one ``pack`` call; a result or an exception each."""
-        try:
-            if isinstance(steps[0], Packable) and self.pack is not None:
-                outcomes = await self.pack([s.work for s in steps])
-                if len(outcomes) != len(steps):
-                    raise RuntimeError(f"pack gave {len(outcomes)} results for {len(steps)} steps")
-                return list(outcomes)
-            if isinstance(steps[0], Packable):
-                raise RuntimeError("a packable step on a queue without a pack function")
-            return [await steps[0]()]
-        except Exception as e:  # noqa: BLE001 - the jobs' callers get it
-            return [e] * len(steps)
-
-    def _riders(self, first: tuple[str, _User, str, _Job]) -> list[tuple[str, _User, str, _Job]]:
+    def _riders(self, first: Member) -> list[Member]:
         """The steps that share ``first``'s pass: other clients' next steps of its key, in fair order, within
         ``pass_tokens`` (none unless ``first``'s step is packable and the policy fair). A step rides only on
         a step at least as big as itself: a small user's step rides in a busy user's pass, but a busy user's
@@ -222,17 +217,11 @@ class FairQueue:
         head = first[3].steps[0]
         if not isinstance(head, Packable) or self.pack is None or self.policy != "fair" or self.pass_tokens <= 0:
             return []
-        room = self.pass_tokens - head.tokens
         level = self.share(first[0]).priority
-        out = []
-        for n, u in sorted(((n, u) for n, u in self.users.items() if u.clients and self.share(n).priority == level),
-                           key=lambda nu: (max(self.vtime, nu[1].finish), min(j[0].arrival for j in nu[1].clients.values()))):
-            for c, jobs in u.clients.items():
-                step = jobs[0].steps[0] if jobs[0].steps else None
-                if (n, c) != (first[0], first[2]) and isinstance(step, Packable) and step.key == head.key \
-                        and step.tokens <= min(room, head.tokens):
-                    out.append((n, u, c, jobs[0]))
-                    room -= step.tokens
+        users = sorted(((n, u) for n, u in self.users.items() if u.clients and self.share(n).priority == level),
+                       key=self.order_key)
+        # (``first`` itself is among the running jobs: not taken again)
+        out = next_steps(users, self.running, self.pass_tokens - head.tokens, head.tokens, head.key)
         if out:
             self.passes = [*self.passes[-999:], 1 + len(out)]
             self.shared["calls"] += 1
@@ -250,9 +239,7 @@ class FairQueue:
             return 0
         kept = deque(j for j in jobs if id(j) in self.running)
         for j in jobs:
-            j.steps.clear()  # the running one: its step on the learner is its last
-            if not j.done.done():
-                j.done.set_exception(error)
+            j.fail(error)  # the running one: its step on the learner is its last
         gone = len(jobs) - len(kept)
         self.pending -= gone
         if kept:
@@ -263,7 +250,7 @@ class FairQueue:
                 del self.users[user]
         return gone
 
-    def _advance(self, name: str, u: _User, client: str, job: _Job) -> None:
+    def _advance(self, name: str, u: User, client: str, job: Job) -> None:
         """After a step: a finished job leaves; the client goes to the back of its user's turns."""
         jobs = u.clients.pop(client)
         if not job.steps:
@@ -295,7 +282,7 @@ class FairQueue:
         elif u is not None:
             u.finish += waited / self.share(name).weight
 
-    async def _await_riders(self, first: tuple[str, _User, str, _Job]) -> None:
+    async def _await_riders(self, first: Member) -> None:
         """Before a shared pass, wait for the due clients whose next step would ride in it (:meth:`Followers.riders`):
         clients looping alike share each pass, not cohorts taking turns (not with ``first_keys``: it gathers)."""
         head = first[3].steps[0]
@@ -313,20 +300,11 @@ class FairQueue:
         within ``follow_s`` last time, up to twice the slowest of their gaps (and ``follow_s``), so they share the
         next call instead of forming a cohort of their own. A wait that a client does not end is charged to its
         user, as :meth:`_hold`'s is."""
-        soon = self.followers.soon(clients, self.follow_s)
-        if not soon:
-            return
-        t0 = time.monotonic()
-
-        def missing() -> list[tuple[str, str]]:
-            return [(n, c) for n, c in soon if n not in self.users or c not in self.users[n].clients]
-
-        if not await self.followers.wait(lambda: not missing(),
-                                             t0 + min(self.follow_s, 2 * max(soon.values()) + 0.002)):
-            late = missing()
-            for n, _ in late:
-                if n in self.users:
-                    self.users[n].finish += (time.monotonic() - t0) / len(late) / self.share(n).weight
+        late, waited = await self.followers.gather(clients, self.follow_s,
+                                                   lambda n, c: n in self.users and c in self.users[n].clients)
+        for n, _ in late:
+            if n in self.users:
+                self.users[n].finish += waited / len(late) / self.share(n).weight
 
     def _owed(self, name: str) -> bool:
         """``name`` would be chosen next over every other user with work waiting."""
@@ -336,33 +314,3 @@ class FairQueue:
             return False
         tag = (-self.share(name).priority, max(self.vtime, mine.finish))
         return all(tag <= (-self.share(n).priority, max(self.vtime, u.finish)) for n, u in others)
-
-
-def _unrun(steps: Sequence[Union[Step, Packable]], step_s: float, token_s: float) -> float:
-    """The learner seconds a failed job's ``steps`` (those it will not run) would have taken, at the failed
-    step's price: ``token_s`` a token for a packable step, ``step_s`` for any other. A failed job is charged
-    them (not when its step failed with every other of a shared call, one error for all: the call's failure, not
-    its user's), so failing early makes a request no cheaper than it asked to be: a user whose large calls fail at
-    their first slice (a custom loss stopped by a limit) took a turn per slice, each call sent, deserialized
-    and queued in the learner's process, and held another user looping beside it at 2.25x his time alone
-    (``benchmarks/custom_loss_bound.py``, issue 54)."""
-    return sum(s.tokens * token_s if isinstance(s, Packable) else step_s for s in steps)
-
-
-def _head(steps: Sequence[Union[Step, Packable]]) -> Optional[tuple[Hashable, int]]:
-    """A job's first step as :class:`~otray.tinker.learner.followers.Followers` keeps it: (pack key, tokens)."""
-    return (steps[0].key, steps[0].tokens) if steps and isinstance(steps[0], Packable) else None
-
-
-def slices(lengths: Sequence[int], slice_tokens: int) -> list[range]:
-    """Consecutive index ranges over items of ``lengths`` tokens, each at most ``slice_tokens`` tokens
-    (an item longer than that alone): how a forward_backward is cut into steps."""
-    out, start, tokens = [], 0, 0
-    for i, n in enumerate(lengths):
-        if i > start and tokens + n > slice_tokens:
-            out.append(range(start, i))
-            start, tokens = i, 0
-        tokens += n
-    if start < len(lengths):
-        out.append(range(start, len(lengths)))
-    return out

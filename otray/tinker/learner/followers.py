@@ -78,6 +78,20 @@ class Followers:
         self.gap.pop((user, client), None)
         self.heads.pop((user, client), None)
 
+    async def gather(self, clients: Sequence[tuple[str, str]], within: float,
+                     queued: Callable[[str, str], bool]) -> tuple[list[tuple[str, str]], float]:
+        """Wait for the next jobs of those ``clients`` whose next job came within ``within`` seconds last time (until
+        ``queued(user, client)``), up to twice the slowest of their gaps (and ``within``): those that did not come,
+        and the seconds waited (nothing when none is due)."""
+        soon = self.soon(clients, within)
+        if not soon:
+            return [], 0.0
+        t0 = time.monotonic()
+        missing = lambda: [c for c in soon if not queued(*c)]  # noqa: E731
+        if await self.wait(lambda: not missing(), t0 + min(within, 2 * max(soon.values()) + 0.002)):
+            return [], time.monotonic() - t0
+        return missing(), time.monotonic() - t0
+
     def soon(self, clients: Sequence[tuple[str, str]], within: float) -> dict[tuple[str, str], float]:
         """Those of ``clients`` whose next job came within ``within`` seconds last time, with that gap."""
         return {c: self.gap[c] for c in clients if self.gap.get(c, within + 1.0) <= within}

@@ -31,6 +31,7 @@ Runs in the SharedLearner actor of one base model."""
 from __future__ import annotations
 
 import functools
+import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Sequence
@@ -71,8 +72,9 @@ class Segment:
     keep: Optional[tuple[int, ...]] = None  # with ``index``: the padded update's rows that are real rows
 
 
-class RowRouting:
-    """Which adapter each row of the current pass uses; read by every LoRA layer it was installed on."""
+class RowRouting(threading.local):
+    """Which adapter each row of the current pass uses; read by every LoRA layer it was installed on. Each
+    thread sees its own pass (a thread-local): two passes of other adapters may run at once."""
 
     def __init__(self) -> None:
         self.groups: Optional[list[Group]] = None

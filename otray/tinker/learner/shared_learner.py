@@ -58,18 +58,22 @@ class SharedLearner:
     ``follow_s``: how long a turn is kept for a forward_backward's optim_step, :meth:`FairQueue._hold`;
     ``pass_tokens``: slices of several clients share a pass up to this many tokens, 0: never;
     ``wait_for_followers``: optimizer steps first and shared calls wait for their clients' next jobs,
-    :mod:`otray.tinker.learner.fair`'s "Cohorts")."""
+    :mod:`otray.tinker.learner.fair`'s "Cohorts"; ``side_tokens``: small steps of other clients, up to this many
+    tokens a call, run on a second compute thread beside a pass, 0: never, the fair queue's "side lane")."""
 
     def __init__(self, model_path: str, *, policy: str = "fair", slice_tokens: int = 0, follow_s: float = 0.05,
                  shares: Optional[dict[str, Share]] = None, pass_tokens: int = 0, wait_for_followers: bool = False,
-                 **learner: Any):
+                 side_tokens: int = 0, **learner: Any):
         # imported here, in the actor: the TinkerService that creates it then does without torch
         from otray.tinker.learner.adapter_learner import AdapterLearner
 
         self.learner = AdapterLearner(model_path, **learner)
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix="learner")  # the model is used by one thread
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="learner")  # the model's compute thread
+        # the side lane's: small packable steps (their own adapters' rows) beside a pass of the first thread
+        self.side_pool = ThreadPoolExecutor(1, thread_name_prefix="learner-side") if side_tokens > 0 else None
         self.queue = FairQueue(shares, policy, follow_s, self._pack, pass_tokens,
-                               first_keys=(OPTIM,) if wait_for_followers else ())
+                               first_keys=(OPTIM,) if wait_for_followers else (),
+                               side=self._side_pack if side_tokens > 0 else None, side_tokens=side_tokens)
         self.slice_tokens = slice_tokens if policy == "fair" else 0
         self.sampling: dict[str, bool] = {}  # named sampling calls queued or running -> abandoned (abort_sample)
         self.aborted = 0  # sampling calls ended early (abort_sample)
@@ -89,11 +93,11 @@ class SharedLearner:
 
     def usage(self) -> dict[str, Any]:
         """Learner seconds and steps by user since the actor started, the seconds turns were kept for a
-        follower (:meth:`FairQueue._hold`), shared calls, packable calls and their steps by pack key, and
-        the sampling calls ended early (:meth:`abort_sample`)."""
+        follower (:meth:`FairQueue._hold`), shared calls, packable calls and their steps by pack key, the
+        sampling calls ended early (:meth:`abort_sample`) and the side lane's calls and steps."""
         return {"seconds": dict(self.queue.used), "steps": dict(self.queue.steps), "held_s": self.queue.followers.held,
                 "shared": dict(self.queue.shared), "packed": {k: dict(v) for k, v in self.queue.packed.items()},
-                "aborted_samples": self.aborted}
+                "aborted_samples": self.aborted, "side": dict(self.queue.side.calls)}
 
     async def adapters(self) -> list[str]:
         return self.learner.adapters()
@@ -148,11 +152,16 @@ class SharedLearner:
         for p, grad in zip(self.learner.switch.params(self.learner.model, adapter), saved[0] if saved else ()):
             p.grad = grad
 
-    async def _pack(self, works: list[Any]) -> list[Any]:
+    async def _pack(self, works: list[Any], pool: Optional[ThreadPoolExecutor] = None) -> list[Any]:
         """Packed steps on the compute thread in one hop: forward_backward slices in a shared pass, optimizer
         steps in one fused AdamW call (clients that stepped together send theirs together)."""
         run = self._passes if isinstance(works[0], _Slice) else self.learner.optim_many
-        return await asyncio.get_running_loop().run_in_executor(self.pool, run, works)
+        return await asyncio.get_running_loop().run_in_executor(pool or self.pool, run, works)
+
+    async def _side_pack(self, works: list[Any]) -> list[Any]:
+        """:meth:`_pack` on the side lane's thread: the queue runs it only beside a packable step of the first
+        thread (shared passes route rows per thread, and touch only their own adapters' parameters)."""
+        return await self._pack(works, self.side_pool)
 
     def _passes(self, works: list[_Slice]) -> list[Any]:
         """Slices of several clients in one shared pass, on the compute thread; each a PassResult or its

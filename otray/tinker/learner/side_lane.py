@@ -1,0 +1,93 @@
+"""The fair queue's side lane: small steps on a second compute thread, beside a pass.
+
+With one compute thread, a small user's step that arrives while a busy user's slice runs waits for it: on 2
+cores, beside 256-token slices of the tiny model, a one-datum user pausing between steps took 2.5-2.7x his time
+alone (``benchmarks/learner_fairness.py``), and smaller slices cost the busy user her throughput. With
+``scheduling.side_tokens`` > 0, while the main lane (:class:`~otray.tinker.learner.fair.FairQueue`) runs a
+packable step (a shared pass, a fused optimizer step), the next small packable steps of other clients (at most
+``side_tokens`` tokens a call, of one pack key, in fair order) run on the side lane's thread beside it, one call
+at a time, charged their seconds like any step: 1.3x his time alone, the busy user keeping ~100%. Shared passes
+route rows per thread (:class:`~otray.tinker.learner.mixed_lora.RowRouting`) and touch only their own adapters'
+parameters, so the two lanes' passes give what each gives alone (tests/tinker/test_mixed_passes.py). The lane
+closes, its call ending first, before any step that is not packable (a sample, a checkpoint, an adapter made or
+dropped: they change or read the model as a whole).
+
+It computes on one more core: a learner whose torch threads fill its CPUs would oversubscribe them.
+
+Runs in the SharedLearner actor of one base model."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Awaitable, Callable, Optional, Protocol, Union
+
+from otray.tinker.learner.fair_jobs import Member, Pack, Packable, Step, User, next_steps, run_call
+
+
+class Queue(Protocol):
+    """What the side lane reads and calls of its :class:`~otray.tinker.learner.fair.FairQueue`."""
+
+    users: dict[str, User]
+    running: set[int]
+
+    def order_key(self, nu: tuple[str, User]) -> tuple: ...
+
+    async def call(self, members: list[Member], run: Callable[[], Awaitable[list[Any]]]) -> None: ...
+
+    def fail_all(self, error: Exception) -> None: ...
+
+
+class SideLane:
+    """The side lane of ``queue`` (which owns it, on the learner actor's event loop): ``run`` takes a call's
+    works on the second compute thread; calls hold at most ``tokens`` tokens (0: the lane is off)."""
+
+    def __init__(self, queue: Queue, run: Optional[Pack], tokens: int):
+        self.queue, self.run, self.tokens = queue, run, tokens if run is not None else 0
+        self.open = False  # the main lane runs a packable step: the side lane may run beside it
+        self.task: Optional[asyncio.Task] = None
+        self.stepped = asyncio.Event()  # set after each call (the main lane waits on it when all work is here)
+        self.calls = {"calls": 0, "steps": 0}
+
+    def beside(self, step: Union[Step, Packable]) -> bool:
+        """Whether the lane may run beside the main lane's ``step``: a packable one, the lane on."""
+        return self.tokens > 0 and isinstance(step, Packable)
+
+    def members(self) -> list[Member]:
+        """The next call: small packable steps of clients not on the learner, in fair order, of the first one's
+        key, up to ``tokens`` tokens in all."""
+        q = self.queue
+        return next_steps(sorted(((n, u) for n, u in q.users.items() if u.clients), key=q.order_key), q.running,
+                          self.tokens, self.tokens)
+
+    def kick(self) -> None:
+        """Start the lane if it is open, idle, and has work."""
+        if self.open and (self.task is None or self.task.done()) and self.members():
+            self.task = asyncio.get_running_loop().create_task(self._calls())
+
+    async def _calls(self) -> None:
+        """Calls while the lane is open and has work (each member's job settled as the main lane's are)."""
+        try:
+            while self.open and (members := self.members()):
+                steps = [m[3].steps[0] for m in members]
+                self.calls["calls"] += 1
+                self.calls["steps"] += len(members)
+                await self.queue.call(members, lambda: run_call(self.run, steps))
+                self.stepped.set()
+        except Exception as e:  # a fault of the queue itself: every waiting caller learns it (none hangs)
+            self.queue.fail_all(e)
+            raise
+        finally:
+            self.stepped.set()
+
+    async def call_ends(self) -> None:
+        """Wait for the call now running here (there must be one: every waiting job is on it)."""
+        if self.task is None or self.task.done():
+            raise RuntimeError("the fair queue has jobs waiting and none it can run")
+        self.stepped.clear()
+        await self.stepped.wait()
+
+    async def close(self) -> None:
+        """Close the lane and wait for its call now running to end."""
+        self.open = False
+        if self.task is not None and not self.task.done():
+            await asyncio.shield(self.task)
