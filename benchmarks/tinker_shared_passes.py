@@ -1,7 +1,8 @@
 """Many users' one-datum steps on one Tinker learner: shared passes against a pass per user.
 
 ``throughput``: N = 1, 2, 4, 8, 16 users, each a thread looping one ~16-token datum's forward_backward then
-optim_step, straight to a :class:`~otray.tinker.learner.shared_learner.SharedLearner` over Ray (no HTTP: the
+optim_step (``--client``: ``sequential``, the first's result awaited before the second is sent, or ``pipelined``,
+both sent together as the tinker SDK's clients send them), straight to a :class:`~otray.tinker.learner.shared_learner.SharedLearner` over Ray (no HTTP: the
 learner and its queue are what is measured). Three learners side by side, runs rotating: ``own``
 (``pass_tokens=0``: every user's slice a pass of its own, the behaviour before shared passes), ``shared``
 (the default ``scheduling.pass_tokens``: queued slices of several users in one pass, each row through its own
@@ -81,8 +82,12 @@ def learner_rates(args, path: str, done_row: Callable[[dict[str, Any]], None]) -
             num_threads=None if args.gpu else 1)
         ray.get([learners[mode].create.remote(f"u{i}", f"u{i}", AdapterSpec(32, i)) for i in range(max(users_list))])
 
-    def step(learner: Any, user: str):
+    def step(learner: Any, user: str, client: str = "sequential"):
         def go() -> None:
+            if client == "pipelined":  # as the tinker SDK's clients send a step: both calls, then both results
+                ray.get([learner.forward_backward.remote(user, user, data, "cross_entropy"),
+                         learner.optim_step.remote(user, user, AdamStep(learning_rate=1e-5))])
+                return
             ray.get(learner.forward_backward.remote(user, user, data, "cross_entropy"))
             ray.get(learner.optim_step.remote(user, user, AdamStep(learning_rate=1e-5)))
         return go
@@ -102,7 +107,7 @@ def learner_rates(args, path: str, done_row: Callable[[dict[str, Any]], None]) -
             learner = learners[mode]
             usage = ray.get(learner.usage.remote())
             stop = threading.Event()
-            threads = [Stepper(step(learner, f"u{i}"), stop) for i in range(users)]
+            threads = [Stepper(step(learner, f"u{i}", args.client), stop) for i in range(users)]
             start = run_window(threads, stop, args)
             done = sum(1 for t in threads for s in t.steps if start <= s[0] + s[1] < start + args.seconds)
             after = ray.get(learner.usage.remote())
@@ -233,6 +238,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--tenants", type=int, default=5)
     ap.add_argument("--users", default=",".join(map(str, USERS)), help="the N of the throughput part")
     ap.add_argument("--parts", default="throughput,tenant,kernels")
+    ap.add_argument("--client", choices=("sequential", "pipelined"), default="sequential",
+                    help="how a throughput user sends a step: forward_backward's result awaited before optim_step is "
+                         "sent, or both sent together and then awaited (the tinker SDK's clients)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "tinker_shared_passes.json"))
     args = ap.parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
