@@ -71,15 +71,18 @@ def learner_rates(args, path: str, done_row: Callable[[dict[str, Any]], None]) -
     ids = load_tokenizer(path).encode(TEXT)
     n = len(ids) - 1
     data = [Datum(ids[:-1], ids[1:], [1.0] * n, [0.0] * n, [0.0] * n, [1.0] * n)]
-    modes = {"own": (0, False), "shared": (TinkerScheduling().pass_tokens, False),
-             "followers": (TinkerScheduling().pass_tokens, True)}
+    passes = TinkerScheduling().pass_tokens
+    # mode -> (pass_tokens, wait_for_followers, side_tokens, CPUs: torch threads, or one a lane with the side lane)
+    known = {"own": (0, False, 0, 1), "own2": (0, False, 0, 2), "shared": (passes, False, 0, 1),
+             "followers": (passes, True, 0, 1), "side": (passes, False, 64, 2)}
+    modes = {m: known[m] for m in args.modes.split(",")}
     users_list = [int(u) for u in args.users.split(",")]
     t0 = time.perf_counter()
     learners = {}
-    for mode, (pass_tokens, wait) in modes.items():
-        learners[mode] = ray.remote(SharedLearner).options(num_cpus=1, num_gpus=0.3 if args.gpu else 0).remote(
+    for mode, (pass_tokens, wait, side, cpus) in modes.items():
+        learners[mode] = ray.remote(SharedLearner).options(num_cpus=cpus, num_gpus=0.3 if args.gpu else 0).remote(
             path, slice_tokens=TinkerScheduling().slice_tokens, pass_tokens=pass_tokens, wait_for_followers=wait,
-            num_threads=None if args.gpu else 1)
+            side_tokens=side, num_threads=None if args.gpu else (1 if side else cpus))
         ray.get([learners[mode].create.remote(f"u{i}", f"u{i}", AdapterSpec(32, i)) for i in range(max(users_list))])
 
     def step(learner: Any, user: str, client: str = "sequential"):
@@ -103,7 +106,7 @@ def learner_rates(args, path: str, done_row: Callable[[dict[str, Any]], None]) -
     rows: dict[str, Any] = {}
     for k, users in enumerate(users_list):
         row = {}
-        for mode in list(modes)[k % 3:] + list(modes)[:k % 3]:  # rotating: drift hits all three
+        for mode in list(modes)[k % len(modes):] + list(modes)[:k % len(modes)]:  # rotating: drift hits all
             learner = learners[mode]
             usage = ray.get(learner.usage.remote())
             stop = threading.Event()
@@ -117,11 +120,14 @@ def learner_rates(args, path: str, done_row: Callable[[dict[str, Any]], None]) -
                          "mean_steps_per_shared_call": (now["steps"] - before["steps"]) / calls if calls else 1.0,
                          "steps_per_call_by_key": per_key(usage["packed"], after["packed"])}
         own = row["own"]["datums_per_s"]
-        for mode in ("shared", "followers"):  # None: no own step ended
+        others = [m for m in modes if m != "own"]
+        for mode in others:  # None: no own step ended
             row[f"{mode}_over_own"] = row[mode]["datums_per_s"] / own if own else None
+            if "own2" in row and mode != "own2":  # against a pass per user on as many cores
+                row[f"{mode}_over_own2"] = row[mode]["datums_per_s"] / row["own2"]["datums_per_s"] or None
         line = "; ".join(f"{m} {row[m]['datums_per_s']:.1f} ({row[f'{m}_over_own'] or float('nan'):.2f}x; a call holds "
                          + ", ".join(f"{k} {v:.1f}" for k, v in row[m]["steps_per_call_by_key"].items()) + ")"
-                         for m in ("shared", "followers"))
+                         for m in others)
         print(f"N={users:2}: own {own:.1f} datums/s; {line}", flush=True)
         rows[str(users)] = row
         done_row(rows)
@@ -238,6 +244,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--tenants", type=int, default=5)
     ap.add_argument("--users", default=",".join(map(str, USERS)), help="the N of the throughput part")
     ap.add_argument("--parts", default="throughput,tenant,kernels")
+    ap.add_argument("--modes", default="own,shared,followers",
+                    help="learners measured side by side (own first): own, own2 (a pass per user on 2 torch threads), "
+                         "shared, followers (wait_for_followers), side (shared with the side lane: 2 lanes of 1 thread)")
     ap.add_argument("--client", choices=("sequential", "pipelined"), default="sequential",
                     help="how a throughput user sends a step: forward_backward's result awaited before optim_step is "
                          "sent, or both sent together and then awaited (the tinker SDK's clients)")
@@ -252,7 +261,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parts = args.parts.split(",")
     own = not ray.is_initialized() and bool({"throughput", "tenant"} & set(parts))
     if own:
-        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+        ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)  # logical: one learner is measured at a time
     out: dict[str, Any] = {"args": vars(args), "model": path, "through": "Ray calls to the SharedLearner",
                            "targets": {"shared_over_own_at_8_min": 5.0 if args.gpu else 3.0, "tenant_first_step_max_s": 1.0}}
     if Path(args.out).exists():  # a part not run now keeps its last figures

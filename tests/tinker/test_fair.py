@@ -345,6 +345,8 @@ def test_small_steps_run_on_the_side_lane_beside_a_pass_and_never_beside_another
         saving.append(asyncio.Event())
         queue = FairQueue(pack=timed(0.1), pass_tokens=1000, side=timed(0.02), side_tokens=32)
         assert await queue.run("erin", "e", [Packable("fb", 16, "e1")]) == ["e1"]  # alone: on the main lane, once
+        # beside a small step none starts: it would split the next shared pass
+        assert queue.side.beside(Packable("fb", 200, "x")) and not queue.side.beside(Packable("fb", 16, "x"))
         alice = asyncio.ensure_future(queue.run("alice", "a", [Packable("fb", 200, "a1"), checkpoint]))
         await asyncio.sleep(0.01)  # a1 is on the learner
         bob = asyncio.ensure_future(queue.run("bob", "b", [Packable("fb", 16, "b1")]))

@@ -147,9 +147,11 @@ class FairQueue:
                 name, u, client, job = first
                 self.running.add(id(job))  # chosen: the side lane leaves it (the call below keeps it so)
                 self.vtime = max(self.vtime, u.finish)
-                if self.side.beside(job.steps[0]):
+                if self.side.beside(job.steps[0]):  # a big packable step: small ones may run beside it
                     self.side.open = True
                     self.side.kick()
+                elif isinstance(job.steps[0], Packable):  # a small one: the side lane starts no call (its own may end)
+                    self.side.open = False
                 else:  # not packable (a sample, a checkpoint, an adapter made or dropped): the side lane ends first
                     await self.side.close()
                 if job.steps:
