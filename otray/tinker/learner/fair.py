@@ -65,6 +65,7 @@ from otray.tinker.learner.side_lane import SideLane
 
 __all__ = ["FairQueue", "Packable", "slices"]
 
+
 class FairQueue:
     """The learner's work, one step at a time (owned by the learner actor's event loop)."""
 
@@ -145,7 +146,7 @@ class FairQueue:
                     await self.side.call_ends()
                     continue
                 name, u, client, job = first
-                self.running.add(id(job))  # chosen: the side lane leaves it (the call below keeps it so)
+                self.running.add(id(job))  # chosen: the side lane must not take it (call() clears the mark)
                 self.vtime = max(self.vtime, u.finish)
                 if self.side.beside(job.steps[0]):  # a big packable step: small ones may run beside it
                     self.side.open = True
@@ -204,8 +205,7 @@ class FairQueue:
         for u in self.users.values():
             for jobs in u.clients.values():
                 for j in jobs:
-                    if not j.done.done():
-                        j.done.set_exception(error)
+                    j.fail(error)
         self.users.clear()
         self.pending = 0
         self.running.clear()
