@@ -208,6 +208,7 @@ class EnvSection:
     max_failing_rollouts: int = 0
     temperature: float = 1.0
     top_p: float = 1.0
+    min_p: float = 0.0  # > 0: min-p sampling (otray.types.SamplingParams), applied after temperature
     reward_reduction: str = "sum"  # over the turns' rewards that are not None
     # one more reward value for an episode that did not finish (ended unfinished by the env, or
     # truncated); null: none, so an unfinished episode with no reward counts as a failed rollout

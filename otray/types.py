@@ -82,6 +82,10 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
+    # > 0: after temperature (before top-k / top-p, as vLLM), rule out every token less likely than min_p
+    # times the likeliest one (min-p sampling): a temperature above 1 then spreads the choice among the tokens
+    # the model weighs, not over the tail
+    min_p: float = 0.0
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False  # generate exactly max_tokens (benchmarks); no stop ids apply
@@ -96,6 +100,8 @@ class SamplingParams:
             raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.min_p <= 1:
+            raise ConfigError(f"min_p must be in [0, 1], got {self.min_p}")
 
     @property
     def greedy(self) -> bool:

@@ -145,6 +145,7 @@ def test_bundled_modules_are_the_shipped_envs():
     ("envs.arithmetic.max_tokens_per_turn=0", "envs.arithmetic.max_tokens_per_turn must be >= 1"),
     ("resources.learner_cpus=-1", "resources.learner_cpus must be >= 0"),
     ("envs.arithmetic.top_p=0", "envs.arithmetic.top_p must be > 0 and <= 1"),
+    ("envs.arithmetic.min_p=1.5", "envs.arithmetic.min_p must be >= 0 and <= 1, got 1.5"),
     ("algo.learning_rate=nan", "algo.learning_rate must be >= 0, got nan"),
 ])
 def test_numeric_ranges_checked_at_load(override, message):

@@ -92,7 +92,7 @@ class EnvRollouts:
                 continue
             params = SamplingParams(max_tokens=env_cfg.max_tokens_per_turn, ignore_eos=env_cfg.ignore_eos,
                                     temperature=0.0 if greedy else env_cfg.temperature, top_p=env_cfg.top_p,
-                                    stop=tuple(env_cfg.stop))
+                                    min_p=env_cfg.min_p, stop=tuple(env_cfg.stop))
             batches.append((episodes, params, self.limits(env_cfg, episodes[0][1].max_turns)))
         loop = AgentLoop(self.tokenizer, self.generate, Limits())
         trajs = loop.run_many(batches)  # in the order of the batches: env by env, as ``slots`` is

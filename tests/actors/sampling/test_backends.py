@@ -158,6 +158,35 @@ def test_a_stop_callback_ends_every_row_early_and_a_call_stopped_before_it_began
     assert [[s.token_ids for s in r] for r in never] == [[[], []], [[], []]]
 
 
+def test_min_p_rules_out_every_token_under_its_share_of_the_likeliest_after_temperature(worker, tiny_path, prompts):
+    """min-p after temperature T keeps a token only where p_T >= min_p * max p_T, i.e. where its raw logprob
+    is at least T * log(min_p) below the likeliest token's; the recorded logprobs stay the raw ones."""
+    import math
+
+    from otray.models import load_model
+
+    worker.update_weights(PolicyLearner(tiny_path).weights())  # the base weights, as ``model`` holds them
+    model = load_model(tiny_path)
+
+    def worst_gap(min_p: float) -> float:
+        """The largest (likeliest raw logprob - sampled token's raw logprob) over every sampled token."""
+        params = SamplingParams(max_tokens=24, temperature=2.0, min_p=min_p, ignore_eos=True, seed=5)
+        gaps = []
+        for prompt, result in zip(prompts, worker.generate(prompts, params, n=4)):
+            for s in result.samples:
+                with torch.no_grad():
+                    lp = model(torch.tensor([prompt + s.token_ids])).logits[0].float().log_softmax(-1)
+                steps = lp[len(prompt) - 1:len(prompt) - 1 + len(s.token_ids)]
+                chosen = steps.gather(-1, torch.tensor(s.token_ids)[:, None]).squeeze(-1)
+                assert torch.allclose(chosen, torch.tensor(s.logprobs), atol=1e-3)  # raw logprobs recorded
+                gaps.extend((steps.max(-1).values - chosen).tolist())
+        return max(gaps)
+
+    bound = -2.0 * math.log(0.6)  # 1.02 nats (the untrained tiny model's distributions are flat)
+    assert worst_gap(0.0) > bound  # without min-p, a temperature of 2 samples further down
+    assert worst_gap(0.6) <= bound + 1e-3
+
+
 def test_chosen_logprobs_hold_one_step_and_equal_the_raw_log_softmax():
     """The HF sampler records each chosen token's raw logprob step by step (the processor sees the
     scores before temperature/top-k/top-p), holding one step's log-softmax, never every step's logits."""

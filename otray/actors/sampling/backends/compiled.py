@@ -8,7 +8,7 @@ dynamic; rows are padded to a bucket size (powers of two from 8 up to ``max_batc
 only ever sees those shapes (a CUDA graph is recorded per bucket). After the warm-up
 (:meth:`CompiledSampler.warm_up`, run when the sampler starts and timed) a call recompiles nothing, a
 weight update neither (weights are loaded into the same tensors: ``load_full_weights`` and
-:class:`MergedLora`). Choosing the token (temperature, top-k, top-p, end ids ruled out under
+:class:`MergedLora`). Choosing the token (temperature, min-p, top-k, top-p, end ids ruled out under
 ``ignore_eos``) runs eagerly on the step's logits; only the chosen token's raw (temperature-1) logprob
 is kept, as the eager sampler does. Stop ids end a row; stop strings are looked for every
 ``CHECK_EVERY`` steps and cut exactly afterwards (``base.apply_stop_strings``).
@@ -186,7 +186,7 @@ class CompiledSampler:
 
 class Chooser:
     """One step's choice of token from the float32 logits: raw logprobs first, then what shapes the
-    sampling distribution (end ids ruled out under ``ignore_eos``, temperature, top-k, top-p)."""
+    sampling distribution (end ids ruled out under ``ignore_eos``, temperature, min-p, top-k, top-p)."""
 
     def __init__(self, params: SamplingParams, end_ids: list[int], device: torch.device):
         self.params = params
@@ -205,6 +205,9 @@ class Chooser:
         else:
             if p.temperature != 1.0:
                 scores = scores / p.temperature
+            if p.min_p > 0.0:  # under min_p times the likeliest token: out (after temperature, as vLLM)
+                probs = scores.softmax(-1)
+                scores = scores.masked_fill(probs < p.min_p * probs.max(-1, keepdim=True).values, float("-inf"))
             if p.top_k > 0:
                 kth = scores.topk(min(p.top_k, scores.shape[-1]), dim=-1).values[:, -1:]
                 scores = scores.masked_fill(scores < kth, float("-inf"))

@@ -89,8 +89,8 @@ def processors(params: SamplingParams, recorder: ChosenLogprobs, prompt_width: i
     """The recorder first (after ``never``'s tokens are ruled out), then what shapes the sampling
     distribution (after the raw logprobs are taken). ``device``: the model's, where the min-new-tokens
     rule keeps its end-of-sequence ids (on a GPU, ids left on the CPU fail the first step)."""
-    from transformers import (LogitsProcessorList, MinNewTokensLengthLogitsProcessor, TemperatureLogitsWarper,
-                              TopKLogitsWarper, TopPLogitsWarper)
+    from transformers import (LogitsProcessorList, MinNewTokensLengthLogitsProcessor, MinPLogitsWarper,
+                              TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 
     out = LogitsProcessorList([NeverSample(never)] if never else [])
     out.append(recorder)
@@ -99,6 +99,8 @@ def processors(params: SamplingParams, recorder: ChosenLogprobs, prompt_width: i
     if not params.greedy:
         if params.temperature != 1.0:
             out.append(TemperatureLogitsWarper(params.temperature))
+        if params.min_p > 0.0:  # after temperature, before top-k / top-p (vLLM's order)
+            out.append(MinPLogitsWarper(params.min_p))
         if params.top_k > 0:
             out.append(TopKLogitsWarper(params.top_k))
         if params.top_p < 1.0:

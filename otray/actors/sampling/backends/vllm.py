@@ -186,7 +186,7 @@ class VLLMBackend:
         outs = []
         # vLLM caps max_tokens by the context itself only with an error; cap per prompt here.
         for budget, idx in _group_by_budget(prompts, params.max_tokens, self.max_model_len).items():
-            sp = VSP(n=n, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
+            sp = VSP(n=n, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, min_p=params.min_p,
                      max_tokens=budget, seed=params.seed, logprobs=0,
                      stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos,
                      skip_special_tokens=False, stop=list(params.stop) or None, include_stop_str_in_output=True,
