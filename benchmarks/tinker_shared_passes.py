@@ -17,7 +17,7 @@ new tenants.
 ``kernels``: in-process (no Ray, no queue), one user's step against N users' shared step: the operators that
 compute (kernel launches on a GPU, where a small pass is launch-bound; counted alike on the CPU) and seconds.
 
-    python benchmarks/tinker_shared_passes.py [--shape tiny] [--gpu] [--seconds 20] [--parts throughput,tenant,kernels]
+    python benchmarks/tinker_shared_passes.py [--shape tiny] [--gpu] [--seconds 20] [--parts throughput,tenant,kernels] [--rank 32]
 
 Prints the figures and writes ``benchmarks/results/tinker_shared_passes.json`` (``--gpu``: part of
 ``make gpu-check-tinker``, throughput and kernels).
@@ -83,7 +83,8 @@ def learner_rates(args, path: str, done_row: Callable[[dict[str, Any]], None]) -
         learners[mode] = ray.remote(SharedLearner).options(num_cpus=cpus, num_gpus=0.3 if args.gpu else 0).remote(
             path, slice_tokens=TinkerScheduling().slice_tokens, pass_tokens=pass_tokens, wait_for_followers=wait,
             side_tokens=side, num_threads=None if args.gpu else (1 if side else cpus))
-        ray.get([learners[mode].create.remote(f"u{i}", f"u{i}", AdapterSpec(32, i)) for i in range(max(users_list))])
+        ray.get([learners[mode].create.remote(f"u{i}", f"u{i}", AdapterSpec(args.rank, i))
+                 for i in range(max(users_list))])
 
     def step(learner: Any, user: str, client: str = "sequential"):
         def go() -> None:
@@ -158,7 +159,7 @@ def kernels(args, path: str) -> dict[str, Any]:
     users = max(int(u) for u in args.users.split(","))
     names = [f"u{i}" for i in range(users)]
     for i, name in enumerate(names):
-        learner.create(name, AdapterSpec(32, i))
+        learner.create(name, AdapterSpec(args.rank, i))
 
     def one() -> None:
         learner.forward_backward("u0", data, "cross_entropy")
@@ -242,6 +243,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--seconds", type=float, default=20.0)
     ap.add_argument("--warmup", type=float, default=3.0)
     ap.add_argument("--tenants", type=int, default=5)
+    ap.add_argument("--rank", type=int, default=32, help="the LoRA rank of the throughput and kernels parts (the SDK's default: 32)")
     ap.add_argument("--users", default=",".join(map(str, USERS)), help="the N of the throughput part")
     ap.add_argument("--parts", default="throughput,tenant,kernels")
     ap.add_argument("--modes", default="own,shared,followers",

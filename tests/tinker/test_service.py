@@ -594,22 +594,23 @@ def test_a_service_restart_keeps_every_finished_checkpoint(svc, tokenizer, ray_l
     tc.optim_step(types.AdamParams(learning_rate=1e-3))
     saved = tc.save_state("before-restart").result()
     ray_local.kill(ray_local.get_actor(NAME, namespace=NAMESPACE), no_restart=False)
-    rest = tinker.RestClient(base_url=URL, api_key=svc["alice"])
+    # the same ServiceClient goes on (its session was open when the service stopped): its first call to the
+    # new service makes a model from the checkpoint, before any call that ends the predecessor's leases
     deadline = time.time() + 120
     while True:
         try:
-            listed = [c.tinker_path for c in rest.list_checkpoints(tc.model_id).result().checkpoints]
+            again = sc.create_training_client_from_state_with_optimizer(saved.path).result()
             break
         except Exception:  # noqa: BLE001 - the actor is restarting
             assert time.time() < deadline, "the service did not come back"
             time.sleep(1)
-    assert saved.path in listed
-    lost = lease(ray_local, svc["alice"], tc.model_id)  # ended at once by the manager, or by the new service
+    rest = tinker.RestClient(base_url=URL, api_key=svc["alice"])
+    assert saved.path in [c.tinker_path for c in rest.list_checkpoints(tc.model_id).result().checkpoints]
+    lost = lease(ray_local, svc["alice"], tc.model_id)  # ended by the manager's watch, or by the new service
     assert lost.state == "FAILED" and ("lost" in lost.error or "restarted" in lost.error), lost
+    assert lease(ray_local, svc["alice"], again.model_id).state == "RUNNING"  # made since: not the predecessor's
     with pytest.raises(Exception, match="not loaded .*create_training_client_from_state"):
         tc.forward_backward([sft(*problems(tokenizer, 1)[0])], "cross_entropy").result()
-    # the same ServiceClient goes on: its session was open when the service stopped
-    again = sc.create_training_client_from_state_with_optimizer(saved.path).result()
     again.save_state("after-restart").result()
     assert max_diff(adapter_file(svc["store"], tc.model_id, "before-restart"),
                     adapter_file(svc["store"], again.model_id, "after-restart")) == 0.0

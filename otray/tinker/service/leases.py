@@ -55,6 +55,7 @@ class Leases:
     def __init__(self, store: Store, rm: Any, holder: tuple[Any, str] = (None, "")):
         self.store, self.rm, self.holder = store, rm, holder
         self.progress: dict[str, _Progress] = {}
+        self.inherited = set(store.leases())  # open when this service started: its predecessor's (their models died)
 
     async def open(self, spec: LeaseSpec, api_key: Optional[str]) -> str:
         """Open the lease for a new live model; returns its job id."""
@@ -128,9 +129,12 @@ class Leases:
         except Exception as e:  # noqa: BLE001 - already cancelled, or the manager is gone
             log.info("lease %s of %s was already closed: %s", held[0], model_id, type(_cause(e)).__name__)
 
-    async def close_all(self, state: JobState, error: str) -> None:
-        """Close every lease the store holds (a restarted service's predecessor's)."""
-        for model_id in list(self.store.leases()):
+    async def close_inherited(self, state: JobState, error: str) -> None:
+        """Close the leases a restarted service's predecessor left open (those in the store when this one
+        started; never one this service opened since: a client whose session outlived the restart may have
+        made a new model before the first call that recovers)."""
+        inherited, self.inherited = self.inherited, set()
+        for model_id in sorted(inherited):
             await self.close(model_id, state, error)
 
 

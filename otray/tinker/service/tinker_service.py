@@ -142,7 +142,7 @@ class TinkerService:
             loop = asyncio.get_running_loop()  # the tasks are kept: the loop holds only weak references
             self.tasks = [loop.create_task(self.sessions.sweep()), loop.create_task(self.catalog.sweep_expired(self.cfg.ttl_sweep_s)),
                           *(loop.create_task(self.training.healing.watch(b)) for b in self.learners)]
-            await self.leases.close_all(JobState.FAILED, "the Tinker service restarted; its live models are gone: "
+            await self.leases.close_inherited(JobState.FAILED, "the Tinker service restarted; its live models are gone: "
                                                   "load their last checkpoints with create_training_client_from_state")
 
     # ------------------------------------------------------------------ sessions and capabilities
@@ -271,7 +271,10 @@ class TinkerService:
 
     async def rest(self, owner: str, query: RestQuery) -> Any:
         """A read-only REST call (checkpoints, training runs, weights info, a sampler) or a checkpoint's
-        deletion: :meth:`~otray.tinker.service.catalog.Catalog.answer`, owner-checked there."""
+        deletion: :meth:`~otray.tinker.service.catalog.Catalog.answer`, owner-checked there. A restarted service
+        ends its predecessor's leases first, so what a user reads after the restart is already current (the
+        manager's watch of the dead actor may come later: session 49's CI read a lost lease still RUNNING)."""
+        await self._recover()
         return self.catalog.answer(owner, query)
 
     # ------------------------------------------------------------------ sampling
