@@ -217,7 +217,8 @@ def test_concurrent_merges_never_pass_the_storage_quota(svc, tokenizer):
     taken = [r.json()["request_id"] for r in answers if r.status_code == 200]
     refused = [r for r in answers if r.status_code != 200]
     assert len(taken) == 2, [r.text for r in answers]
-    assert all(r.status_code == 403 and "quota.storage_gb" in r.json()["detail"] for r in refused)
+    assert all(r.status_code == 403 and "quota.storage_gb" in r.json()["detail"] for r in refused), [
+        (r.status_code, r.text) for r in refused]
     for rid in taken:
         while True:
             out = httpx.post(f"{URL}/api/v1/retrieve_future", json={"request_id": rid},
