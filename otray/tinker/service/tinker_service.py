@@ -273,7 +273,7 @@ class TinkerService:
         """A read-only REST call (checkpoints, training runs, weights info, a sampler) or a checkpoint's
         deletion: :meth:`~otray.tinker.service.catalog.Catalog.answer`, owner-checked there. A restarted service
         ends its predecessor's leases first, so what a user reads after the restart is already current (the
-        manager's watch of the dead actor may come later: session 49's CI read a lost lease still RUNNING)."""
+        manager's watch of the dead actor may end them later than that)."""
         await self._recover()
         return self.catalog.answer(owner, query)
 
