@@ -5,6 +5,8 @@ actor that holds the model (Ray makes an actor's GPUs visible to it only when it
 - ``device``: ``auto`` = the first GPU this process sees, else the CPU; ``cpu``; ``cuda`` (an
   error naming the key when the process sees no GPU).
 - ``dtype``: ``auto`` = bfloat16 on a GPU, float32 on the CPU; or ``float32`` / ``bfloat16`` / ``float16``.
+- The heap (:func:`settle_heap`): once a model's actor has loaded, what is alive then is kept out of
+  Python's full garbage collections, so one does not stall a step.
 - RNG states (:func:`rng_state`, :func:`set_rng_state`): a process's random generators, which a checkpoint
   keeps for the learner and each rollout worker, so a resumed job samples what the uninterrupted one did.
 """
@@ -64,3 +66,17 @@ def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
     if "cuda" in state and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def settle_heap() -> None:
+    """Collect once, then move every object alive now (the imported libraries, the loaded model) into the
+    garbage collector's permanent generation (``gc.freeze``): a full collection then scans only what was made
+    since. Called by a model's actor when it has loaded. Without it a full collection in a Tinker learner
+    scanned ~470k objects and held one user's slice 0.23 s (her custom loss's budget was spent waiting)."""
+    import atexit
+    import gc
+
+    gc.collect()
+    if not gc.get_freeze_count():  # at exit the heap is collectable again: extensions that count their
+        atexit.register(gc.unfreeze)  # objects' release (nanobind) would call the frozen ones leaked
+    gc.freeze()

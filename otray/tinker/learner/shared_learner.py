@@ -29,6 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+from otray.device import settle_heap
 from otray.tinker.config import Share
 from otray.tinker.errors import UserError
 from otray.tinker.learner.fair import FairQueue, Packable, slices
@@ -77,6 +78,7 @@ class SharedLearner:
         self.slice_tokens = slice_tokens if policy == "fair" else 0
         self.sampling: dict[str, bool] = {}  # named sampling calls queued or running -> abandoned (abort_sample)
         self.aborted = 0  # sampling calls ended early (abort_sample)
+        settle_heap()  # a full garbage collection would otherwise stall whichever user's step it fell in
 
     def _step(self, fn: Callable[..., Any], *args: Any) -> Callable[[], Any]:
         return lambda: asyncio.get_running_loop().run_in_executor(self.pool, functools.partial(fn, *args))
