@@ -77,7 +77,7 @@ def same(mixed, alone) -> None:
             assert np.allclose(x, y, atol=1e-5)
         for x, y in zip(m.losses, a.losses):
             assert np.allclose(x, y, atol=1e-5)
-        assert m.loss_sum == pytest.approx(a.loss_sum, abs=1e-4)
+        assert m.loss_sum == pytest.approx(a.loss_sum, abs=1e-4, rel=1e-6)  # a float32 sum of ~2,000 in one order or another
         assert m.metric_sums.keys() == a.metric_sums.keys()
         for key in m.metric_sums:
             assert m.metric_sums[key] == pytest.approx(a.metric_sums[key], abs=1e-4)
@@ -102,6 +102,32 @@ def test_a_mixed_pass_gives_each_request_what_its_own_pass_gives(learner, loss_f
     for r in reqs:
         own = grads(learner, r.adapter)
         assert any(g.abs().sum() > 0 for g in own), r.adapter  # the check below compares real gradients
+        for g, h in zip(mixed_grads[r.adapter], own):
+            assert torch.allclose(g, h, atol=1e-5, rtol=1e-4), r.adapter
+
+
+def test_batched_small_users_equal_their_own_passes(tiny_path):
+    """Small users' rows batched per rank (one and two datums: segments padded to their widest group; their
+    products one autograd function, mixed_lora._Products): each request's logprobs, losses and gradients (of A
+    too: B is made nonzero first) equal its own pass's."""
+    learner = AdapterLearner(tiny_path)
+    rng = np.random.default_rng(11)
+    users = {f"u{i}": (8 if i < 4 else 32, 1 + i % 2) for i in range(6)}
+    for i, (name, (rank, _)) in enumerate(users.items()):
+        learner.create(name, AdapterSpec(rank, seed=i))
+        with torch.no_grad():
+            for n, p in learner.model.named_parameters():
+                if f".{name}." in n and "lora_B" in n:
+                    p.normal_(0, 0.02, generator=torch.Generator().manual_seed(i))
+    reqs = [PassRequest(name, [datum(rng, 7 + k) for k in range(n)], "ppo", {"clip_low": 0.8, "clip_high": 1.2})
+            for name, (_, n) in users.items()]
+    mixed = learner.forward_many(reqs)
+    mixed_grads = {r.adapter: grads(learner, r.adapter) for r in reqs}
+    alone = [learner.forward_backward(r.adapter, r.datums, r.loss_fn, r.loss_fn_config) for r in reqs]
+    same(mixed, alone)
+    for r in reqs:
+        own = grads(learner, r.adapter)
+        assert all(g.abs().sum() > 0 for g in own), r.adapter  # A's and B's gradients both real
         for g, h in zip(mixed_grads[r.adapter], own):
             assert torch.allclose(g, h, atol=1e-5, rtol=1e-4), r.adapter
 

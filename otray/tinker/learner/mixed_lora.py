@@ -18,13 +18,15 @@ cast of every LoRA input to float32 and back. Gradients reach each adapter from 
 adapter trained in mixed passes equals one trained alone (tests/tinker/test_mixed_passes.py).
 
 On a GPU a small pass costs its kernel launches, so a batched segment launches no more than one adapter's
-own matmuls would: the products are written ``B (A x^T)``, which makes the stacked weights' gradient
-contiguous, and each adapter's gradient is then its slice of it (written ``x A^T B^T`` the slices were
-transposed views, and autograd copied each into a gradient of its own: two kernels per tensor and adapter,
-half of a shared pass's operators); no layer makes a tensor from host values (a copy that waits for the
-device). A gradient slice keeps its pass's stacked block alive until every adapter in it has stepped or
-dropped its gradient. 8 one-datum users' pass: 1.2x one user's operators (2.7x before; benchmarks/
-tinker_shared_passes.py, ``kernels``).
+own matmuls would: its products are one autograd function (:class:`_Products`) whose backward writes each
+gradient in its tensor's own layout, so each adapter's gradient is its slice of the stacked weights' (left
+to autograd, ``x A^T B^T`` made the slices transposed views, copied into gradients of their own: two kernels
+per tensor and adapter, half of a shared pass's operators; ``B (A x^T)`` avoided that but made the update a
+transposed view, which left the MLP's activations and their gradients in mixed layouts, where the CPU's
+elementwise ops ran up to 9x slower: ``silu_backward`` 0.53 ms against 0.06 ms); no layer makes a tensor from
+host values (a copy that waits for the device). A gradient slice keeps its pass's stacked block alive until
+every adapter in it has stepped or dropped its gradient. 8 one-datum users' pass: 1.2x one user's operators
+(2.7x before; benchmarks/tinker_shared_passes.py, ``kernels``).
 
 Runs in the SharedLearner actor of one base model."""
 
@@ -200,12 +202,31 @@ def _update(layer: Any, routing: RowRouting, seg: Segment, x: torch.Tensor, out_
     w_b = torch.stack([layer.lora_B[n].weight for n in seg.names]).to(x.dtype)  # (k, out, r)
     scales = tuple(float(layer.scaling[n]) for n in seg.names)
     xs = x.reshape(k, -1, x.shape[-1])  # each group's rows (and positions) one after another
-    # transposed products, B (A x^T): the weights' gradients come out contiguous, so each adapter's gradient is
-    # its slice of them, not a copy (x A^T B^T made them transposed views: a copy per tensor and adapter)
-    up = torch.bmm(w_b, torch.bmm(w_a, xs.transpose(1, 2))).transpose(1, 2)
+    up = _Products.apply(xs, w_a, w_b)  # (k, L, out), each gradient in its tensor's layout
     # one scale for all (the usual case): a Python number, as PEFT scales
     up = up * scales[0] if len(set(scales)) == 1 else up * routing.const(scales, x.dtype, x.device).view(k, 1, 1)
     up = up.reshape(k * seg.width, *inner, out_features)
     if seg.keep is not None:
         up = up.index_select(0, routing.const(seg.keep, torch.long, x.device))
     return up
+
+
+class _Products(torch.autograd.Function):
+    """``(x A^T) B^T`` per group (``x``: (k, L, in), ``A``: (k, r, in), ``B``: (k, out, r)): the update and every
+    gradient come out contiguous in their tensors' own layouts, in as many ``bmm`` as autograd's."""
+
+    @staticmethod
+    def forward(ctx: Any, xs: torch.Tensor, w_a: torch.Tensor, w_b: torch.Tensor) -> torch.Tensor:
+        h = torch.bmm(xs, w_a.transpose(1, 2))  # (k, L, r)
+        ctx.save_for_backward(xs, w_a, w_b, h)
+        return torch.bmm(h, w_b.transpose(1, 2))  # (k, L, out)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
+        xs, w_a, w_b, h = ctx.saved_tensors
+        need_x, need_a, need_b = ctx.needs_input_grad
+        grad_b = torch.bmm(g.transpose(1, 2), h) if need_b else None  # (k, out, r)
+        grad_h = torch.bmm(g, w_b) if need_a or need_x else None  # (k, L, r)
+        grad_a = torch.bmm(grad_h.transpose(1, 2), xs) if need_a else None  # (k, r, in)
+        grad_x = torch.bmm(grad_h, w_a) if need_x else None  # (k, L, in)
+        return grad_x, grad_a, grad_b
