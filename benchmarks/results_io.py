@@ -8,8 +8,29 @@ from pathlib import Path
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
+def machine() -> dict:
+    """The CPU the figures came from (its model name, cores, widest vector unit): figures from the AMD Zen 4,
+    AVX2 AMD and Intel Xeon machines these sessions ran on differ by up to 2x for the same code."""
+    import os
+
+    name, flags = "unknown", set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                name = value.strip()
+            elif key.strip() == "flags":
+                flags = set(value.split())
+    except OSError:
+        pass
+    vector = next((v for v in ("avx512f", "avx2") if v in flags), "other")
+    return {"cpu": name, "cores": os.cpu_count(), "vector": vector}
+
+
 def save(result: dict, out: str | Path) -> Path:
-    """Write ``result`` as indented JSON to ``out`` (its folder made if needed); say where."""
+    """Write ``result`` as indented JSON to ``out`` (its folder made if needed), with the machine it ran on
+    (:func:`machine`, unless the result names one); say where."""
+    result = {**result, "machine": result.get("machine") or machine()}
     path = Path(out)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1))
