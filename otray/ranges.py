@@ -24,7 +24,8 @@ class GT(float):
 
 _ENV = {  # one env's sampling and episode limits (envs.*) ...
     "num_rollouts": (1, 4096), "max_failing_rollouts": (0, None), "temperature": (0, None),
-    "top_p": (GT(0), 1), "min_p": (0, 1), "weight": (0, None), "max_turns": (1, 100_000), "max_tokens_per_turn": (1, 1 << 20),
+    "top_p": (GT(0), 1), "min_p": (0, 1), "weight": (0, None), "max_turns": (1, 100_000),
+    "max_tokens_per_turn": (1, 1 << 20),
     "max_tokens_per_episode": (1, 1 << 22), "max_concurrency": (1, 4096), "timeout_s": (GT(0), None),
     "episode_timeout_s": (GT(0), None), "max_rollout_retries": (0, 100),
 }

@@ -110,6 +110,8 @@ def test_a_costly_custom_loss_is_cut_at_its_budget_and_other_users_steps_run_bet
     import gc
     import time
 
+    import torch
+
     from otray.tinker.config import CustomLossLimits
     from otray.tinker.errors import UserError
     from otray.tinker.learner.loss_graph import parse_graph
@@ -158,8 +160,6 @@ def test_a_costly_custom_loss_is_cut_at_its_budget_and_other_users_steps_run_bet
         charged = shared.usage()["seconds"]["eve"] - made["eve"]
         assert budget <= charged < 2.5 * budget + 2 * slice_s, (charged, slice_s)
         assert held < 3 * budget + 2.0, (held, slice_s)
-
-    import torch
 
     threads = torch.get_num_threads()
     # one compute thread: two (the default here) wait on each other whenever the test's workers share the

@@ -77,7 +77,8 @@ def same(mixed, alone) -> None:
             assert np.allclose(x, y, atol=1e-5)
         for x, y in zip(m.losses, a.losses):
             assert np.allclose(x, y, atol=1e-5)
-        assert m.loss_sum == pytest.approx(a.loss_sum, abs=1e-4, rel=1e-6)  # a float32 sum of ~2,000 in one order or another
+        # a float32 sum of ~2,000 terms, added in one order or another
+        assert m.loss_sum == pytest.approx(a.loss_sum, abs=1e-4, rel=1e-6)
         assert m.metric_sums.keys() == a.metric_sums.keys()
         for key in m.metric_sums:
             assert m.metric_sums[key] == pytest.approx(a.metric_sums[key], abs=1e-4)

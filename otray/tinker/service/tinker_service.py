@@ -142,8 +142,8 @@ class TinkerService:
             loop = asyncio.get_running_loop()  # the tasks are kept: the loop holds only weak references
             self.tasks = [loop.create_task(self.sessions.sweep()), loop.create_task(self.catalog.sweep_expired(self.cfg.ttl_sweep_s)),
                           *(loop.create_task(self.training.healing.watch(b)) for b in self.learners)]
-            await self.leases.close_inherited(JobState.FAILED, "the Tinker service restarted; its live models are gone: "
-                                                  "load their last checkpoints with create_training_client_from_state")
+            await self.leases.close_inherited(JobState.FAILED, "the Tinker service restarted; its live models are "
+                                              "gone: load their last checkpoints with create_training_client_from_state")
 
     # ------------------------------------------------------------------ sessions and capabilities
 
