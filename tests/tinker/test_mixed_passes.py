@@ -6,6 +6,7 @@ whose loss fails gets its error back alone. In-process, tiny model, float32: 1e-
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -131,6 +132,51 @@ def test_batched_small_users_equal_their_own_passes(tiny_path):
         assert all(g.abs().sum() > 0 for g in own), r.adapter  # A's and B's gradients both real
         for g, h in zip(mixed_grads[r.adapter], own):
             assert torch.allclose(g, h, atol=1e-5, rtol=1e-4), r.adapter
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_equal_small_users_fold_their_updates_into_one_node_and_equal_their_own_passes(tiny_path, monkeypatch, dtype):
+    """Small users of one rank with equal rows (the usual shared pass: one-datum users) take the folded products
+    (mixed_lora._AddProducts: the base output, scale and each adapter's gradient handled inside one node). Their
+    logprobs, losses and gradients (A's and B's, accumulated over two passes) equal their own passes' (float32:
+    1e-5; bf16: the stated 0.05 nats, fp32 gradients); a forward-only pass leaves no gradient."""
+    from otray.tinker.learner import mixed_lora
+
+    folded = []
+    forward = mixed_lora._AddProducts.forward
+    monkeypatch.setattr(mixed_lora._AddProducts, "forward", staticmethod(lambda *a: folded.append(1) or forward(*a)))
+    learner = AdapterLearner(tiny_path, dtype=dtype)
+    rng = np.random.default_rng(5)
+    names = [f"u{i}" for i in range(6)]
+    for i, name in enumerate(names):
+        learner.create(name, AdapterSpec(8, seed=i))  # alpha 32: a scale of 4 (at rank 32 it is 1)
+        with torch.no_grad():
+            for n, p in learner.model.named_parameters():
+                if f".{name}." in n and "lora_B" in n:
+                    p.normal_(0, 0.02, generator=torch.Generator().manual_seed(i))
+    reqs = [PassRequest(name, [datum(rng, 11)], "ppo", {"clip_low": 0.8, "clip_high": 1.2}) for name in names]
+    learner.forward_many([dataclasses.replace(r, backward=False) for r in reqs])
+    assert folded and all(p.grad is None for n in names for p in learner._params(n))
+    folded.clear()
+    mixed = [learner.forward_many(reqs) for _ in range(2)][-1]
+    assert folded
+    mixed_grads = {r.adapter: grads(learner, r.adapter) for r in reqs}
+    alone = [[learner.forward_backward(r.adapter, r.datums, r.loss_fn, r.loss_fn_config) for _ in range(2)][-1]
+             for r in reqs]
+    if dtype == "float32":
+        same(mixed, alone)
+    else:
+        assert max(float(np.abs(np.asarray(x) - np.asarray(y)).max())
+                   for m, a in zip(mixed, alone) for x, y in zip(m.logprobs, a.logprobs)) < 0.05
+    for r in reqs:
+        own = grads(learner, r.adapter)
+        assert all(g.abs().sum() > 0 for g in own), r.adapter  # A's and B's gradients both real
+        for g, h in zip(mixed_grads[r.adapter], own):
+            assert g.dtype == torch.float32
+            if dtype == "float32":
+                assert torch.allclose(g, h, atol=1e-5, rtol=1e-4), r.adapter
+            else:  # bf16 activations: gradients alike in direction and size
+                assert torch.nn.functional.cosine_similarity(g.flatten(), h.flatten(), 0) > 0.95, r.adapter
 
 
 def test_forward_only_requests_share_a_pass_and_leave_no_gradient(learner):

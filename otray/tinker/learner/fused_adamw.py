@@ -26,8 +26,15 @@ def fused_adamw_steps(groups: list[list[torch.nn.Parameter]], optimizers: list[t
 
     # clip_grad_norm_'s own two halves (as adamw_step clips one adapter): the same norm and scaling to the
     # last bit (a norm of torch._foreach_norm's differed in its last bits under torch 2.13, and the weights
-    # by 2e-6 after three steps)
-    totals = [get_total_norm([p.grad for p in g], foreach=True) for g in groups]
+    # by 2e-6 after three steps). With one device and dtype, get_total_norm's own steps for all groups at
+    # once: every tensor's norm in one foreach call, then each group's total of its tensors' norms (8 adapters:
+    # one call and no device move per tensor, not eight).
+    grads = [p.grad for g in groups for p in g]
+    if len({(t.device, t.dtype) for t in grads}) == 1:
+        each = iter(torch._foreach_norm(grads, 2.0))
+        totals = [torch.linalg.vector_norm(torch.stack([next(each) for _ in g]), 2.0) for g in groups]
+    else:
+        totals = [get_total_norm([p.grad for p in g], foreach=True) for g in groups]
     if grad_clip > 0:
         for g, total in zip(groups, totals):
             clip_grads_with_norm_(g, grad_clip, total, foreach=True)
