@@ -1,8 +1,10 @@
 """Many users' one-datum steps on one Tinker learner: shared passes against a pass per user.
 
 ``throughput``: N = 1, 2, 4, 8, 16 users, each a thread looping one ~16-token datum's forward_backward then
-optim_step (``--client``: ``sequential``, the first's result awaited before the second is sent, or ``pipelined``,
-both sent together as the tinker SDK's clients send them), straight to a :class:`~otray.tinker.learner.shared_learner.SharedLearner` over Ray (no HTTP: the
+optim_step (``--client``: ``sequential``, the first's result awaited before the second is sent; ``pipelined``,
+both sent together as the tinker SDK's clients send them; ``ahead``, the next step sent before this one is
+awaited, as tinker-cookbook's supervised loop does; ``fused``, both in one call, ``SharedLearner.train_step``, as
+the service sends a forward_backward whose optim_step is queued behind it), straight to a :class:`~otray.tinker.learner.shared_learner.SharedLearner` over Ray (no HTTP: the
 learner and its queue are what is measured). Three learners side by side, runs rotating: ``own``
 (``pass_tokens=0``: every user's slice a pass of its own, the behaviour before shared passes), ``shared``
 (the default ``scheduling.pass_tokens``: queued slices of several users in one pass, each row through its own
@@ -87,7 +89,20 @@ def learner_rates(args, path: str, done_row: Callable[[dict[str, Any]], None]) -
                  for i in range(max(users_list))])
 
     def step(learner: Any, user: str, client: str = "sequential"):
+        pending: list[Any] = []  # ``ahead``: the steps sent and not yet awaited
+
         def go() -> None:
+            if client == "ahead":  # the tinker cookbook's supervised loop (submit_ahead=1): the next step is sent
+                pending.append([learner.forward_backward.remote(user, user, data, "cross_entropy"),  # before
+                                learner.optim_step.remote(user, user, AdamStep(learning_rate=1e-5))])  # this one's
+                if len(pending) > 1:  # results are awaited, so the learner has it queued meanwhile
+                    ray.get(pending.pop(0))
+                return
+            if client == "fused":  # both parts in one call (SharedLearner.train_step), as the service sends them
+                got = ray.get(learner.train_step.remote(user, user, data, "cross_entropy", AdamStep(learning_rate=1e-5)))
+                if isinstance(got.optim_step, BaseException):
+                    raise got.optim_step
+                return
             if client == "pipelined":  # as the tinker SDK's clients send a step: both calls, then both results
                 ray.get([learner.forward_backward.remote(user, user, data, "cross_entropy"),
                          learner.optim_step.remote(user, user, AdamStep(learning_rate=1e-5))])
@@ -249,9 +264,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--modes", default="own,shared,followers",
                     help="learners measured side by side (own first): own, own2 (a pass per user on 2 torch threads), "
                          "shared, followers (wait_for_followers), side (shared with the side lane: 2 lanes of 1 thread)")
-    ap.add_argument("--client", choices=("sequential", "pipelined"), default="sequential",
+    ap.add_argument("--client", choices=("sequential", "pipelined", "ahead", "fused"), default="sequential",
                     help="how a throughput user sends a step: forward_backward's result awaited before optim_step is "
-                         "sent, or both sent together and then awaited (the tinker SDK's clients)")
+                         "sent; both sent together and then awaited (the tinker SDK's clients); ahead: as pipelined, the "
+                         "next step sent before this one is awaited (tinker-cookbook's supervised loop, submit_ahead=1); "
+                         "fused: both in one call (SharedLearner.train_step, what the service sends for a queued pair)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "tinker_shared_passes.json"))
     args = ap.parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

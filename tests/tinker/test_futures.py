@@ -67,3 +67,53 @@ def test_forgetting_a_model_fails_its_waiting_requests_with_the_reason():
         with pytest.raises(UserError, match="no model"):
             order.submit("m", 3, "alice", recorder([], 3))
     asyncio.run(main())
+
+
+class Leader:
+    """A run that can lead the request after it (as train_runs.PassRun leads an optim_step)."""
+
+    def __init__(self, ran: list, seq: int, fail: bool = False):
+        self.ran, self.seq, self.fail = ran, seq, fail
+
+    async def __call__(self) -> Outcome:
+        self.ran.append(self.seq)
+        return Outcome("json", {"seq": self.seq})
+
+    def with_next(self, run):
+        if not isinstance(run, Follower):
+            return None
+
+        async def both() -> tuple[Outcome, Outcome]:
+            self.ran.append((self.seq, run.seq))
+            if self.fail:
+                raise RuntimeError("the shared call failed")
+            return Outcome("json", {"seq": self.seq}), Outcome("json", {"seq": run.seq})
+        return both
+
+
+class Follower(Leader):
+    def with_next(self, run):
+        return None
+
+
+def test_a_request_runs_with_the_queued_one_it_leads_and_each_gets_its_own_answer():
+    async def main():
+        futures = Futures(60)
+        order = OrderedExecutor(futures, gap_timeout_s=30)
+        order.start("m")
+        ran: list = []
+        r2 = order.submit("m", 2, "alice", Follower(ran, 2))
+        r3 = order.submit("m", 3, "alice", Leader(ran, 3))  # nothing queued after it: alone
+        r1 = order.submit("m", 1, "alice", Leader(ran, 1))  # 2 is queued: 1 and 2 in one call
+        outs = [await futures.wait(r, "alice", 5) for r in (r1, r2, r3)]
+        assert ran == [(1, 2), 3] and [o.body["seq"] for o in outs] == [1, 2, 3]
+        r4 = order.submit("m", 4, "alice", Leader(ran, 4, fail=True))
+        await asyncio.sleep(0.05)  # 4 runs alone (5 not there yet)
+        r5 = order.submit("m", 5, "alice", Follower(ran, 5))
+        r7 = order.submit("m", 7, "alice", Follower(ran, 7))
+        r6 = order.submit("m", 6, "alice", Leader(ran, 6, fail=True))  # its shared call fails: both get the error
+        outs = [await futures.wait(r, "alice", 5) for r in (r4, r5, r6, r7)]
+        assert ran[2:] == [4, 5, (6, 7)]
+        assert [o.kind for o in outs] == ["json", "json", "error", "error"]
+        assert all("the shared call failed" in o.body["error"] for o in outs[2:])
+    asyncio.run(main())

@@ -207,3 +207,45 @@ def test_a_custom_loss_failing_in_a_later_slice_leaves_the_gradient_as_it_was(ti
         assert any(not torch.equal(p.grad, g) for p, g in zip(params, before))  # the good datum's gradient adds
 
     asyncio.run(scenario())
+
+
+def test_a_forward_backward_and_its_optim_step_in_one_call_equal_two_calls(tiny_path):
+    """SharedLearner.train_step (the service sends a client's queued forward_backward and optim_step so): its
+    answers and the adapter it leaves equal the two calls'; a forward_backward that fails (a custom loss's
+    gather out of range) fails alone, and the optim_step after it still runs, as it would after two calls."""
+    import asyncio
+    import json
+
+    from otray.tinker.errors import UserError
+    from otray.tinker.learner.loss_graph import parse_graph
+    from otray.tinker.learner.shared_learner import SharedLearner
+    from otray.tinker.wire.requests import GraphUpload
+    from tests.conftest import ROOT
+
+    rng = np.random.default_rng(3)
+    steps = []
+    for _ in range(3):
+        ids = rng.integers(1, 200, 10).tolist()
+        steps.append([Datum(ids[:-1], ids[1:], [1.0] * 9, [0.0] * 9, [0.0] * 9, [1.0] * 9)])
+    adam = AdamStep(learning_rate=0.02)
+    graph = parse_graph(GraphUpload.of(json.loads((ROOT / "tests" / "fixtures" / "custom_loss.json").read_text())))
+    bad = Datum([1, 2, 3], [2, 3, 4], [1.0] * 3, [0.0] * 3, [0.0] * 3, custom_inputs=(
+        np.full(3, -3, np.float32), np.ones(3, np.float32), np.full(3, 10 ** 6, np.float32)))
+
+    async def scenario() -> None:
+        shared = SharedLearner(tiny_path, slice_tokens=1024, pass_tokens=1280)
+        for name in ("one", "two"):
+            await shared.create("alice", name, AdapterSpec(4, seed=7))
+        for data in steps:
+            got = await shared.train_step("alice", "one", data, "cross_entropy", adam)
+            fb = await shared.forward_backward("alice", "two", data, "cross_entropy")
+            assert got.forward_backward.logprobs == fb.logprobs and got.forward_backward.loss_sum == fb.loss_sum
+            assert got.optim_step == await shared.optim_step("alice", "two", adam)
+        one, two = (shared.learner.adapter_tensors(n) for n in ("one", "two"))
+        assert all(torch.equal(v, two[k.replace(".one.", ".two.")]) for k, v in one.items())
+        assert shared.usage()["train_steps"] == 3
+        failed = await shared.train_step("alice", "one", [bad], "custom", adam, None, graph)
+        assert isinstance(failed.forward_backward, UserError) and "gather" in str(failed.forward_backward)
+        assert failed.optim_step["step:max"] == 4.0  # it ran, as an optim_step sent after the failed call would
+
+    asyncio.run(scenario())

@@ -138,10 +138,15 @@ def test_training_sampling_and_checkpoint_calls_through_the_sdk(svc, tokenizer):
     sc.close("success").result()
 
 
-def test_chunks_pipelining_and_resume_match_one_call_in_process(svc, tokenizer, tiny_path):
+def test_chunks_pipelining_and_resume_match_one_call_in_process(svc, tokenizer, tiny_path, ray_local):
     """8 datums go out as 3 parallel chunks, each in 2 learner slices; fb, optim, fb, optim are all submitted
-    before any is awaited; the adapter equals one trained in process with one call per step. A client made
+    before any is awaited, so a last chunk finds its optim_step queued and both go to the learner as one call
+    (train_runs.pass_and_step); the adapter equals one trained in process with one call per step. A client made
     from the saved state (with optimizer) then takes the same next step as the original."""
+    from otray.tinker.service.tinker_service import NAME, NAMESPACE
+
+    actor = ray_local.get_actor(NAME, namespace=NAMESPACE)
+    joined = ray_local.get(actor.learner_use.remote())[BASE]["train_steps"]
     sc = tinker.ServiceClient(base_url=URL, api_key=svc["alice"])
     tc = sc.create_lora_training_client(base_model=BASE, rank=8, seed=11).result()
     steps = [[sft(p, a) for p, a in problems(tokenizer, 8, seed=s)] for s in range(3)]
@@ -150,6 +155,8 @@ def test_chunks_pipelining_and_resume_match_one_call_in_process(svc, tokenizer, 
         futures += [tc.forward_backward(data, "cross_entropy"), tc.optim_step(types.AdamParams(learning_rate=5e-3))]
     losses = [f.result().metrics["loss:sum"] for f in futures[::2]]
     assert losses[1] != losses[0]
+    assert [f.result().metrics["step:max"] for f in futures[1::2]] == [1.0, 2.0]
+    assert ray_local.get(actor.learner_use.remote())[BASE]["train_steps"] > joined  # a pair went as one call
     state = tc.save_state("two", ).result()
     assert max_diff(adapter_file(svc["store"], tc.model_id, "two"), reference(tiny_path, steps[:2], 8, 11, 5e-3)) < 1e-5
     # resume: the original and a client made from its state take the same third step

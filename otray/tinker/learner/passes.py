@@ -1,5 +1,5 @@
 """What one shared pass is asked and what it answers: :class:`PassRequest` (one client's slice of
-forward(_backward) work), :class:`PassResult`, and :class:`PassNotRun` (a pass that failed before adding any
+forward(_backward) work), :class:`PassResult`, :class:`TrainStepResult` and :class:`PassNotRun` (a pass that failed before adding any
 gradient). Plain data without torch: the queue that packs requests and the processes that create the
 learner import them; :mod:`otray.tinker.learner.shared_pass` runs them.
 
@@ -22,6 +22,15 @@ class PassResult:
     losses: list[list[float]]
     loss_sum: float
     metric_sums: dict[str, float] = field(default_factory=dict)  # a custom loss's metrics, summed over datums
+
+
+@dataclass
+class TrainStepResult:
+    """A forward_backward and the optim_step after it, sent as one learner call (``SharedLearner.train_step``):
+    each part's result, or the exception it raised (the parts fail alone, as two calls would)."""
+
+    forward_backward: PassResult | BaseException
+    optim_step: dict[str, float] | BaseException
 
 
 class PassNotRun(Exception):

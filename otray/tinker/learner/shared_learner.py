@@ -35,7 +35,7 @@ from otray.tinker.errors import UserError
 from otray.tinker.learner.fair import FairQueue, Packable, slices
 from otray.tinker.learner.specs import AdamStep, AdapterSpec
 from otray.tinker.learner.sample_jobs import SampleJob, SampleOut
-from otray.tinker.learner.passes import PassNotRun, PassRequest, PassResult
+from otray.tinker.learner.passes import PassNotRun, PassRequest, PassResult, TrainStepResult
 from otray.tinker.learner.loss_graph import LossGraph
 from otray.tinker.learner.loss_run import GraphClock, add_sums
 from otray.types import Datum
@@ -78,6 +78,7 @@ class SharedLearner:
         self.slice_tokens = slice_tokens if policy == "fair" else 0
         self.sampling: dict[str, bool] = {}  # named sampling calls queued or running -> abandoned (abort_sample)
         self.aborted = 0  # sampling calls ended early (abort_sample)
+        self.train_steps = 0  # train_step calls (a forward_backward and its optim_step in one)
         settle_heap()  # a full garbage collection would otherwise stall whichever user's step it fell in
 
     def _step(self, fn: Callable[..., Any], *args: Any) -> Callable[[], Any]:
@@ -96,10 +97,11 @@ class SharedLearner:
     def usage(self) -> dict[str, Any]:
         """Learner seconds and steps by user since the actor started, the seconds turns were kept for a
         follower (:meth:`FairQueue._hold`), shared calls, packable calls and their steps by pack key, the
-        sampling calls ended early (:meth:`abort_sample`) and the side lane's calls and steps."""
+        sampling calls ended early (:meth:`abort_sample`), the side lane's calls and steps, and the
+        :meth:`train_step` calls."""
         return {"seconds": dict(self.queue.used), "steps": dict(self.queue.steps), "held_s": self.queue.followers.held,
                 "shared": dict(self.queue.shared), "packed": {k: dict(v) for k, v in self.queue.packed.items()},
-                "aborted_samples": self.aborted, "side": dict(self.queue.side.calls)}
+                "aborted_samples": self.aborted, "side": dict(self.queue.side.calls), "train_steps": self.train_steps}
 
     async def adapters(self) -> list[str]:
         return self.learner.adapters()
@@ -191,6 +193,18 @@ class SharedLearner:
     async def optim_step(self, user: str, adapter: str, step: AdamStep) -> dict[str, float]:
         """Packable with other clients' optimizer steps (one hop to the compute thread for all)."""
         return (await self.queue.run(user, adapter, [Packable(OPTIM, 1, (adapter, step))]))[0]
+
+    async def train_step(self, user: str, adapter: str, datums: list[Datum], loss_fn: str, step: AdamStep,
+                         loss_fn_config: Optional[dict[str, float]] = None,
+                         graph: Optional[LossGraph] = None) -> TrainStepResult:
+        """A client's forward_backward and the optim_step after it in one call (one round trip, not two; the
+        service sends a pipelined pair so): two jobs of ``adapter``, queued in that order, each run as its own call
+        would run it, the second whether or not the first failed; each part's result or its exception."""
+        self.train_steps += 1
+        fb = asyncio.ensure_future(self.forward_backward(user, adapter, datums, loss_fn, loss_fn_config, True, graph))
+        opt = asyncio.ensure_future(self.optim_step(user, adapter, step))  # (tasks start in order: fb queues first)
+        done = await asyncio.gather(fb, opt, return_exceptions=True)
+        return TrainStepResult(*done)
 
     async def save(self, user: str, adapter: str, path: str, optimizer: bool, version: Optional[int] = None) -> int:
         return await self._one(user, adapter, self.learner.save, adapter, path, optimizer, version)

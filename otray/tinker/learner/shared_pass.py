@@ -84,7 +84,6 @@ class SharedPass:
         out: list[Any] = [_Answer([None] * len(r.datums), [None] * len(r.datums)) if r.adapter in self.ranks
                           else AdapterGone(f"no adapter {r.adapter!r} on this learner (it was unloaded, or the "
                                            "learner restarted)") for r in requests]
-        order = {r.adapter: k for k, r in enumerate(requests)}
         rows = [(i, j) for i, r in enumerate(requests) if isinstance(out[i], _Answer) for j in range(len(r.datums))]
         for name in {requests[i].adapter for i, _ in rows}:
             for p in self.params(name):
@@ -92,7 +91,7 @@ class SharedPass:
         try:
             for chunk in self._plan([requests[i].datums[j] for i, j in rows]) if rows else []:
                 names = [requests[rows[k][0]].adapter for k in chunk]
-                key = row_order(collections.Counter(names), {n: self.ranks[n] for n in names}, order)
+                key = row_order(collections.Counter(names), {n: self.ranks[n] for n in names})
                 chunk.sort(key=lambda k: key(requests[rows[k][0]].adapter))
                 self._micro_batch(requests, out, [rows[k] for k in chunk], requests[0].backward)
         except Exception as e:

@@ -9,7 +9,9 @@ how it applies each model's calls in ``seq_id`` order.
   waiting for any). Requests run strictly in that order, one at a time per model; a request
   that arrives early waits for its predecessors, a resubmitted one (the SDK retries) gets the
   first one's request id and runs once. A predecessor that never arrives fails the waiting
-  requests after ``gap_timeout_s`` instead of hanging them.
+  requests after ``gap_timeout_s`` instead of hanging them. A request whose run can lead the one
+  queued after it (``with_next``: a forward_backward and its optim_step,
+  :mod:`otray.tinker.service.train_runs`) runs with it as one call, each still answered alone.
 
 Runs in the TinkerService actor."""
 
@@ -54,6 +56,21 @@ async def settle(run: Callable[[], Awaitable[Outcome]]) -> Outcome:
         return Outcome.error(str(e))
     except Exception as e:  # noqa: BLE001 - reported to the caller as a server error
         return Outcome.error(f"{type(e).__name__}: {e}"[:2000], "server")
+
+
+async def settle_pair(run: Callable[[], Awaitable[tuple[Outcome, Outcome]]]) -> tuple[Outcome, Outcome]:
+    """Two requests run as one (each answered by ``run()``); what it raises, as :func:`settle` gives it, for both."""
+    try:
+        return await run()
+    except Exception as e:  # noqa: BLE001 - the shared call failed: both requests with its outcome
+        outcome = await settle(_raise(e))
+        return outcome, outcome
+
+
+def _raise(e: Exception) -> Callable[[], Awaitable[Outcome]]:
+    async def run() -> Outcome:
+        raise e
+    return run
 
 
 class Futures:
@@ -186,9 +203,19 @@ class OrderedExecutor:
         try:
             while q.next_seq in q.pending:
                 request_id, run = q.pending.pop(q.next_seq)
-                self.futures.timeline.running(request_id)
-                self.futures.finish(request_id, await settle(run))
-                q.next_seq += 1
+                follower = q.pending.get(q.next_seq + 1)
+                pair = run.with_next(follower[1]) if follower is not None and hasattr(run, "with_next") else None
+                if pair is None:
+                    self.futures.timeline.running(request_id)
+                    self.futures.finish(request_id, await settle(run))
+                    q.next_seq += 1
+                else:  # this request and the queued one after it in one call (train_runs.pass_and_step)
+                    del q.pending[q.next_seq + 1]
+                    self.futures.timeline.running(request_id)
+                    self.futures.timeline.running(follower[0])
+                    for rid, outcome in zip((request_id, follower[0]), await settle_pair(pair)):
+                        self.futures.finish(rid, outcome)
+                    q.next_seq += 2
                 for old in [s for s in q.seen if s < q.next_seq - 1000]:
                     del q.seen[old]
         finally:

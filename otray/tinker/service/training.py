@@ -28,9 +28,8 @@ from otray.tinker.service.leases import LeaseEnded, Leases, LeaseSpec
 from otray.tinker.service.store import Checkpoint, Sampler, Store
 from otray.tinker.service.stability import Recordings, with_recordings
 from otray.tinker.service.storage import StorageLedger
-from otray.tinker.errors import unwrap
-from otray.tinker.learner.loss_run import reduced
-from otray.tinker.wire.messages import TrainCall, parse_train_call, train_output
+from otray.tinker.service.train_runs import PassRun, StepRun
+from otray.tinker.wire.messages import TrainCall, parse_train_call
 from otray.tinker.errors import UserError
 from otray.tinker.wire import requests as Q
 
@@ -216,24 +215,7 @@ class Training:
                 call.datums = with_recordings(call, self.recordings, owner)
         self.learner_of(call.model_id)
 
-        check = self._lease_check(call.model_id)
-
-        async def run() -> Outcome:
-            try:
-                res = await self._send(call.model_id, lambda learner: learner.forward_backward.remote(
-                    owner, call.model_id, call.datums, call.loss_fn, call.loss_fn_config, not call.forward_only,
-                    call.graph), check)
-            except Exception as e:  # a custom loss failing on this data is the caller's error, not the service's
-                if isinstance(unwrap(e), UserError):
-                    raise unwrap(e) from None
-                raise
-            if not call.forward_only:
-                await self._ran(owner, call.model_id, Pass(call.datums, call.loss_fn, call.loss_fn_config, call.graph))
-                self.leases.note_pass(call.model_id, res.loss_sum, sum(len(lp) for lp in res.logprobs))
-            k = call.datums[0].target_k and len(call.datums[0].target_k[0])
-            return Outcome("proto", train_output(res.logprobs, res.losses, res.loss_sum, k or None,
-                                                 reduced(res.metric_sums, len(call.datums))), "ForwardBackwardOutput")
-
+        run = PassRun(self, owner, call, self._lease_check(call.model_id))
         return self._queue(owner, call.model_id, call.seq_id, run, "forward" if call.forward_only else "forward_backward")
 
     def optim_step(self, owner: str, req: Q.OptimStep) -> dict[str, Any]:
@@ -242,18 +224,7 @@ class Training:
         self.learner_of(model_id)
         with self.refused(owner, model_id, req.seq_id):
             step = adam_step(req.params)
-
-        check = self._lease_check(model_id)
-
-        async def run() -> Outcome:
-            metrics = await self._send(model_id, lambda learner: learner.optim_step.remote(owner, model_id, step), check)
-            await self._ran(owner, model_id, Step(step))
-            try:
-                await self.leases.report_step(model_id, step.learning_rate)
-            except LeaseEnded as e:  # cancelled: this step stands, the model goes
-                await self.unload(model_id, str(e), JobState.CANCELLED)
-            return Outcome("json", {"metrics": metrics, "type": "optim_step"})
-
+        run = StepRun(self, owner, model_id, step, self._lease_check(model_id))
         return self._queue(owner, model_id, req.seq_id, run, "optim_step")
 
     def save_weights(self, owner: str, req: Q.SaveWeights, kind: str) -> dict[str, Any]:
