@@ -18,11 +18,17 @@ def recorder(ran: list[int], seq: int):
     return run
 
 
+def executor(gap_timeout_s: float = 30) -> tuple[Futures, OrderedExecutor]:
+    """A model "m"'s request order over fresh futures."""
+    futures = Futures(60)
+    order = OrderedExecutor(futures, gap_timeout_s=gap_timeout_s)
+    order.start("m")
+    return futures, order
+
+
 def test_requests_run_in_seq_id_order_once_each():
     async def main():
-        futures = Futures(60)
-        order = OrderedExecutor(futures, gap_timeout_s=30)
-        order.start("m")
+        futures, order = executor(30)
         ran: list[int] = []
         r3 = order.submit("m", 3, "alice", recorder(ran, 3))
         r2 = order.submit("m", 2, "alice", recorder(ran, 2))
@@ -39,9 +45,7 @@ def test_requests_run_in_seq_id_order_once_each():
 
 def test_a_seq_id_that_never_arrives_fails_after_the_gap_timeout_and_the_rest_run():
     async def main():
-        futures = Futures(60)
-        order = OrderedExecutor(futures, gap_timeout_s=0.3)
-        order.start("m")
+        futures, order = executor(0.3)
         ran: list[int] = []
         r2 = order.submit("m", 2, "alice", recorder(ran, 2))
         r3 = order.submit("m", 3, "alice", recorder(ran, 3))
@@ -57,9 +61,7 @@ def test_a_seq_id_that_never_arrives_fails_after_the_gap_timeout_and_the_rest_ru
 
 def test_forgetting_a_model_fails_its_waiting_requests_with_the_reason():
     async def main():
-        futures = Futures(60)
-        order = OrderedExecutor(futures, gap_timeout_s=30)
-        order.start("m")
+        futures, order = executor(30)
         r2 = order.submit("m", 2, "alice", recorder([], 2))
         order.forget("m", "its lease was cancelled")
         out = await futures.wait(r2, "alice", 1)
@@ -98,9 +100,7 @@ class Follower(Leader):
 
 def test_a_request_runs_with_the_queued_one_it_leads_and_each_gets_its_own_answer():
     async def main():
-        futures = Futures(60)
-        order = OrderedExecutor(futures, gap_timeout_s=30)
-        order.start("m")
+        futures, order = executor(30)
         ran: list = []
         r2 = order.submit("m", 2, "alice", Follower(ran, 2))
         r3 = order.submit("m", 3, "alice", Leader(ran, 3))  # nothing queued after it: alone
