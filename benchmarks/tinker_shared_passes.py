@@ -4,7 +4,8 @@
 optim_step (``--client``: ``sequential``, the first's result awaited before the second is sent; ``pipelined``,
 both sent together as the tinker SDK's clients send them; ``ahead``, the next step sent before this one is
 awaited, as tinker-cookbook's supervised loop does; ``fused``, both in one call, ``SharedLearner.train_step``, as
-the service sends a forward_backward whose optim_step is queued behind it), straight to a :class:`~otray.tinker.learner.shared_learner.SharedLearner` over Ray (no HTTP: the
+the service sends a forward_backward whose optim_step is queued behind it), straight to a
+:class:`~otray.tinker.learner.shared_learner.SharedLearner` over Ray (no HTTP: the
 learner and its queue are what is measured). Three learners side by side, runs rotating: ``own``
 (``pass_tokens=0``: every user's slice a pass of its own, the behaviour before shared passes), ``shared``
 (the default ``scheduling.pass_tokens``: queued slices of several users in one pass, each row through its own
@@ -99,7 +100,8 @@ def learner_rates(args, path: str, done_row: Callable[[dict[str, Any]], None]) -
                     ray.get(pending.pop(0))
                 return
             if client == "fused":  # both parts in one call (SharedLearner.train_step), as the service sends them
-                got = ray.get(learner.train_step.remote(user, user, data, "cross_entropy", AdamStep(learning_rate=1e-5)))
+                got = ray.get(learner.train_step.remote(user, user, data, "cross_entropy",
+                                                        AdamStep(learning_rate=1e-5)))
                 if isinstance(got.optim_step, BaseException):
                     raise got.optim_step
                 return
@@ -265,10 +267,11 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="learners measured side by side (own first): own, own2 (a pass per user on 2 torch threads), "
                          "shared, followers (wait_for_followers), side (shared with the side lane: 2 lanes of 1 thread)")
     ap.add_argument("--client", choices=("sequential", "pipelined", "ahead", "fused"), default="sequential",
-                    help="how a throughput user sends a step: forward_backward's result awaited before optim_step is "
-                         "sent; both sent together and then awaited (the tinker SDK's clients); ahead: as pipelined, the "
-                         "next step sent before this one is awaited (tinker-cookbook's supervised loop, submit_ahead=1); "
-                         "fused: both in one call (SharedLearner.train_step, what the service sends for a queued pair)")
+                    help="how a throughput user sends a step: forward_backward's result awaited before optim_step "
+                         "is sent; both sent together and then awaited (the tinker SDK's clients); ahead: as "
+                         "pipelined, the next step sent before this one is awaited (tinker-cookbook's supervised "
+                         "loop, submit_ahead=1); fused: both in one call (SharedLearner.train_step, what the service "
+                         "sends for a queued pair)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "tinker_shared_passes.json"))
     args = ap.parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -29,7 +29,7 @@ scale covering the whole batch (one-datum users), goes further (:class:`_AddProd
 scale, the stacking and cast of the weights and each adapter's gradient are handled inside one autograd node
 (on the CPU a layer's autograd nodes for these cost more than its matmuls). A gradient slice keeps its pass's
 stacked block alive until every adapter in it has stepped or dropped its gradient. 8 one-datum users' pass:
-807 operators, 1.1x one user's (2.7x before the slices; benchmarks/tinker_shared_passes.py, ``kernels``).
+829 operators, 1.15x one user's (2.7x before the slices; benchmarks/tinker_shared_passes.py, ``kernels``).
 
 Runs in the SharedLearner actor of one base model."""
 
@@ -148,8 +148,8 @@ class RowRouting(threading.local):
         key = (id(layer), seg.names)
         if key not in self._folds:
             scales = {float(layer.scaling[n]) for n in seg.names}
-            self._folds[key] = Folded([layer.lora_A[n].weight for n in seg.names],
-                                      [layer.lora_B[n].weight for n in seg.names], scales.pop()) if len(scales) == 1 else None
+            self._folds[key] = None if len(scales) != 1 else Folded(
+                [layer.lora_A[n].weight for n in seg.names], [layer.lora_B[n].weight for n in seg.names], scales.pop())
         return self._folds[key]
 
     def plan(self, layer: Any) -> list[Segment]:
@@ -218,10 +218,11 @@ def _forward(layer: Any, routing: RowRouting, original: Callable[..., torch.Tens
     if all(seg.kind == "zero" for seg in segments):
         return result
     if len(segments) == 1 and segments[0].kind == "batched" and segments[0].index is None:  # the usual shared pass
-        folded = routing.folded(layer, segments[0])
-        if folded is not None:
-            return _AddProducts.apply(result.reshape(folded.k, -1, result.shape[-1]), x.reshape(folded.k, -1, x.shape[-1]),
-                                      folded.a[0] if folded.a[0].requires_grad else x, folded).view(result.shape)
+        w = routing.folded(layer, segments[0])
+        if w is not None:
+            anchor = next((p for p in w.a if p.requires_grad), x)  # the output needs a grad when an adapter trains
+            return _AddProducts.apply(result.reshape(w.k, -1, result.shape[-1]), x.reshape(w.k, -1, x.shape[-1]),
+                                      anchor, w).view(result.shape)
     # a segment of every row takes x whole: a slice's backward is two more kernels a layer
     parts = [_update(layer, routing, seg, x if seg.stop - seg.start == routing.rows else x[seg.start:seg.stop],
                      result.shape[-1]) for seg in segments]
@@ -280,8 +281,8 @@ class _AddProducts(torch.autograd.Function):
     dtype) inside, and the backward adds each adapter's gradient to its own parameters (its slice of one block,
     in the parameters' dtype), so autograd makes no stack, cast, scale, add or per-parameter nodes for them.
     ``anchor``: a tensor that requires grad when the adapters train (they are not autograd inputs), so the
-    output does too. On 8 one-datum users' pass of the tiny model: 807 operators against 865, and the CPU's
-    cycle 7% shorter (``benchmarks/tinker_shared_passes.py``, ``kernels``)."""
+    output does too. On 8 one-datum users' step of the tiny model: 829 operators against 865, and the CPU's
+    cycle 31.7 -> 27.7 ms in-process (``benchmarks/tinker_shared_passes.py``, ``kernels``)."""
 
     @staticmethod
     def forward(ctx: Any, base: torch.Tensor, xs: torch.Tensor, anchor: torch.Tensor, w: Folded) -> torch.Tensor:
@@ -296,7 +297,7 @@ class _AddProducts(torch.autograd.Function):
         xs, w_a, w_b, h = ctx.saved_tensors
         w = ctx.w
         need_base, need_x = ctx.needs_input_grad[:2]
-        train = w.a[0].requires_grad
+        train = any(p.requires_grad for p in w.a)
         grad_h = torch.bmm(g, w_b).mul_(w.scale) if train or need_x else None  # (k, L, r): scaled while small
         if train:
             _accumulate(w.b, torch.bmm(g.transpose(1, 2), h).mul_(w.scale))  # (k, out, r)

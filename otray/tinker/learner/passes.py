@@ -1,7 +1,7 @@
 """What one shared pass is asked and what it answers: :class:`PassRequest` (one client's slice of
-forward(_backward) work), :class:`PassResult`, :class:`TrainStepResult` and :class:`PassNotRun` (a pass that failed before adding any
-gradient). Plain data without torch: the queue that packs requests and the processes that create the
-learner import them; :mod:`otray.tinker.learner.shared_pass` runs them.
+forward(_backward) work), :class:`PassResult`, :class:`TrainStepResult` and :class:`PassNotRun` (a pass that
+failed before adding any gradient). Plain data without torch: the queue that packs requests and the processes
+that create the learner import them; :mod:`otray.tinker.learner.shared_pass` runs them.
 
 Runs in the SharedLearner actor of one base model (and is imported where it is created)."""
 

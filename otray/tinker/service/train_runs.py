@@ -62,7 +62,7 @@ class PassRun:
     async def after(self, res: Any) -> Outcome:
         """The request's answer from the learner's (a PassResult, or the exception the call raised), recorded."""
         c = self.call
-        if isinstance(res, BaseException):  # a custom loss failing on this data is the caller's error, not the service's
+        if isinstance(res, BaseException):  # a custom loss failing on this data: the caller's error, not the service's
             if isinstance(unwrap(res), UserError):
                 raise unwrap(res) from None
             raise res
