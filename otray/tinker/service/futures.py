@@ -48,29 +48,27 @@ class _Entry:
     finished: float = 0.0
 
 
+def failed(e: Exception) -> Outcome:
+    """A request's outcome when its run raised ``e``: a UserError is a ``user`` error, any other a ``server`` one."""
+    if isinstance(e, UserError):
+        return Outcome.error(str(e))
+    return Outcome.error(f"{type(e).__name__}: {e}"[:2000], "server")
+
+
 async def settle(run: Callable[[], Awaitable[Outcome]]) -> Outcome:
-    """``run()``'s outcome; a UserError it raises is a ``user`` error, any other exception a ``server`` one."""
+    """``run()``'s outcome, or what it raised as :func:`failed` answers it."""
     try:
         return await run()
-    except UserError as e:
-        return Outcome.error(str(e))
-    except Exception as e:  # noqa: BLE001 - reported to the caller as a server error
-        return Outcome.error(f"{type(e).__name__}: {e}"[:2000], "server")
+    except Exception as e:  # noqa: BLE001 - reported to the caller
+        return failed(e)
 
 
 async def settle_pair(run: Callable[[], Awaitable[tuple[Outcome, Outcome]]]) -> tuple[Outcome, Outcome]:
-    """Two requests run as one (each answered by ``run()``); what it raises, as :func:`settle` gives it, for both."""
+    """Two requests run as one (each answered by ``run()``); what it raises, as :func:`failed` answers it, for both."""
     try:
         return await run()
     except Exception as e:  # noqa: BLE001 - the shared call failed: both requests with its outcome
-        outcome = await settle(_raise(e))
-        return outcome, outcome
-
-
-def _raise(e: Exception) -> Callable[[], Awaitable[Outcome]]:
-    async def run() -> Outcome:
-        raise e
-    return run
+        return failed(e), failed(e)
 
 
 class Futures:
