@@ -249,3 +249,17 @@ def test_a_forward_backward_and_its_optim_step_in_one_call_equal_two_calls(tiny_
         assert failed.optim_step["step:max"] == 4.0  # it ran, as an optim_step sent after the failed call would
 
     asyncio.run(scenario())
+
+
+def test_a_save_right_after_the_active_adapter_was_dropped(tiny_path, tmp_path):
+    """A client's first call is a save while PEFT's active adapter is one a closed session dropped: PEFT's model
+    card read the dropped adapter's config (KeyError, a 500 through the SDK); the save makes its own adapter
+    active first."""
+    d = [Datum([1, 2, 3], [2, 3, 4], [1.0] * 3, [0.0] * 3, [0.0] * 3, [1.0] * 3)]
+    learner = AdapterLearner(tiny_path)
+    learner.create("old", AdapterSpec(2, 0))
+    learner.forward_backward("old", d, "cross_entropy")  # "old" active
+    learner.drop("old")  # the session closed: no adapter left
+    learner.create("new", AdapterSpec(2, 1))
+    assert learner.save("new", str(tmp_path / "new"), optimizer=False) > 0
+    assert (tmp_path / "new" / "adapter_model.safetensors").exists()

@@ -228,6 +228,7 @@ class AdapterLearner:
         shutil.rmtree(out, ignore_errors=True)  # overwritten: new files, never the old ones rewritten in place (a
         out.mkdir(parents=True)  # hard link of them, a copied checkpoint's or a restore point's, keeps what it linked)
         self.slots.forget(str(out))  # what is loaded from it is stale
+        self._use(adapter)  # PEFT's model card reads the active adapter's config: it must be a live one
         self.model.save_pretrained(str(out), selected_adapters=[adapter], safe_serialization=True,
                                    save_embedding_layers=False)  # the base's (tied) embeddings are not trained
         nested = out / adapter  # PEFT puts a non-default adapter in a subdirectory
