@@ -293,6 +293,14 @@ def trainable(model: torch.nn.Module) -> list[torch.nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
 
 
+def grad_norm(params: Sequence[torch.nn.Parameter]) -> float:
+    """The 2-norm of these parameters' accumulated gradients (0 when none has one); over every shard of a
+    sharded model (a collective then: every rank calls it)."""
+    norms = [torch.linalg.vector_norm(p.grad) for p in params if p.grad is not None]
+    norms = [n.full_tensor() if hasattr(n, "full_tensor") else n for n in norms]  # a DTensor's partial norm
+    return float(torch.linalg.vector_norm(torch.stack(norms))) if norms else 0.0
+
+
 def adamw_step(optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], *, learning_rate: float,
                betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
                grad_clip: float | None = 1.0) -> float:

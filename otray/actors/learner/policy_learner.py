@@ -32,8 +32,8 @@ from typing import Any
 import torch
 
 from otray.actors.learner.anchor import Anchor, kl_to_anchor
-from otray.actors.learner.core import (LossSums, adamw_step, batch_stats, global_normalizer, in_order, loss_inputs,
-                                       new_adamw, plan_micro_batches, scale_learning_rate, token_logprobs,
+from otray.actors.learner.core import (LossSums, adamw_step, batch_stats, global_normalizer, grad_norm, in_order,
+                                       loss_inputs, new_adamw, plan_micro_batches, scale_learning_rate, token_logprobs,
                                        trainable)
 from otray.actors.learner.precision import budget_for, learner_precision
 from otray.actors.learner.state import load_sharded, load_whole, read_meta, restore_rng, save_whole, write_meta
@@ -207,15 +207,18 @@ class PolicyLearner:
     @busy
     def optim_step(self, learning_rate: float = 1e-4, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                    weight_decay: float = 0.0, grad_clip: float | None = 1.0) -> dict[str, float]:
-        """One AdamW step on the accumulated gradients; zeroes them; bumps the version."""
+        """One AdamW step on the accumulated gradients; zeroes them; bumps the version. Returns the gradient
+        norm before clipping (``grad_norm``; a VLM's also its vision tower's share, ``grad_norm_vision``), the
+        rate and the step."""
         params = trainable(self.model)
         if self.optimizer is None:
             self.optimizer = new_adamw(params, lr=learning_rate)
-        grad_norm = adamw_step(self.optimizer, params, learning_rate=learning_rate, betas=betas, eps=eps,
-                               weight_decay=weight_decay, grad_clip=grad_clip)
+        vision = vision_grad_norm(self.model)  # (read before the step zeroes the gradients)
+        norm = adamw_step(self.optimizer, params, learning_rate=learning_rate, betas=betas, eps=eps,
+                          weight_decay=weight_decay, grad_clip=grad_clip)
         self.step += 1
         self.version += 1
-        out = {"grad_norm": grad_norm, "learning_rate": learning_rate, "step": self.step}
+        out = {"grad_norm": norm, "learning_rate": learning_rate, "step": self.step, **vision}
         if self.device.startswith("cuda"):  # since the last optim_step: forward_backward and this step
             out["peak_gpu_gb"] = torch.cuda.max_memory_allocated() / 2**30
             torch.cuda.reset_peak_memory_stats()
@@ -341,6 +344,13 @@ class PolicyLearner:
         """RNG state, step, version and the job's ``extra_state`` from a checkpoint."""
         restore_rng(src)
         self.step, self.version, self.extra_state = meta.step, meta.version, meta.extra_state
+
+
+def vision_grad_norm(model: torch.nn.Module) -> dict[str, float]:
+    """``{"grad_norm_vision": norm}``: the gradient norm of a VLM's trained vision tower and projector (which
+    part of the model a step's gradient, and a spike of it, comes from); ``{}`` for a model without one."""
+    vision = [p for n, p in model.named_parameters() if p.requires_grad and is_vision_param(n)]
+    return {"grad_norm_vision": grad_norm(vision)} if vision else {}
 
 
 def slow_vision(model: torch.nn.Module, scale: float) -> None:

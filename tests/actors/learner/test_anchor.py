@@ -91,7 +91,12 @@ def test_vision_lr_scale_slows_or_freezes_the_vision_tower_only(tmp_path):
         before = {n: p.detach().clone() for n, p in learner.model.named_parameters()}
         for p in trainable(learner.model):
             p.grad = torch.ones_like(p)  # the same gradient everywhere: the step size is the learning rate's
-        learner.optim_step(learning_rate=1e-3)
+        vision_norm = sum(p.numel() for n, p in learner.model.named_parameters()
+                          if p.requires_grad and is_vision_param(n)) ** 0.5
+        out = learner.optim_step(learning_rate=1e-3)
+        # the vision tower's share of the step's gradient norm (ones: the root of its trained weights' count)
+        assert out.get("grad_norm_vision", 0.0) == pytest.approx(vision_norm, rel=1e-5)
+        assert scale == 0.0 or 0 < out["grad_norm_vision"] < out["grad_norm"]
         delta = {n: (p.detach() - before[n]).abs().max().item() for n, p in learner.model.named_parameters()}
         moved[scale] = (max(d for n, d in delta.items() if is_vision_param(n)),
                         max(d for n, d in delta.items() if not is_vision_param(n)))
