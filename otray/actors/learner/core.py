@@ -296,9 +296,8 @@ def trainable(model: torch.nn.Module) -> list[torch.nn.Parameter]:
 def grad_norm(params: Sequence[torch.nn.Parameter]) -> float:
     """The 2-norm of these parameters' accumulated gradients (0 when none has one); over every shard of a
     sharded model (a collective then: every rank calls it)."""
-    norms = [torch.linalg.vector_norm(p.grad) for p in params if p.grad is not None]
-    norms = [n.full_tensor() if hasattr(n, "full_tensor") else n for n in norms]  # a DTensor's partial norm
-    return float(torch.linalg.vector_norm(torch.stack(norms))) if norms else 0.0
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])  # (clip_grad_norm_'s)
+    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # a DTensor's: its partial norms summed
 
 
 def adamw_step(optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], *, learning_rate: float,

@@ -207,9 +207,7 @@ class PolicyLearner:
     @busy
     def optim_step(self, learning_rate: float = 1e-4, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                    weight_decay: float = 0.0, grad_clip: float | None = 1.0) -> dict[str, float]:
-        """One AdamW step on the accumulated gradients; zeroes them; bumps the version. Returns the gradient
-        norm before clipping (``grad_norm``; a VLM's also its vision tower's share, ``grad_norm_vision``), the
-        rate and the step."""
+        """One AdamW step on the accumulated gradients; zeroes them; bumps the version (:func:`vision_grad_norm`)."""
         params = trainable(self.model)
         if self.optimizer is None:
             self.optimizer = new_adamw(params, lr=learning_rate)
