@@ -11,7 +11,7 @@ from tests.conftest import fresh_resource_manager, kill_resource_manager
 
 from tests.conftest import ROOT  # noqa: E402 (the repository root)
 TINY_GAME = ["algo.steps=1", "algo.batch_size=2", "game.num_rollouts=2", "game.eval_games=4", "sft.steps=1",
-             "sft.batch_size=2", "eval.every=0"]
+             "sft.batch_size=2", "eval.every=0", "sft.eval_samples=8"]
 
 
 def _coordinator(policies, tokenizer):

@@ -10,12 +10,14 @@ import pytest
 from otray import config
 
 from tests.conftest import ROOT  # noqa: E402 (the repository root)
+from tests.fixtures.jobs import check_smoke_run
 
 # self-play tic-tac-toe, every seed against the league, snapshots only (no fixed opponents in the mix
 # once the pool has one): a snapshot every step; a 2-step SFT warm-up moves the weights off the base model
 LEAGUE = ["algo.steps=3", "algo.batch_size=2", "game.num_rollouts=2", "game.eval_games=2", "sft.steps=2", "sft.batch_size=4",
           "eval.every=0", "game.policies.player_2=trained", "game.league.every=1", "game.league.share=1.0",
-          "game.league.fixed=[random]", "game.league.fixed_share=0.0", "algo.drop_uniform_groups=false"]
+          "game.league.fixed=[random]", "game.league.fixed_share=0.0", "algo.drop_uniform_groups=false",
+          "sft.eval_samples=8"]
 
 
 def _rows(job_dir):
@@ -35,6 +37,12 @@ def league_job(ray_local, tmp_path_factory):
     cfg = config.load(ROOT / "conf" / "tictactoe_vs_random.yaml", LEAGUE + [f"job.output_dir={out}"])
     run(cfg, out / "a")
     return out / "a"
+
+
+def test_the_league_job_passes_the_config_smoke_checks(league_job):
+    """conf/tictactoe_vs_random.yaml's smoke run is this job (test_conf_smoke.py: RUN_ELSEWHERE)."""
+    cfg = config.load(ROOT / "conf" / "tictactoe_vs_random.yaml", LEAGUE)
+    check_smoke_run(cfg, league_job, json.loads((league_job / "summary.json").read_text()), steps=3)
 
 
 def test_the_pool_grows_from_checkpoints_and_its_snapshots_are_played(league_job):
@@ -104,7 +112,9 @@ def test_two_trained_policies_each_meet_the_others_pool(ray_local, tmp_path):
                        "game.league.share=1.0", "game.league.fixed=[random]", "game.league.fixed_share=0.0",
                        "game.kwargs.size=5"])
     assert len(bundles_for(cfg)) == 2 * 2 + 2  # per policy: learner + worker; then one league worker each
-    run(cfg, tmp_path / "two")
+    # (conf_smoke's run of this config, RUN_ELSEWHERE): each policy's 2 seeds x 2 rollouts in its seat, and as many
+    # of its league games against the other's snapshot
+    check_smoke_run(cfg, tmp_path / "two", run(cfg, tmp_path / "two"), steps=2, games=2 * 2 * 2)
     last = _rows(tmp_path / "two")[-1]
     for name in ("black", "white"):
         assert last[f"league/{name}/pool_size"] == 1 and last[f"league/{name}/snapshot_step"] == 1

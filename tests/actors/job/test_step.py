@@ -2,7 +2,6 @@
 tic-tac-toe, and the same group dropping and group counts as env jobs."""
 
 import json
-from pathlib import Path
 
 import pytest
 
@@ -10,7 +9,7 @@ from otray import config
 
 from tests.conftest import ROOT  # noqa: E402 (the repository root)
 SMALL = ["algo.batch_size=2", "game.num_rollouts=2", "game.eval_games=2", "sft.steps=0", "eval.every=0",
-         "checkpoint.save_at_end=false"]
+         "checkpoint.save_at_end=false", "sft.eval_samples=8"]
 GROUP_KEYS = {"groups_kept", "groups_dropped_uniform", "groups_dropped_failing"}
 
 
