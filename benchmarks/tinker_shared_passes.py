@@ -77,13 +77,20 @@ def learner_rates(args, path: str, done_row: Callable[[dict[str, Any]], None]) -
     passes = TinkerScheduling().pass_tokens
     # mode -> (pass_tokens, wait_for_followers, side_tokens, CPUs: torch threads, or one a lane with the side lane)
     known = {"own": (0, False, 0, 1), "own2": (0, False, 0, 2), "shared": (passes, False, 0, 1),
-             "followers": (passes, True, 0, 1), "side": (passes, False, 64, 2)}
+             "followers": (passes, True, 0, 1), "side": (passes, False, 64, 2), "inline": (passes, False, 0, 1)}
     modes = {m: known[m] for m in args.modes.split(",")}
+
+    class InlineUpdates(SharedLearner):
+        """``inline``: shared passes with each optimizer step's update run before its answer (before session 57)."""
+
+        def _optim_answers(self, works):
+            return self.learner.optim_many(works)
+
     users_list = [int(u) for u in args.users.split(",")]
     t0 = time.perf_counter()
     learners = {}
     for mode, (pass_tokens, wait, side, cpus) in modes.items():
-        learners[mode] = ray.remote(SharedLearner).options(num_cpus=cpus, num_gpus=0.3 if args.gpu else 0).remote(
+        learners[mode] = ray.remote(InlineUpdates if mode == "inline" else SharedLearner).options(num_cpus=cpus, num_gpus=0.3 if args.gpu else 0).remote(
             path, slice_tokens=TinkerScheduling().slice_tokens, pass_tokens=pass_tokens, wait_for_followers=wait,
             side_tokens=side, num_threads=None if args.gpu else (1 if side else cpus))
         ray.get([learners[mode].create.remote(f"u{i}", f"u{i}", AdapterSpec(args.rank, i))
@@ -118,7 +125,7 @@ def learner_rates(args, path: str, done_row: Callable[[dict[str, Any]], None]) -
     for learner in learners.values():
         for i in range(max(users_list)):
             step(learner, f"u{i}")()
-    print(f"three learners with {max(users_list)} adapters each, every adapter stepped once: "
+    print(f"{len(learners)} learners with {max(users_list)} adapters each, every adapter stepped once: "
           f"{time.perf_counter() - t0:.1f} s", flush=True)
 
     rows: dict[str, Any] = {}
@@ -265,7 +272,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--parts", default="throughput,tenant,kernels")
     ap.add_argument("--modes", default="own,shared,followers",
                     help="learners measured side by side (own first): own, own2 (a pass per user on 2 torch threads), "
-                         "shared, followers (wait_for_followers), side (shared with the side lane: 2 lanes of 1 thread)")
+                         "shared, followers (wait_for_followers), side (shared with the side lane: 2 lanes of 1 thread), "
+                         "inline (shared, each optimizer update run before its step is answered)")
     ap.add_argument("--client", choices=("sequential", "pipelined", "ahead", "fused"), default="sequential",
                     help="how a throughput user sends a step: forward_backward's result awaited before optim_step "
                          "is sent; both sent together and then awaited (the tinker SDK's clients); ahead: as "

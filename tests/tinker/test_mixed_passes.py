@@ -372,6 +372,67 @@ def test_optimizer_steps_of_several_adapters_in_one_fused_call_equal_their_own(t
             assert a.grad is None
 
 
+def test_an_optimizer_step_is_answered_before_its_update_which_runs_before_any_later_call(tiny_path, monkeypatch):
+    """SharedLearner answers packed optimizer steps once their gradients are clipped and runs the fused AdamW
+    update next on the compute thread: the answers arrive while the (slowed) update still runs, a forward right
+    after them sees the updated weights (a stale one is off by ~1e-2), and weights and norms equal a twin's
+    stepping in one call (bit for bit), logprobs to 1e-5 (a shared pass against its own). An
+    update that fails leaves its adapters refused by name, the others as they were."""
+    import asyncio
+    import time
+
+    from otray.tinker.learner import adapter_learner
+    from otray.tinker.learner.shared_learner import SharedLearner
+
+    real, ended, fail = adapter_learner.fused_adamw_update, [], []
+
+    def slow_update(*args, **kw):
+        time.sleep(0.3)
+        if fail:
+            raise RuntimeError("out of memory (injected)")
+        real(*args, **kw)
+        ended.append(True)
+
+    monkeypatch.setattr(adapter_learner, "fused_adamw_update", slow_update)
+    rng = np.random.default_rng(4)
+    data = {name: [datum(rng, 7)] for name in SPECS}
+    probe = [datum(rng, 5)]
+    step = AdamStep(learning_rate=1e-2, grad_clip_norm=0.05)
+
+    async def scenario() -> None:
+        shared, twin = SharedLearner(tiny_path, pass_tokens=400), AdapterLearner(tiny_path)
+        for name, spec in SPECS.items():
+            await shared.create(name, name, spec)
+            twin.create(name, spec)
+        for round_ in range(3):  # the first steps make the optimizers (one by one, updated at once); then fused
+            for name in SPECS:
+                await shared.forward_backward(name, name, data[name], "cross_entropy")
+                twin.forward_backward(name, data[name], "cross_entropy")
+            updates = len(ended)
+            answers = await asyncio.gather(*(shared.optim_step(n, n, step) for n in SPECS))
+            assert len(ended) == updates, "the answers waited for the update"
+            after = await asyncio.gather(*(shared.forward_backward(n, n, probe, "cross_entropy", backward=False)
+                                           for n in SPECS))
+            for got, own, name in zip(answers, twin.optim_many([(n, step) for n in SPECS]), SPECS):
+                assert got == pytest.approx(own, rel=1e-6), name
+                own_after = twin.forward_backward(name, probe, "cross_entropy", backward=False).logprobs[0]
+                assert np.allclose(after[list(SPECS).index(name)].logprobs[0], own_after, atol=1e-5)  # (a shared pass)
+            assert len(ended) == updates + 2 * bool(round_), "a fused update a step from the second: shared, twin"
+        for name in SPECS:
+            assert all(torch.equal(a, b) for a, b in zip(shared.learner._params(name), twin._params(name)))
+        fail.append(True)
+        for name in ("r8", "r32"):
+            await shared.forward_backward(name, name, data[name], "cross_entropy")
+        answers = await asyncio.gather(*(shared.optim_step(n, n, step) for n in ("r8", "r32")))
+        assert all(isinstance(a, dict) for a in answers)  # answered: the update fails after
+        for name in ("r8", "r32"):
+            with pytest.raises(RuntimeError, match=f"adapter '{name}'.*answered, then failed.*out of memory"):
+                await shared.forward_backward(name, name, probe, "cross_entropy", backward=False)
+        await shared.forward_backward("r128", "r128", probe, "cross_entropy", backward=False)
+
+    asyncio.run(scenario())
+
+
 def test_a_shared_pass_after_the_active_adapter_was_dropped(tiny_path):
     """PEFT reads its config by the adapter its PeftModel last recorded as active: with every client dropped
     and new ones made, a shared pass failed with a KeyError naming the dropped one (found through the SDK:

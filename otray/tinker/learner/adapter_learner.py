@@ -34,7 +34,7 @@ from otray.tinker.errors import AdapterGone
 from otray.tinker.learner.adapter_switch import AdapterSwitch
 from otray.tinker.learner.loss_graph import LossGraph
 from otray.tinker.learner.loss_run import add_sums
-from otray.tinker.learner.fused_adamw import fused_adamw_steps
+from otray.tinker.learner.fused_adamw import clip_groups, fused_adamw_update
 from otray.tinker.learner.mixed_lora import RowRouting
 from otray.tinker.learner.sample_jobs import SampleJob, SampleOut, scores_of
 from otray.tinker.learner.sampler_slots import SamplerSlots
@@ -78,6 +78,7 @@ class AdapterLearner:
         self.switch = AdapterSwitch()  # which adapter the LoRA layers use
         self.routing = RowRouting()  # which rows each LoRA layer gives which adapter, in a shared pass
         self.training = False  # the model is in train mode (not switched to eval by a sample since)
+        self.failed_updates: dict[str, str] = {}  # adapter -> why an update answered before it ran failed
 
     def adapters(self) -> list[str]:
         return sorted(self.specs)
@@ -114,6 +115,7 @@ class AdapterLearner:
         if self.specs.pop(adapter, None) is not None:
             self.optimizers.pop(adapter, None)
             self.steps.pop(adapter, None)
+            self.failed_updates.pop(adapter, None)
             self.model.delete_adapter(adapter)
             self.switch.changed()
 
@@ -130,7 +132,15 @@ class AdapterLearner:
             self.training = True
 
     def _params(self, adapter: str) -> list[torch.nn.Parameter]:
+        self._check_updated(adapter)
         return self.switch.params(self.model, adapter)
+
+    def _check_updated(self, adapter: str) -> None:
+        """Refuse an adapter whose optimizer step failed after it was answered (:meth:`optim_answers`)."""
+        if adapter in self.failed_updates:
+            raise RuntimeError(f"adapter {adapter!r}: its last optimizer step was answered, then failed while "
+                               f"updating its weights ({self.failed_updates[adapter]}); its weights may be partly "
+                               f"updated: load a saved checkpoint into a new training client")
 
     # ------------------------------------------------------------------ forward / backward
 
@@ -185,15 +195,27 @@ class AdapterLearner:
                 "step:max": float(self.steps[adapter])}
 
     def optim_many(self, works: list[tuple[str, AdamStep]]) -> list[dict[str, float] | Exception]:
-        """Several adapters' optimizer steps, each as :meth:`optim_step` gives it. Adapters past their first
+        """Several adapters' optimizer steps, each as :meth:`optim_step` gives it (:meth:`optim_answers`, then
+        its update)."""
+        outs, update = self.optim_answers(works)
+        update()
+        return outs
+
+    def optim_answers(self, works: list[tuple[str, AdamStep]]) -> tuple[list[dict[str, float] | Exception],
+                                                                        Callable[[], None]]:
+        """:meth:`optim_many` in two halves: each step's answer (its adapter's gradient norm, the gradients
+        clipped, the step counted) and the update that applies them, which must run next on this thread
+        (the SharedLearner answers first and updates while the answers travel). Adapters past their first
         step with the same settings and a gradient on every tensor go in one fused AdamW call over all their
         tensors (a small adapter's step costs the call, not its size: 8 rank-32 adapters of the tiny model
-        took 13 ms one by one); the others one by one. An adapter that is gone gets its error, alone."""
+        took 13 ms one by one); the others step one by one, here. An adapter that is gone gets its error,
+        alone. An update that fails leaves its adapters refused (:meth:`_check_updated`)."""
         outs: list[Any] = [None] * len(works)
         together: dict[AdamStep, list[int]] = {}
         for i, (adapter, step) in enumerate(works):
             opt = self.optimizers.get(adapter)
-            ready = (adapter in self.specs and opt is not None and opt.defaults.get("fused")
+            ready = (adapter in self.specs and adapter not in self.failed_updates and opt is not None
+                     and opt.defaults.get("fused")
                      and all(p.grad is not None and opt.state.get(p) for p in self._params(adapter)))
             if ready:
                 together.setdefault(step, []).append(i)
@@ -202,21 +224,31 @@ class AdapterLearner:
                 outs[i] = self.optim_step(adapter, step)
             except Exception as e:  # noqa: BLE001 - this adapter's own failure
                 outs[i] = e
+        updates = []
         for p, idx in together.items():
             names = [works[i][0] for i in idx]
-            norms = fused_adamw_steps([self._params(a) for a in names], [self.optimizers[a] for a in names],
-                                      lr=p.learning_rate, betas=(p.beta1, p.beta2), eps=p.eps,
-                                      weight_decay=p.weight_decay, grad_clip=p.grad_clip_norm)
+            groups = [self._params(a) for a in names]
+            norms = clip_groups(groups, p.grad_clip_norm)
+            updates.append((names, groups, p))
             for i, a, norm in zip(idx, names, norms):
                 self.steps[a] += 1
                 outs[i] = {"grad_norm:mean": norm, "learning_rate:mean": p.learning_rate, "step:max": float(self.steps[a])}
-        return outs
+
+        def update() -> None:
+            for names, groups, p in updates:
+                try:
+                    fused_adamw_update(groups, [self.optimizers[a] for a in names], lr=p.learning_rate,
+                                       betas=(p.beta1, p.beta2), eps=p.eps, weight_decay=p.weight_decay)
+                except Exception as e:  # noqa: BLE001 - answered already: its adapters are refused from now on
+                    self.failed_updates.update({a: f"{type(e).__name__}: {e}" for a in names})
+        return outs, update
 
     # ------------------------------------------------------------------ checkpoints
 
     def adapter_tensors(self, adapter: str) -> dict[str, torch.Tensor]:
         from peft import get_peft_model_state_dict
 
+        self._check_updated(adapter)
         return {k: v.detach().clone() for k, v in get_peft_model_state_dict(self.model, adapter_name=adapter,
                                                                               save_embedding_layers=False).items()}
 

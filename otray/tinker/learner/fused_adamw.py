@@ -20,8 +20,15 @@ def fused_adamw_steps(groups: list[list[torch.nn.Parameter]], optimizers: list[t
     """One AdamW step of each group of parameters (an adapter's, every one with a gradient and state in its
     optimizer), with one set of settings (``grad_clip`` 0: no clipping); zeroes the gradients. Returns each
     group's gradient norm before clipping."""
-    from torch.optim.adamw import adamw
+    norms = clip_groups(groups, grad_clip)
+    fused_adamw_update(groups, optimizers, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+    return norms
 
+
+def clip_groups(groups: list[list[torch.nn.Parameter]], grad_clip: float) -> list[float]:
+    """The first half of :func:`fused_adamw_steps`: each group's gradient norm, and its gradients clipped to
+    ``grad_clip`` by that norm (0: not clipped). All an optimizer step answers is known after it (the
+    SharedLearner answers then and runs the update behind the answer)."""
     from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
     # clip_grad_norm_'s own two halves (as adamw_step clips one adapter): the same norm and scaling to the
@@ -38,7 +45,15 @@ def fused_adamw_steps(groups: list[list[torch.nn.Parameter]], optimizers: list[t
     if grad_clip > 0:
         for g, total in zip(groups, totals):
             clip_grads_with_norm_(g, grad_clip, total, foreach=True)
-    norms = [float(t) for t in totals]
+    return [float(t) for t in totals]
+
+
+def fused_adamw_update(groups: list[list[torch.nn.Parameter]], optimizers: list[torch.optim.Optimizer], *,
+                       lr: float, betas: tuple[float, float], eps: float, weight_decay: float) -> None:
+    """The second half of :func:`fused_adamw_steps`: the groups' (clipped) gradients applied in one fused AdamW
+    call; zeroes the gradients."""
+    from torch.optim.adamw import adamw
+
     flat = [p for g in groups for p in g]
     states = [opt.state[p] for opt, g in zip(optimizers, groups) for p in g]
     adamw(flat, [p.grad for p in flat], [st["exp_avg"] for st in states], [st["exp_avg_sq"] for st in states], [],
@@ -46,4 +61,3 @@ def fused_adamw_steps(groups: list[list[torch.nn.Parameter]], optimizers: list[t
           weight_decay=weight_decay, eps=eps, maximize=False)
     for p in flat:
         p.grad = None
-    return norms
