@@ -154,7 +154,7 @@ def learner_rates(args, path: str, done_row: Callable[[dict[str, Any]], None]) -
                          + ", ".join(f"{k} {v:.1f}" for k, v in row[m]["steps_per_call_by_key"].items()) + ")"
                          for m in others)
         print(f"N={users:2}: own {own:.1f} datums/s; {line}", flush=True)
-        rows[str(users)] = row
+        rows[str(users) if str(users) not in rows else f"{users}#{k}"] = row  # (an N again: another rotation)
         done_row(rows)
     for learner in learners.values():
         ray.kill(learner)
