@@ -381,10 +381,10 @@ def test_an_optimizer_step_is_answered_before_its_update_which_runs_before_any_l
     import asyncio
     import time
 
-    from otray.tinker.learner import adapter_learner
+    from otray.tinker.learner import adapter_steps
     from otray.tinker.learner.shared_learner import SharedLearner
 
-    real, ended, fail = adapter_learner.fused_adamw_update, [], []
+    real, ended, fail = adapter_steps.fused_adamw_update, [], []
 
     def slow_update(*args, **kw):
         time.sleep(0.3)
@@ -393,7 +393,7 @@ def test_an_optimizer_step_is_answered_before_its_update_which_runs_before_any_l
         real(*args, **kw)
         ended.append(True)
 
-    monkeypatch.setattr(adapter_learner, "fused_adamw_update", slow_update)
+    monkeypatch.setattr(adapter_steps, "fused_adamw_update", slow_update)
     rng = np.random.default_rng(4)
     data = {name: [datum(rng, 7)] for name in SPECS}
     probe = [datum(rng, 5)]

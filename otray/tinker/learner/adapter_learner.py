@@ -34,7 +34,7 @@ from otray.tinker.errors import AdapterGone
 from otray.tinker.learner.adapter_switch import AdapterSwitch
 from otray.tinker.learner.loss_graph import LossGraph
 from otray.tinker.learner.loss_run import add_sums
-from otray.tinker.learner.fused_adamw import clip_groups, fused_adamw_update
+from otray.tinker.learner.adapter_steps import Answer, AdapterSteps
 from otray.tinker.learner.mixed_lora import RowRouting
 from otray.tinker.learner.sample_jobs import SampleJob, SampleOut, scores_of
 from otray.tinker.learner.sampler_slots import SamplerSlots
@@ -42,7 +42,7 @@ from otray.tinker.learner.specs import AdamStep, AdapterSpec
 from otray.tinker.learner.passes import PassRequest, PassResult
 from otray.tinker.learner.shared_pass import SharedPass, batch_loss
 from otray.tinker.learner.prompt_scores import Scoring
-from otray.actors.learner.core import adamw_step, in_order, new_adamw, plan_micro_batches
+from otray.actors.learner.core import in_order, new_adamw, plan_micro_batches
 from otray.device import resolve_device, resolve_dtype
 from otray.models import load_model, load_tokenizer
 from otray.types import Datum
@@ -70,15 +70,13 @@ class AdapterLearner:
         self.tokenizer = load_tokenizer(model_path)
         self.model: Any = None  # the PeftModel, made with the first adapter
         self.specs: dict[str, AdapterSpec] = {}
-        self.optimizers: dict[str, torch.optim.Optimizer] = {}
-        self.steps: dict[str, int] = {}
+        self.optim = AdapterSteps()  # each adapter's AdamW and step count
         self.slots = SamplerSlots(SAMPLER_CACHE)  # sampler checkpoints loaded as read-only adapters
         self.micro_batch_tokens = micro_batch_tokens
         self.max_model_len = max_model_len or self.base.config.get_text_config().max_position_embeddings
         self.switch = AdapterSwitch()  # which adapter the LoRA layers use
         self.routing = RowRouting()  # which rows each LoRA layer gives which adapter, in a shared pass
         self.training = False  # the model is in train mode (not switched to eval by a sample since)
-        self.failed_updates: dict[str, str] = {}  # adapter -> why an update answered before it ran failed
 
     def adapters(self) -> list[str]:
         return sorted(self.specs)
@@ -108,14 +106,12 @@ class AdapterLearner:
             raise ValueError(f"adapter {adapter!r} exists already")
         self._add(adapter, spec)
         self.specs[adapter] = spec
-        self.steps[adapter] = 0
+        self.optim.add(adapter)
 
     def drop(self, adapter: str) -> None:
         """Forget an adapter and its optimizer (its saved checkpoints stay)."""
         if self.specs.pop(adapter, None) is not None:
-            self.optimizers.pop(adapter, None)
-            self.steps.pop(adapter, None)
-            self.failed_updates.pop(adapter, None)
+            self.optim.forget(adapter)
             self.model.delete_adapter(adapter)
             self.switch.changed()
 
@@ -132,15 +128,8 @@ class AdapterLearner:
             self.training = True
 
     def _params(self, adapter: str) -> list[torch.nn.Parameter]:
-        self._check_updated(adapter)
+        self.optim.check(adapter)  # (refused after an update that failed behind its answer)
         return self.switch.params(self.model, adapter)
-
-    def _check_updated(self, adapter: str) -> None:
-        """Refuse an adapter whose optimizer step failed after it was answered (:meth:`optim_answers`)."""
-        if adapter in self.failed_updates:
-            raise RuntimeError(f"adapter {adapter!r}: its last optimizer step was answered, then failed while "
-                               f"updating its weights ({self.failed_updates[adapter]}); its weights may be partly "
-                               f"updated: load a saved checkpoint into a new training client")
 
     # ------------------------------------------------------------------ forward / backward
 
@@ -181,74 +170,32 @@ class AdapterLearner:
         return SharedPass(self.model, self.routing, self.device, self.micro_batch_tokens,
                           {n: s.rank for n, s in self.specs.items()}, self._params).run(requests)
 
-    def optim_step(self, adapter: str, p: AdamStep) -> dict[str, float]:
+    def optim_step(self, adapter: str, p: AdamStep) -> Answer:
         """One AdamW step of ``adapter`` on its accumulated gradients; zeroes them."""
         self._use(adapter)
-        params = self._params(adapter)
-        opt = self.optimizers.get(adapter)
-        if opt is None:
-            opt = self.optimizers[adapter] = new_adamw(params, lr=p.learning_rate)
-        grad_norm = adamw_step(opt, params, learning_rate=p.learning_rate, betas=(p.beta1, p.beta2), eps=p.eps,
-                               weight_decay=p.weight_decay, grad_clip=p.grad_clip_norm if p.grad_clip_norm > 0 else None)
-        self.steps[adapter] += 1
-        return {"grad_norm:mean": grad_norm, "learning_rate:mean": p.learning_rate,
-                "step:max": float(self.steps[adapter])}
+        return self.optim.step(adapter, self._params(adapter), p)
 
-    def optim_many(self, works: list[tuple[str, AdamStep]]) -> list[dict[str, float] | Exception]:
+    def optim_many(self, works: list[tuple[str, AdamStep]]) -> list[Answer | Exception]:
         """Several adapters' optimizer steps, each as :meth:`optim_step` gives it (:meth:`optim_answers`, then
         its update)."""
         outs, update = self.optim_answers(works)
         update()
         return outs
 
-    def optim_answers(self, works: list[tuple[str, AdamStep]]) -> tuple[list[dict[str, float] | Exception],
-                                                                        Callable[[], None]]:
-        """:meth:`optim_many` in two halves: each step's answer (its adapter's gradient norm, the gradients
-        clipped, the step counted) and the update that applies them, which must run next on this thread
-        (the SharedLearner answers first and updates while the answers travel). Adapters past their first
-        step with the same settings and a gradient on every tensor go in one fused AdamW call over all their
-        tensors (a small adapter's step costs the call, not its size: 8 rank-32 adapters of the tiny model
-        took 13 ms one by one); the others step one by one, here. An adapter that is gone gets its error,
-        alone. An update that fails leaves its adapters refused (:meth:`_check_updated`)."""
-        outs: list[Any] = [None] * len(works)
-        together: dict[AdamStep, list[int]] = {}
-        for i, (adapter, step) in enumerate(works):
-            opt = self.optimizers.get(adapter)
-            ready = (adapter in self.specs and adapter not in self.failed_updates and opt is not None
-                     and opt.defaults.get("fused")
-                     and all(p.grad is not None and opt.state.get(p) for p in self._params(adapter)))
-            if ready:
-                together.setdefault(step, []).append(i)
-                continue
-            try:
-                outs[i] = self.optim_step(adapter, step)
-            except Exception as e:  # noqa: BLE001 - this adapter's own failure
-                outs[i] = e
-        updates = []
-        for p, idx in together.items():
-            names = [works[i][0] for i in idx]
-            groups = [self._params(a) for a in names]
-            norms = clip_groups(groups, p.grad_clip_norm)
-            updates.append((names, groups, p))
-            for i, a, norm in zip(idx, names, norms):
-                self.steps[a] += 1
-                outs[i] = {"grad_norm:mean": norm, "learning_rate:mean": p.learning_rate, "step:max": float(self.steps[a])}
-
-        def update() -> None:
-            for names, groups, p in updates:
-                try:
-                    fused_adamw_update(groups, [self.optimizers[a] for a in names], lr=p.learning_rate,
-                                       betas=(p.beta1, p.beta2), eps=p.eps, weight_decay=p.weight_decay)
-                except Exception as e:  # noqa: BLE001 - answered already: its adapters are refused from now on
-                    self.failed_updates.update({a: f"{type(e).__name__}: {e}" for a in names})
-        return outs, update
+    def optim_answers(self, works: list[tuple[str, AdamStep]]) -> tuple[list[Answer | Exception], Callable[[], None]]:
+        """:meth:`optim_many` in two halves (:meth:`AdapterSteps.answers`): each step's answer, and the update
+        that must run next on this thread (the SharedLearner answers first and updates while the answers
+        travel). Adapters past their first step go in one fused AdamW call (8 rank-32 adapters of the tiny
+        model took 13 ms one by one); an adapter that is gone gets its error, alone."""
+        live = (lambda a: self._params(a) if a in self.specs and a not in self.optim.failed else None)
+        return self.optim.answers(works, live, self.optim_step)
 
     # ------------------------------------------------------------------ checkpoints
 
     def adapter_tensors(self, adapter: str) -> dict[str, torch.Tensor]:
         from peft import get_peft_model_state_dict
 
-        self._check_updated(adapter)
+        self.optim.check(adapter)
         return {k: v.detach().clone() for k, v in get_peft_model_state_dict(self.model, adapter_name=adapter,
                                                                               save_embedding_layers=False).items()}
 
@@ -268,11 +215,11 @@ class AdapterLearner:
             for f in nested.iterdir():
                 f.replace(out / f.name)
             nested.rmdir()
-        meta = {"spec": asdict(self.specs[adapter]), "step": self.steps[adapter], "base": self.model_path,
+        meta = {"spec": asdict(self.specs[adapter]), "step": self.optim.steps[adapter], "base": self.model_path,
                 **({"version": version} if version is not None else {})}
         (out / "otray_adapter.json").write_text(json.dumps(meta))
-        if optimizer and adapter in self.optimizers:
-            torch.save(self.optimizers[adapter].state_dict(), out / "optimizer.pt")
+        if optimizer and adapter in self.optim.optimizers:
+            torch.save(self.optim.optimizers[adapter].state_dict(), out / "optimizer.pt")
         return sum(f.stat().st_size for f in out.iterdir() if f.is_file())
 
     def load(self, adapter: str, path: str, optimizer: bool, create: bool) -> AdapterSpec:
@@ -290,11 +237,11 @@ class AdapterLearner:
             raise ValueError(f"checkpoint {path} is a rank-{spec.rank} adapter on {spec.target_modules()}; this "
                              f"model is rank {self.specs[adapter].rank} on {self.specs[adapter].target_modules()}")
         set_peft_model_state_dict(self.model, load_file(str(src / "adapter_model.safetensors")), adapter_name=adapter)
-        self.optimizers.pop(adapter, None)
+        self.optim.optimizers.pop(adapter, None)
         if optimizer:  # the state: the step count, and AdamW's moments (none saved before a first step)
-            self.steps[adapter] = int(meta["step"])
+            self.optim.steps[adapter] = int(meta["step"])
             if (src / "optimizer.pt").exists():
-                opt = self.optimizers[adapter] = new_adamw(self._params(adapter), lr=1e-4)
+                opt = self.optim.optimizers[adapter] = new_adamw(self._params(adapter), lr=1e-4)
                 opt.load_state_dict(torch.load(src / "optimizer.pt", weights_only=True, map_location=self.device))
         return spec
 

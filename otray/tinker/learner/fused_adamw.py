@@ -2,10 +2,10 @@
 
 Each adapter of the :class:`~otray.tinker.learner.adapter_learner.AdapterLearner` keeps its own
 ``torch.optim.AdamW`` (its state is saved and loaded with it). A small adapter's step costs the call, not its
-size: eight rank-32 adapters of the tiny model took 13 ms one by one. :func:`fused_adamw_steps` takes the
-adapters' tensors and their optimizers' state (each past its first step) and steps them all with one
-``torch.optim.adamw.adamw(fused=True)`` call, each adapter's gradient clipped by its own norm first, as
-``otray.actors.learner.core.adamw_step`` clips it.
+size: eight rank-32 adapters of the tiny model took 13 ms one by one. A step in two halves: :func:`clip_groups`
+clips each adapter's gradient by its own norm, as ``otray.actors.learner.core.adamw_step`` clips it, and
+:func:`fused_adamw_update` steps all the adapters' tensors with their optimizers' state (each past its first
+step) in one ``torch.optim.adamw.adamw(fused=True)`` call.
 
 Runs in the SharedLearner actor of one base model."""
 
@@ -14,21 +14,10 @@ from __future__ import annotations
 import torch
 
 
-def fused_adamw_steps(groups: list[list[torch.nn.Parameter]], optimizers: list[torch.optim.Optimizer], *,
-                      lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
-                      grad_clip: float) -> list[float]:
-    """One AdamW step of each group of parameters (an adapter's, every one with a gradient and state in its
-    optimizer), with one set of settings (``grad_clip`` 0: no clipping); zeroes the gradients. Returns each
-    group's gradient norm before clipping."""
-    norms = clip_groups(groups, grad_clip)
-    fused_adamw_update(groups, optimizers, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
-    return norms
-
-
 def clip_groups(groups: list[list[torch.nn.Parameter]], grad_clip: float) -> list[float]:
-    """The first half of :func:`fused_adamw_steps`: each group's gradient norm, and its gradients clipped to
-    ``grad_clip`` by that norm (0: not clipped). All an optimizer step answers is known after it (the
-    SharedLearner answers then and runs the update behind the answer)."""
+    """The first half of a step: each group's gradient norm, and its gradients clipped to ``grad_clip`` by that
+    norm (0: not clipped). All an optimizer step answers is known after it (the SharedLearner answers then and
+    runs :func:`fused_adamw_update` behind the answer)."""
     from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
     # clip_grad_norm_'s own two halves (as adamw_step clips one adapter): the same norm and scaling to the
@@ -50,8 +39,8 @@ def clip_groups(groups: list[list[torch.nn.Parameter]], grad_clip: float) -> lis
 
 def fused_adamw_update(groups: list[list[torch.nn.Parameter]], optimizers: list[torch.optim.Optimizer], *,
                        lr: float, betas: tuple[float, float], eps: float, weight_decay: float) -> None:
-    """The second half of :func:`fused_adamw_steps`: the groups' (clipped) gradients applied in one fused AdamW
-    call; zeroes the gradients."""
+    """The second half: the groups' (clipped) gradients applied in one fused AdamW call, each group's tensors
+    with their state in its optimizer (past its first step); zeroes the gradients."""
     from torch.optim.adamw import adamw
 
     flat = [p for g in groups for p in g]
