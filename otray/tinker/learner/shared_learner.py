@@ -170,7 +170,8 @@ class SharedLearner:
         (gradient norms, step counts) is known once the gradients are clipped, so the fused AdamW update goes
         next in the compute thread's queue, ahead of any later work, and runs while the answers travel and the
         clients send their next calls (the learner would idle then: ~6 of a ~40 ms cycle of 8 one-datum users
-        here). An update that fails leaves its adapters refused
+        here). What the update does not overlap falls in the next call's seconds, charged to that call's members
+        by tokens. An update that fails leaves its adapters refused
         (:meth:`~otray.tinker.learner.adapter_steps.AdapterSteps.answers`)."""
         outs, update = self.learner.optim_answers(works)
         self.pool.submit(update)  # from the compute thread itself: queued before anything that reads the answers
