@@ -372,12 +372,13 @@ def test_optimizer_steps_of_several_adapters_in_one_fused_call_equal_their_own(t
             assert a.grad is None
 
 
-def test_an_optimizer_step_is_answered_before_its_update_which_runs_before_any_later_call(tiny_path, monkeypatch):
+def test_an_optimizer_step_is_answered_before_its_update_which_runs_before_any_later_call(tiny_path, monkeypatch,
+                                                                                          tmp_path):
     """SharedLearner answers packed optimizer steps once their gradients are clipped and runs the fused AdamW
     update next on the compute thread: the answers arrive while the (slowed) update still runs, a forward right
     after them sees the updated weights (a stale one is off by ~1e-2), and weights and norms equal a twin's
     stepping in one call (bit for bit), logprobs to 1e-5 (a shared pass against its own). An
-    update that fails leaves its adapters refused by name, the others as they were."""
+    update that fails leaves its adapters refused by name (steps and saves), the others as they were."""
     import asyncio
     import time
 
@@ -428,6 +429,8 @@ def test_an_optimizer_step_is_answered_before_its_update_which_runs_before_any_l
         for name in ("r8", "r32"):
             with pytest.raises(RuntimeError, match=f"adapter '{name}'.*answered, then failed.*out of memory"):
                 await shared.forward_backward(name, name, probe, "cross_entropy", backward=False)
+            with pytest.raises(RuntimeError, match="answered, then failed"):  # nor saved half-updated
+                await shared.save(name, name, str(tmp_path / name), True)
         await shared.forward_backward("r128", "r128", probe, "cross_entropy", backward=False)
 
     asyncio.run(scenario())

@@ -203,6 +203,7 @@ class AdapterLearner:
         """``adapter`` as a PEFT directory at ``path`` (loadable by transformers, vLLM and ``otray serve``),
         with its optimizer state when ``optimizer`` and ``version`` in its metadata (an inflight target's,
         which samples report); returns the bytes written."""
+        self.optim.check(adapter)  # weights an update left half-done are not saved
         out = Path(path)
         shutil.rmtree(out, ignore_errors=True)  # overwritten: new files, never the old ones rewritten in place (a
         out.mkdir(parents=True)  # hard link of them, a copied checkpoint's or a restore point's, keeps what it linked)
