@@ -18,7 +18,7 @@ LOSS = "loss"  # the learner's loss (SFT steps, Tinker training clients)
 EVAL_ACCURACY = "eval/accuracy"  # the headline held-out figure: success rate over the eval split
 EVAL_STDERR = "eval/accuracy_stderr"  # its standard error (binomial, over the eval episodes)
 # RL eval rows: eval/accuracy minus the held-out score RL started from (after the warm-up); and a warning
-# when it has stayed more than that start's standard error below it at two evals in a row
+# when it has stayed more than that start's standard error below it at two evals in a row (or fell far at one)
 EVAL_CHANGE = "eval/change_from_start"
 EVAL_WARNING = "eval/warning"
 ELO_PREFIX = "elo/"  # elo/<player>: a game job's Elo table after each eval (otray/algos/ratings.py)

@@ -5,7 +5,9 @@ training) and every later eval row. It adds to each ``eval/change_from_start`` (
 minus the start's) and, once accuracy has been more than the start's standard error below the start
 at ``patience`` evals in a row, ``eval/warning``: a sentence that ``otray train`` prints and the
 job's log keeps, naming the figures and what to try (:func:`advice`: a pull towards the starting policy
-when the job has none, a stronger one when it has). One warning per run of such evals.
+when the job has none, a stronger one when it has). A fall of more than :data:`FAR` standard errors (at
+least :data:`FAR_FLOOR`) warns at once: no noise does that, and a collapse at a job's last eval (calculator
+35% -> 0% in one step, session 58) would otherwise end unwarned. One warning per run of such evals.
 """
 
 from __future__ import annotations
@@ -14,6 +16,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from otray import metric_keys as K
+
+FAR = 3.0  # standard errors below the start that warn at the first such eval
+FAR_FLOOR = 0.05  # ... and never less than this (a start at 0% or 100% has a standard error of 0)
 
 
 def advice(kl_coeff: float) -> str:
@@ -31,6 +36,7 @@ class HeldoutWatch:
     kl_coeff: float = 0.0  # the job's pull towards its starting policy (algo.kl_coeff as resolved)
     patience: int = 2  # evals in a row below start - stderr before the warning
     below: int = 0  # evals in a row below it so far
+    warned: bool = False  # whether this run of such evals was warned about
 
     @classmethod
     def of(cls, row: dict[str, Any], kl_coeff: float = 0.0, patience: int = 2) -> HeldoutWatch | None:
@@ -58,9 +64,14 @@ class HeldoutWatch:
         now = float(row[K.EVAL_ACCURACY])
         out: dict[str, Any] = {K.EVAL_CHANGE: now - self.start}
         self.below = self.below + 1 if now < self.start - self.stderr else 0
-        if self.below == self.patience:
+        self.warned = self.warned and self.below > 0
+        far = now < self.start - max(FAR * self.stderr, FAR_FLOOR)
+        if not self.warned and (self.below >= self.patience or far):
+            self.warned = True
+            how = (f"at {self.patience} evals in a row" if self.below >= self.patience
+                   else f"{(self.start - now) / max(self.stderr, 1e-9):.0f} times over" if self.stderr > 0
+                   else "at once")
             out[K.EVAL_WARNING] = (
                 f"held-out accuracy {now:.3f} at step {row.get(K.STEP)} is below the {self.start:.3f} RL started "
-                f"from by more than its standard error ({self.stderr:.3f}) at {self.patience} evals in a row. "
-                + advice(self.kl_coeff))
+                f"from by more than its standard error ({self.stderr:.3f}) {how}. " + advice(self.kl_coeff))
         return out
