@@ -87,17 +87,27 @@ def _train(cfg: Config, job: TrainJob, job_dir: Path, report: Callable[[dict[str
     watch: HeldoutWatch | None = None  # RL losing held-out accuracy it started with
     kl = float(cfg.algo.kl_coeff or 0.0)  # (resolved by the TrainJob: the warning's advice names it)
 
-    def warm_up(resume: dict[str, Any] | None) -> None:
+    def started(row: dict[str, Any]) -> None:  # the eval row RL starts from (kept in later checkpoints)
         nonlocal watch
+        job.rl_start = row
+        summary["heldout_start"], watch = K.headline_eval(row), HeldoutWatch.of(row, kl) if not sft_job else None
+
+    def warm_up(resume: dict[str, Any] | None) -> None:
         row = {K.STEP: 0, K.PHASE: K.PHASE_SFT, **job.sft.warmup(resume, save if healing else None), **job.evaluate()}
         emit(row)
-        summary["heldout_start"], watch = row.get(K.EVAL_ACCURACY), HeldoutWatch.of(row, kl)
+        started(row)
         if healing:
             save()
 
     if ck.resume_from:
         job.rewind_metrics(job.resume(ck.resume_from))  # (restarted in its own directory: no duplicate rows)
-        watch = HeldoutWatch.replay(job.read_metrics(), kl)
+        rows = job.read_metrics()
+        if job.rl_start is not None:  # (none in a checkpoint saved midway through the warm-up: it goes on below)
+            if not any(r.get(K.PHASE) in (K.PHASE_SFT, K.PHASE_INIT) for r in rows):
+                emit(job.rl_start)  # resumed into another directory: the start row comes with the checkpoint
+                rows.append(job.rl_start)
+            summary["heldout_start"] = K.headline_eval(job.rl_start)
+        watch = HeldoutWatch.replay(rows, kl) if not sft_job else None
         if job.warmup_state is not None:  # saved midway through its SFT warm-up: it goes on with it
             warm_up(job.warmup_state)
     elif cfg.sft.steps and not sft_job:
@@ -106,7 +116,7 @@ def _train(cfg: Config, job: TrainJob, job_dir: Path, report: Callable[[dict[str
     else:
         row = {K.STEP: 0, K.PHASE: K.PHASE_INIT, **job.evaluate()}
         emit(row)
-        summary["heldout_start"], watch = K.headline_eval(row), HeldoutWatch.of(row, kl) if not sft_job else None
+        started(row)
     if kl and not sft_job:  # RL's reference: the policy as RL starts (a resumed job's own, if saved)
         job.anchor(keep=bool(ck.resume_from) and job.warmup_state is None)
     steps, step_fn = (cfg.sft.steps if sft_job else cfg.algo.steps), job.step_fn()

@@ -26,6 +26,7 @@ from otray.config import AlgoSection, Config, learner_ranks, policy_bundles, to_
 from otray.actors.job.replacement import WorkerReplacer
 from otray.actors.sampling.fleet import RolloutFleet
 from otray.actors.sampling.transport import choose
+from otray.algos.clipping import grad_clip, remember
 from otray.placement import in_bundle, threads_env
 from otray.records import CheckpointMeta
 from otray.timing import StepClock
@@ -166,6 +167,7 @@ class PolicyRuntime:
     prefix: str = ""  # its actors' role prefix (a second trained policy's name)
     reported: int = 0  # the fleet's drops reported so far
     replacer: WorkerReplacer | None = None  # replaces dead rollout workers (:meth:`replace_workers`)
+    grad_norms: list[float] = field(default_factory=list)  # recent RL steps' norms (algo.grad_clip_relative)
 
     @property
     def workers(self) -> tuple[Any, ...]:
@@ -174,10 +176,11 @@ class PolicyRuntime:
 
     def update(self, datums: list[Datum], objective: Objective, algo: AlgoSection, learning_rate: float,
                normalizer: LossNormalizer | None = None, clock: StepClock | None = None,
-               kl_to_start: float = 0.0) -> dict[str, float]:
+               kl_to_start: float = 0.0, rl: bool = False) -> dict[str, float]:
         """forward_backward + optim_step on ``datums`` (nothing when there are none); returns the
         learner's metrics of both calls and marks them on ``clock``. ``kl_to_start``: the weight of the
-        KL to the policy RL started from (RL steps: ``algo.kl_coeff``; :meth:`anchor` first)."""
+        KL to the policy RL started from (RL steps: ``algo.kl_coeff``; :meth:`anchor` first). ``rl``: an RL
+        step, clipped as ``algo.grad_clip_relative`` says by the recent RL steps' norms, which its own joins."""
         import ray
 
         if not datums:
@@ -186,13 +189,15 @@ class PolicyRuntime:
             datums, objective.loss_fn, objective.loss_fn_config, objective.aggregation, normalizer, kl_to_start))
         if clock is not None:
             clock.mark("forward_backward")
-        opt = ray.get(self.learner.optim_step.remote(
-            learning_rate, tuple(algo.betas), 1e-8, algo.weight_decay, algo.grad_clip))
+        clip = grad_clip(self.grad_norms, algo.grad_clip, algo.grad_clip_relative if rl else 0.0)
+        opt = ray.get(self.learner.optim_step.remote(learning_rate, tuple(algo.betas), 1e-8, algo.weight_decay, clip))
         if clock is not None:
             clock.mark("optim_step")
         self.version += 1
         self.synced = False
-        return {**fb, **opt}
+        if rl:
+            remember(self.grad_norms, opt["grad_norm"])
+        return {**fb, **opt, **({"grad_clip": clip} if rl and algo.grad_clip_relative else {})}
 
     def anchor(self, keep: bool = False) -> bool:
         """The learner takes its weights now as the policy RL starts from (``algo.kl_coeff``'s reference;
@@ -270,7 +275,7 @@ class PolicyRuntime:
         import ray
         import torch
 
-        ray.get(self.learner.save_state.remote(str(path / "state"), extra_state))
+        ray.get(self.learner.save_state.remote(str(path / "state"), {**extra_state, "grad_norms": self.grad_norms}))
         ray.get(self.learner.export.remote(str(path / "model")))
         if self.fleet is not None and not self.colocated:  # (a colocated learner saves its own RNG state)
             states = self.fleet.ask(lambda w: w.rng_state.remote())  # (a worker dead meanwhile: a resume will not sample exactly)
@@ -285,6 +290,7 @@ class PolicyRuntime:
 
         meta = ray.get(self.learner.load_state.remote(str(path / "state")))
         self.version = ray.get(self.learner.info.remote()).policy_version
+        self.grad_norms = list(meta.extra_state.get("grad_norms", []))
         self.sync_weights()
         saved = path / "state" / WORKERS_RNG
         if self.fleet is not None and not self.colocated and saved.exists():

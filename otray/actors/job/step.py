@@ -153,7 +153,7 @@ def rl_step(pipeline: Prefetcher, policies: dict[str, PolicyRuntime], algo: Algo
     for name, policy in policies.items():                                           # 6. learn
         t0 = time.perf_counter()
         out = policy.update(prepared[name].datums, objective, algo, lr, prepared[name].normalizer, clock,
-                            kl_to_start=algo.kl_coeff)
+                            kl_to_start=algo.kl_coeff, rl=True)                   #    (algo.grad_clip_relative)
         learned[name] = {"learn_s": time.perf_counter() - t0, **{f"learner/{k}": v for k, v in out.items()},
                          **logprob_gap(out)}
     pipeline.wait(clock)                                                            # 7. push weights (off-policy:

@@ -76,6 +76,9 @@ class TrainJob:
         self.episodes = EpisodeLog(self.dir)
         self.step = 0
         self.warmup_state: dict[str, Any] | None = None  # a resumed job's SFT warm-up progress, if it was midway
+        # the eval row RL started from (after the warm-up, or before any training): saved with each checkpoint, so a
+        # job resumed into another directory keeps its held-out guard and its change from the start
+        self.rl_start: dict[str, Any] | None = None
         self.busy_prev: list[float] = []  # the first policy's actors' busy clocks at the end of the last step
         self.startup_s = time.perf_counter() - t0
         log(f"job ready in {self.startup_s:.1f}s: model {self.model_path}, backend {main.info.backend}, "
@@ -159,7 +162,8 @@ class TrainJob:
         path = self.dir / "checkpoints" / f"step-{self.step:06d}"
         if self.league_due():  # the snapshot joins the pool first, so that this checkpoint's state holds it
             self.source.league.add(self.step, path, self.source.elo)
-        first = {"job_step": self.step, "data": self.data_state(), **({"sft_warmup": warmup} if warmup else {})}
+        first = {"job_step": self.step, "data": self.data_state(), **({"sft_warmup": warmup} if warmup else {}),
+                 **({"rl_start": self.rl_start} if self.rl_start is not None and not warmup else {})}
         for k, (name, policy) in enumerate(self.policies.items()):
             policy.save(path if k == 0 else path / "policies" / name, first if k == 0 else {})
         self.log(f"  checkpoint: {path}")
@@ -181,6 +185,7 @@ class TrainJob:
                 self.step = meta.extra_state["job_step"]
                 self.load_data_state(meta.extra_state["data"])
                 self.warmup_state = meta.extra_state.get("sft_warmup")  # saved midway through the warm-up
+                self.rl_start = meta.extra_state.get("rl_start")
         self.log(f"resumed from {path} at step {self.step}")
         return self.step
 

@@ -210,7 +210,14 @@ def test_resume_continues_step_counter_and_data_and_samples_exactly_the_same(run
     b = _cfg(tmp_path / "b")
     b["algo"]["steps"] = 4
     b["checkpoint"] = {"resume_from": str(ck)}
-    _, b_dir = run_job(tmp_path / "b", b)
+    b_summary, b_dir = run_job(tmp_path / "b", b)
+    # resumed into another directory, the job keeps the row RL started from (carried by the checkpoint): its
+    # summary, the held-out guard and each eval's change from the start go on from the warm-up's score
+    warmed = next(r for r in rows_of(a_dir) if r["phase"] == "sft")
+    assert [r for r in rows_of(b_dir) if r["phase"] in ("sft", "init")] == [warmed]
+    assert b_summary["heldout_start"] == warmed["eval/accuracy"]
+    end = rows_of(b_dir)[-1]
+    assert end["eval/change_from_start"] == pytest.approx(end["eval/accuracy"] - warmed["eval/accuracy"])
     uninterrupted = {r["step"]: r for r in rows_of(a_dir) if r["phase"] == "grpo"}
     resumed = [r for r in rows_of(b_dir) if r["phase"] == "grpo"]
     assert [r["step"] for r in resumed] == [3, 4]
@@ -219,6 +226,25 @@ def test_resume_continues_step_counter_and_data_and_samples_exactly_the_same(run
         assert r["batch"] == same["batch"] and r["learner/step"] == same["learner/step"]
         assert all(r[k] == same[k] for k in ("reward_mean", "learner/loss", "rollout/logprob_kl")), (r, same)
     assert uninterrupted[3]["batch"] != uninterrupted[4]["batch"]
+
+
+def test_relative_grad_clip_follows_the_recent_rl_steps_norms_and_is_saved(run_job, tmp_path):
+    """``algo.grad_clip_relative``: from the 4th RL step on, each step is clipped to k times the median norm of the
+    steps before it (not the SFT warm-up's); the norms travel in the checkpoint, so a resumed job clips alike."""
+    from otray.algos.clipping import MIN_SEEN
+
+    data = _cfg(tmp_path)
+    data["algo"].update(steps=MIN_SEEN + 1, grad_clip_relative=0.5)
+    data["checkpoint"] = {"save_every": MIN_SEEN + 1}
+    _, job_dir = run_job(tmp_path, data)
+    rows = [json.loads(line) for line in (job_dir / "metrics.jsonl").read_text().splitlines()]
+    rl = [r for r in rows if r["phase"] == "grpo"]
+    norms = [r["learner/grad_norm"] for r in rl]
+    assert [r["learner/grad_clip"] for r in rl[:MIN_SEEN]] == [1.0] * MIN_SEEN
+    median = sorted(norms[:MIN_SEEN])[MIN_SEEN // 2]
+    assert rl[MIN_SEEN]["learner/grad_clip"] == pytest.approx(min(1.0, 0.5 * median)) and 0.5 * median < 1.0
+    meta = json.loads((job_dir / "checkpoints" / f"step-{MIN_SEEN + 1:06d}" / "state" / "meta.json").read_text())
+    assert meta["extra_state"]["grad_norms"] == pytest.approx(norms)
 
 
 def test_resume_from_a_missing_checkpoint_is_a_clear_error(run_job, tmp_path):
