@@ -343,10 +343,12 @@ def test_wait_for_followers_puts_every_looping_client_in_each_pass(tiny_path):
     assert packed[str(OPTIM)]["calls"] <= 9, packed
 
 
-def test_optimizer_steps_of_several_adapters_in_one_fused_call_equal_their_own(tiny_path):
+def test_optimizer_steps_of_several_adapters_in_one_fused_call_equal_their_own(tiny_path, tmp_path):
     """optim_many: adapters past their first step take one fused AdamW call together (clipped each by its
     own gradient norm); their weights, optimizer state and reported norms equal those of steps one by one
-    on a twin learner. An adapter that is gone gets its error alone."""
+    on a twin learner, also after both saved and loaded their adapters with optimizer state midway (the
+    fused call keeps an adapter's step counts in one tensor: fused_adamw.tied_steps). An adapter that is
+    gone gets its error alone."""
     twins = [AdapterLearner(tiny_path), AdapterLearner(tiny_path)]
     rng = np.random.default_rng(9)
     data = {name: [datum(rng, 7)] for name in SPECS}
@@ -354,9 +356,13 @@ def test_optimizer_steps_of_several_adapters_in_one_fused_call_equal_their_own(t
         for name, spec in SPECS.items():
             learner.create(name, spec)
     step = AdamStep(learning_rate=1e-2, grad_clip_norm=0.05)
-    for round_ in range(3):
+    for round_ in range(5):
         got = []
         for k, learner in enumerate(twins):
+            if round_ == 3:  # both reload their adapters and optimizer state from a save
+                for name in SPECS:
+                    learner.save(name, str(tmp_path / f"{k}-{name}"), optimizer=True)
+                    learner.load(name, str(tmp_path / f"{k}-{name}"), optimizer=True, create=False)
             for name in SPECS:
                 learner.forward_backward(name, data[name], "cross_entropy")
             works = [(name, step) for name in SPECS]
@@ -370,6 +376,9 @@ def test_optimizer_steps_of_several_adapters_in_one_fused_call_equal_their_own(t
         for a, b in zip(twins[0]._params(name), twins[1]._params(name)):
             assert torch.equal(a, b)  # the same kernel, clipping and order: bit for bit
             assert a.grad is None
+        for learner in twins:  # every tensor's own step count (as torch.optim.AdamW keeps it) is 5
+            opt = learner.optim.optimizers[name]
+            assert [float(opt.state[p]["step"]) for p in learner._params(name)] == [5.0] * len(opt.state)
 
 
 def test_an_optimizer_step_is_answered_before_its_update_which_runs_before_any_later_call(tiny_path, monkeypatch,
