@@ -77,7 +77,21 @@ def run(name: str, family: Family, seed: int, overrides: list[str], runs: Path) 
     a0, a1 = first["eval/accuracy"], end["eval/accuracy"]
     se = first.get("eval/accuracy_stderr", 0.0)
     return {**base, "start": a0, "stderr": se, "end": a1, "change_points": 100 * (a1 - a0),
-            "held": a1 >= a0 - se, "gained": a1 - a0 >= GAIN - 1e-9, "end_step": end["step"], "eval_rows": rows}
+            "held": a1 >= a0 - se, "gained": a1 - a0 >= GAIN - 1e-9, "end_step": end["step"],
+            **clipped(out), "eval_rows": rows}
+
+
+def clipped(out: Path) -> dict:
+    """How many RL steps of the run in ``out`` a gradient bound cut (their norm before clipping above it), and
+    how many of those the relative bound (``algo.grad_clip_relative``) set, lower than ``algo.grad_clip``."""
+    run_dir = max(out.iterdir(), key=lambda p: p.stat().st_mtime)
+    fixed = json.loads((run_dir / "config.json").read_text())["algo"]["grad_clip"]
+    rl = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rl = [r for r in rl if "learner/grad_clip" in r]
+    cut = [r for r in rl if r["learner/grad_clip"] and r["learner/grad_norm"] > r["learner/grad_clip"]]
+    return {"rl_steps_clipped": len(cut),
+            "rl_steps_clipped_relative": sum(not fixed or r["learner/grad_clip"] < fixed for r in cut),
+            "rl_steps_clipped_at": [r["step"] for r in cut if not fixed or r["learner/grad_clip"] < fixed]}
 
 
 def kept(out: Path, overrides: list[str]) -> list[dict]:
@@ -118,7 +132,8 @@ def main() -> None:
             line = (r["failed"] if "failed" in r else
                     f"{r['start']:.3f} -> {r['end']:.3f} ({r['change_points']:+.1f} points, stderr "
                     f"{100 * r['stderr']:.1f}): {'held' if r['held'] else 'LOST'}, "
-                    f"{'gained' if r['gained'] else 'no gain'}")
+                    f"{'gained' if r['gained'] else 'no gain'}, {r['rl_steps_clipped_relative']} RL steps cut by "
+                    f"the relative bound")
             print(f"{name} seed {seed}: {line}; {r['wall_s']:.0f} s", flush=True)
             save({"overrides": args.overrides, **verdict(results), "results": results}, args.out)
     v = verdict(results)

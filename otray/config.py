@@ -133,8 +133,8 @@ class AlgoSection:
     weight_decay: float = 0.0
     grad_clip: float = 1.0  # a bound on each step's gradient norm (0: none)
     # k > 0: also bound it by k times the median norm of the last 20 RL steps (from the 4th step on): a spike
-    # far above its neighbours is cut to their size (otray.algos.clipping)
-    grad_clip_relative: float = 0.0
+    # far above its neighbours is cut to their size (otray.algos.clipping; 0: off). Steps of the usual size pass
+    grad_clip_relative: float = 3.0
     steps: int = 20
     batch_size: int = 16  # tasks per step (each rolled out num_rollouts times)
     micro_batch_tokens: int = 8192

@@ -61,6 +61,7 @@ def test_short_job_writes_metrics_and_trajectories(default_job):
     assert rows[1]["eval/accuracy_stderr"] == pytest.approx((p * (1 - p) / 10) ** 0.5)  # 10 eval episodes
     assert grpo["eval/change_from_start"] == pytest.approx(grpo["eval/accuracy"] - rows[1]["eval/accuracy"])
     assert grpo["learner/entropy"] > 0  # the sampled tokens' mean surprise
+    assert grpo["learner/grad_clip"] == 1.0  # algo.grad_clip_relative is on by default: its bound is in the rows
     trajs = [json.loads(line) for line in (job_dir / "trajectories.jsonl").read_text().splitlines()]
     assert trajs and trajs[0]["messages"][-1]["role"] == "assistant"
     # drop_uniform_groups is off, so every logged episode was trained on and has an advantage
