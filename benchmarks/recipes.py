@@ -69,7 +69,8 @@ def run(name: str, family: Family, seed: int, overrides: list[str], runs: Path) 
     base = {"family": name, "seed": seed, "wall_s": wall, "command": " ".join(cmd[1:])}
     if done.returncode != 0 or not out.exists():
         return {**base, "failed": f"otray train exited {done.returncode}"}
-    rows = collect(max(out.iterdir(), key=lambda p: p.stat().st_mtime))["eval_rows"]
+    run_dir = max(out.iterdir(), key=lambda p: p.stat().st_mtime)
+    rows = collect(run_dir)["eval_rows"]
     first = next((r for r in rows if r["phase"] in ("sft", "init")), None)
     end = rows[-1] if rows else None
     if first is None or end is None or "eval/accuracy" not in first or end is first:
@@ -78,20 +79,18 @@ def run(name: str, family: Family, seed: int, overrides: list[str], runs: Path) 
     se = first.get("eval/accuracy_stderr", 0.0)
     return {**base, "start": a0, "stderr": se, "end": a1, "change_points": 100 * (a1 - a0),
             "held": a1 >= a0 - se, "gained": a1 - a0 >= GAIN - 1e-9, "end_step": end["step"],
-            **clipped(out), "eval_rows": rows}
+            **clipped(run_dir), "eval_rows": rows}
 
 
-def clipped(out: Path) -> dict:
-    """How many RL steps of the run in ``out`` a gradient bound cut (their norm before clipping above it), and
-    how many of those the relative bound (``algo.grad_clip_relative``) set, lower than ``algo.grad_clip``."""
-    run_dir = max(out.iterdir(), key=lambda p: p.stat().st_mtime)
+def clipped(run_dir: Path) -> dict:
+    """How many RL steps of the run in ``run_dir`` a gradient bound cut (their norm before clipping above it), and
+    which of those the relative bound (``algo.grad_clip_relative``) set, lower than ``algo.grad_clip``."""
     fixed = json.loads((run_dir / "config.json").read_text())["algo"]["grad_clip"]
     rl = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     rl = [r for r in rl if "learner/grad_clip" in r]
     cut = [r for r in rl if r["learner/grad_clip"] and r["learner/grad_norm"] > r["learner/grad_clip"]]
-    return {"rl_steps_clipped": len(cut),
-            "rl_steps_clipped_relative": sum(not fixed or r["learner/grad_clip"] < fixed for r in cut),
-            "rl_steps_clipped_at": [r["step"] for r in cut if not fixed or r["learner/grad_clip"] < fixed]}
+    relative = [r["step"] for r in cut if not fixed or r["learner/grad_clip"] < fixed]
+    return {"rl_steps_clipped": len(cut), "rl_steps_clipped_relative": len(relative), "rl_steps_clipped_at": relative}
 
 
 def kept(out: Path, overrides: list[str]) -> list[dict]:
