@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from otray.tinker.learner.adapter_learner import SAMPLER_CACHE, AdapterLearner
+from otray.tinker.learner.adapter_learner import AdapterLearner
+from otray.tinker.learner.learner_sampling import SAMPLER_CACHE
 from otray.tinker.learner.specs import AdamStep, AdapterSpec
 from otray.tinker.learner.sample_jobs import SampleJob
 from otray.tinker.learner.prompt_scores import Scoring
@@ -44,7 +45,7 @@ def test_sampler_checkpoints_sample_what_was_saved_in_them(tiny_path, tokenizer,
     loaded = [n for n in learner.model.peft_config if n not in ("a", "b")]
     assert len(loaded) <= SAMPLER_CACHE, loaded
     # the least recently used dir was given up; sampling it again loads it again, correctly
-    assert str(tmp_path / "s2") not in learner.slots.dirs
+    assert str(tmp_path / "s2") not in learner.sampling.slots.dirs
     learner.save("b", str(tmp_path / "b-now"), optimizer=False)
     assert np.allclose(sampled(tmp_path / "b-now"), live("b"), atol=1e-5)
 
@@ -79,7 +80,7 @@ def test_the_base_samples_after_every_client_dropped_its_adapter(tiny_path):
     before = learner.sample([job])[0][0].samples[0].token_ids
     for name in ("a", "b"):
         learner.create(name, AdapterSpec(2, 1, True, True, True, 32))
-    learner._use("b")
+    learner.use("b")
     learner.drop("b")
     assert learner.sample([job])[0][0].samples[0].token_ids == before  # "a" left, the base still the base
     learner.drop("a")
@@ -241,7 +242,9 @@ def test_a_forward_backward_and_its_optim_step_in_one_call_equal_two_calls(tiny_
             fb = await shared.forward_backward("alice", "two", data, "cross_entropy")
             assert got.forward_backward.logprobs == fb.logprobs and got.forward_backward.loss_sum == fb.loss_sum
             assert got.optim_step == await shared.optim_step("alice", "two", adam)
-        one, two = (shared.learner.adapter_tensors(n) for n in ("one", "two"))
+        # read on the compute thread: an optimizer step is answered before its update, which runs there next
+        loop = asyncio.get_running_loop()
+        one, two = [await loop.run_in_executor(shared.pool, shared.learner.adapter_tensors, n) for n in ("one", "two")]
         assert all(torch.equal(v, two[k.replace(".one.", ".two.")]) for k, v in one.items())
         assert shared.usage()["train_steps"] == 3
         failed = await shared.train_step("alice", "one", [bad], "custom", adam, None, graph)

@@ -8,9 +8,9 @@ adapters neither take part in the forward pass nor receive gradients. An adapter
 here among others therefore equals the one trained alone on the same data
 (tests/tinker/test_service.py, the concurrent users test).
 
-Sampling runs on the same model: a sampler checkpoint (``save_weights_for_sampler``) is loaded
-as one more adapter, read-only, and kept in a small least-recently-used cache; the base model
-samples with every adapter switched off.
+Sampling runs on the same model (:class:`~otray.tinker.learner.learner_sampling.LearnerSampling`): a
+sampler checkpoint (``save_weights_for_sampler``) is loaded as one more adapter, read-only, and kept in a
+small least-recently-used cache; the base model samples with every adapter switched off.
 
 Losses are Tinker's: sums over every token of the datum (no mask: a token that should not
 count carries weight 0 or advantage 0), with the per-token formulas of
@@ -29,25 +29,21 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from otray.actors.sampling.backends.hf import HFBackend
 from otray.tinker.errors import AdapterGone
 from otray.tinker.learner.adapter_switch import AdapterSwitch
 from otray.tinker.learner.loss_graph import LossGraph
+from otray.tinker.learner.learner_sampling import LearnerSampling
 from otray.tinker.learner.loss_run import add_sums
 from otray.tinker.learner.adapter_steps import Answer, AdapterSteps
 from otray.tinker.learner.mixed_lora import RowRouting
-from otray.tinker.learner.sample_jobs import SampleJob, SampleOut, scores_of
-from otray.tinker.learner.sampler_slots import SamplerSlots
+from otray.tinker.learner.sample_jobs import SampleJob, SampleOut
 from otray.tinker.learner.specs import AdamStep, AdapterSpec
 from otray.tinker.learner.passes import PassRequest, PassResult
 from otray.tinker.learner.shared_pass import SharedPass, batch_loss
-from otray.tinker.learner.prompt_scores import Scoring
 from otray.actors.learner.core import in_order, new_adamw, plan_micro_batches
 from otray.device import resolve_device, resolve_dtype
 from otray.models import load_model, load_tokenizer
 from otray.types import Datum
-
-SAMPLER_CACHE = 4  # sampler checkpoints kept loaded as adapters
 
 
 class AdapterLearner:
@@ -71,7 +67,7 @@ class AdapterLearner:
         self.model: Any = None  # the PeftModel, made with the first adapter
         self.specs: dict[str, AdapterSpec] = {}
         self.optim = AdapterSteps()  # each adapter's AdamW and step count
-        self.slots = SamplerSlots(SAMPLER_CACHE)  # sampler checkpoints loaded as read-only adapters
+        self.sampling = LearnerSampling(self)  # sampler checkpoints loaded as read-only adapters, and sampling
         self.micro_batch_tokens = micro_batch_tokens
         self.max_model_len = max_model_len or self.base.config.get_text_config().max_position_embeddings
         self.switch = AdapterSwitch()  # which adapter the LoRA layers use
@@ -83,7 +79,9 @@ class AdapterLearner:
 
     # ------------------------------------------------------------------ adapters
 
-    def _add(self, name: str, spec: AdapterSpec) -> None:
+    def add_lora(self, name: str, spec: AdapterSpec) -> None:
+        """A LoRA adapter ``name`` of ``spec``'s shape on the model (made with the first), its initial values
+        from ``spec.seed`` alone."""
         from peft import LoraConfig, get_peft_model
 
         config = LoraConfig(r=spec.rank, lora_alpha=spec.alpha, lora_dropout=0.0,
@@ -104,7 +102,7 @@ class AdapterLearner:
         """A new adapter (a training client), its optimizer made at its first step."""
         if adapter in self.specs:
             raise ValueError(f"adapter {adapter!r} exists already")
-        self._add(adapter, spec)
+        self.add_lora(adapter, spec)
         self.specs[adapter] = spec
         self.optim.add(adapter)
 
@@ -112,13 +110,17 @@ class AdapterLearner:
         """Forget an adapter and its optimizer (its saved checkpoints stay)."""
         if self.specs.pop(adapter, None) is not None:
             self.optim.forget(adapter)
-            self.model.delete_adapter(adapter)
-            self.switch.changed()
+            self.remove_lora(adapter)
 
-    def _use(self, adapter: Optional[str]) -> None:
+    def remove_lora(self, name: str) -> None:
+        """Delete adapter ``name`` from the model."""
+        self.model.delete_adapter(name)
+        self.switch.changed()
+
+    def use(self, adapter: Optional[str]) -> None:
         """Make ``adapter`` the only active one: only it takes part in the pass, so only it gets gradients."""
         if adapter is not None and adapter != self.switch.active:
-            if adapter not in self.specs and adapter not in self.slots.names():
+            if adapter not in self.specs and not self.sampling.holds(adapter):
                 raise AdapterGone(f"no adapter {adapter!r} on this learner (it restarted, or the model was unloaded)")
             self.switch.use(self.model, adapter)
 
@@ -126,6 +128,11 @@ class AdapterLearner:
         if not self.training:  # model.train() walks every module: only after a sample switched to eval
             self.model.train()
             self.training = True
+
+    def eval_mode(self, model: torch.nn.Module) -> None:
+        """``model`` (this learner's, or its base) in eval mode for sampling: the next training call switches back."""
+        model.eval()
+        self.training = False
 
     def _params(self, adapter: str) -> list[torch.nn.Parameter]:
         self.optim.check(adapter)  # (refused after an update that failed behind its answer)
@@ -138,7 +145,7 @@ class AdapterLearner:
         """Add the gradient of ``sum(per-token loss)`` over every datum to ``adapter``'s gradients
         (``backward=False``: the same numbers, no gradient). Datums with K targets per position
         (``target_k``) give back K logprobs per position, flattened. ``graph``: a custom loss instead."""
-        self._use(adapter)
+        self.use(adapter)
         self._train_mode()
         batches, order = plan_micro_batches(datums, self.micro_batch_tokens)
         lps, losses, total, metrics = [], [], 0.0, {}
@@ -165,14 +172,14 @@ class AdapterLearner:
         live = next((r.adapter for r in requests if r.adapter in self.specs), None)
         if live is not None:
             self._train_mode()
-            self._use(live)  # PEFT's own record of the active adapter must name a live one
+            self.use(live)  # PEFT's own record of the active adapter must name a live one
             self.routing.install(self.switch.lora_layers(self.model))
         return SharedPass(self.model, self.routing, self.device, self.micro_batch_tokens,
                           {n: s.rank for n, s in self.specs.items()}, self._params).run(requests)
 
     def optim_step(self, adapter: str, p: AdamStep) -> Answer:
         """One AdamW step of ``adapter`` on its accumulated gradients; zeroes them."""
-        self._use(adapter)
+        self.use(adapter)
         return self.optim.step(adapter, self._params(adapter), p)
 
     def optim_many(self, works: list[tuple[str, AdamStep]]) -> list[Answer | Exception]:
@@ -207,8 +214,8 @@ class AdapterLearner:
         out = Path(path)
         shutil.rmtree(out, ignore_errors=True)  # overwritten: new files, never the old ones rewritten in place (a
         out.mkdir(parents=True)  # hard link of them, a copied checkpoint's or a restore point's, keeps what it linked)
-        self.slots.forget(str(out))  # what is loaded from it is stale
-        self._use(adapter)  # PEFT's model card reads the active adapter's config: it must be a live one
+        self.sampling.slots.forget(str(out))  # what is loaded from it is stale
+        self.use(adapter)  # PEFT's model card reads the active adapter's config: it must be a live one
         self.model.save_pretrained(str(out), selected_adapters=[adapter], safe_serialization=True,
                                    save_embedding_layers=False)  # the base's (tied) embeddings are not trained
         nested = out / adapter  # PEFT puts a non-default adapter in a subdirectory
@@ -248,61 +255,6 @@ class AdapterLearner:
 
     # ------------------------------------------------------------------ sampling
 
-    def _sampler_adapter(self, path: str) -> str:
-        """The adapter name of sampler checkpoint ``path``, loading it on first use (:class:`SamplerSlots`)."""
-        from peft import LoraConfig, set_peft_model_state_dict
-        from safetensors.torch import load_file
-
-        name = self.slots.get(path)
-        if name is not None:
-            return name
-        meta = json.loads((Path(path) / "otray_adapter.json").read_text())
-        spec = AdapterSpec(**meta["spec"])
-        name, gone = self.slots.place(spec)
-        for old in gone:
-            self.model.delete_adapter(old)
-            self.switch.changed()
-        if name is None:
-            name = f"sampler-{random.randrange(10**9)}"
-            if self.model is None:
-                self._add(name, spec)
-            else:
-                self.model.add_adapter(name, LoraConfig(r=spec.rank, lora_alpha=spec.alpha, lora_dropout=0.0,
-                                                        target_modules=spec.target_modules(), task_type="CAUSAL_LM"))
-                self.switch.changed()
-        set_peft_model_state_dict(self.model, load_file(str(Path(path) / "adapter_model.safetensors")), adapter_name=name)
-        self.slots.loaded(path, name, spec, meta.get("version"))
-        return name
-
     def sample(self, jobs: list[SampleJob], stop: Optional[Callable[[], bool]] = None) -> list[list[SampleOut]]:
-        """Each job's prompts, ``n`` samples each (one generate call per job); per prompt a
-        :class:`SampleOut`. ``stop`` (asked between tokens): True ends the call early, its samples cut
-        where they were and no prompt scored (its caller abandoned it: the learner is free again)."""
-        return [self._sample_one(job, stop) for job in jobs]
-
-    def _sample_one(self, job: SampleJob, stop: Optional[Callable[[], bool]] = None) -> list[SampleOut]:
-        from contextlib import nullcontext
-
-        version = None
-        if job.adapter is not None:  # loaded outside inference mode: its tensors must stay usable by autograd
-            name = self._sampler_adapter(job.adapter)
-            self._use(name)
-            version = self.slots.versions.get(name)
-        # with no adapter left (the last client dropped its own) the PEFT wrapper still names the deleted one
-        # active and fails with a KeyError: the base model itself then (its LoRA layers hold nothing)
-        held = self.model is not None and bool(self.model.peft_config)
-        model = self.model if held else self.base
-        off = self.model.disable_adapter() if (job.adapter is None and held) else nullcontext()
-        model.eval()
-        self.training = False
-        with off, torch.inference_mode():
-            backend = HFBackend.on_model(model, self.tokenizer, max_model_len=self.max_model_len, packed_linears=False)
-            pictures = {"images": job.images} if job.images else {}
-            samples = (backend.generate(job.prompts, job.params, job.n, **pictures, stop=stop)
-                       if job.params.max_tokens > 0 else [[]] * len(job.prompts))
-            outs = [SampleOut(s, version=version) for s in samples]
-            if (job.scoring != Scoring() or job.targets) and not (stop is not None and stop()):
-                for i, (p, out) in enumerate(zip(job.prompts, outs)):
-                    out.scores = scores_of(model, job, i, [s.token_ids for s in out.samples], self.device)
-                    out.prompt_logprobs = out.scores.logprobs
-        return outs
+        """Each job's prompts sampled on this model (:meth:`LearnerSampling.sample`)."""
+        return self.sampling.sample(jobs, stop)

@@ -4,7 +4,8 @@ The :class:`~otray.tinker.learner.adapter_learner.AdapterLearner` samples a samp
 directory) by loading it into an adapter of its model. :class:`SamplerSlots` keeps the bookkeeping: at most
 ``size`` directories loaded (least recently used given up first), adapters no directory uses kept as spares
 and refilled for a directory of the same shape (making an adapter costs ~6x loading weights into one), each
-loaded directory's weights version (an inflight target's). The learner does the model's side.
+loaded directory's weights version (an inflight target's).
+:class:`~otray.tinker.learner.learner_sampling.LearnerSampling` does the model's side.
 
 Runs in the SharedLearner actor of one base model."""
 

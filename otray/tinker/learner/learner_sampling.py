@@ -1,0 +1,115 @@
+"""LearnerSampling: sampling on the AdapterLearner's own model, between its training calls.
+
+A sampler checkpoint (a directory ``AdapterLearner.save`` wrote) is loaded into one more adapter of the
+learner's model, read-only, and kept while it is among the ``SAMPLER_CACHE`` most recently used
+(:class:`~otray.tinker.learner.sampler_slots.SamplerSlots` keeps that bookkeeping; this class does the
+model's side). A job with no checkpoint samples the base model, every adapter switched off. Samples go
+through HF ``generate`` (:class:`~otray.actors.sampling.backends.hf.HFBackend` on the learner's model); a job
+that asks for scores (top-K, targets) gets them from the same model (:mod:`prompt_scores`). Each sample
+reports the weights version it came from (an inflight target's; None for a plain checkpoint).
+
+The vLLM path beside the learner is :mod:`lora_sampler`; the service picks between them.
+
+Runs in the SharedLearner actor of one base model."""
+
+from __future__ import annotations
+
+import json
+import random
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any, Callable, Optional, Protocol
+
+import torch
+
+from otray.actors.sampling.backends.hf import HFBackend
+from otray.tinker.learner.prompt_scores import Scoring
+from otray.tinker.learner.sample_jobs import SampleJob, SampleOut, scores_of
+from otray.tinker.learner.sampler_slots import SamplerSlots
+from otray.tinker.learner.specs import AdapterSpec
+
+SAMPLER_CACHE = 4  # sampler checkpoints kept loaded as adapters
+
+
+class SamplingHost(Protocol):
+    """What sampling needs of the learner it runs on (the AdapterLearner is one)."""
+
+    model: Any  # the PeftModel holding every adapter (None before the first)
+    base: torch.nn.Module  # the base model under it
+    tokenizer: Any
+    max_model_len: int
+    device: str
+
+    def use(self, adapter: Optional[str]) -> None: ...  # make it the only active adapter
+
+    def eval_mode(self, model: torch.nn.Module) -> None: ...
+
+    def add_lora(self, name: str, spec: AdapterSpec) -> None: ...
+
+    def remove_lora(self, name: str) -> None: ...
+
+
+class LearnerSampling:
+    """The sampler checkpoints ``learner`` holds loaded (``slots``) and its sampling calls."""
+
+    def __init__(self, learner: SamplingHost, size: int = SAMPLER_CACHE):
+        self.learner = learner
+        self.slots = SamplerSlots(size)
+
+    def holds(self, name: str) -> bool:
+        """``name`` is an adapter this holds a sampler checkpoint in."""
+        return name in self.slots.names()
+
+    def adapter_for(self, path: str) -> str:
+        """The adapter name of sampler checkpoint ``path``, loading it on first use (into a spare adapter of
+        its shape where there is one: making an adapter costs ~6x loading weights into one)."""
+        from peft import set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        name = self.slots.get(path)
+        if name is not None:
+            return name
+        meta = json.loads((Path(path) / "otray_adapter.json").read_text())
+        spec = AdapterSpec(**meta["spec"])
+        name, gone = self.slots.place(spec)
+        for old in gone:
+            self.learner.remove_lora(old)
+        if name is None:
+            name = f"sampler-{random.randrange(10**9)}"
+            self.learner.add_lora(name, spec)
+        set_peft_model_state_dict(self.learner.model, load_file(str(Path(path) / "adapter_model.safetensors")),
+                                  adapter_name=name)
+        self.slots.loaded(path, name, spec, meta.get("version"))
+        return name
+
+    def sample(self, jobs: list[SampleJob], stop: Optional[Callable[[], bool]] = None) -> list[list[SampleOut]]:
+        """Each job's prompts, ``n`` samples each (one generate call per job); per prompt a
+        :class:`SampleOut`. ``stop`` (asked between tokens): True ends the call early, its samples cut
+        where they were and no prompt scored (its caller abandoned it: the learner is free again)."""
+        return [self._one(job, stop) for job in jobs]
+
+    def _one(self, job: SampleJob, stop: Optional[Callable[[], bool]]) -> list[SampleOut]:
+        learner = self.learner
+        version = None
+        if job.adapter is not None:  # loaded outside inference mode: its tensors must stay usable by autograd
+            name = self.adapter_for(job.adapter)
+            learner.use(name)
+            version = self.slots.versions.get(name)
+        # with no adapter left (the last client dropped its own) the PEFT wrapper still names the deleted one
+        # active and fails with a KeyError: the base model itself then (its LoRA layers hold nothing)
+        held = learner.model is not None and bool(learner.model.peft_config)
+        model = learner.model if held else learner.base
+        off = learner.model.disable_adapter() if (job.adapter is None and held) else nullcontext()
+        learner.eval_mode(model)
+        with off, torch.inference_mode():
+            backend = HFBackend.on_model(model, learner.tokenizer, max_model_len=learner.max_model_len,
+                                         packed_linears=False)
+            pictures = {"images": job.images} if job.images else {}
+            samples = (backend.generate(job.prompts, job.params, job.n, **pictures, stop=stop)
+                       if job.params.max_tokens > 0 else [[]] * len(job.prompts))
+            outs = [SampleOut(s, version=version) for s in samples]
+            if (job.scoring != Scoring() or job.targets) and not (stop is not None and stop()):
+                for i, out in enumerate(outs):
+                    out.scores = scores_of(model, job, i, [s.token_ids for s in out.samples], learner.device)
+                    out.prompt_logprobs = out.scores.logprobs
+        return outs
