@@ -44,8 +44,8 @@ if TYPE_CHECKING:  # torch is imported by safetensors.torch when a merge runs, n
 from otray.tinker.service.catalog import Catalog
 from otray.tinker.service.futures import Futures, Outcome, settle
 from otray.tinker.service.runs import check_name
-from otray.tinker.service.storage import PARTIAL, StorageLedger, files_size
-from otray.tinker.service.store import Checkpoint, Store
+from otray.tinker.service.storage import PARTIAL, StorageLedger
+from otray.tinker.service.store import Checkpoint, Store, files_usage
 from otray.tinker.errors import UserError
 from otray.tinker.wire.requests import MergeWeights
 
@@ -174,7 +174,7 @@ class Merges:
                             "overwrite: true", 409)
         base = self.base_dir(self.store.run(src.model_id).base_model)
         out = self.store.checkpoint_dir(owner, src.model_id, "external", name)
-        release = self.storage.reserve(owner, out, files_size(base))  # the merged model is about the base's size
+        release = self.storage.reserve(owner, out, files_usage(base))  # the merged model is about the base's size
         request_id = f"{src.model_id}:merge:{uuid.uuid4().hex[:12]}"
         self.futures.new(request_id, owner, "merge_weights")
         task = asyncio.get_running_loop().create_task(self._run(owner, request_id, src, base, name, ttl))
@@ -205,7 +205,7 @@ class Merges:
 
         async def merged() -> Outcome:
             await asyncio.to_thread(merge_lora, base, Path(src.path), out)
-            size = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
+            size = files_usage(out)
             ckpt = Checkpoint(src.model_id, "external", name, str(out), time.time(), size,
                               time.time() + ttl if ttl else None, {"merged_from": src.tinker_path})
             self.store.add_checkpoint(ckpt)

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from otray.tinker.errors import UserError
-from otray.tinker.service.store import Store
+from otray.tinker.service.store import Store, disk_usage
 
 
 PARTIAL = ".partial-"  # a directory written under ``<name>.partial-<ns>``, then renamed to ``<name>`` (merges)
@@ -40,7 +40,7 @@ class StorageLedger:
             flight[where] = flight.get(where, 0) + nbytes
         dirs = {d: in_flight(d) for d in flight}
         return self.store.usage(owner, skip=[p for ps in dirs.values() for p in ps]) + \
-            sum(max(n, sum(tree_size(p) for p in dirs[d])) for d, n in flight.items())
+            sum(max(n, sum(disk_usage(p) for p in dirs[d])) for d, n in flight.items())
 
     def room(self, owner: str, adding: int = 0) -> None:
         """Refuse (a 403 naming the quota) while ``owner``'s stored bytes and reservations take their quota,
@@ -72,13 +72,3 @@ class StorageLedger:
         """Bytes of ``model_id``'s newest checkpoint of ``kind`` (0: none yet): a save's expected size."""
         same = [c for c in self.store.checkpoints(model_id) if c.kind == kind]
         return max(same, key=lambda c: c.created).size if same else 0
-
-
-def tree_size(where: Path) -> int:
-    """Bytes of the files under ``where``, at any depth (0 when it does not exist)."""
-    return sum(p.stat().st_size for p in where.rglob("*") if p.is_file()) if where.is_dir() else 0
-
-
-def files_size(where: Path) -> int:
-    """Bytes of the files directly in ``where``."""
-    return sum(p.stat().st_size for p in where.iterdir() if p.is_file()) if where.is_dir() else 0

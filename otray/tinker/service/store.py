@@ -15,6 +15,40 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Collection, Optional
 
+def disk_usage(top: Path, skip: Collection[Path] = ()) -> int:
+    """Bytes of the files under ``top`` at any depth (0 when it does not exist), those under a directory in
+    ``skip`` left out. A file or directory that goes while it walks (a merge renaming its partial directory
+    into place, a delete) is not counted: never an error (a walk that stat-ed each file it had listed failed so,
+    a 500 for a merge beside another's rename)."""
+    total = 0
+    for root, dirs, files in os.walk(top):  # (os.walk skips a directory it can no longer list)
+        if skip and any(Path(root).is_relative_to(d) for d in skip):
+            dirs[:] = []
+            continue
+        for name in files:
+            try:
+                total += os.stat(os.path.join(root, name)).st_size
+            except OSError:  # gone since the listing (or a broken link)
+                pass
+    return total
+
+
+def files_usage(where: Path) -> int:
+    """Bytes of the files directly in ``where`` (0 when it does not exist), as :func:`disk_usage` does."""
+    try:
+        entries = list(os.scandir(where))
+    except OSError:
+        return 0
+    total = 0
+    for entry in entries:
+        try:
+            if entry.is_file():
+                total += entry.stat().st_size
+        except OSError:
+            pass
+    return total
+
+
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (model_id TEXT PRIMARY KEY, owner TEXT, base_model TEXT, spec TEXT,
     created REAL, last_request REAL, user_metadata TEXT);
@@ -124,10 +158,7 @@ class Store:
     def usage(self, owner: str, skip: Collection[Path] = ()) -> int:
         """Bytes ``owner`` stores here: checkpoint files (named and ephemeral) and custom losses; files under
         the directories in ``skip`` (saves and merges in flight, counted by their reservations) left out."""
-        top = self.root / "checkpoints" / owner
-        files = sum(f.stat().st_size for f in top.rglob("*")
-                    if f.is_file() and not any(f.is_relative_to(d) for d in skip)) if top.is_dir() else 0
-        return files + self.losses_of(owner)[1]
+        return disk_usage(self.root / "checkpoints" / owner, skip) + self.losses_of(owner)[1]
 
     def prune_ephemeral(self, owner: str, model_id: str, keep: int) -> None:
         """Delete all but the newest ``keep`` ephemeral sampler weights of ``model_id`` (every RL step
