@@ -129,6 +129,11 @@ class AlgoSection:
     # sampled token's loss (k3 estimate; otray.actors.learner.anchor). Keeps what the warm-up learned.
     # Unset: 1.0 on a vision-language model with one learner, else 0 (train_job.resolve_kl_coeff says why)
     kl_coeff: Optional[float] = None
+    # a vision-language model's vision tower (and projector) in RL steps trains at this times algo.learning_rate
+    # (0: not moved; its gradient still counts in the step's norm). Unset: model.vision_lr_scale, as in the
+    # warm-up (train_job.resolve_vision_lr_scale has the measurements). Only for a VLM, and a value other than
+    # the warm-up's only where that gave the tower a rate of its own (0 < model.vision_lr_scale < 1, the default)
+    vision_lr_scale: Optional[float] = None
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     weight_decay: float = 0.0
     grad_clip: float = 1.0  # a bound on each step's gradient norm (0: none)

@@ -44,7 +44,7 @@ RANGES: dict[str, tuple[Any, Any]] = {
     "resources.learner_threads": (1, None), "resources.rollout_threads": (1, None),
     "resources.learner_workers": (1, 1024), "resources.collective_timeout_s": (GT(0), None),
     "model.vision_lr_scale": (0, 1000), "algo.learning_rate": (0, None), "algo.kl_coeff": (0, 1000), "algo.lr_warmup_steps": (0, 1_000_000), "algo.weight_decay": (0, None), "algo.grad_clip": (0, None),
-    "algo.grad_clip_relative": (0, 1000),
+    "algo.grad_clip_relative": (0, 1000), "algo.vision_lr_scale": (0, 1000),
     "algo.steps": (0, 1_000_000), "algo.batch_size": (1, 1 << 16),
     "algo.micro_batch_tokens": (0, 1 << 24),  # 0: derived from the free GPU memory (8192 on the CPU)
     "rollout.gpu_memory_utilization": (GT(0), 1),

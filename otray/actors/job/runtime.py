@@ -180,7 +180,8 @@ class PolicyRuntime:
         """forward_backward + optim_step on ``datums`` (nothing when there are none); returns the
         learner's metrics of both calls and marks them on ``clock``. ``kl_to_start``: the weight of the
         KL to the policy RL started from (RL steps: ``algo.kl_coeff``; :meth:`anchor` first). ``rl``: an RL
-        step, clipped as ``algo.grad_clip_relative`` says by the recent RL steps' norms, which its own joins."""
+        step, clipped as ``algo.grad_clip_relative`` says by the recent RL steps' norms, which its own joins, and a
+        VLM's vision tower at ``algo.vision_lr_scale``."""
         import ray
 
         if not datums:
@@ -190,7 +191,8 @@ class PolicyRuntime:
         if clock is not None:
             clock.mark("forward_backward")
         clip = grad_clip(self.grad_norms, algo.grad_clip, algo.grad_clip_relative if rl else 0.0)
-        opt = ray.get(self.learner.optim_step.remote(learning_rate, tuple(algo.betas), 1e-8, algo.weight_decay, clip))
+        opt = ray.get(self.learner.optim_step.remote(learning_rate, tuple(algo.betas), 1e-8, algo.weight_decay, clip,
+                                                     algo.vision_lr_scale if rl else None))
         if clock is not None:
             clock.mark("optim_step")
         self.version += 1

@@ -168,12 +168,16 @@ def batch_stats(loss: torch.Tensor, lp: torch.Tensor, q: torch.Tensor, mask: tor
 
 
 LR_SCALE = "otray_lr_scale"  # a parameter's attribute: its learning rate is this times the step's (default 1)
+VISION = "otray_vision"  # a parameter's attribute: part of a VLM's vision tower (its own optimizer group)
 
 
-def scale_learning_rate(params: Sequence[torch.nn.Parameter], scale: float) -> None:
-    """Train ``params`` at ``scale`` times the learning rate of each step (:func:`new_adamw` groups them)."""
+def scale_learning_rate(params: Sequence[torch.nn.Parameter], scale: float, vision: bool = False) -> None:
+    """Train ``params`` at ``scale`` times the learning rate of each step (:func:`new_adamw` groups them;
+    ``vision``: a vision tower's, whose rate an RL step may set apart, :func:`adamw_step`)."""
     for p in params:
         setattr(p, LR_SCALE, float(scale))
+        if vision:
+            setattr(p, VISION, True)
 
 
 def new_adamw(params: list[torch.nn.Parameter], **kwargs: Any) -> torch.optim.AdamW:
@@ -181,11 +185,12 @@ def new_adamw(params: list[torch.nn.Parameter], **kwargs: Any) -> torch.optim.Ad
     else the default implementation. Measured here (2 cores, ~100M float32 parameters): fused
     0.07-0.08 s a step, the default (per-parameter loop on CPU) 0.2-0.8 s. Parameters given a learning-rate
     scale (:func:`scale_learning_rate`) form their own group, in order of first appearance."""
-    by_scale: dict[float, list[torch.nn.Parameter]] = {}
+    by_scale: dict[tuple[float, bool], list[torch.nn.Parameter]] = {}
     for p in params:
-        by_scale.setdefault(getattr(p, LR_SCALE, 1.0), []).append(p)
+        by_scale.setdefault((getattr(p, LR_SCALE, 1.0), getattr(p, VISION, False)), []).append(p)
     if len(by_scale) > 1:
-        params = [{"params": ps, "lr_scale": scale} for scale, ps in by_scale.items()]  # type: ignore[misc]
+        params = [{"params": ps, "lr_scale": scale, **({"vision": True} if vision else {})}  # type: ignore[misc]
+                  for (scale, vision), ps in by_scale.items()]
     try:
         return torch.optim.AdamW(params, fused=True, **kwargs)
     except (RuntimeError, ValueError):
@@ -302,12 +307,15 @@ def grad_norm(params: Sequence[torch.nn.Parameter]) -> float:
 
 def adamw_step(optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], *, learning_rate: float,
                betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
-               grad_clip: float | None = 1.0) -> float:
+               grad_clip: float | None = 1.0, vision_lr_scale: float | None = None) -> float:
     """One AdamW step on the accumulated gradients of ``params`` with these settings, the gradient
-    norm clipped to ``grad_clip`` (None or 0: not clipped); zeroes the gradients. Returns the
-    gradient norm before clipping."""
+    norm clipped to ``grad_clip`` (None or 0: not clipped); zeroes the gradients. ``vision_lr_scale``: the
+    vision tower's group (:data:`VISION`) at this times ``learning_rate`` instead of its own scale (an RL step's
+    ``algo.vision_lr_scale``; 0: not moved, its gradient still in the norm). Returns the gradient norm before
+    clipping."""
     for group in optimizer.param_groups:
-        group.update(lr=learning_rate * group.get("lr_scale", 1.0), betas=tuple(betas), eps=eps,
+        scale = vision_lr_scale if vision_lr_scale is not None and group.get("vision") else group.get("lr_scale", 1.0)
+        group.update(lr=learning_rate * scale, betas=tuple(betas), eps=eps,
                      weight_decay=weight_decay)
     grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip else float("inf"), foreach=True)
     optimizer.step()

@@ -151,9 +151,10 @@ class LearnerGroup:
         raise ValueError("a sharded learner holds no starting policy (algo.kl_coeff must be 0)")
 
     def optim_step(self, learning_rate: float = 1e-4, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                   weight_decay: float = 0.0, grad_clip: float | None = 1.0) -> dict[str, float]:
+                   weight_decay: float = 0.0, grad_clip: float | None = 1.0,
+                   vision_lr_scale: float | None = None) -> dict[str, float]:
         """Each rank steps its shard; the gradient norm is the whole model's (clipping is global)."""
-        return self._all([r.optim_step.remote(learning_rate, betas, eps, weight_decay, grad_clip)
+        return self._all([r.optim_step.remote(learning_rate, betas, eps, weight_decay, grad_clip, vision_lr_scale)
                           for r in self.ranks])[0]
 
     def weights(self, transport: str = "object_store", dtype: str | None = None) -> WeightUpdate:

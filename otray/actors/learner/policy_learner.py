@@ -206,14 +206,17 @@ class PolicyLearner:
 
     @busy
     def optim_step(self, learning_rate: float = 1e-4, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                   weight_decay: float = 0.0, grad_clip: float | None = 1.0) -> dict[str, float]:
-        """One AdamW step on the accumulated gradients; zeroes them; bumps the version (:func:`vision_grad_norm`)."""
+                   weight_decay: float = 0.0, grad_clip: float | None = 1.0,
+                   vision_lr_scale: float | None = None) -> dict[str, float]:
+        """One AdamW step on the accumulated gradients; zeroes them; bumps the version (:func:`vision_grad_norm`).
+        ``vision_lr_scale``: a VLM's vision tower at this times ``learning_rate`` (an RL step's
+        ``algo.vision_lr_scale``), not ``model.vision_lr_scale``."""
         params = trainable(self.model)
         if self.optimizer is None:
             self.optimizer = new_adamw(params, lr=learning_rate)
         vision = vision_grad_norm(self.model)  # (read before the step zeroes the gradients)
         norm = adamw_step(self.optimizer, params, learning_rate=learning_rate, betas=betas, eps=eps,
-                          weight_decay=weight_decay, grad_clip=grad_clip)
+                          weight_decay=weight_decay, grad_clip=grad_clip, vision_lr_scale=vision_lr_scale)
         self.step += 1
         self.version += 1
         out = {"grad_norm": norm, "learning_rate": learning_rate, "step": self.step, **vision}
@@ -361,5 +364,5 @@ def slow_vision(model: torch.nn.Module, scale: float) -> None:
     vision = [p for n, p in model.named_parameters() if p.requires_grad and is_vision_param(n)]
     for p in vision if scale == 0 else ():
         p.requires_grad_(False)
-    scale_learning_rate(vision if scale else [], scale)
+    scale_learning_rate(vision if scale else [], scale, vision=True)
 

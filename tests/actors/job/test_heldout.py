@@ -1,5 +1,7 @@
 """The held-out guard of RL jobs (otray/actors/job/heldout.py) and how the job's table shows it."""
 
+import pytest
+
 from otray import config
 from otray import metric_keys as K
 from otray.actors.job.heldout import HeldoutWatch
@@ -90,3 +92,28 @@ def test_kl_coeff_unset_pulls_a_vision_language_model_towards_its_warm_up_and_no
     sharded = cfg()
     sharded.resources.learner_workers = 2  # keeps no starting policy: never an unset pull
     assert resolve_kl_coeff(sharded, vl_path) == 0.0
+
+
+def test_vision_lr_scale_unset_is_the_warm_ups_and_is_refused_where_it_cannot_apply(tiny_path, vl_path):
+    """algo.vision_lr_scale: unset, the warm-up's model.vision_lr_scale; set, as set; refused by name on a text
+    model, and where the warm-up gave the tower no optimizer group of its own."""
+    from otray.actors.job.train_job import resolve_vision_lr_scale
+
+    def cfg(model_scale: float = 0.1, **algo):
+        return config.load({"model": {"path": "tiny", "vision_lr_scale": model_scale}, "algo": algo,
+                            "envs": {"a": {"entry": "envs.arithmetic:Arithmetic", "splits": {"train": {}}}}})
+
+    assert cfg().algo.vision_lr_scale is None
+    assert resolve_vision_lr_scale(cfg(), vl_path) == 0.1  # unset, a VLM: the warm-up's (model.vision_lr_scale)
+    assert resolve_vision_lr_scale(cfg(vision_lr_scale=0.0), vl_path) == 0.0  # held in RL
+    assert resolve_vision_lr_scale(cfg(), tiny_path) is None  # a text model: nothing to scale
+    assert resolve_vision_lr_scale(cfg(vision_lr_scale=0.05), vl_path) == 0.05  # set: as set
+    assert resolve_vision_lr_scale(cfg(1.0), vl_path) == 1.0  # a tower trained as the language model
+    assert resolve_vision_lr_scale(cfg(0.0), vl_path) == 0.0  # ... or frozen
+    assert resolve_vision_lr_scale(cfg(1.0, vision_lr_scale=1.0), vl_path) == 1.0
+    with pytest.raises(ValueError, match=r"algo\.vision_lr_scale=0\.5 is set, but 'tiny' has no vision tower"):
+        resolve_vision_lr_scale(cfg(vision_lr_scale=0.5), tiny_path)
+    with pytest.raises(ValueError, match=r"model\.vision_lr_scale=1 gives it none .* set model\.vision_lr_scale "
+                                         r"between 0 and 1"):
+        resolve_vision_lr_scale(cfg(1.0, vision_lr_scale=0.0), vl_path)
+

@@ -104,3 +104,28 @@ def test_vision_lr_scale_slows_or_freezes_the_vision_tower_only(tmp_path):
     assert moved[1.0][0] == pytest.approx(1e-3, rel=0.05) and moved[0.1][0] == pytest.approx(1e-4, rel=0.05)
     assert moved[0.0][0] == 0.0
     assert all(lang == pytest.approx(1e-3, rel=0.05) for _, lang in moved.values())
+
+
+def test_an_rl_step_moves_the_vision_tower_at_its_own_scale(tmp_path):
+    """optim_step(vision_lr_scale=...) (an RL step's algo.vision_lr_scale): the vision tower's group at that times
+    the step's rate, the language model as always; 0 leaves the tower where it was while its gradient still
+    counts in the step's norm; None (a warm-up step) keeps model.vision_lr_scale."""
+    from otray.actors.learner.core import trainable
+    from otray.vlm import build_tiny_vlm, is_vision_param
+
+    path = str(build_tiny_vlm(tmp_path / "vl"))
+    learner = PolicyLearner(path, vision_lr_scale=0.1)
+    moved = {}
+    for rl_scale in (None, 0.0, 0.5):
+        before = {n: p.detach().clone() for n, p in learner.model.named_parameters()}
+        for p in trainable(learner.model):
+            p.grad = torch.ones_like(p)
+        out = learner.optim_step(learning_rate=1e-3, vision_lr_scale=rl_scale)
+        assert out["grad_norm"] == pytest.approx(sum(p.numel() for p in trainable(learner.model)) ** 0.5, rel=1e-5)
+        delta = {n: (p.detach() - before[n]).abs().max().item() for n, p in learner.model.named_parameters()}
+        moved[rl_scale] = (max(d for n, d in delta.items() if is_vision_param(n)),
+                           max(d for n, d in delta.items() if not is_vision_param(n)))
+    assert moved[None][0] == pytest.approx(1e-4, rel=0.05) and moved[0.5][0] == pytest.approx(5e-4, rel=0.05)
+    assert moved[0.0][0] == 0.0
+    assert all(lang == pytest.approx(1e-3, rel=0.05) for _, lang in moved.values())
+
