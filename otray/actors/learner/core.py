@@ -189,8 +189,7 @@ def new_adamw(params: list[torch.nn.Parameter], **kwargs: Any) -> torch.optim.Ad
     for p in params:
         by_scale.setdefault((getattr(p, LR_SCALE, 1.0), getattr(p, VISION, False)), []).append(p)
     if len(by_scale) > 1:
-        params = [{"params": ps, "lr_scale": scale, **({"vision": True} if vision else {})}  # type: ignore[misc]
-                  for (scale, vision), ps in by_scale.items()]
+        params = [{"params": ps, "lr_scale": scale} for (scale, _), ps in by_scale.items()]  # type: ignore[misc]
     try:
         return torch.optim.AdamW(params, fused=True, **kwargs)
     except (RuntimeError, ValueError):
@@ -310,11 +309,12 @@ def adamw_step(optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter
                grad_clip: float | None = 1.0, vision_lr_scale: float | None = None) -> float:
     """One AdamW step on the accumulated gradients of ``params`` with these settings, the gradient
     norm clipped to ``grad_clip`` (None or 0: not clipped); zeroes the gradients. ``vision_lr_scale``: the
-    vision tower's group (:data:`VISION`) at this times ``learning_rate`` instead of its own scale (an RL step's
-    ``algo.vision_lr_scale``; 0: not moved, its gradient still in the norm). Returns the gradient norm before
-    clipping."""
+    vision tower's group (its parameters marked :data:`VISION`, so a group loaded from an older checkpoint is known
+    too) at this times ``learning_rate`` instead of its own scale (an RL step's ``algo.vision_lr_scale``; 0: not
+    moved, its gradient still in the norm). Returns the gradient norm before clipping."""
     for group in optimizer.param_groups:
-        scale = vision_lr_scale if vision_lr_scale is not None and group.get("vision") else group.get("lr_scale", 1.0)
+        vision = vision_lr_scale is not None and bool(group["params"]) and getattr(group["params"][0], VISION, False)
+        scale = vision_lr_scale if vision else group.get("lr_scale", 1.0)
         group.update(lr=learning_rate * scale, betas=tuple(betas), eps=eps,
                      weight_decay=weight_decay)
     grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip else float("inf"), foreach=True)
