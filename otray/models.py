@@ -328,13 +328,8 @@ class LoraSpec:
     dropout: float = 0.0
     target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
-    @classmethod
-    def of(cls, spec: LoraSpec | dict[str, Any] | None) -> LoraSpec:
-        """A spec from a config's dict (its module list a tuple), or the spec itself, or None: no LoRA."""
-        spec = cls(**spec) if isinstance(spec, dict) else (spec or cls())
-        if isinstance(spec.target_modules, list):
-            spec.target_modules = tuple(spec.target_modules)
-        return spec
+    def __post_init__(self) -> None:  # a config's list of modules, kept as a tuple
+        self.target_modules = tuple(self.target_modules)
 
 
 def apply_lora(model, spec: LoraSpec):

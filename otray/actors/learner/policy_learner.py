@@ -65,7 +65,7 @@ class PolicyLearner:
         torch.manual_seed(seed)
         random.seed(seed)
         self.model_path = model_path
-        self.lora = LoraSpec.of(lora)
+        self.lora = LoraSpec(**lora) if isinstance(lora, dict) else (lora or LoraSpec())
         self.device = resolve_device(device)  # the GPU Ray gave this actor, else the CPU (otray.device)
         self.precision = learner_precision(dtype, self.device, self.lora.rank > 0)
         model = load_model(model_path, self.precision.storage)
