@@ -130,9 +130,10 @@ class AlgoSection:
     # Unset: 1.0 on a vision-language model with one learner, else 0 (train_job.resolve_kl_coeff says why)
     kl_coeff: Optional[float] = None
     # a vision-language model's vision tower (and projector) in RL steps trains at this times algo.learning_rate
-    # (0: not moved; its gradient still counts in the step's norm). Unset: model.vision_lr_scale, as in the
-    # warm-up (train_job.resolve_vision_lr_scale has the measurements). Only for a VLM, and a value other than
-    # the warm-up's only where that gave the tower a rate of its own (0 < model.vision_lr_scale < 1, the default)
+    # (0: not moved; its gradient still counts in the step's norm). Unset: 0.3x model.vision_lr_scale where that is
+    # between 0 and 1 (the default 0.1: RL's tower at 0.03), else model.vision_lr_scale (train_job.
+    # resolve_vision_lr_scale has the measurements). Only for a VLM, and a value other than the warm-up's only
+    # where that gave the tower a rate of its own (0 < model.vision_lr_scale < 1)
     vision_lr_scale: Optional[float] = None
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     weight_decay: float = 0.0

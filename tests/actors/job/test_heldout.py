@@ -94,8 +94,9 @@ def test_kl_coeff_unset_pulls_a_vision_language_model_towards_its_warm_up_and_no
     assert resolve_kl_coeff(sharded, vl_path) == 0.0
 
 
-def test_vision_lr_scale_unset_is_the_warm_ups_and_is_refused_where_it_cannot_apply(tiny_path, vl_path):
-    """algo.vision_lr_scale: unset, the warm-up's model.vision_lr_scale; set, as set; refused by name on a text
+def test_vision_lr_scale_unset_is_a_third_of_the_warm_ups_and_is_refused_where_it_cannot_apply(tiny_path, vl_path):
+    """algo.vision_lr_scale: unset, 0.3x the warm-up's model.vision_lr_scale where that gives the tower a group of
+    its own, else the warm-up's; set, as set; refused by name on a text
     model, and where the warm-up gave the tower no optimizer group of its own."""
     from otray.actors.job.train_job import resolve_vision_lr_scale
 
@@ -104,7 +105,8 @@ def test_vision_lr_scale_unset_is_the_warm_ups_and_is_refused_where_it_cannot_ap
                             "envs": {"a": {"entry": "envs.arithmetic:Arithmetic", "splits": {"train": {}}}}})
 
     assert cfg().algo.vision_lr_scale is None
-    assert resolve_vision_lr_scale(cfg(), vl_path) == 0.1  # unset, a VLM: the warm-up's (model.vision_lr_scale)
+    assert resolve_vision_lr_scale(cfg(), vl_path) == pytest.approx(0.03)  # unset, a VLM: 0.3x the warm-up's
+    assert resolve_vision_lr_scale(cfg(0.5), vl_path) == pytest.approx(0.15)
     assert resolve_vision_lr_scale(cfg(vision_lr_scale=0.0), vl_path) == 0.0  # held in RL
     assert resolve_vision_lr_scale(cfg(), tiny_path) is None  # a text model: nothing to scale
     assert resolve_vision_lr_scale(cfg(vision_lr_scale=0.05), vl_path) == 0.05  # set: as set
