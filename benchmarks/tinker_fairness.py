@@ -112,12 +112,13 @@ def phase(alice: list[Callable[[], None]], bob: Optional[Callable[[], None]], ar
 
 def phases(alice: list[Callable[[], None]], bob: Callable[[], None], args, usage: Callable[[], dict]) -> dict[str, Any]:
     """bob alone, alice alone, both (bob pausing ``args.bob_pause`` s, then back to back), alice alone
-    again (runs drift by ~10% over minutes on a shared machine: her throughput alone is the mean of the
-    first and last phases); with the learner's use in each (``usage()``: :meth:`SharedLearner.usage`)."""
+    again, bob alone again (runs drift by ~10% over minutes on a shared machine: each one's figure alone is
+    the mean of their first and last phases, which bracket the phases together); with the learner's use in
+    each (``usage()``: :meth:`SharedLearner.usage`)."""
     rows: dict[str, Any] = {}
     for name, a, b, pause in (("bob_alone", [], bob, 0.0), ("alice_alone", alice, None, 0.0),
                               ("both", alice, bob, args.bob_pause), ("both_bob_back_to_back", alice, bob, 0.0),
-                              ("alice_alone_after", alice, None, 0.0)):
+                              ("alice_alone_after", alice, None, 0.0), ("bob_alone_after", [], bob, 0.0)):
         before = usage()
         t0 = time.perf_counter()
         rows[name] = phase(a, b, args, pause)
@@ -136,20 +137,27 @@ def phases(alice: list[Callable[[], None]], bob: Callable[[], None], args, usage
 def summarize(results: dict[str, Any], args, model: str) -> dict[str, Any]:
     """Ratios per policy (printed), and fair against fifo for alice alone; what is saved."""
     for policy, r in results.items():
-        alone = r["alice_alone_datums_per_s"] = (r["alice_alone"]["alice_datums_per_s"]
-                                                 + r["alice_alone_after"]["alice_datums_per_s"]) / 2
+        first, last = r["alice_alone"]["alice_datums_per_s"], r["alice_alone_after"]["alice_datums_per_s"]
+        alone = r["alice_alone_datums_per_s"] = (first + last) / 2
+        r["alice_alone_drift"] = abs(last - first) / alone  # the issue's bar for a phase long enough: < 5%
+        b0, b1 = r["bob_alone"]["bob_median_s"], r["bob_alone_after"]["bob_median_s"]
+        bob_alone = r["bob_alone_median_s"] = (b0 + b1) / 2
+        r["bob_alone_drift"] = abs(b1 - b0) / bob_alone
+        print(f"{policy:5} alone, first and last phase: alice {first:.1f} / {last:.1f} datums/s "
+              f"({100 * r['alice_alone_drift']:.1f}% apart), bob {b0:.4f} / {b1:.4f} s "
+              f"({100 * r['bob_alone_drift']:.1f}% apart)", flush=True)
         for name in ("both", "both_bob_back_to_back"):
             b = r[name]
-            b["bob_slowdown"] = b["bob_median_s"] / r["bob_alone"]["bob_median_s"]
+            b["bob_slowdown"] = b["bob_median_s"] / bob_alone
             b["alice_throughput_kept"] = b["alice_datums_per_s"] / alone
-            print(f"{policy:5} bob pausing {b['bob_pause_s']:.1f} s: bob alone {r['bob_alone']['bob_median_s']:.3f} s, "
+            print(f"{policy:5} bob pausing {b['bob_pause_s']:.1f} s: bob alone {bob_alone:.3f} s, "
                   f"with alice {b['bob_median_s']:.3f} s ({b['bob_slowdown']:.2f}x); alice alone "
                   f"{alone:.1f} datums/s, with bob {b['alice_datums_per_s']:.1f} "
                   f"({100 * b['alice_throughput_kept']:.0f}%; bob's learner share {100 * b['bob_learner_share']:.0f}%; "
                   f"learner busy {100 * b['learner_busy']:.0f}%, kept for a follower {100 * b['learner_held']:.1f}%)",
                   flush=True)
     out: dict[str, Any] = {"args": vars(args), "model": model, "results": results,
-                           "targets": {"bob_slowdown_max": 2.0, "alice_throughput_kept_min": 0.9}}
+                           "targets": {"bob_slowdown_max": 1.5, "alice_throughput_kept_min": 0.9}}  # issue 53
     if "fair" in results and "fifo" in results:
         out["fair_vs_fifo_alice_alone"] = (results["fair"]["alice_alone_datums_per_s"]
                                            / results["fifo"]["alice_alone_datums_per_s"])

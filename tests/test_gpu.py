@@ -273,6 +273,11 @@ def test_the_learner_fairness_check_runs_on_the_cpu(tmp_path, ray_local):
                  "--policies", "fair", "--out", str(out)]) == 0
     fair = json.loads(out.read_text())["results"]["fair"]
     assert fair["both"]["bob_steps"] > 0 and fair["alice_alone_datums_per_s"] > 0 and fair["bob_alone"]["learner_busy"] > 0
+    # bob's time alone is the mean of the phases that bracket the shared ones (drift hits both sides)
+    assert fair["bob_alone_after"]["bob_steps"] > 0
+    assert fair["bob_alone_median_s"] == pytest.approx((fair["bob_alone"]["bob_median_s"]
+                                                        + fair["bob_alone_after"]["bob_median_s"]) / 2)
+    assert fair["both"]["bob_slowdown"] == pytest.approx(fair["both"]["bob_median_s"] / fair["bob_alone_median_s"])
 
 
 @pytest.mark.gpu
