@@ -111,14 +111,15 @@ def phase(alice: list[Callable[[], None]], bob: Optional[Callable[[], None]], ar
 
 
 def phases(alice: list[Callable[[], None]], bob: Callable[[], None], args, usage: Callable[[], dict]) -> dict[str, Any]:
-    """bob alone, alice alone, both (bob pausing ``args.bob_pause`` s, then back to back), alice alone
-    again, bob alone again (runs drift by ~10% over minutes on a shared machine: each one's figure alone is
-    the mean of their first and last phases, which bracket the phases together); with the learner's use in
-    each (``usage()``: :meth:`SharedLearner.usage`)."""
+    """bob alone, alice alone, both (bob pausing ``args.bob_pause`` s, then back to back), alice alone again,
+    bob alone again (runs drift by ~10% over minutes on a shared machine: each one's figure alone is the mean
+    of their first and last phases, which bracket the phases together), and bob alone pausing as in the first
+    phase together; with the learner's use in each (``usage()``: :meth:`SharedLearner.usage`)."""
     rows: dict[str, Any] = {}
     for name, a, b, pause in (("bob_alone", [], bob, 0.0), ("alice_alone", alice, None, 0.0),
                               ("both", alice, bob, args.bob_pause), ("both_bob_back_to_back", alice, bob, 0.0),
-                              ("alice_alone_after", alice, None, 0.0), ("bob_alone_after", [], bob, 0.0)):
+                              ("alice_alone_after", alice, None, 0.0), ("bob_alone_after", [], bob, 0.0),
+                              ("bob_alone_pausing", [], bob, args.bob_pause)):
         before = usage()
         t0 = time.perf_counter()
         rows[name] = phase(a, b, args, pause)
@@ -149,9 +150,13 @@ def summarize(results: dict[str, Any], args, model: str) -> dict[str, Any]:
         for name in ("both", "both_bob_back_to_back"):
             b = r[name]
             b["bob_slowdown"] = b["bob_median_s"] / bob_alone
+            if name == "both":  # against bob alone stepping as he does here (pausing: his caches and threads cold)
+                b["bob_slowdown_vs_alone_pausing"] = b["bob_median_s"] / r["bob_alone_pausing"]["bob_median_s"]
             b["alice_throughput_kept"] = b["alice_datums_per_s"] / alone
             print(f"{policy:5} bob pausing {b['bob_pause_s']:.1f} s: bob alone {bob_alone:.3f} s, "
-                  f"with alice {b['bob_median_s']:.3f} s ({b['bob_slowdown']:.2f}x); alice alone "
+                  f"with alice {b['bob_median_s']:.3f} s ({b['bob_slowdown']:.2f}x"
+                  + (f"; {b['bob_slowdown_vs_alone_pausing']:.2f}x his {r['bob_alone_pausing']['bob_median_s']:.3f} s "
+                     "alone pausing as here" if name == "both" else "") + "); alice alone "
                   f"{alone:.1f} datums/s, with bob {b['alice_datums_per_s']:.1f} "
                   f"({100 * b['alice_throughput_kept']:.0f}%; bob's learner share {100 * b['bob_learner_share']:.0f}%; "
                   f"learner busy {100 * b['learner_busy']:.0f}%, kept for a follower {100 * b['learner_held']:.1f}%)",

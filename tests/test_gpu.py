@@ -278,6 +278,8 @@ def test_the_learner_fairness_check_runs_on_the_cpu(tmp_path, ray_local):
     assert fair["bob_alone_median_s"] == pytest.approx((fair["bob_alone"]["bob_median_s"]
                                                         + fair["bob_alone_after"]["bob_median_s"]) / 2)
     assert fair["both"]["bob_slowdown"] == pytest.approx(fair["both"]["bob_median_s"] / fair["bob_alone_median_s"])
+    assert fair["both"]["bob_slowdown_vs_alone_pausing"] == pytest.approx(
+        fair["both"]["bob_median_s"] / fair["bob_alone_pausing"]["bob_median_s"])
 
 
 @pytest.mark.gpu
