@@ -150,13 +150,14 @@ def summarize(results: dict[str, Any], args, model: str) -> dict[str, Any]:
         for name in ("both", "both_bob_back_to_back"):
             b = r[name]
             b["bob_slowdown"] = b["bob_median_s"] / bob_alone
+            vs_pausing = ""
             if name == "both":  # against bob alone stepping as he does here (pausing: his caches and threads cold)
-                b["bob_slowdown_vs_alone_pausing"] = b["bob_median_s"] / r["bob_alone_pausing"]["bob_median_s"]
+                pausing = r["bob_alone_pausing"]["bob_median_s"]
+                b["bob_slowdown_vs_alone_pausing"] = b["bob_median_s"] / pausing
+                vs_pausing = f"; {b['bob_slowdown_vs_alone_pausing']:.2f}x his {pausing:.3f} s alone pausing as here"
             b["alice_throughput_kept"] = b["alice_datums_per_s"] / alone
             print(f"{policy:5} bob pausing {b['bob_pause_s']:.1f} s: bob alone {bob_alone:.3f} s, "
-                  f"with alice {b['bob_median_s']:.3f} s ({b['bob_slowdown']:.2f}x"
-                  + (f"; {b['bob_slowdown_vs_alone_pausing']:.2f}x his {r['bob_alone_pausing']['bob_median_s']:.3f} s "
-                     "alone pausing as here" if name == "both" else "") + "); alice alone "
+                  f"with alice {b['bob_median_s']:.3f} s ({b['bob_slowdown']:.2f}x{vs_pausing}); alice alone "
                   f"{alone:.1f} datums/s, with bob {b['alice_datums_per_s']:.1f} "
                   f"({100 * b['alice_throughput_kept']:.0f}%; bob's learner share {100 * b['bob_learner_share']:.0f}%; "
                   f"learner busy {100 * b['learner_busy']:.0f}%, kept for a follower {100 * b['learner_held']:.1f}%)",

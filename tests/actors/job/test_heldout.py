@@ -94,7 +94,7 @@ def test_kl_coeff_unset_pulls_a_vision_language_model_towards_its_warm_up_and_no
     assert resolve_kl_coeff(sharded, vl_path) == 0.0
 
 
-def test_vision_lr_scale_unset_is_a_third_of_the_warm_ups_and_is_refused_where_it_cannot_apply(tiny_path, vl_path):
+def test_vision_lr_scale_unset_slows_the_warm_ups_tower_rate_and_is_refused_where_it_cannot_apply(tiny_path, vl_path):
     """algo.vision_lr_scale: unset, 0.3x the warm-up's model.vision_lr_scale where that gives the tower a group of
     its own, else the warm-up's; set, as set; refused by name on a text
     model, and where the warm-up gave the tower no optimizer group of its own."""
