@@ -111,12 +111,13 @@ def phase(alice: list[Callable[[], None]], bob: Optional[Callable[[], None]], ar
 
 
 def phases(alice: list[Callable[[], None]], bob: Callable[[], None], args, usage: Callable[[], dict]) -> dict[str, Any]:
-    """bob alone, alice alone, both (bob pausing ``args.bob_pause`` s, then back to back), alice alone again,
-    bob alone again (runs drift by ~10% over minutes on a shared machine: each one's figure alone is the mean
-    of their first and last phases, which bracket the phases together), and bob alone pausing as in the first
-    phase together; with the learner's use in each (``usage()``: :meth:`SharedLearner.usage`)."""
+    """bob alone pausing ``args.bob_pause`` s between steps, bob alone back to back, alice alone, both (bob
+    pausing, then back to back), alice alone again, bob alone again, bob alone pausing again (runs drift by ~10%
+    over minutes on a shared machine: each figure alone is the mean of a first and a last phase, which bracket the
+    phases together); with the learner's use in each (``usage()``: :meth:`SharedLearner.usage`)."""
     rows: dict[str, Any] = {}
-    for name, a, b, pause in (("bob_alone", [], bob, 0.0), ("alice_alone", alice, None, 0.0),
+    for name, a, b, pause in (("bob_alone_pausing_first", [], bob, args.bob_pause), ("bob_alone", [], bob, 0.0),
+                              ("alice_alone", alice, None, 0.0),
                               ("both", alice, bob, args.bob_pause), ("both_bob_back_to_back", alice, bob, 0.0),
                               ("alice_alone_after", alice, None, 0.0), ("bob_alone_after", [], bob, 0.0),
                               ("bob_alone_pausing", [], bob, args.bob_pause)):
@@ -152,9 +153,13 @@ def summarize(results: dict[str, Any], args, model: str) -> dict[str, Any]:
             b["bob_slowdown"] = b["bob_median_s"] / bob_alone
             vs_pausing = ""
             if name == "both":  # against bob alone stepping as he does here (pausing: his caches and threads cold)
-                pausing = r["bob_alone_pausing"]["bob_median_s"]
+                p0 = r.get("bob_alone_pausing_first", r["bob_alone_pausing"])["bob_median_s"]
+                p1 = r["bob_alone_pausing"]["bob_median_s"]
+                pausing = r["bob_alone_pausing_median_s"] = (p0 + p1) / 2
+                r["bob_alone_pausing_drift"] = abs(p1 - p0) / pausing
                 b["bob_slowdown_vs_alone_pausing"] = b["bob_median_s"] / pausing
-                vs_pausing = f"; {b['bob_slowdown_vs_alone_pausing']:.2f}x his {pausing:.3f} s alone pausing as here"
+                vs_pausing = (f"; {b['bob_slowdown_vs_alone_pausing']:.2f}x his {pausing:.3f} s alone pausing as here, "
+                              f"{p0:.3f} / {p1:.3f} s first and last")
             b["alice_throughput_kept"] = b["alice_datums_per_s"] / alone
             print(f"{policy:5} bob pausing {b['bob_pause_s']:.1f} s: bob alone {bob_alone:.3f} s, "
                   f"with alice {b['bob_median_s']:.3f} s ({b['bob_slowdown']:.2f}x{vs_pausing}); alice alone "

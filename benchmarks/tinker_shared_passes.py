@@ -4,7 +4,8 @@
 optim_step (``--client``: ``sequential``, the first's result awaited before the second is sent; ``pipelined``,
 both sent together as the tinker SDK's clients send them; ``ahead``, the next step sent before this one is
 awaited, as tinker-cookbook's supervised loop does; ``fused``, both in one call, ``SharedLearner.train_step``, as
-the service sends a forward_backward whose optim_step is queued behind it), straight to a
+the service sends a forward_backward whose optim_step is queued behind it; ``fused-ahead``, fused, the next step
+sent before this one is awaited), straight to a
 :class:`~otray.tinker.learner.shared_learner.SharedLearner` over Ray (no HTTP: the
 learner and its queue are what is measured). Three learners side by side, runs rotating: ``own``
 (``pass_tokens=0``: every user's slice a pass of its own, the behaviour before shared passes), ``shared``
@@ -76,7 +77,7 @@ def learner_rates(args, path: str, done_row: Callable[[dict[str, Any]], None]) -
     data = [Datum(ids[:-1], ids[1:], [1.0] * n, [0.0] * n, [0.0] * n, [1.0] * n)]
     passes = TinkerScheduling().pass_tokens
     # mode -> (pass_tokens, wait_for_followers, side_tokens, CPUs: torch threads, or one a lane with the side lane)
-    known = {"own": (0, False, 0, 1), "own2": (0, False, 0, 2), "shared": (passes, False, 0, 1),
+    known = {"own": (0, False, 0, 1), "own2": (0, False, 0, 2), "shared": (passes, False, 0, 1), "shared2": (passes, False, 0, 2),
              "followers": (passes, True, 0, 1), "side": (passes, False, 64, 2), "inline": (passes, False, 0, 1)}
     modes = {m: known[m] for m in args.modes.split(",")}
 
@@ -105,6 +106,13 @@ def learner_rates(args, path: str, done_row: Callable[[dict[str, Any]], None]) -
                                 learner.optim_step.remote(user, user, AdamStep(learning_rate=1e-5))])  # this one's
                 if len(pending) > 1:  # results are awaited, so the learner has it queued meanwhile
                     ray.get(pending.pop(0))
+                return
+            if client == "fused-ahead":  # fused, the next step sent before this one is awaited
+                pending.append(learner.train_step.remote(user, user, data, "cross_entropy", AdamStep(learning_rate=1e-5)))
+                if len(pending) > 1:
+                    got = ray.get(pending.pop(0))
+                    if isinstance(got.optim_step, BaseException):
+                        raise got.optim_step
                 return
             if client == "fused":  # both parts in one call (SharedLearner.train_step), as the service sends them
                 got = ray.get(learner.train_step.remote(user, user, data, "cross_entropy",
@@ -162,7 +170,8 @@ def learner_rates(args, path: str, done_row: Callable[[dict[str, Any]], None]) -
 
 
 def kernels(args, path: str) -> dict[str, Any]:
-    """In-process, no Ray or queue: one user's step (forward_backward + optim_step, one ~16-token datum) against
+    """In-process, no Ray or queue: one user's step (one ~16-token datum's forward_backward and optim_step, as a
+    learner without shared passes runs them: a pass and an optimizer call of its own) against
     N users' shared step (one forward_many + one optim_many), per N: the operators that compute
     (:class:`~benchmarks.op_count.ComputeOps`: kernel launches on a GPU) and the median seconds (device synced)."""
     import torch
@@ -177,7 +186,9 @@ def kernels(args, path: str) -> dict[str, Any]:
     ids = load_tokenizer(path).encode(TEXT)
     n = len(ids) - 1
     data = [Datum(ids[:-1], ids[1:], [1.0] * n, [0.0] * n, [0.0] * n, [1.0] * n)]
-    learner = AdapterLearner(path, device="auto" if args.gpu else "cpu")
+    # on the CPU one torch thread, as the throughput part's learners (torch's default, every core, made the
+    # in-process shared step 1.2x faster than those learners' and the in-process ratio not theirs: session 64)
+    learner = AdapterLearner(path, device="auto" if args.gpu else "cpu", num_threads=None if args.gpu else 1)
     sync = torch.cuda.synchronize if learner.device.startswith("cuda") else (lambda: None)
     adam = AdamStep(learning_rate=1e-5)
     users = max(int(u) for u in args.users.split(","))
@@ -185,9 +196,10 @@ def kernels(args, path: str) -> dict[str, Any]:
     for i, name in enumerate(names):
         learner.create(name, AdapterSpec(args.rank, i))
 
-    def one() -> None:
-        learner.forward_backward("u0", data, "cross_entropy")
-        learner.optim_step("u0", adam)
+    def one() -> None:  # as the ``own`` learner runs a user's step (AdapterLearner.forward_backward, the path
+        # of a learner without shared passes before them, took 13.6 ms against 10.2 here: session 64)
+        learner.forward_many([PassRequest("u0", data, "cross_entropy")])
+        learner.optim_many([("u0", adam)])
 
     def shared(k: int) -> Callable[[], None]:
         def go() -> None:
@@ -274,12 +286,12 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="learners measured side by side (own first): own, own2 (a pass per user on 2 torch threads), "
                          "shared, followers (wait_for_followers), side (shared with the side lane: 2 lanes of 1 thread), "
                          "inline (shared, each optimizer update run before its step is answered)")
-    ap.add_argument("--client", choices=("sequential", "pipelined", "ahead", "fused"), default="sequential",
+    ap.add_argument("--client", choices=("sequential", "pipelined", "ahead", "fused", "fused-ahead"), default="sequential",
                     help="how a throughput user sends a step: forward_backward's result awaited before optim_step "
                          "is sent; both sent together and then awaited (the tinker SDK's clients); ahead: as "
                          "pipelined, the next step sent before this one is awaited (tinker-cookbook's supervised "
                          "loop, submit_ahead=1); fused: both in one call (SharedLearner.train_step, what the service "
-                         "sends for a queued pair)")
+                         "sends for a queued pair); fused-ahead: fused, the next step sent before this one is awaited")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "tinker_shared_passes.json"))
     args = ap.parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

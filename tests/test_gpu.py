@@ -278,8 +278,12 @@ def test_the_learner_fairness_check_runs_on_the_cpu(tmp_path, ray_local):
     assert fair["bob_alone_median_s"] == pytest.approx((fair["bob_alone"]["bob_median_s"]
                                                         + fair["bob_alone_after"]["bob_median_s"]) / 2)
     assert fair["both"]["bob_slowdown"] == pytest.approx(fair["both"]["bob_median_s"] / fair["bob_alone_median_s"])
+    # and his time alone pausing as beside alice, the mean of a first and a last such phase
+    assert fair["bob_alone_pausing_first"]["bob_steps"] > 0 and fair["bob_alone_pausing"]["bob_steps"] > 0
+    assert fair["bob_alone_pausing_median_s"] == pytest.approx((fair["bob_alone_pausing_first"]["bob_median_s"]
+                                                                + fair["bob_alone_pausing"]["bob_median_s"]) / 2)
     assert fair["both"]["bob_slowdown_vs_alone_pausing"] == pytest.approx(
-        fair["both"]["bob_median_s"] / fair["bob_alone_pausing"]["bob_median_s"])
+        fair["both"]["bob_median_s"] / fair["bob_alone_pausing_median_s"])
 
 
 @pytest.mark.gpu

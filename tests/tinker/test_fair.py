@@ -365,3 +365,76 @@ def test_small_steps_run_on_the_side_lane_beside_a_pass_and_never_beside_another
     assert spans["c1"][1] <= s0 + 1e-3 and spans["d1"][0] >= s1 - 1e-3, spans  # dave's waited for the checkpoint
     assert queue.side.calls["steps"] >= 1 and queue.pending == 0 and not queue.running
     assert queue.used["bob"] == pytest.approx(0.02, abs=0.015)
+
+
+def test_a_main_lane_call_is_charged_its_seconds_less_those_it_waited_for_side_calls():
+    """While a side call computes alone (LaneGate), the main lane's pass waits: those seconds are the side
+    call's (charged to its own user), not the main call's user's; the queue reads them from ``paused``."""
+    from otray.tinker.learner.fair import Packable
+
+    paused = [0.0]
+
+    async def pack(works: list) -> list:
+        await asyncio.sleep(0.12)
+        paused[0] += 0.08  # of which the main lane waited this long for a side call
+        return works
+
+    async def main() -> FairQueue:
+        queue = FairQueue(pack=pack, pass_tokens=1000, paused=lambda: paused[0])
+        assert await queue.run("alice", "a", [Packable("fb", 200, "a1")]) == ["a1"]
+        return queue
+
+    queue = asyncio.run(main())
+    assert queue.used["alice"] == pytest.approx(0.04, abs=0.025)
+
+
+def test_a_small_user_looping_on_the_side_lane_takes_his_fair_share_not_the_learner():
+    """With the main lane paused while a side call runs (LaneGate), a small user looping back to back on the side
+    lane would hold the busy user's pass still for as long as he loops. The side lane runs a user's step only
+    while his virtual start has not passed the main call's progress (its seconds less its waits): bob and alice
+    take turns, about half each, and alice's call ends. Here the main call needs 0.3 s of unpaused time, bob's
+    steps take 0.03 s each."""
+    from otray.tinker.learner.fair import Packable
+
+    paused, state = [0.0], {"side": False}
+    bob_ends: list[float] = []
+
+    async def main_pack(works: list) -> list:  # computes only while no side call runs, as a gated pass
+        done, need = 0.0, 0.3 if "a1" in works else 0.03
+        while done < need:
+            await asyncio.sleep(0.005)
+            if state["side"]:
+                paused[0] += 0.005
+            else:
+                done += 0.005
+        return works
+
+    async def side_pack(works: list) -> list:
+        state["side"] = True
+        await asyncio.sleep(0.03)
+        state["side"] = False
+        bob_ends.append(asyncio.get_running_loop().time())
+        return works
+
+    async def scenario() -> tuple[float, float]:
+        queue = FairQueue(pack=main_pack, pass_tokens=1000, side=side_pack, side_tokens=32, paused=lambda: paused[0])
+        stop = asyncio.Event()
+
+        async def bob() -> None:
+            while not stop.is_set():
+                await queue.run("bob", "b", [Packable("fb", 16, "b")])
+
+        t0 = asyncio.get_running_loop().time()
+        looping = asyncio.ensure_future(bob())
+        await asyncio.sleep(0.01)  # bob's first step (the main lane's) is done or on the learner
+        alice = queue.run("alice", "a", [Packable("fb", 200, "a1")])
+        assert await asyncio.wait_for(alice, 5) == ["a1"]
+        took = asyncio.get_running_loop().time() - t0
+        stop.set()
+        await looping
+        return took, queue.used["alice"]
+
+    took, alice_s = asyncio.run(scenario())
+    beside = len(bob_ends) * 0.03  # bob's side calls' seconds; alice's call took its 0.3 s plus those
+    assert 0.2 <= beside / took <= 0.65 and took < 1.0, (took, len(bob_ends))  # turns about even
+    assert alice_s == pytest.approx(0.3, abs=0.1)  # charged her own seconds, not bob's

@@ -303,6 +303,48 @@ def test_a_step_on_the_side_lane_beside_a_pass_gives_what_its_own_pass_gives(tin
     asyncio.run(scenario())
 
 
+def test_the_main_lanes_pass_waits_at_each_lora_layer_while_a_side_call_runs(tiny_path):
+    """LaneGate: while a side call runs, the main lane's thread waits at every LoRA layer's forward and at its
+    gradient in the backward (with a wait limit of 10 ms every checkpoint's wait runs out: their count is two a
+    layer), and its pass gives what it gives ungated; the side lane's own thread never waits, nor does the main
+    lane once the side call ended."""
+    import threading
+
+    learner = AdapterLearner(tiny_path)
+    for k, name in enumerate("abc"):
+        learner.create(name, AdapterSpec(8, seed=k))
+    rng = np.random.default_rng(12)
+    reqs = [PassRequest(n, [datum(rng, 9)], "cross_entropy") for n in "ab"]
+    side_req = [PassRequest("c", [datum(rng, 6)], "cross_entropy")]
+    ref = learner.forward_many(reqs)
+    ref_grads = {n: grads(learner, n) for n in "ab"}
+    gate, layers = learner.gate, len(learner.switch.lora_layers(learner.model))
+    gate.bind_main()
+    gate.limit_s = 0.01
+    held, release = threading.Event(), threading.Event()
+
+    def side_call() -> None:
+        with gate.side():
+            held.set()
+            release.wait(30)
+            learner.forward_many(side_req)  # on the side lane's thread, inside its own call: no wait
+
+    side = threading.Thread(target=side_call)
+    side.start()
+    assert held.wait(10)
+    got = learner.forward_many(reqs)
+    assert gate.waits == 2 * layers and gate.paused_s >= 2 * layers * 0.009, (gate.waits, layers, gate.paused_s)
+    same(got, ref)
+    for n in "ab":
+        for g, r in zip(grads(learner, n), ref_grads[n]):
+            assert torch.allclose(g, r, atol=1e-6), n
+    release.set()
+    side.join(30)
+    learner.forward_many(reqs)  # the side call ended
+    assert gate.waits == 2 * layers and not gate.busy
+    assert any(g.abs().sum() > 0 for g in grads(learner, "c"))  # the side call's pass ran
+
+
 def test_wait_for_followers_puts_every_looping_client_in_each_pass(tiny_path):
     """``scheduling.wait_for_followers``: four clients looping a one-datum forward_backward and its optim_step
     (each result back 1-4 ms later) share the learner's passes and optimizer calls nearly whole; off by default.

@@ -35,6 +35,7 @@ from otray.tinker.learner.loss_graph import LossGraph
 from otray.tinker.learner.learner_sampling import LearnerSampling
 from otray.tinker.learner.loss_run import add_sums
 from otray.tinker.learner.adapter_steps import Answer, AdapterSteps
+from otray.tinker.learner.lane_gate import LaneGate
 from otray.tinker.learner.mixed_lora import RowRouting
 from otray.tinker.learner.sample_jobs import SampleJob, SampleOut
 from otray.tinker.learner.specs import AdamStep, AdapterSpec
@@ -71,7 +72,8 @@ class AdapterLearner:
         self.micro_batch_tokens = micro_batch_tokens
         self.max_model_len = max_model_len or self.base.config.get_text_config().max_position_embeddings
         self.switch = AdapterSwitch()  # which adapter the LoRA layers use
-        self.routing = RowRouting()  # which rows each LoRA layer gives which adapter, in a shared pass
+        self.gate = LaneGate()  # a side-lane call computes alone (the main lane's pass waits at its LoRA layers)
+        self.routing = RowRouting(self.gate)  # which rows each LoRA layer gives which adapter, in a shared pass
         self.training = False  # the model is in train mode (not switched to eval by a sample since)
 
     def adapters(self) -> list[str]:

@@ -71,8 +71,12 @@ class FairQueue:
 
     def __init__(self, shares: dict[str, Share] | None = None, policy: str = "fair", follow_s: float = 0.05,
                  pack: Optional[Pack] = None, pass_tokens: int = 0, first_keys: Sequence[Hashable] = (),
-                 side: Optional[Pack] = None, side_tokens: int = 0):
+                 side: Optional[Pack] = None, side_tokens: int = 0, paused: Callable[[], float] = lambda: 0.0):
         self.shares, self.policy, self.follow_s = shares or {}, policy, follow_s
+        # seconds the main lane has waited for side calls since the start (LaneGate): not charged to its calls
+        self.paused = paused
+        # the main lane's call now: its start, paused() then, its user's weight (the side lane reads its progress)
+        self.main_step: Optional[tuple[float, float, float]] = None
         self.pack, self.pass_tokens = pack, pass_tokens  # shared passes (fair policy only); 0 tokens: none
         # small steps on a second compute thread beside a pass (``side`` runs a call's works there)
         self.side = SideLane(self, side, side_tokens if policy == "fair" else 0)
@@ -178,19 +182,24 @@ class FairQueue:
             self.busy = False
             self.side.open = False
 
-    async def call(self, members: list[Member], run: Callable[[], Awaitable[list[Any]]]) -> None:
+    async def call(self, members: list[Member], run: Callable[[], Awaitable[list[Any]]], main: bool = True) -> None:
         """Run one learner call for ``members`` (their next steps) and settle each: charged its share of the call's
-        seconds by tokens, its result or exception given, its job advanced."""
+        seconds by tokens (on the main lane less the seconds it waited for side calls: ``main``), its result or
+        exception given, its job advanced."""
         steps = [m[3].steps[0] for m in members]
         tokens = [s.tokens if isinstance(s, Packable) else 1 for s in steps]
         ids = {id(m[3]) for m in members}
         self.running.update(ids)
-        t0 = time.monotonic()
+        t0, paused = time.monotonic(), self.paused() if main else 0.0
+        if main:
+            self.main_step = (t0, paused, self.share(members[0][0]).weight)
         try:
             outcomes = await run()  # a job withdrawn meanwhile has no steps left after it
         finally:
             self.running.difference_update(ids)
-        spent = time.monotonic() - t0
+            if main:
+                self.main_step = None
+        spent = max(time.monotonic() - t0 - ((self.paused() - paused) if main else 0.0), 0.0)
         for (n, mu, c, mjob), outcome, t in zip(members, outcomes, tokens):
             share = spent * t / sum(tokens)  # a shared pass is charged by tokens
             mu.finish = max(self.vtime, mu.finish) + (share + self.hold_due.pop(n, 0.0)) / self.share(n).weight

@@ -44,6 +44,8 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+from otray.tinker.learner.lane_gate import LaneGate
+
 Group = tuple[str, int, int]  # (adapter, first row, row after the last)
 
 
@@ -93,9 +95,11 @@ class Folded:
 
 class RowRouting(threading.local):
     """Which adapter each row of the current pass uses; read by every LoRA layer it was installed on. Each
-    thread sees its own pass (a thread-local): two passes of other adapters may run at once."""
+    thread sees its own pass (a thread-local): two passes of other adapters may run at once. ``gate``: every
+    thread's (one object): each LoRA layer of a routed pass is one of its checkpoints (:class:`LaneGate`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, gate: Optional[LaneGate] = None) -> None:
+        self.gate = gate or LaneGate()
         self.groups: Optional[list[Group]] = None
         self.rows = 0
         self._installed: Optional[list[Any]] = None
@@ -213,6 +217,7 @@ def _forward(layer: Any, routing: RowRouting, original: Callable[..., torch.Tens
     if x.shape[0] != routing.rows:
         raise RuntimeError(f"routed LoRA layer got {x.shape[0]} rows for a pass of {routing.rows}: this layer does "
                            "not see the batch's rows (a vision tower?); run such requests alone")
+    routing.gate.checkpoint()  # the main lane waits here while a side call runs
     result = layer.base_layer(x, *args, **kwargs)
     segments = routing.plan(layer)
     if all(seg.kind == "zero" for seg in segments):
@@ -221,12 +226,20 @@ def _forward(layer: Any, routing: RowRouting, original: Callable[..., torch.Tens
         w = routing.folded(layer, segments[0])
         if w is not None:
             anchor = next((p for p in w.a if p.requires_grad), x)  # the output needs a grad when an adapter trains
-            return _AddProducts.apply(result.reshape(w.k, -1, result.shape[-1]), x.reshape(w.k, -1, x.shape[-1]),
-                                      anchor, w).view(result.shape)
+            return _gated(routing.gate, _AddProducts.apply(result.reshape(w.k, -1, result.shape[-1]),
+                                                           x.reshape(w.k, -1, x.shape[-1]), anchor, w).view(result.shape))
     # a segment of every row takes x whole: a slice's backward is two more kernels a layer
     parts = [_update(layer, routing, seg, x if seg.stop - seg.start == routing.rows else x[seg.start:seg.stop],
                      result.shape[-1]) for seg in segments]
-    return result + (parts[0] if len(parts) == 1 else torch.cat(parts)).to(result.dtype)
+    return _gated(routing.gate, result + (parts[0] if len(parts) == 1 else torch.cat(parts)).to(result.dtype))
+
+
+def _gated(gate: LaneGate, out: torch.Tensor) -> torch.Tensor:
+    """``out`` (a LoRA layer's), whose gradient is a checkpoint of ``gate`` too when a side lane may run: the
+    backward of a pass is most of its time (a hook on the gradient, not a node: the graph is unchanged)."""
+    if gate.main is not None and out.requires_grad:
+        out.register_hook(gate.on_grad)
+    return out
 
 
 def _update(layer: Any, routing: RowRouting, seg: Segment, x: torch.Tensor, out_features: int) -> torch.Tensor:

@@ -74,7 +74,10 @@ class SharedLearner:
         self.side_pool = ThreadPoolExecutor(1, thread_name_prefix="learner-side") if side_tokens > 0 else None
         self.queue = FairQueue(shares, policy, follow_s, self._pack, pass_tokens,
                                first_keys=(OPTIM,) if wait_for_followers else (),
-                               side=self._side_pack if side_tokens > 0 else None, side_tokens=side_tokens)
+                               side=self._side_pack if side_tokens > 0 else None, side_tokens=side_tokens,
+                               paused=self.learner.gate.paused_now)
+        if self.side_pool is not None:  # the main lane's thread waits while a side call runs (LaneGate)
+            self.pool.submit(self.learner.gate.bind_main).result()
         self.slice_tokens = slice_tokens if policy == "fair" else 0
         self.sampling: dict[str, bool] = {}  # named sampling calls queued or running -> abandoned (abort_sample)
         self.aborted = 0  # sampling calls ended early (abort_sample)
@@ -163,7 +166,14 @@ class SharedLearner:
             run: Callable[[list[Any]], list[Any]] = self._passes
         else:  # beside a side lane (whose thread may take these adapters next) the update runs in the same hop
             run = self.learner.optim_many if self.side_pool is not None else self._optim_answers
+        if pool is not None:  # a side call: it computes alone
+            run = functools.partial(self._alone_beside, run)
         return await asyncio.get_running_loop().run_in_executor(pool or self.pool, run, works)
+
+    def _alone_beside(self, run: Callable[[list[Any]], list[Any]], works: list[Any]) -> list[Any]:
+        """A side-lane call (on its thread) while the main lane's pass waits at its next LoRA layer."""
+        with self.learner.gate.side():
+            return run(works)
 
     def _optim_answers(self, works: list[tuple[str, AdamStep]]) -> list[Any]:
         """Optimizer steps answered before their update runs (on the compute thread): everything a step answers
@@ -179,7 +189,8 @@ class SharedLearner:
 
     async def _side_pack(self, works: list[Any]) -> list[Any]:
         """:meth:`_pack` on the side lane's thread: the queue runs it only beside a packable step of the first
-        thread (shared passes route rows per thread, and touch only their own adapters' parameters)."""
+        thread (shared passes route rows per thread, and touch only their own adapters' parameters), which waits
+        at its next LoRA layer until this call ends (:class:`~otray.tinker.learner.lane_gate.LaneGate`)."""
         return await self._pack(works, self.side_pool)
 
     def _passes(self, works: list[_Slice]) -> list[Any]:

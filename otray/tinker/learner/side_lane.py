@@ -6,10 +6,15 @@ alone (``benchmarks/learner_fairness.py``), and smaller slices cost the busy use
 ``scheduling.side_tokens`` > 0, while the main lane (:class:`~otray.tinker.learner.fair.FairQueue`) runs a
 packable step bigger than that (a busy user's slice), the next small packable steps of other clients (at most
 ``side_tokens`` tokens a call, of one pack key, in fair order) run on the side lane's thread beside it, one call
-at a time, charged their seconds like any step: 1.3-1.5x his time alone, the busy user keeping 96-103%. Beside a
+at a time, charged their seconds like any step. Beside a
 small packable step the lane starts no call (small steps share the main lane's next pass). Shared passes route
 rows per thread (:class:`~otray.tinker.learner.mixed_lora.RowRouting`) and touch only their own adapters'
-parameters, so the two lanes' passes give what each gives alone (tests/tinker/test_mixed_passes.py). The lane
+parameters, so the two lanes' passes give what each gives alone (tests/tinker/test_mixed_passes.py). While a
+side call runs, the main lane's pass waits at its next LoRA layer (:class:`~otray.tinker.learner.lane_gate.LaneGate`):
+the two threads share the GIL, and side by side a small pass took 3x its time alone (with the gate a pausing
+one-datum user's step beside 256-token slices is 1.0-1.2x his time alone, the busy user keeping 97-104%: session
+64). A user is taken only while his virtual start has not passed the main call's progress, so one looping back to
+back gets his fair share of the learner, not all of it. The lane
 closes, its call ending first, before any step that is not packable (a sample, a checkpoint, an adapter made or
 dropped: they change or read the model as a whole).
 
@@ -20,6 +25,7 @@ Runs in the SharedLearner actor of one base model."""
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any, Awaitable, Callable, Optional, Protocol, Union
 
 from otray.tinker.learner.fair_jobs import Member, Pack, Packable, Step, User, next_steps, run_call
@@ -30,10 +36,13 @@ class Queue(Protocol):
 
     users: dict[str, User]
     running: set[int]
+    vtime: float
+    main_step: Optional[tuple[float, float, float]]
+    paused: Callable[[], float]
 
     def order_key(self, nu: tuple[str, User]) -> tuple: ...
 
-    async def call(self, members: list[Member], run: Callable[[], Awaitable[list[Any]]]) -> None: ...
+    async def call(self, members: list[Member], run: Callable[[], Awaitable[list[Any]]], main: bool = True) -> None: ...
 
     def fail_all(self, error: Exception) -> None: ...
 
@@ -47,6 +56,7 @@ class SideLane:
         self.open = False  # the main lane runs a packable step: the side lane may run beside it
         self.task: Optional[asyncio.Task] = None
         self.stepped = asyncio.Event()  # set after each call (the main lane waits on it when all work is here)
+        self.retrying = False  # a kick is due later (:meth:`_later`)
         self.calls = {"calls": 0, "steps": 0}
 
     def beside(self, step: Union[Step, Packable]) -> bool:
@@ -57,15 +67,49 @@ class SideLane:
 
     def members(self) -> list[Member]:
         """The next call: small packable steps of clients not on the learner, in fair order, of the first one's
-        key, up to ``tokens`` tokens in all."""
+        key, up to ``tokens`` tokens in all; of users whose virtual start has not passed the main lane's call's
+        progress (:meth:`progress`: a user ahead of it waits until it catches up, :meth:`kick` then)."""
         q = self.queue
-        return next_steps(sorted(((n, u) for n, u in q.users.items() if u.clients), key=q.order_key), q.running,
-                          self.tokens, self.tokens)
+        limit = self.progress()
+        return next_steps(sorted(((n, u) for n, u in q.users.items() if u.clients and max(q.vtime, u.finish) <= limit),
+                                 key=q.order_key), q.running, self.tokens, self.tokens)
+
+    def progress(self) -> float:
+        """The virtual time the main lane's call has reached: ``V`` plus its seconds so far, less its waits for side
+        calls, over its user's weight (``V`` between calls). Only a user whose virtual start has not passed it gets
+        a side call, so a small user looping back to back beside a busy one takes his fair share, not the learner
+        (the main lane waits while a side call runs: with the gate and no limit he took 58% and she kept 18%)."""
+        q = self.queue
+        if q.main_step is None:
+            return q.vtime
+        t0, paused, weight = q.main_step
+        return q.vtime + max(time.monotonic() - t0 - (q.paused() - paused), 0.0) / weight
 
     def kick(self) -> None:
-        """Start the lane if it is open, idle, and has work."""
-        if self.open and (self.task is None or self.task.done()) and self.members():
-            self.task = asyncio.get_running_loop().create_task(self._calls())
+        """Start the lane if it is open, idle, and has work (or, when the fair order holds its work back, once the
+        main lane's call has caught up: :meth:`_later`)."""
+        if self.open and (self.task is None or self.task.done()):
+            if self.members():
+                self.task = asyncio.get_running_loop().create_task(self._calls())
+            else:
+                self._later()
+
+    def _later(self) -> None:
+        """Kick again when the main lane's call reaches the earliest virtual start of a user held back (one timer
+        at a time; the main call's seconds over its user's weight are virtual time)."""
+        q = self.queue
+        limit = self.progress()
+        held = next_steps([(n, u) for n, u in q.users.items() if u.clients and max(q.vtime, u.finish) > limit],
+                          q.running, self.tokens, self.tokens)  # steps the lane would take but for the fair order
+        if held and self.open and not self.retrying:
+            self.retrying = True
+            first = min(max(q.vtime, m[1].finish) for m in held)
+            weight = q.main_step[2] if q.main_step is not None else 1.0
+            asyncio.get_running_loop().call_later((first - limit) * weight + 1e-3, self._retry)
+
+    def _retry(self) -> None:
+        self.retrying = False
+        self.kick()
 
     async def _calls(self) -> None:
         """Calls while the lane is open and has work (each member's job settled as the main lane's are)."""
@@ -74,8 +118,9 @@ class SideLane:
                 steps = [m[3].steps[0] for m in members]
                 self.calls["calls"] += 1
                 self.calls["steps"] += len(members)
-                await self.queue.call(members, lambda: run_call(self.run, steps))
+                await self.queue.call(members, lambda: run_call(self.run, steps), main=False)
                 self.stepped.set()
+            self._later()
         except Exception as e:  # a fault of the queue itself: every waiting caller learns it (none hangs)
             self.queue.fail_all(e)
             raise
