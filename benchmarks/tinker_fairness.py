@@ -153,7 +153,7 @@ def summarize(results: dict[str, Any], args, model: str) -> dict[str, Any]:
             b["bob_slowdown"] = b["bob_median_s"] / bob_alone
             vs_pausing = ""
             if name == "both":  # against bob alone stepping as he does here (pausing: his caches and threads cold)
-                p0 = r.get("bob_alone_pausing_first", r["bob_alone_pausing"])["bob_median_s"]
+                p0 = r["bob_alone_pausing_first"]["bob_median_s"]
                 p1 = r["bob_alone_pausing"]["bob_median_s"]
                 pausing = r["bob_alone_pausing_median_s"] = (p0 + p1) / 2
                 r["bob_alone_pausing_drift"] = abs(p1 - p0) / pausing

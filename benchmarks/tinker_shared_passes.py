@@ -77,7 +77,8 @@ def learner_rates(args, path: str, done_row: Callable[[dict[str, Any]], None]) -
     data = [Datum(ids[:-1], ids[1:], [1.0] * n, [0.0] * n, [0.0] * n, [1.0] * n)]
     passes = TinkerScheduling().pass_tokens
     # mode -> (pass_tokens, wait_for_followers, side_tokens, CPUs: torch threads, or one a lane with the side lane)
-    known = {"own": (0, False, 0, 1), "own2": (0, False, 0, 2), "shared": (passes, False, 0, 1), "shared2": (passes, False, 0, 2),
+    known = {"own": (0, False, 0, 1), "own2": (0, False, 0, 2), "shared": (passes, False, 0, 1),
+             "shared2": (passes, False, 0, 2),
              "followers": (passes, True, 0, 1), "side": (passes, False, 64, 2), "inline": (passes, False, 0, 1)}
     modes = {m: known[m] for m in args.modes.split(",")}
 
@@ -107,18 +108,14 @@ def learner_rates(args, path: str, done_row: Callable[[dict[str, Any]], None]) -
                 if len(pending) > 1:  # results are awaited, so the learner has it queued meanwhile
                     ray.get(pending.pop(0))
                 return
-            if client == "fused-ahead":  # fused, the next step sent before this one is awaited
-                pending.append(learner.train_step.remote(user, user, data, "cross_entropy", AdamStep(learning_rate=1e-5)))
-                if len(pending) > 1:
+            if client in ("fused", "fused-ahead"):  # both parts in one call (SharedLearner.train_step), as the
+                # service sends them; fused-ahead: the next step sent before this one is awaited
+                pending.append(learner.train_step.remote(user, user, data, "cross_entropy",
+                                                         AdamStep(learning_rate=1e-5)))
+                if len(pending) > (client == "fused-ahead"):
                     got = ray.get(pending.pop(0))
                     if isinstance(got.optim_step, BaseException):
                         raise got.optim_step
-                return
-            if client == "fused":  # both parts in one call (SharedLearner.train_step), as the service sends them
-                got = ray.get(learner.train_step.remote(user, user, data, "cross_entropy",
-                                                        AdamStep(learning_rate=1e-5)))
-                if isinstance(got.optim_step, BaseException):
-                    raise got.optim_step
                 return
             if client == "pipelined":  # as the tinker SDK's clients send a step: both calls, then both results
                 ray.get([learner.forward_backward.remote(user, user, data, "cross_entropy"),
@@ -284,7 +281,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--parts", default="throughput,tenant,kernels")
     ap.add_argument("--modes", default="own,shared,followers",
                     help="learners measured side by side (own first): own, own2 (a pass per user on 2 torch threads), "
-                         "shared, followers (wait_for_followers), side (shared with the side lane: 2 lanes of 1 thread), "
+                         "shared, shared2 (shared on 2 torch threads), followers (wait_for_followers), side (shared "
+                         "with the side lane: 2 lanes of 1 thread), "
                          "inline (shared, each optimizer update run before its step is answered)")
     ap.add_argument("--client", choices=("sequential", "pipelined", "ahead", "fused", "fused-ahead"), default="sequential",
                     help="how a throughput user sends a step: forward_backward's result awaited before optim_step "

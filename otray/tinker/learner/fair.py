@@ -73,13 +73,10 @@ class FairQueue:
                  pack: Optional[Pack] = None, pass_tokens: int = 0, first_keys: Sequence[Hashable] = (),
                  side: Optional[Pack] = None, side_tokens: int = 0, paused: Callable[[], float] = lambda: 0.0):
         self.shares, self.policy, self.follow_s = shares or {}, policy, follow_s
-        # seconds the main lane has waited for side calls since the start (LaneGate): not charged to its calls
-        self.paused = paused
-        # the main lane's call now: its start, paused() then, its user's weight (the side lane reads its progress)
-        self.main_step: Optional[tuple[float, float, float]] = None
         self.pack, self.pass_tokens = pack, pass_tokens  # shared passes (fair policy only); 0 tokens: none
         # small steps on a second compute thread beside a pass (``side`` runs a call's works there)
-        self.side = SideLane(self, side, side_tokens if policy == "fair" else 0)
+        # (``paused``: seconds the main lane has waited for side calls since the start, LaneGate's)
+        self.side = SideLane(self, side, side_tokens if policy == "fair" else 0, paused)
         self.first_keys = frozenset(first_keys) if pack is not None and pass_tokens > 0 and policy == "fair" else frozenset()
         self.followers = Followers()
         self.hold_due: dict[str, float] = {}  # user -> seconds of a hold its job ended, charged with that job's step
@@ -190,16 +187,15 @@ class FairQueue:
         tokens = [s.tokens if isinstance(s, Packable) else 1 for s in steps]
         ids = {id(m[3]) for m in members}
         self.running.update(ids)
-        t0, paused = time.monotonic(), self.paused() if main else 0.0
+        t0 = time.monotonic()
         if main:
-            self.main_step = (t0, paused, self.share(members[0][0]).weight)
+            self.side.main_starts(self.share(members[0][0]).weight)
         try:
             outcomes = await run()  # a job withdrawn meanwhile has no steps left after it
         finally:
             self.running.difference_update(ids)
-            if main:
-                self.main_step = None
-        spent = max(time.monotonic() - t0 - ((self.paused() - paused) if main else 0.0), 0.0)
+            waited = self.side.main_ends() if main else 0.0
+        spent = max(time.monotonic() - t0 - waited, 0.0)
         for (n, mu, c, mjob), outcome, t in zip(members, outcomes, tokens):
             share = spent * t / sum(tokens)  # a shared pass is charged by tokens
             mu.finish = max(self.vtime, mu.finish) + (share + self.hold_due.pop(n, 0.0)) / self.share(n).weight

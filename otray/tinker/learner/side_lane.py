@@ -37,8 +37,6 @@ class Queue(Protocol):
     users: dict[str, User]
     running: set[int]
     vtime: float
-    main_step: Optional[tuple[float, float, float]]
-    paused: Callable[[], float]
 
     def order_key(self, nu: tuple[str, User]) -> tuple: ...
 
@@ -51,8 +49,10 @@ class SideLane:
     """The side lane of ``queue`` (which owns it, on the learner actor's event loop): ``run`` takes a call's
     works on the second compute thread; calls hold at most ``tokens`` tokens (0: the lane is off)."""
 
-    def __init__(self, queue: Queue, run: Optional[Pack], tokens: int):
+    def __init__(self, queue: Queue, run: Optional[Pack], tokens: int, paused: Callable[[], float] = lambda: 0.0):
         self.queue, self.run, self.tokens = queue, run, tokens if run is not None else 0
+        self.paused = paused  # seconds the main lane has waited for side calls since the start (LaneGate)
+        self.main_step: Optional[tuple[float, float, float]] = None  # the main call now: start, paused(), weight
         self.open = False  # the main lane runs a packable step: the side lane may run beside it
         self.task: Optional[asyncio.Task] = None
         self.stepped = asyncio.Event()  # set after each call (the main lane waits on it when all work is here)
@@ -79,11 +79,20 @@ class SideLane:
         calls, over its user's weight (``V`` between calls). Only a user whose virtual start has not passed it gets
         a side call, so a small user looping back to back beside a busy one takes his fair share, not the learner
         (the main lane waits while a side call runs: with the gate and no limit he took 58% and she kept 18%)."""
-        q = self.queue
-        if q.main_step is None:
-            return q.vtime
-        t0, paused, weight = q.main_step
-        return q.vtime + max(time.monotonic() - t0 - (q.paused() - paused), 0.0) / weight
+        if self.main_step is None:
+            return self.queue.vtime
+        t0, paused, weight = self.main_step
+        return self.queue.vtime + max(time.monotonic() - t0 - (self.paused() - paused), 0.0) / weight
+
+    def main_starts(self, weight: float) -> None:
+        """The main lane's call (of a user of ``weight``) starts: :meth:`progress` reads how far it has got."""
+        self.main_step = (time.monotonic(), self.paused(), weight)
+
+    def main_ends(self) -> float:
+        """The main lane's call ended: the seconds it waited for side calls (theirs: not charged to it)."""
+        _, paused, _ = self.main_step or (0.0, self.paused(), 1.0)
+        self.main_step = None
+        return self.paused() - paused
 
     def kick(self) -> None:
         """Start the lane if it is open, idle, and has work (or, when the fair order holds its work back, once the
@@ -104,7 +113,7 @@ class SideLane:
         if held and self.open and not self.retrying:
             self.retrying = True
             first = min(max(q.vtime, m[1].finish) for m in held)
-            weight = q.main_step[2] if q.main_step is not None else 1.0
+            weight = self.main_step[2] if self.main_step is not None else 1.0
             asyncio.get_running_loop().call_later((first - limit) * weight + 1e-3, self._retry)
 
     def _retry(self) -> None:
