@@ -24,7 +24,8 @@ def machine() -> dict:
     except OSError:
         pass
     vector = next((v for v in ("avx512f", "avx2") if v in flags), "other")
-    return {"cpu": name, "cores": os.cpu_count(), "vector": vector}
+    # usable: the cores this process may run on (session 65's shell was pinned to one of its two: `taskset -p $$`)
+    return {"cpu": name, "cores": os.cpu_count(), "usable_cores": len(os.sched_getaffinity(0)), "vector": vector}
 
 
 def save(result: dict, out: str | Path) -> Path:

@@ -36,6 +36,7 @@ from otray.tinker.learner.learner_sampling import LearnerSampling
 from otray.tinker.learner.loss_run import add_sums
 from otray.tinker.learner.adapter_steps import Answer, AdapterSteps
 from otray.tinker.learner.lane_gate import LaneGate
+from otray.tinker.learner.lora_bank import LoraBank
 from otray.tinker.learner.mixed_lora import RowRouting
 from otray.tinker.learner.sample_jobs import SampleJob, SampleOut
 from otray.tinker.learner.specs import AdamStep, AdapterSpec
@@ -73,7 +74,8 @@ class AdapterLearner:
         self.max_model_len = max_model_len or self.base.config.get_text_config().max_position_embeddings
         self.switch = AdapterSwitch()  # which adapter the LoRA layers use
         self.gate = LaneGate()  # a side-lane call computes alone (the main lane's pass waits at its LoRA layers)
-        self.routing = RowRouting(self.gate)  # which rows each LoRA layer gives which adapter, in a shared pass
+        self.bank = LoraBank()  # each LoRA layer's training adapters' weights, stacked by rank (a slot each)
+        self.routing = RowRouting(self.gate, self.bank)  # which rows each LoRA layer gives which adapter, in a shared pass
         self.training = False  # the model is in train mode (not switched to eval by a sample since)
 
     def adapters(self) -> list[str]:
@@ -105,6 +107,7 @@ class AdapterLearner:
         if adapter in self.specs:
             raise ValueError(f"adapter {adapter!r} exists already")
         self.add_lora(adapter, spec)
+        self.bank.place(adapter, self.switch.lora_layers(self.model))
         self.specs[adapter] = spec
         self.optim.add(adapter)
 
@@ -113,6 +116,7 @@ class AdapterLearner:
         if self.specs.pop(adapter, None) is not None:
             self.optim.forget(adapter)
             self.remove_lora(adapter)
+            self.bank.release(adapter)
 
     def remove_lora(self, name: str) -> None:
         """Delete adapter ``name`` from the model."""

@@ -26,8 +26,9 @@ transposed view, which left the MLP's activations and their gradients in mixed l
 elementwise ops ran up to 9x slower: ``silu_backward`` 0.53 ms against 0.06 ms); no layer makes a tensor from
 host values (a copy that waits for the device). The usual shared pass, small groups of equal rows and one
 scale covering the whole batch (one-datum users), goes further (:class:`_AddProducts`): the base output, the
-scale, the stacking and cast of the weights and each adapter's gradient are handled inside one autograd node
-(on the CPU a layer's autograd nodes for these cost more than its matmuls). A gradient slice keeps its pass's
+scale, the cast of the weights (stacked already: each adapter's parameters are views of its slot of the
+layer's :class:`~otray.tinker.learner.lora_bank.LoraBank`) and each adapter's gradient are handled inside one
+autograd node (on the CPU a layer's autograd nodes for these cost more than its matmuls). A gradient slice keeps its pass's
 stacked block alive until every adapter in it has stepped or dropped its gradient. 8 one-datum users' pass:
 829 operators, 1.15x one user's (2.7x before the slices; benchmarks/tinker_shared_passes.py, ``kernels``).
 
@@ -45,6 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from otray.tinker.learner.lane_gate import LaneGate
+from otray.tinker.learner.lora_bank import LoraBank, Stacked
 
 Group = tuple[str, int, int]  # (adapter, first row, row after the last)
 
@@ -82,24 +84,33 @@ class Segment:
 @dataclass
 class Folded:
     """A batched segment's adapters on one layer, as :class:`_AddProducts` takes them: their ``A`` (r, in) and
-    ``B`` (out, r) weights and their one scale."""
+    ``B`` (out, r) weights, their one scale and, where the layer's :class:`LoraBank` holds them, their rows of it."""
 
     a: list[torch.nn.Parameter]
     b: list[torch.nn.Parameter]
     scale: float
+    bank: Optional[Stacked] = None
 
     @property
     def k(self) -> int:
         return len(self.a)
 
+    def weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(k, r, in)`` and ``(k, out, r)`` in ``dtype``: the bank's rows (a view when their slots are
+        consecutive), else the parameters stacked."""
+        a, b = self.bank.weights() if self.bank is not None else (torch.stack(self.a), torch.stack(self.b))
+        return a.to(dtype), b.to(dtype)
+
 
 class RowRouting(threading.local):
     """Which adapter each row of the current pass uses; read by every LoRA layer it was installed on. Each
     thread sees its own pass (a thread-local): two passes of other adapters may run at once. ``gate``: every
-    thread's (one object): each LoRA layer of a routed pass is one of its checkpoints (:class:`LaneGate`)."""
+    thread's (one object): each LoRA layer of a routed pass is one of its checkpoints (:class:`LaneGate`).
+    ``bank``: where the training adapters' weights are stacked (every thread's too)."""
 
-    def __init__(self, gate: Optional[LaneGate] = None) -> None:
+    def __init__(self, gate: Optional[LaneGate] = None, bank: Optional[LoraBank] = None) -> None:
         self.gate = gate or LaneGate()
+        self.bank = bank or LoraBank()
         self.groups: Optional[list[Group]] = None
         self.rows = 0
         self._installed: Optional[list[Any]] = None
@@ -149,11 +160,11 @@ class RowRouting(threading.local):
     def folded(self, layer: Any, seg: Segment) -> Optional[Folded]:
         """A batched segment's weights for :class:`_AddProducts` (None when its adapters' scales differ: the
         general path)."""
-        key = (id(layer), seg.names)
+        key = (id(layer), seg.names, self.bank.version)  # (a bank grown or refilled: its views are stale)
         if key not in self._folds:
             scales = {float(layer.scaling[n]) for n in seg.names}
-            self._folds[key] = None if len(scales) != 1 else Folded(
-                [layer.lora_A[n].weight for n in seg.names], [layer.lora_B[n].weight for n in seg.names], scales.pop())
+            a, b = [layer.lora_A[n].weight for n in seg.names], [layer.lora_B[n].weight for n in seg.names]
+            self._folds[key] = None if len(scales) != 1 else Folded(a, b, scales.pop(), self.bank.stacked(layer, a, b))
         return self._folds[key]
 
     def plan(self, layer: Any) -> list[Segment]:
@@ -200,11 +211,15 @@ def _batched(run: list[Group]) -> Segment:
     return Segment("batched", first, last, names, width, tuple(index), keep)
 
 
-def row_order(sizes: dict[str, int], ranks: dict[str, int]) -> Callable[[str], tuple]:
+def row_order(sizes: dict[str, int], ranks: dict[str, int], slots: Optional[dict[str, tuple[int, int]]] = None
+              ) -> Callable[[str], tuple]:
     """A sort key for a pass's rows by adapter: small groups first, by rank, so that :meth:`RowRouting.plan`
-    batches them; then by name, so the same clients in another order make the same groups and a layer's plan is
-    reused (the fair order of the clients changes from pass to pass: 8 users' cycle 30 ms against 27)."""
-    return lambda name: (sizes[name] > SMALL, ranks[name], name)
+    batches them; then by bank slot (``slots``: :attr:`LoraBank.slots`), so that a batched segment's weights
+    are a view of the bank, and by name, so the same clients in another order make the same groups and a
+    layer's plan is reused (the fair order of the clients changes from pass to pass: 8 users' cycle 30 ms
+    against 27)."""
+    slots = slots or {}
+    return lambda name: (sizes[name] > SMALL, ranks[name], slots.get(name, (0, -1))[1], name)
 
 
 def _forward(layer: Any, routing: RowRouting, original: Callable[..., torch.Tensor], x: torch.Tensor, *args: Any,
@@ -299,7 +314,7 @@ class _AddProducts(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, base: torch.Tensor, xs: torch.Tensor, anchor: torch.Tensor, w: Folded) -> torch.Tensor:
-        w_a, w_b = torch.stack(w.a).to(xs.dtype), torch.stack(w.b).to(xs.dtype)  # (k, r, in), (k, out, r)
+        w_a, w_b = w.weights(xs.dtype)  # (k, r, in), (k, out, r)
         h = torch.bmm(xs, w_a.transpose(1, 2))  # (k, L, r)
         ctx.save_for_backward(xs, w_a, w_b, h)
         ctx.w = w

@@ -91,7 +91,7 @@ class SharedPass:
         try:
             for chunk in self._plan([requests[i].datums[j] for i, j in rows]) if rows else []:
                 names = [requests[rows[k][0]].adapter for k in chunk]
-                key = row_order(collections.Counter(names), {n: self.ranks[n] for n in names})
+                key = row_order(collections.Counter(names), {n: self.ranks[n] for n in names}, self.routing.bank.slots)
                 chunk.sort(key=lambda k: key(requests[rows[k][0]].adapter))
                 self._micro_batch(requests, out, [rows[k] for k in chunk], requests[0].backward)
         except Exception as e:
