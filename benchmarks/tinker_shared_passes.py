@@ -300,8 +300,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     path = resolve_model_path("tiny" if args.shape == "tiny" else f"tiny-{args.shape}", ROOT / ".cache" / "models")
     parts = args.parts.split(",")
     own = not ray.is_initialized() and bool({"throughput", "tenant"} & set(parts))
-    if own:
-        ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)  # logical: one learner is measured at a time
     out: dict[str, Any] = {"args": vars(args), "model": path, "through": "Ray calls to the SharedLearner",
                            "targets": {"shared_over_own_at_8_min": 5.0 if args.gpu else 3.0, "tenant_first_step_max_s": 1.0}}
     if Path(args.out).exists():  # a part not run now keeps its last figures
@@ -314,6 +312,8 @@ def main(argv: Optional[list[str]] = None) -> int:
 
         if torch.cuda.is_available():
             torch.cuda.empty_cache()  # the part's learner is gone; the Ray learners of the next part share the device
+    if own:  # after the kernels part, whose seconds a starting Ray's processes would share the CPU with
+        ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)  # logical: one learner is measured at a time
     if "throughput" in parts:
         out["throughput"] = learner_rates(args, path, lambda rows: save({**out, "throughput": rows}, args.out))
     if "tenant" in parts:
