@@ -63,7 +63,7 @@ def test_learner_and_sampler_on_the_device_agree_before_and_after_an_update(tiny
 def test_the_shared_pass_kernels_check_runs_on_the_cpu(tmp_path, capsys):
     """``benchmarks/tinker_shared_passes.py --parts kernels`` (``make gpu-check-tinker``'s first part): in this
     process, no Ray; every N's operators and seconds are printed and saved, and a shared step of 4 users computes
-    fewer operators than 4 users' own steps."""
+    fewer operators than 1.5 users' own steps (session 65: 0.98, the weights read in place from the LoraBank)."""
     import json
 
     from benchmarks.tinker_shared_passes import main
@@ -73,7 +73,7 @@ def test_the_shared_pass_kernels_check_runs_on_the_cpu(tmp_path, capsys):
     assert "in-process N= 4" in capsys.readouterr().out
     got = json.loads(out.read_text())["kernels"]
     assert got["one_user"]["ops"] > 0 and got["one_user"]["median_s"] > 0
-    assert 1.0 < got["4"]["ops_in_users"] < 4 and got["4"]["speed_over_own"] > 0
+    assert 0 < got["4"]["ops_in_users"] < 1.5 and got["4"]["speed_over_own"] > 0
 
 
 @pytest.mark.gpu

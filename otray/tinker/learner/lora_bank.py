@@ -64,6 +64,8 @@ class LoraBank:
         if not mine or adapter in self.slots:
             return
         rank = mine[0].lora_A[adapter].weight.shape[0]
+        if any(m.lora_A[adapter].weight.shape[0] != rank for m in mine):
+            return  # a rank per layer (PEFT's rank_pattern): its slot would not be one across layers; stacked per pass
         taken = {s for r, s in self.slots.values() if r == rank}
         slot = next(s for s in range(len(taken) + 1) if s not in taken)
         self.slots[adapter] = (rank, slot)
