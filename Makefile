@@ -8,7 +8,7 @@ export VLLM_CPU_KVCACHE_SPACE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 export RAY_USAGE_STATS_ENABLED ?= 0
 
-.PHONY: demo test test-fast test-pure gpu-check gpu-check-tinker gpu-gomoku bench bench-trl clean venv browser sandbox openreward-sdk tinker-cookbook \
+.PHONY: demo cores test test-fast test-pure gpu-check gpu-check-tinker gpu-gomoku bench bench-trl clean venv browser sandbox openreward-sdk tinker-cookbook \
         alfworld
 
 venv: $(STAMP)
@@ -52,8 +52,14 @@ alfworld:
 	$(BIN)/pip install -q "alfworld==0.4.2"
 
 # `otray train` starts a local Ray, submits through the ResourceManager and streams the table.
-demo: $(STAMP)
+demo: $(STAMP) cores
 	$(BIN)/otray train conf/arithmetic_grpo.yaml
+
+# says so when this shell may run on fewer cores than the machine has (session 65's was pinned to one of two:
+# Ray, the suite's workers and a demo then share that one)
+cores: $(STAMP)
+	@$(BIN)/python -c "import os; n, c = len(os.sched_getaffinity(0)), os.cpu_count(); n < c and print(f'note: this \
+	shell may run on {n} of the {c} cores; taskset -p 0x{(1 << c) - 1:x} \$$\$$ in it gives them all')"
 
 # the dashboard test drives Debian's chromium headless (through playwright)
 browser:
@@ -73,7 +79,7 @@ sandbox:
 # spin-waiting on each other's cores. Both stages run; either failing fails `make test`. Every test's time goes
 # to .cache/test-times*.xml (benchmarks/test_times.py). TEST_WORKERS: the second stage's workers.
 TEST_WORKERS ?= 2
-test: $(STAMP) browser sandbox
+test: $(STAMP) browser sandbox cores
 	status=0; OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile \
 	  -m "not ray and not cluster and not vllm and not service" --junitxml=.cache/test-times-pure.xml || status=1; \
 	  OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --durations=20 \
