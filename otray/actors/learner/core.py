@@ -90,8 +90,9 @@ def pad_rows(rows: list[list[float]] | list[list[int]], width: int, value: float
     # 19: 14 against 61 us; a one-datum user's rows pass here ~10 times a step)
     if not rows:
         return torch.empty((0, width), dtype=dtype, device=device)
-    if max(map(len, rows)) > width:
-        raise ValueError(f"a row of {max(map(len, rows))} values does not fit a width of {width}")
+    longest = max(map(len, rows))
+    if longest > width:
+        raise ValueError(f"a row of {longest} values does not fit a width of {width}")
     out = torch.tensor([[*r, *[value] * (width - len(r))] for r in rows], dtype=dtype)
     return out if device == "cpu" else out.to(device, non_blocking=True)
 

@@ -56,7 +56,6 @@ class LoraBank:
         self._banks: dict[Key, torch.Tensor] = {}
         self._members: dict[Key, dict[int, torch.nn.Parameter]] = {}  # bank -> slot -> its parameter
         self._where: dict[int, tuple[Key, int]] = {}  # id(parameter) -> (its bank, its slot)
-        self._held: dict[str, list[tuple[Key, int]]] = {}  # adapter -> the bank rows it holds
 
     def place(self, adapter: str, layers: Sequence[Any]) -> None:
         """Give ``adapter`` (just added to ``layers``, the model's LoRA layers) a slot and move its weights there."""
@@ -78,15 +77,15 @@ class LoraBank:
                     p.data = bank[slot]
                     self._members.setdefault(key, {})[slot] = p
                     self._where[id(p)] = (key, slot)
-                    self._held.setdefault(adapter, []).append((key, slot))
         self.version += 1
 
     def release(self, adapter: str) -> None:
         """Forget ``adapter``'s slot (its layers dropped it): the next adapter of its rank may take it."""
-        if self.slots.pop(adapter, None) is None:
+        if adapter not in self.slots:
             return
-        for key, slot in self._held.pop(adapter, []):
-            p = self._members[key].pop(slot, None)
+        rank, slot = self.slots.pop(adapter)
+        for key, members in self._members.items():
+            p = members.pop(slot, None) if key[2] == rank else None
             if p is not None:
                 self._where.pop(id(p), None)
         self.version += 1
