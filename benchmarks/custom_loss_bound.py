@@ -118,9 +118,9 @@ def run(args: argparse.Namespace, path: str) -> dict[str, Any]:
         eve_calls.clear()
         threads = [Stepper(bob_step, stop)] + ([Stepper(eve, stop)] if eve else [])
         before = ray.get(learner.usage.remote())
-        start = run_window(threads, stop, args)
+        window = run_window(threads, stop, args, timed=threads[0])
         after = ray.get(learner.usage.remote())
-        steps = [s for t0, s in threads[0].steps if t0 >= start]
+        steps = [s for t0, s in threads[0].steps if t0 >= window.start]
         used = {u: after["seconds"].get(u, 0.0) - before["seconds"].get(u, 0.0) for u in ("bob", "eve")}
         out: dict[str, Any] = {"bob_median_s": statistics.median(steps), "bob_mean_s": statistics.mean(steps),
                                "bob_steps": len(steps), "learner_s": used,

@@ -28,6 +28,7 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -75,17 +76,44 @@ def sdk_step(client: Any, data: list[Any]) -> Callable[[], None]:
     return step
 
 
-def run_window(steppers: list[Stepper], stop: threading.Event, args) -> float:
-    """Run ``steppers`` for ``args.warmup`` + ``args.seconds``, then stop them (``stop``); the measured
-    window's start (``time.perf_counter``: it lasts ``args.seconds``)."""
+@dataclass(frozen=True)
+class Window:
+    """A measured window (``time.perf_counter`` seconds): steps are counted between ``start`` and ``end``."""
+
+    start: float
+    end: float
+
+    @property
+    def seconds(self) -> float:
+        return self.end - self.start
+
+    def holds(self, step: tuple[float, float]) -> bool:
+        """Whether a step (start, seconds) began and ended in the window."""
+        return step[0] >= self.start and step[0] + step[1] <= self.end
+
+
+def run_window(steppers: list[Stepper], stop: threading.Event, args, timed: Optional[Stepper] = None,
+               least: int = 2) -> Window:
+    """Run ``steppers`` for ``args.warmup`` s not counted, then a window of ``args.seconds``; then stop them
+    (``stop``). With ``timed`` (one of them, whose step times are the figure), the window stays open until it holds
+    ``least`` of its steps, up to 20 times ``args.seconds`` (a slow or one-core machine: a CI run saw none
+    in 1.5 s); past that a RuntimeError names the stepper and what to raise."""
     for t in steppers:
         t.start()
     start = time.perf_counter() + args.warmup
     time.sleep(args.warmup + args.seconds)
+    cap = start + 20 * args.seconds
+    while timed is not None and sum(map(Window(start, time.perf_counter()).holds, list(timed.steps))) < least:
+        if time.perf_counter() > cap:
+            stop.set()
+            raise RuntimeError(f"the timed client finished fewer than {least} steps in {20 * args.seconds:.0f} s "
+                               "(20x --seconds): raise --seconds")
+        time.sleep(0.05)
+    end = time.perf_counter()
     stop.set()
     for t in steppers:
         t.join()
-    return start
+    return Window(start, end)
 
 
 def phase(alice: list[Callable[[], None]], bob: Optional[Callable[[], None]], args, bob_pause: float = 0.0) -> dict[str, Any]:
@@ -94,17 +122,16 @@ def phase(alice: list[Callable[[], None]], bob: Optional[Callable[[], None]], ar
     stop = threading.Event()
     alices = [Stepper(step, stop) for step in alice]
     bobs = [Stepper(bob, stop, bob_pause)] if bob is not None else []
-    start = run_window(alices + bobs, stop, args)
-    end = start + args.seconds
+    window = run_window(alices + bobs, stop, args, timed=bobs[0] if bobs else None)
     # alice: steps that ended in the window (unbiased for a long window: each client's ends are a renewal
     # process); bob: steps that began and ended in it
-    counted = [[s for s in t.steps if start <= s[0] + s[1] < end] for t in alices]
-    out: dict[str, Any] = {}
+    counted = [[s for s in t.steps if window.start <= s[0] + s[1] < window.end] for t in alices]
+    out: dict[str, Any] = {"window_s": window.seconds}
     if alices:
-        out["alice_datums_per_s"] = sum(len(c) for c in counted) * args.batch / args.seconds
+        out["alice_datums_per_s"] = sum(len(c) for c in counted) * args.batch / window.seconds
         out["alice_steps"] = sum(len(c) for c in counted)
     if bobs:
-        times = [d for s, d in bobs[0].steps if s >= start and s + d <= end]
+        times = [d for s, d in bobs[0].steps if window.holds((s, d))]
         out.update(bob_median_s=statistics.median(times), bob_p90_s=sorted(times)[int(0.9 * (len(times) - 1))],
                    bob_steps=len(times))
     return out

@@ -141,12 +141,12 @@ def learner_rates(args, path: str, done_row: Callable[[dict[str, Any]], None]) -
             usage = ray.get(learner.usage.remote())
             stop = threading.Event()
             threads = [Stepper(step(learner, f"u{i}", args.client), stop) for i in range(users)]
-            start = run_window(threads, stop, args)
-            done = sum(1 for t in threads for s in t.steps if start <= s[0] + s[1] < start + args.seconds)
+            window = run_window(threads, stop, args)
+            done = sum(1 for t in threads for s in t.steps if window.start <= s[0] + s[1] < window.end)
             after = ray.get(learner.usage.remote())
             before, now = usage["shared"], after["shared"]
             calls = now["calls"] - before["calls"]
-            row[mode] = {"datums_per_s": done / args.seconds,  # shared calls: forward_backward passes and optim steps
+            row[mode] = {"datums_per_s": done / window.seconds,  # shared calls: forward_backward passes and optim steps
                          "mean_steps_per_shared_call": (now["steps"] - before["steps"]) / calls if calls else 1.0,
                          "steps_per_call_by_key": per_key(usage["packed"], after["packed"])}
         own = row["own"]["datums_per_s"]
