@@ -137,17 +137,25 @@ def phase(alice: list[Callable[[], None]], bob: Optional[Callable[[], None]], ar
     return out
 
 
+# what steps in a phase: (alice's clients, bob, bob pausing ``--bob-pause`` s between his steps)
+KINDS = {"bob_pausing": (False, True, True), "bob": (False, True, False), "alice": (True, False, False),
+         "both": (True, True, True), "both_back_to_back": (True, True, False)}
+# the usual phases, (name, kind): each figure alone is the mean of a first and a last phase, which bracket the
+# phases together (runs drift by ~10% over minutes on a shared machine)
+ORDER = (("bob_alone_pausing_first", "bob_pausing"), ("bob_alone", "bob"), ("alice_alone", "alice"),
+         ("both", "both"), ("both_bob_back_to_back", "both_back_to_back"), ("alice_alone_after", "alice"),
+         ("bob_alone_after", "bob"), ("bob_alone_pausing", "bob_pausing"))
+
+
 def phases(alice: list[Callable[[], None]], bob: Callable[[], None], args, usage: Callable[[], dict]) -> dict[str, Any]:
-    """bob alone pausing ``args.bob_pause`` s between steps, bob alone back to back, alice alone, both (bob
-    pausing, then back to back), alice alone again, bob alone again, bob alone pausing again (runs drift by ~10%
-    over minutes on a shared machine: each figure alone is the mean of a first and a last phase, which bracket the
-    phases together); with the learner's use in each (``usage()``: :meth:`SharedLearner.usage`)."""
+    """The phases of :data:`ORDER` (bob alone pausing, bob alone back to back, alice alone, both with bob pausing,
+    then back to back, alice alone again, bob alone again, bob alone pausing again), or ``args.phases``' kinds in
+    their order (rows named ``<i>_<kind>``); with the learner's use in each (``usage()``: :meth:`SharedLearner.usage`)."""
+    order = [(f"{i}_{k}", k) for i, k in enumerate(args.phases.split(","))] if args.phases else ORDER
     rows: dict[str, Any] = {}
-    for name, a, b, pause in (("bob_alone_pausing_first", [], bob, args.bob_pause), ("bob_alone", [], bob, 0.0),
-                              ("alice_alone", alice, None, 0.0),
-                              ("both", alice, bob, args.bob_pause), ("both_bob_back_to_back", alice, bob, 0.0),
-                              ("alice_alone_after", alice, None, 0.0), ("bob_alone_after", [], bob, 0.0),
-                              ("bob_alone_pausing", [], bob, args.bob_pause)):
+    for name, kind in order:
+        has_alice, has_bob, pausing = KINDS[kind]
+        a, b, pause = alice if has_alice else [], bob if has_bob else None, args.bob_pause if pausing else 0.0
         before = usage()
         t0 = time.perf_counter()
         rows[name] = phase(a, b, args, pause)
@@ -164,7 +172,19 @@ def phases(alice: list[Callable[[], None]], bob: Callable[[], None], args, usage
 
 
 def summarize(results: dict[str, Any], args, model: str) -> dict[str, Any]:
-    """Ratios per policy (printed), and fair against fifo for alice alone; what is saved."""
+    """Ratios per policy (printed), and fair against fifo for alice alone; what is saved. With ``args.phases``: each
+    phase's figures and how far apart alice's alone phases are (max / min - 1), no ratios."""
+    if args.phases:
+        for policy, r in results.items():
+            alone = [row["alice_datums_per_s"] for name, row in r.items() if name.endswith("_alice")]
+            r["alice_alone_spread"] = max(alone) / min(alone) - 1 if len(alone) > 1 and min(alone) > 0 else None
+            for name, row in r.items():
+                if isinstance(row, dict):
+                    print(f"{policy:5} {name:22} " + ", ".join(f"{k} {v:.4g}" for k, v in row.items()
+                                                              if k in ("alice_datums_per_s", "bob_median_s",
+                                                                       "alice_learner_s_per_slice")), flush=True)
+            print(f"{policy:5} alice's alone phases {100 * (r['alice_alone_spread'] or 0):.1f}% apart", flush=True)
+        return {"args": vars(args), "model": model, "results": results}
     for policy, r in results.items():
         first, last = r["alice_alone"]["alice_datums_per_s"], r["alice_alone_after"]["alice_datums_per_s"]
         alone = r["alice_alone_datums_per_s"] = (first + last) / 2
@@ -217,8 +237,14 @@ def arguments(ap: argparse.ArgumentParser, out: str, argv: Optional[list[str]] =
     ap.add_argument("--policies", default="fifo,fair")
     ap.add_argument("--bob-pause", type=float, default=0.5,
                     help="seconds bob spends between steps (sampling, his env) in the main phase")
+    ap.add_argument("--phases", default="",
+                    help="phase kinds to run in this order instead of the usual eight, to look into drift (e.g. "
+                         f"alice,alice,alice,both,alice; kinds: {', '.join(KINDS)}): each phase's figures, no ratios")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / out))
     args = ap.parse_args(argv)
+    unknown = [k for k in args.phases.split(",") if k not in KINDS] if args.phases else []
+    if unknown:
+        ap.error(f"--phases: no phase kind {', '.join(map(repr, unknown))}; the kinds: {', '.join(KINDS)}")
     if args.pass_tokens is None:
         args.pass_tokens = args.slice_tokens * 5 // 4
     return args

@@ -284,6 +284,19 @@ def test_the_learner_fairness_check_runs_on_the_cpu(tmp_path, ray_local):
                                                                 + fair["bob_alone_pausing"]["bob_median_s"]) / 2)
     assert fair["both"]["bob_slowdown_vs_alone_pausing"] == pytest.approx(
         fair["both"]["bob_median_s"] / fair["bob_alone_pausing_median_s"])
+    # every phase's window holds at least two of bob's steps (a CI run's 1.5 s phase on one core had none)
+    assert all(row["bob_steps"] >= 2 for row in fair.values() if isinstance(row, dict) and "bob_steps" in row)
+    # phases of one's choosing, in order (drift): alice's alone phases and how far apart they are
+    drift = tmp_path / "drift.json"
+    assert main(["--clients", "2", "--batch", "2", "--tokens", "32", "--seconds", "1", "--warmup", "0.3",
+                 "--policies", "fair", "--phases", "alice,both_back_to_back,alice", "--out", str(drift)]) == 0
+    rows = json.loads(drift.read_text())["results"]["fair"]
+    assert list(rows) == ["0_alice", "1_both_back_to_back", "2_alice", "alice_alone_spread"]
+    assert "bob_median_s" in rows["1_both_back_to_back"] and "bob_median_s" not in rows["2_alice"]
+    first, last = rows["0_alice"]["alice_datums_per_s"], rows["2_alice"]["alice_datums_per_s"]
+    assert rows["alice_alone_spread"] == pytest.approx(max(first, last) / min(first, last) - 1)
+    with pytest.raises(SystemExit):  # a kind it does not know is refused by name, before anything runs
+        main(["--phases", "alice,bobby", "--out", str(drift)])
 
 
 @pytest.mark.gpu
