@@ -60,11 +60,10 @@ demo: $(STAMP) cores
 # and `make bench*` run their commands on every core the machine lets them have (ALL_CORES: `taskset` over all
 # of them, or nothing where the kernel refuses), and `make cores` says what it widened.
 ALL_CORES := $(shell c=$$(nproc --all); taskset -c 0-$$((c - 1)) true 2>/dev/null && echo taskset -c 0-$$((c - 1)))
-cores: $(STAMP)
-	@$(ALL_CORES) $(BIN)/python -c "import os, sys; n, c = len(os.sched_getaffinity(0)), os.cpu_count(); \
-	k = int(sys.argv[1]); k < n and print(f'make: running on all {n} cores (this shell has {k})'); \
-	n < c and print(f'note: running on {n} of the {c} cores; taskset -p 0x{(1 << c) - 1:x} \$$\$$ gives them all')" \
-	$$(nproc)
+cores:
+	@k=$$(nproc); n=$$($(ALL_CORES) nproc); c=$$(nproc --all); \
+	[ $$k -ge $$n ] || echo "make: running on all $$n cores (this shell has $$k)"; \
+	[ $$n -ge $$c ] || echo "note: running on $$n of the $$c cores; taskset -p -c 0-$$((c - 1)) \$$\$$ gives them all"
 
 # the dashboard test drives Debian's chromium headless (through playwright)
 browser:
