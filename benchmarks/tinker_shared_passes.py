@@ -5,7 +5,8 @@ optim_step (``--client``: ``sequential``, the first's result awaited before the 
 both sent together as the tinker SDK's clients send them; ``ahead``, the next step sent before this one is
 awaited, as tinker-cookbook's supervised loop does; ``fused``, both in one call, ``SharedLearner.train_step``, as
 the service sends a forward_backward whose optim_step is queued behind it; ``fused-ahead``, fused, the next step
-sent before this one is awaited), straight to a
+sent before this one is awaited; ``service``, fused, through a relay actor that coalesces small calls of several
+clients into one learner call as the TinkerService does, :mod:`otray.tinker.service.learner_calls`), straight to a
 :class:`~otray.tinker.learner.shared_learner.SharedLearner` over Ray (no HTTP: the
 learner and its queue are what is measured). Three learners side by side, runs rotating: ``own``
 (``pass_tokens=0``: every user's slice a pass of its own, the behaviour before shared passes), ``shared``
@@ -68,6 +69,8 @@ def learner_rates(args, path: str, done_row: Callable[[dict[str, Any]], None]) -
 
     from otray.models import load_tokenizer
     from otray.tinker.config import TinkerScheduling
+    from otray.tinker.learner.calls import PairCall, PassCall
+    from otray.tinker.learner.passes import PassRequest
     from otray.tinker.learner.specs import AdamStep, AdapterSpec
     from otray.tinker.learner.shared_learner import SharedLearner
     from otray.types import Datum
@@ -78,9 +81,24 @@ def learner_rates(args, path: str, done_row: Callable[[dict[str, Any]], None]) -
     passes = TinkerScheduling().pass_tokens
     # mode -> (pass_tokens, wait_for_followers, side_tokens, CPUs: torch threads, or one a lane with the side lane)
     known = {"own": (0, False, 0, 1), "own2": (0, False, 0, 2), "shared": (passes, False, 0, 1),
-             "shared2": (passes, False, 0, 2),
+             "shared2": (passes, False, 0, 2), "shared_alone": (passes, False, 0, 1),
              "followers": (passes, True, 0, 1), "side": (passes, False, 64, 2), "inline": (passes, False, 0, 1)}
     modes = {m: known[m] for m in args.modes.split(",")}
+    # --client service: the calls each mode's service would coalesce (own: none, as before shared passes)
+    coalesce = {m: 0 if m.startswith("own") or m == "shared_alone" else TinkerScheduling().coalesce_tokens for m in modes}
+
+    class Relay:
+        """``--client service``: a training client's pair on its way to the learner as the TinkerService sends
+        it, through :class:`~otray.tinker.service.learner_calls.LearnerCalls` (small calls of several clients as
+        one learner call)."""
+
+        def __init__(self, learner: Any, small_tokens: int):
+            from otray.tinker.service.learner_calls import LearnerCalls
+
+            self.learner, self.calls = learner, LearnerCalls(small_tokens)
+
+        async def train_step(self, call: Any) -> Any:
+            return await self.calls.send(call, lambda: self.learner)
 
     class InlineUpdates(SharedLearner):
         """``inline``: shared passes with each optimizer step's update run before its answer (before session 57)."""
@@ -97,6 +115,10 @@ def learner_rates(args, path: str, done_row: Callable[[dict[str, Any]], None]) -
             side_tokens=side, num_threads=None if args.gpu else (1 if side else cpus))
         ray.get([learners[mode].create.remote(f"u{i}", f"u{i}", AdapterSpec(args.rank, i))
                  for i in range(max(users_list))])
+    relays = {mode: ray.remote(Relay).options(num_cpus=0).remote(learners[mode], coalesce[mode]) for mode in modes} \
+        if args.client == "service" else {}
+
+    mode_of = {learner: mode for mode, learner in learners.items()}
 
     def step(learner: Any, user: str, client: str = "sequential"):
         pending: list[Any] = []  # ``ahead``: the steps sent and not yet awaited
@@ -107,6 +129,12 @@ def learner_rates(args, path: str, done_row: Callable[[dict[str, Any]], None]) -
                                 learner.optim_step.remote(user, user, AdamStep(learning_rate=1e-5))])  # this one's
                 if len(pending) > 1:  # results are awaited, so the learner has it queued meanwhile
                     ray.get(pending.pop(0))
+                return
+            if client == "service":  # as fused, through the service's coalescing (Relay)
+                call = PairCall(PassCall(user, PassRequest(user, data, "cross_entropy")), AdamStep(learning_rate=1e-5))
+                got = ray.get(relays[mode_of[learner]].train_step.remote(call))
+                if isinstance(got.optim_step, BaseException):
+                    raise got.optim_step
                 return
             if client in ("fused", "fused-ahead"):  # both parts in one call (SharedLearner.train_step), as the
                 # service sends them; fused-ahead: the next step sent before this one is awaited
@@ -146,9 +174,11 @@ def learner_rates(args, path: str, done_row: Callable[[dict[str, Any]], None]) -
             after = ray.get(learner.usage.remote())
             before, now = usage["shared"], after["shared"]
             calls = now["calls"] - before["calls"]
+            batched = {k: after["batched"][k] - usage["batched"][k] for k in ("calls", "members")}
             row[mode] = {"datums_per_s": done / window.seconds,  # shared calls: forward_backward passes and optim steps
                          "mean_steps_per_shared_call": (now["steps"] - before["steps"]) / calls if calls else 1.0,
-                         "steps_per_call_by_key": per_key(usage["packed"], after["packed"])}
+                         "steps_per_call_by_key": per_key(usage["packed"], after["packed"]),
+                         "requests_per_learner_call": batched["members"] / batched["calls"] if batched["calls"] else None}
         own = row["own"]["datums_per_s"]
         others = [m for m in modes if m != "own"]
         for mode in others:  # None: no own step ended
@@ -161,8 +191,8 @@ def learner_rates(args, path: str, done_row: Callable[[dict[str, Any]], None]) -
         print(f"N={users:2}: own {own:.1f} datums/s; {line}", flush=True)
         rows[str(users) if str(users) not in rows else f"{users}#{k}"] = row  # (an N again: another rotation)
         done_row(rows)
-    for learner in learners.values():
-        ray.kill(learner)
+    for actor in [*learners.values(), *relays.values()]:
+        ray.kill(actor)
     return rows
 
 
@@ -281,15 +311,18 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--parts", default="throughput,tenant,kernels")
     ap.add_argument("--modes", default="own,shared,followers",
                     help="learners measured side by side (own first): own, own2 (a pass per user on 2 torch threads), "
-                         "shared, shared2 (shared on 2 torch threads), followers (wait_for_followers), side (shared "
+                         "shared, shared2 (shared on 2 torch threads), shared_alone (shared, never coalesced by --client service), followers (wait_for_followers), side (shared "
                          "with the side lane: 2 lanes of 1 thread), "
                          "inline (shared, each optimizer update run before its step is answered)")
-    ap.add_argument("--client", choices=("sequential", "pipelined", "ahead", "fused", "fused-ahead"), default="sequential",
+    ap.add_argument("--client", choices=("sequential", "pipelined", "ahead", "fused", "fused-ahead", "service"),
+                    default="sequential",
                     help="how a throughput user sends a step: forward_backward's result awaited before optim_step "
                          "is sent; both sent together and then awaited (the tinker SDK's clients); ahead: as "
                          "pipelined, the next step sent before this one is awaited (tinker-cookbook's supervised "
                          "loop, submit_ahead=1); fused: both in one call (SharedLearner.train_step, what the service "
-                         "sends for a queued pair); fused-ahead: fused, the next step sent before this one is awaited")
+                         "sends for a queued pair); fused-ahead: fused, the next step sent before this one is awaited; "
+                         "service: fused, through a relay actor coalescing as the TinkerService does (LearnerCalls: "
+                         "own and shared_alone alone, the others scheduling.coalesce_tokens)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "tinker_shared_passes.json"))
     args = ap.parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -131,6 +131,10 @@ class TinkerScheduling:
     # thread beside a pass, so they wait for no slice (fair.py, "side lane"; learner_fairness.py --side-tokens).
     # 0: off. It computes on one more core: give the learner one CPU more than its torch threads (learner_cpus).
     side_tokens: int = 0
+    # The service sends training calls of at most this many tokens (forward_backward's datums; an optim_step is 1)
+    # of any clients of one base model, while two such are on its learner, together as one learner call of at most
+    # this many tokens (otray/tinker/service/learner_calls.py): a Ray call costs the learner ~2 ms of its GIL. 0: off.
+    coalesce_tokens: int = 512
     users: dict[str, UserShare] = field(default_factory=dict)  # default: weight 1, priority 0
 
 

@@ -32,6 +32,7 @@ from typing import Any, Callable, Optional
 from otray.device import settle_heap
 from otray.tinker.config import Share
 from otray.tinker.errors import UserError
+from otray.tinker.learner.calls import LearnerCall, PairCall, PassCall
 from otray.tinker.learner.fair import FairQueue, Packable, slices
 from otray.tinker.learner.specs import AdamStep, AdapterSpec
 from otray.tinker.learner.sample_jobs import SampleJob, SampleOut
@@ -42,6 +43,18 @@ from otray.types import Datum
 
 
 OPTIM = ("optim_step",)  # the pack key of optimizer steps
+
+
+def sendable(e: BaseException) -> BaseException:
+    """``e``, or, when it cannot be pickled (a custom loss's own exception may hold anything), a RuntimeError with
+    its type and text: an answer list holding it must still reach the other callers."""
+    from ray import cloudpickle  # what Ray pickles answers with
+
+    try:
+        cloudpickle.dumps(e)
+        return e
+    except Exception:  # noqa: BLE001 - anything pickling raises
+        return RuntimeError(f"{type(e).__name__}: {e}")
 
 
 @dataclass
@@ -82,6 +95,7 @@ class SharedLearner:
         self.sampling: dict[str, bool] = {}  # named sampling calls queued or running -> abandoned (abort_sample)
         self.aborted = 0  # sampling calls ended early (abort_sample)
         self.train_steps = 0  # train_step calls (a forward_backward and its optim_step in one)
+        self.batched = {"calls": 0, "members": 0}  # calls() calls and the training calls they held
         settle_heap()  # a full garbage collection would otherwise stall whichever user's step it fell in
 
     def _step(self, fn: Callable[..., Any], *args: Any) -> Callable[[], Any]:
@@ -101,10 +115,11 @@ class SharedLearner:
         """Learner seconds and steps by user since the actor started, the seconds turns were kept for a
         follower (:meth:`FairQueue._hold`), shared calls, packable calls and their steps by pack key, the
         sampling calls ended early (:meth:`abort_sample`), the side lane's calls and steps, and the
-        :meth:`train_step` calls."""
+        :meth:`train_step` calls, and the :meth:`calls` calls with the training calls they held."""
         return {"seconds": dict(self.queue.used), "steps": dict(self.queue.steps), "held_s": self.queue.followers.held,
                 "shared": dict(self.queue.shared), "packed": {k: dict(v) for k, v in self.queue.packed.items()},
-                "aborted_samples": self.aborted, "side": dict(self.queue.side.calls), "train_steps": self.train_steps}
+                "aborted_samples": self.aborted, "side": dict(self.queue.side.calls), "train_steps": self.train_steps,
+                "batched": dict(self.batched)}
 
     async def adapters(self) -> list[str]:
         return self.learner.adapters()
@@ -230,7 +245,25 @@ class SharedLearner:
         fb = asyncio.ensure_future(self.forward_backward(user, adapter, datums, loss_fn, loss_fn_config, True, graph))
         opt = asyncio.ensure_future(self.optim_step(user, adapter, step))  # (tasks start in order: fb queues first)
         done = await asyncio.gather(fb, opt, return_exceptions=True)
-        return TrainStepResult(*done)
+        return TrainStepResult(*[sendable(d) if isinstance(d, BaseException) else d for d in done])
+
+    async def calls(self, calls: list[LearnerCall]) -> list[Any]:
+        """Training calls of several clients sent as one (the service coalesces small ones: a Ray call costs this
+        process ~2 ms of Python on the GIL its passes need, :mod:`otray.tinker.service.learner_calls`): each queued
+        in list order, as its own call would be, and answered in one list, each its result or its exception."""
+        self.batched["calls"] += 1
+        self.batched["members"] += len(calls)
+        outs = await asyncio.gather(*[self._call(c) for c in calls], return_exceptions=True)
+        return [sendable(o) if isinstance(o, BaseException) else o for o in outs]
+
+    def _call(self, c: LearnerCall) -> Any:
+        if isinstance(c, PairCall):
+            r = c.first.request
+            return self.train_step(c.first.user, r.adapter, r.datums, r.loss_fn, c.step, r.loss_fn_config, r.graph)
+        if isinstance(c, PassCall):
+            r = c.request
+            return self.forward_backward(c.user, r.adapter, r.datums, r.loss_fn, r.loss_fn_config, r.backward, r.graph)
+        return self.optim_step(c.user, c.adapter, c.step)
 
     async def save(self, user: str, adapter: str, path: str, optimizer: bool, version: Optional[int] = None) -> int:
         return await self._one(user, adapter, self.learner.save, adapter, path, optimizer, version)

@@ -5,8 +5,9 @@ Each is a :class:`PassRun` or :class:`StepRun`: the learner call, then what the 
 replay log that heals a model, the lease's figures). When a forward_backward's turn comes with the optim_step
 after it already queued (a client that submits its next step before awaiting the last, as tinker-cookbook's
 supervised loop does, or any client whose requests queued behind a slow one), the two go to the learner as one
-call (:meth:`SharedLearner.train_step`): one round trip instead of two, and each part still answers, fails and
-is recorded as its own request would be.
+call (a :class:`~otray.tinker.learner.calls.PairCall`): one round trip instead of two, and each part still
+answers, fails and is recorded as its own request would be. Small calls of several clients then travel to the
+learner together (:mod:`otray.tinker.service.learner_calls`).
 
 Runs in the TinkerService actor."""
 
@@ -17,7 +18,9 @@ from typing import Any, Awaitable, Callable, Optional, Protocol
 
 from otray.records import JobState
 from otray.tinker.errors import UserError, unwrap
+from otray.tinker.learner.calls import LearnerCall, PairCall, PassCall, StepCall
 from otray.tinker.learner.loss_run import reduced
+from otray.tinker.learner.passes import PassRequest
 from otray.tinker.learner.specs import AdamStep
 from otray.tinker.service.futures import Outcome, settle
 from otray.tinker.service.healing import Pass, Step
@@ -30,12 +33,16 @@ class Training(Protocol):
 
     leases: Leases
 
-    async def _send(self, model_id: str, send: Callable[[Any], Awaitable[Any]],
-                    check: Optional[asyncio.Future] = None) -> Any: ...
+    async def _call(self, model_id: str, call: LearnerCall, check: asyncio.Future) -> Any: ...
 
     async def _ran(self, owner: str, model_id: str, call: Pass | Step) -> None: ...
 
     async def unload(self, model_id: str, why: str, state: JobState = JobState.SUCCEEDED) -> None: ...
+
+
+def request(c: TrainCall) -> PassRequest:
+    """What the learner runs of forward(_backward) call ``c``."""
+    return PassRequest(c.model_id, c.datums, c.loss_fn, c.loss_fn_config, not c.forward_only, c.graph)
 
 
 class PassRun:
@@ -47,8 +54,7 @@ class PassRun:
     async def __call__(self) -> Outcome:
         c = self.call
         try:
-            res: Any = await self.training._send(c.model_id, lambda learner: learner.forward_backward.remote(
-                self.owner, c.model_id, c.datums, c.loss_fn, c.loss_fn_config, not c.forward_only, c.graph), self.check)
+            res: Any = await self.training._call(c.model_id, PassCall(self.owner, request(c)), self.check)
         except Exception as e:  # noqa: BLE001 - answered by after()
             res = e
         return await self.after(res)
@@ -81,8 +87,7 @@ class StepRun:
         self.training, self.owner, self.model_id, self.step, self.check = training, owner, model_id, step, check
 
     async def __call__(self) -> Outcome:
-        metrics = await self.training._send(self.model_id, lambda learner: learner.optim_step.remote(
-            self.owner, self.model_id, self.step), self.check)
+        metrics = await self.training._call(self.model_id, StepCall(self.owner, self.model_id, self.step), self.check)
         return await self.after(metrics)
 
     async def after(self, metrics: Any) -> Outcome:
@@ -105,6 +110,5 @@ async def pass_and_step(p: PassRun, s: StepRun) -> tuple[Outcome, Outcome]:
     except Exception:  # noqa: BLE001 - answered by the step's own run
         return await settle(p), await settle(s)
     c = p.call
-    got = await p.training._send(c.model_id, lambda learner: learner.train_step.remote(
-        p.owner, c.model_id, c.datums, c.loss_fn, s.step, c.loss_fn_config, c.graph), p.check)
+    got = await p.training._call(c.model_id, PairCall(PassCall(p.owner, request(c)), s.step), p.check)
     return await settle(lambda: p.after(got.forward_backward)), await settle(lambda: s.after(got.optim_step))

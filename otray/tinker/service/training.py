@@ -18,6 +18,7 @@ from dataclasses import asdict
 from typing import Any, Awaitable, Callable, Optional
 
 from otray.records import JobState
+from otray.tinker.learner.calls import LearnerCall
 from otray.tinker.learner.specs import AdamStep, AdapterSpec
 from otray.tinker.service import external as X
 from otray.tinker.service import runs as R
@@ -25,6 +26,7 @@ from otray.tinker.service.catalog import Catalog
 from otray.tinker.service.futures import Futures, OrderedExecutor, Outcome
 from otray.tinker.service.healing import Healing, Pass, Step
 from otray.tinker.service.leases import LeaseEnded, Leases, LeaseSpec
+from otray.tinker.service.learner_calls import LearnerCalls
 from otray.tinker.service.store import Checkpoint, Sampler, Store
 from otray.tinker.service.stability import Recordings, with_recordings
 from otray.tinker.service.storage import StorageLedger
@@ -70,7 +72,7 @@ class Training:
 
     def __init__(self, learners: dict[str, Any], store: Store, catalog: Catalog, futures: Futures,
                  leases: Leases, gap_timeout_s: float, limits: Callable[[str, str], Any], quotas: Callable[[str], Any],
-                 recordings: Recordings, replay_bytes: int):
+                 recordings: Recordings, replay_bytes: int, coalesce_tokens: int = 0, follow_s: float = 0.05):
         self.healing = Healing(  # what rebuilds each live model when its learner dies (healing_replay_mb)
             learners, store.root, replay_bytes, leases.recovered, lambda m, why: self.unload(m, why, JobState.FAILED),
             lambda base: [m for m, b in self.live.items() if b == base])
@@ -84,6 +86,8 @@ class Training:
         self.ended: dict[str, str] = {}  # model id -> why it is no longer live (for the error message)
         self.inflight: dict[str, int] = {}  # model id -> the version of its inflight target last published
         self.holding: dict[str, tuple[str, int]] = {}  # model id -> (owner, LoRA rank): live or being made (quotas)
+        # each base model's training calls, small ones of many clients sent as one (scheduling.coalesce_tokens)
+        self.calls = {base: LearnerCalls(coalesce_tokens, follow_s=follow_s) for base in learners}
 
     # ------------------------------------------------------------------ live models
 
@@ -165,6 +169,16 @@ class Training:
             await check
         return await self.healing.call(self.live.get(model_id, ""), lambda: send(self.learner_of(model_id)),
                                        lambda: model_id in self.live)  # learner_of raises if the model left
+
+    async def _call(self, model_id: str, call: LearnerCall, check: asyncio.Future) -> Any:
+        """A training request's learner call (:mod:`otray.tinker.service.learner_calls`: a small one goes with
+        other clients' as one), once ``check`` (its lease check) passed, healed as :meth:`_send` heals."""
+        await check
+
+        async def send() -> Any:
+            self.learner_of(model_id)  # raises if the model left
+            return await self.calls[self.live[model_id]].send(call, lambda: self.learner_of(model_id))
+        return await self.healing.call(self.live.get(model_id, ""), send, lambda: model_id in self.live)
 
     async def _ran(self, owner: str, model_id: str, call: Pass | Step) -> None:
         """A training call done: in the model's replay log; past the log's bound, a restore point saved."""
