@@ -178,7 +178,9 @@ def learner_rates(args, path: str, done_row: Callable[[dict[str, Any]], None]) -
             row[mode] = {"datums_per_s": done / window.seconds,  # shared calls: forward_backward passes and optim steps
                          "mean_steps_per_shared_call": (now["steps"] - before["steps"]) / calls if calls else 1.0,
                          "steps_per_call_by_key": per_key(usage["packed"], after["packed"]),
-                         "requests_per_learner_call": batched["members"] / batched["calls"] if batched["calls"] else None}
+                         "requests_per_learner_call": batched["members"] / batched["calls"] if batched["calls"] else None,
+                         # the learner idle, waiting for riders or a held turn's next job (FairQueue: Followers.held)
+                         "learner_waiting_share": (after["held_s"] - usage["held_s"]) / window.seconds}
         own = row["own"]["datums_per_s"]
         others = [m for m in modes if m != "own"]
         for mode in others:  # None: no own step ended
@@ -315,7 +317,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                          "with the side lane: 2 lanes of 1 thread), "
                          "inline (shared, each optimizer update run before its step is answered)")
     ap.add_argument("--client", choices=("sequential", "pipelined", "ahead", "fused", "fused-ahead", "service"),
-                    default="sequential",
+                    default="service",
                     help="how a throughput user sends a step: forward_backward's result awaited before optim_step "
                          "is sent; both sent together and then awaited (the tinker SDK's clients); ahead: as "
                          "pipelined, the next step sent before this one is awaited (tinker-cookbook's supervised "
@@ -333,7 +335,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     path = resolve_model_path("tiny" if args.shape == "tiny" else f"tiny-{args.shape}", ROOT / ".cache" / "models")
     parts = args.parts.split(",")
     own = not ray.is_initialized() and bool({"throughput", "tenant"} & set(parts))
-    out: dict[str, Any] = {"args": vars(args), "model": path, "through": "Ray calls to the SharedLearner",
+    out: dict[str, Any] = {"args": vars(args), "model": path, "through": f"Ray calls to the SharedLearner, {args.client} clients",
                            "targets": {"shared_over_own_at_8_min": 5.0 if args.gpu else 3.0, "tenant_first_step_max_s": 1.0}}
     if Path(args.out).exists():  # a part not run now keeps its last figures
         kept = json.loads(Path(args.out).read_text())
