@@ -19,10 +19,13 @@ steps a call holds by kind (forward_backward passes, optimizer steps).
 seconds from ``create_lora_training_client`` returning to its first ``forward_backward`` result, for a few
 new tenants.
 
+``sdk``: the whole path, through the SDK over HTTP: ``--sdk-users`` clients looping one-datum steps on a service
+that coalesces small calls (the default) and on one that does not, one after the other.
+
 ``kernels``: in-process (no Ray, no queue), one user's step against N users' shared step: the operators that
 compute (kernel launches on a GPU, where a small pass is launch-bound; counted alike on the CPU) and seconds.
 
-    python benchmarks/tinker_shared_passes.py [--shape tiny] [--gpu] [--seconds 20] [--parts throughput,tenant,kernels] [--rank 32]
+    python benchmarks/tinker_shared_passes.py [--shape tiny] [--gpu] [--seconds 20] [--parts throughput,tenant,kernels,sdk] [--rank 32]
 
 Prints the figures and writes ``benchmarks/results/tinker_shared_passes.json`` (``--gpu``: part of
 ``make gpu-check-tinker``, throughput and kernels).
@@ -301,6 +304,68 @@ def tenant_start(args, path: str) -> dict[str, Any]:
     return out
 
 
+def sdk_rates(args, path: str) -> dict[str, Any]:
+    """The whole path, through the SDK over HTTP (Serve's gateway, the TinkerService, its learner; auth on):
+    ``--sdk-users`` clients looping one-datum steps (forward_backward and optim_step sent together, as the SDK's
+    clients send them), on a fresh service with the service's coalescing (``scheduling.coalesce_tokens``, the
+    default) and on one without (0), one after the other: datums/s and requests per learner call."""
+    import ray
+    import tinker
+    from ray import serve
+
+    from benchmarks.tinker_fairness import datum, sdk_step
+    from otray.actors.control.registry import tinker_key
+    from otray.actors.control.resource_manager import get_or_create
+    from otray.models import load_tokenizer
+    from otray.tinker.config import TinkerScheduling, load_tinker
+    from otray.tinker.gateway.app import run
+    from otray.tinker.service.tinker_service import NAME, NAMESPACE
+
+    tmp = Path(tempfile.mkdtemp(prefix="otray-sdk-rates-"))
+    rm = get_or_create(str(tmp / "registry.db"), auth_enabled=True)
+    key = tinker_key(ray.get(rm.add_user.remote("alice")))
+    data = [datum(load_tokenizer(path).encode(TEXT))]
+    out: dict[str, Any] = {"users": args.sdk_users}
+    for label, tokens in (("uncoalesced", 0), ("coalesced", TinkerScheduling().coalesce_tokens)):
+        run(load_tinker({"port": PORT, "storage": str(tmp / label), "scheduling": {"coalesce_tokens": tokens},
+                         "models": [{"name": "tiny", "path": path, "learner_cpus": 1, "num_threads": 1,
+                                     "sampler": {"engine": "learner"}}]}))
+        service = tinker.ServiceClient(base_url=f"http://127.0.0.1:{PORT}", api_key=key)
+        clients = [service.create_lora_training_client(base_model="tiny", rank=args.rank) for _ in range(args.sdk_users)]
+        for c in clients:
+            sdk_step(c, data)()
+        actor = ray.get_actor(NAME, namespace=NAMESPACE)
+        before = ray.get(actor.learner_use.remote())["tiny"]["batched"]
+        stop = threading.Event()
+        threads = [Stepper(sdk_step(c, data), stop) for c in clients]
+        window = run_window(threads, stop, args)
+        after = ray.get(actor.learner_use.remote())["tiny"]["batched"]
+        done = sum(1 for t in threads for s in t.steps if window.start <= s[0] + s[1] < window.end)
+        calls = after["calls"] - before["calls"]
+        out[label] = {"datums_per_s": done / window.seconds,
+                      "requests_per_learner_call": (after["members"] - before["members"]) / calls if calls else None}
+        print(f"SDK, {args.sdk_users} clients, {label}: {out[label]['datums_per_s']:.1f} datums/s, "
+              f"{out[label]['requests_per_learner_call'] or 0:.1f} requests a learner call", flush=True)
+        service.close("success").result()
+        serve.shutdown()
+        for name in (NAME, f"{NAME}-learner-tiny"):  # the next service starts its own (they are named, detached)
+            ray.kill(ray.get_actor(name, namespace=NAMESPACE))
+        while any(_named(n, NAMESPACE) for n in (NAME, f"{NAME}-learner-tiny")):
+            time.sleep(0.1)
+    out["coalesced_over_uncoalesced"] = out["coalesced"]["datums_per_s"] / out["uncoalesced"]["datums_per_s"]
+    return out
+
+
+def _named(name: str, namespace: str) -> bool:
+    import ray
+
+    try:
+        ray.get_actor(name, namespace=namespace)
+        return True
+    except ValueError:
+        return False
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="tiny", help="a tiny model shape: tiny, 100m, 0.5b, 1.5b")
@@ -308,6 +373,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--seconds", type=float, default=20.0)
     ap.add_argument("--warmup", type=float, default=3.0)
     ap.add_argument("--tenants", type=int, default=5)
+    ap.add_argument("--sdk-users", type=int, default=8, help="the clients of the sdk part")
     ap.add_argument("--rank", type=int, default=32, help="the LoRA rank of the throughput and kernels parts (the SDK's default: 32)")
     ap.add_argument("--users", default=",".join(map(str, USERS)), help="the N of the throughput part")
     ap.add_argument("--parts", default="throughput,tenant,kernels")
@@ -334,12 +400,12 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     path = resolve_model_path("tiny" if args.shape == "tiny" else f"tiny-{args.shape}", ROOT / ".cache" / "models")
     parts = args.parts.split(",")
-    own = not ray.is_initialized() and bool({"throughput", "tenant"} & set(parts))
+    own = not ray.is_initialized() and bool({"throughput", "tenant", "sdk"} & set(parts))
     out: dict[str, Any] = {"args": vars(args), "model": path, "through": f"Ray calls to the SharedLearner, {args.client} clients",
                            "targets": {"shared_over_own_at_8_min": 5.0 if args.gpu else 3.0, "tenant_first_step_max_s": 1.0}}
     if Path(args.out).exists():  # a part not run now keeps its last figures
         kept = json.loads(Path(args.out).read_text())
-        out.update({k: kept[k] for k in ("throughput", "tenant", "kernels") if k in kept and k not in parts})
+        out.update({k: kept[k] for k in ("throughput", "tenant", "kernels", "sdk") if k in kept and k not in parts})
     if "kernels" in parts:  # first: seconds, and a time cap on the rest keeps it
         out["kernels"] = kernels(args, path)
         save(out, args.out)
@@ -353,6 +419,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         out["throughput"] = learner_rates(args, path, lambda rows: save({**out, "throughput": rows}, args.out))
     if "tenant" in parts:
         out["tenant"] = tenant_start(args, path)
+    if "sdk" in parts:
+        out["sdk"] = sdk_rates(args, path)
     save(out, args.out)
     if own:
         ray.shutdown()
