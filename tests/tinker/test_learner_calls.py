@@ -92,9 +92,9 @@ def test_a_failing_member_a_model_gone_and_a_big_call_each_alone(ray_local, lear
     big = [datum(99, 40), datum(98, 40)]  # 80 tokens: past small_tokens
 
     async def scenario() -> list:
-        sends = [calls.send(StepCall("user0", "m0", ADAM), learner_of("m0")),  # the small ones: one call
+        sends = [calls.send(StepCall("user0", "m0", ADAM), learner_of("m0")),  # these two go at once
                  calls.send(StepCall("user1", "m1", ADAM), learner_of("m1")),
-                 calls.send(PassCall("user2", PassRequest("m2", [bad], "cross_entropy")), learner_of("m2")),
+                 calls.send(PassCall("user2", PassRequest("m2", [bad], "cross_entropy")), learner_of("m2")),  # wait
                  calls.send(PassCall("user3", PassRequest("m3", [datum(3)], "cross_entropy")), learner_of("m3")),
                  calls.send(PassCall("user4", PassRequest("m4", [datum(4)], "cross_entropy")), learner_of("m4")),
                  calls.send(PassCall("user5", PassRequest("m5", big, "cross_entropy")), learner_of("m5")),  # at once
@@ -111,19 +111,22 @@ def test_a_failing_member_a_model_gone_and_a_big_call_each_alone(ray_local, lear
     assert isinstance(got[4], UserError) and "not loaded" in str(got[4])
     assert len(got[5].logprobs) == 2
     assert isinstance(got[6], AdapterGone)  # an adapter the learner does not hold fails alone too
-    # the big one alone, the small ones (but m4, refused) as one
-    assert calls.sent == {"calls": 2, "requests": 6}
+    # two at once, the big one alone, then the three that waited (m4 refused) as one
+    assert calls.sent == {"calls": 4, "requests": 6}
 
 
 def test_clients_that_loop_alike_share_one_call(ray_local, learners):
-    """Four clients loop seven steps, each sending its next i ms after its answer (client i): once their gaps are
+    """Four clients loop ten steps, each sending its next i ms after its answer (client i): once their gaps are
     known, the next call waits for all four (Followers.gather), so a round is one learner call where the first back
-    would go alone (nothing on the learner), the next too (one on it), the rest in a third (follow_s=0: 21 calls)."""
+    would go alone (nothing on the learner), the next too (one on it), the rest in a third (follow_s=0: ~3 a round)."""
     together, _ = learners
     calls = LearnerCalls(small_tokens=512)
+    marks: list[int] = []  # the learner calls sent before client 0's each step
 
     async def client(i: int) -> None:
-        for step in range(7):
+        for step in range(10):
+            if i == 0:
+                marks.append(calls.sent["calls"])
             await calls.send(pair(i, step), lambda: together)
             await asyncio.sleep(0.001 * i)
 
@@ -131,7 +134,6 @@ def test_clients_that_loop_alike_share_one_call(ray_local, learners):
         await asyncio.gather(*[client(i) for i in range(4)])
 
     asyncio.run(scenario())
-    assert calls.sent["requests"] == 28
-    # the first round one call (sent at once), the second split (no gaps known yet), every later round one call;
-    # one more for the machine's noise
-    assert calls.sent["calls"] <= 10, calls.sent
+    assert calls.sent["requests"] == 40
+    # rounds 4-7, their gaps long known: one call each (one more for the machine's noise)
+    assert marks[8] - marks[4] <= 5, (marks, calls.sent)

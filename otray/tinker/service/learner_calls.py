@@ -65,18 +65,32 @@ class LearnerCalls:
         return _answer(await member.answer)
 
     def _kick(self) -> None:
-        if self.waiting and self.on_learner < self.depth and (self.going is None or self.going.done()):
+        """The waiting calls go now when no client answered since the last one went is due back (a lone client: no
+        task hop), else once those are back (:meth:`_go`)."""
+        if not self.waiting or self.on_learner >= self.depth or (self.going is not None and not self.going.done()):
+            return
+        if all(self._waiting(*c) for c in self.followers.soon(self.expected, self.follow_s)):
+            self.expected = []
+            self._take()
+        else:
             self.going = asyncio.ensure_future(self._go())
 
     async def _go(self) -> None:
-        """While fewer than ``depth`` coalesced calls are on the learner, the waiting calls go, as few calls as
-        ``small_tokens`` allows, once the clients answered since the last went are back (those that came back
-        within ``follow_s`` last time, waited for up to twice that: :meth:`Followers.gather`), so clients that loop
-        alike share one call, and so the learner's next pass, instead of splitting into calls taking turns."""
+        """While fewer than ``depth`` coalesced calls are on the learner, the waiting calls go, once the clients
+        answered since the last went are back (those that came back within ``follow_s`` last time, waited for up
+        to twice that: :meth:`Followers.gather`), so clients that loop alike share one call, and so the learner's
+        next pass, instead of splitting into calls taking turns."""
         while self.waiting and self.on_learner < self.depth:
             expected, self.expected = self.expected, []
-            waiting = lambda user, client: any(m.call.client() == (user, client) for m in self.waiting)  # noqa: E731
-            await self.followers.gather(expected, self.follow_s, waiting)
+            await self.followers.gather(expected, self.follow_s, self._waiting)
+            self._take()
+
+    def _waiting(self, user: str, client: str) -> bool:
+        return any(m.call.client() == (user, client) for m in self.waiting)
+
+    def _take(self) -> None:
+        """The waiting calls, as few learner calls as ``small_tokens`` allows, while fewer than ``depth`` are on it."""
+        while self.waiting and self.on_learner < self.depth:
             members, tokens, handle = [], 0, None
             while self.waiting and tokens + self.waiting[0].call.tokens() <= self.small_tokens:
                 m = self.waiting.popleft()
