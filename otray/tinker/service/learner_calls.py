@@ -9,6 +9,12 @@ answer list ends together (its members are small, so they share the learner's ne
 user). With fewer than ``depth`` on the learner it goes at once, so a lone client never waits here and the
 learner always has the next call queued when one ends. A bigger call always goes at once, alone.
 
+Clients that loop alike come back from one answer list a few ms apart: the first back would go alone, the next
+too, and the rest together, two cohorts taking turns with a pass each (4.4 of 8 users a pass, 36% fewer datums/s
+than with no coalescing, NOTES). So before a coalesced call goes it waits, as the learner's fair queue waits for
+riders, for the clients answered since the last one went whose next call came within ``follow_s`` last time, up
+to twice their last gap (:meth:`Followers.gather`): one call, one pass, a cycle.
+
 Each member stays its own request: its lease check passed before it came here, its model is looked up again
 when its call is sent (a model unloaded meanwhile is refused, its rows never sent), it gets its own answer or
 exception, and a call lost with its learner reaches every member, whose healing (``Healing.call``) sends it
@@ -63,6 +69,10 @@ class LearnerCalls:
         self.followers.arrived(*call.client())
         self._kick()
         return _answer(await member.answer)
+
+    def forget(self, user: str, client: str) -> None:
+        """``client`` (a model id) left: its gaps are no longer kept or waited for."""
+        self.followers.forget(user, client)
 
     def _kick(self) -> None:
         """The waiting calls go now when no client answered since the last one went is due back (a lone client: no

@@ -139,6 +139,7 @@ class Training:
         self.healing.forget(model_id)
         if base is not None:
             self.ended[model_id] = why
+            self.calls[base].forget(owner, model_id)
             self.learners[base].drop.remote(owner, model_id, why)
             await self.leases.close(model_id, state, why if state == JobState.FAILED else None)
 
