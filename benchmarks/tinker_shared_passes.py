@@ -20,7 +20,7 @@ seconds from ``create_lora_training_client`` returning to its first ``forward_ba
 new tenants.
 
 ``sdk``: the whole path, through the SDK over HTTP: ``--sdk-users`` clients looping one-datum steps on a service
-that coalesces small calls (the default) and on one that does not, one after the other.
+that coalesces small calls (the default) and on one that does not, alternating ``--sdk-rounds`` times.
 
 ``kernels``: in-process (no Ray, no queue), one user's step against N users' shared step: the operators that
 compute (kernel launches on a GPU, where a small pass is launch-bound; counted alike on the CPU) and seconds.
@@ -266,24 +266,37 @@ def kernels(args, path: str) -> dict[str, Any]:
     return rows
 
 
+_KEYS: dict[str, str] = {}
+
+
+def alice_key(tmp: Path) -> str:
+    """The API key of user alice on this cluster's ResourceManager (auth on), made by the first part that asks
+    (a registry under ``tmp``); later parts reuse it: the manager then asks for an admin's key to add users."""
+    import ray
+
+    from otray.actors.control.registry import tinker_key
+    from otray.actors.control.resource_manager import get_or_create
+
+    if "alice" not in _KEYS:
+        rm = get_or_create(str(tmp / "registry.db"), auth_enabled=True)
+        _KEYS["alice"] = tinker_key(ray.get(rm.add_user.remote("alice")))
+    return _KEYS["alice"]
+
+
 def tenant_start(args, path: str) -> dict[str, Any]:
     """Seconds from a new tenant's create_lora_training_client returning to its first forward_backward's
     result, on a service whose base model is warm (another client stepped on it first)."""
     import ray
     import tinker
-    from ray import serve
     from tinker import types
 
     from benchmarks.tinker_fairness import datum
-    from otray.actors.control.registry import tinker_key
-    from otray.actors.control.resource_manager import get_or_create
     from otray.models import load_tokenizer
     from otray.tinker.config import load_tinker
     from otray.tinker.gateway.app import run
 
     tmp = Path(tempfile.mkdtemp(prefix="otray-tenants-"))
-    rm = get_or_create(str(tmp / "registry.db"), auth_enabled=True)
-    key = tinker_key(ray.get(rm.add_user.remote("alice")))
+    key = alice_key(tmp)
     run(load_tinker({"port": PORT, "storage": str(tmp / "store"), "models": [
         {"name": "tiny", "path": path, "learner_cpus": 1, "num_threads": 1, "sampler": {"engine": "learner"}}]}))
     service = tinker.ServiceClient(base_url=f"http://127.0.0.1:{PORT}", api_key=key)
@@ -298,7 +311,7 @@ def tenant_start(args, path: str) -> dict[str, Any]:
         times.append(time.perf_counter() - t0)
         client.optim_step(types.AdamParams(learning_rate=1e-5)).result()
     service.close("success").result()
-    serve.shutdown()
+    end_service()
     out = {"first_forward_backward_s": times, "median_s": statistics.median(times), "max_s": max(times)}
     print(f"a new tenant's first forward_backward: median {out['median_s']:.3f} s, max {out['max_s']:.3f} s", flush=True)
     return out
@@ -308,62 +321,67 @@ def sdk_rates(args, path: str) -> dict[str, Any]:
     """The whole path, through the SDK over HTTP (Serve's gateway, the TinkerService, its learner; auth on):
     ``--sdk-users`` clients looping one-datum steps (forward_backward and optim_step sent together, as the SDK's
     clients send them), on a fresh service with the service's coalescing (``scheduling.coalesce_tokens``, the
-    default) and on one without (0), one after the other: datums/s and requests per learner call."""
+    default) and on one without (0), alternating: datums/s and requests per learner call, each run's."""
     import ray
     import tinker
-    from ray import serve
 
     from benchmarks.tinker_fairness import datum, sdk_step
-    from otray.actors.control.registry import tinker_key
-    from otray.actors.control.resource_manager import get_or_create
     from otray.models import load_tokenizer
     from otray.tinker.config import TinkerScheduling, load_tinker
     from otray.tinker.gateway.app import run
     from otray.tinker.service.tinker_service import NAME, NAMESPACE
 
     tmp = Path(tempfile.mkdtemp(prefix="otray-sdk-rates-"))
-    rm = get_or_create(str(tmp / "registry.db"), auth_enabled=True)
-    key = tinker_key(ray.get(rm.add_user.remote("alice")))
+    key = alice_key(tmp)
     data = [datum(load_tokenizer(path).encode(TEXT))]
-    out: dict[str, Any] = {"users": args.sdk_users}
-    for label, tokens in (("uncoalesced", 0), ("coalesced", TinkerScheduling().coalesce_tokens)):
-        run(load_tinker({"port": PORT, "storage": str(tmp / label), "scheduling": {"coalesce_tokens": tokens},
-                         "models": [{"name": "tiny", "path": path, "learner_cpus": 1, "num_threads": 1,
-                                     "sampler": {"engine": "learner"}}]}))
-        service = tinker.ServiceClient(base_url=f"http://127.0.0.1:{PORT}", api_key=key)
-        clients = [service.create_lora_training_client(base_model="tiny", rank=args.rank) for _ in range(args.sdk_users)]
-        for c in clients:
-            sdk_step(c, data)()
-        actor = ray.get_actor(NAME, namespace=NAMESPACE)
-        before = ray.get(actor.learner_use.remote())["tiny"]["batched"]
-        stop = threading.Event()
-        threads = [Stepper(sdk_step(c, data), stop) for c in clients]
-        window = run_window(threads, stop, args)
-        after = ray.get(actor.learner_use.remote())["tiny"]["batched"]
-        done = sum(1 for t in threads for s in t.steps if window.start <= s[0] + s[1] < window.end)
-        calls = after["calls"] - before["calls"]
-        out[label] = {"datums_per_s": done / window.seconds,
-                      "requests_per_learner_call": (after["members"] - before["members"]) / calls if calls else None}
-        print(f"SDK, {args.sdk_users} clients, {label}: {out[label]['datums_per_s']:.1f} datums/s, "
-              f"{out[label]['requests_per_learner_call'] or 0:.1f} requests a learner call", flush=True)
-        service.close("success").result()
-        serve.shutdown()
-        for name in (NAME, f"{NAME}-learner-tiny"):  # the next service starts its own (they are named, detached)
-            ray.kill(ray.get_actor(name, namespace=NAMESPACE))
-        while any(_named(n, NAMESPACE) for n in (NAME, f"{NAME}-learner-tiny")):
-            time.sleep(0.1)
-    out["coalesced_over_uncoalesced"] = out["coalesced"]["datums_per_s"] / out["uncoalesced"]["datums_per_s"]
+    out: dict[str, Any] = {"users": args.sdk_users, "uncoalesced": [], "coalesced": []}
+    kinds = [("uncoalesced", 0), ("coalesced", TinkerScheduling().coalesce_tokens)]
+    for r in range(args.sdk_rounds):  # alternating (u c, c u, ...): the machine's drift hits both
+        for label, tokens in kinds if r % 2 == 0 else kinds[::-1]:
+            run(load_tinker({"port": PORT, "storage": str(tmp / f"{label}-{r}"), "scheduling": {"coalesce_tokens": tokens},
+                             "models": [{"name": "tiny", "path": path, "learner_cpus": 1, "num_threads": 1,
+                                         "sampler": {"engine": "learner"}}]}))
+            service = tinker.ServiceClient(base_url=f"http://127.0.0.1:{PORT}", api_key=key)
+            clients = [service.create_lora_training_client(base_model="tiny", rank=args.rank)
+                       for _ in range(args.sdk_users)]
+            for c in clients:
+                sdk_step(c, data)()
+            actor = ray.get_actor(NAME, namespace=NAMESPACE)
+            before = ray.get(actor.learner_use.remote())["tiny"]["batched"]
+            stop = threading.Event()
+            threads = [Stepper(sdk_step(c, data), stop) for c in clients]
+            window = run_window(threads, stop, args)
+            after = ray.get(actor.learner_use.remote())["tiny"]["batched"]
+            done = sum(1 for t in threads for s in t.steps if window.start <= s[0] + s[1] < window.end)
+            calls = after["calls"] - before["calls"]
+            got = {"datums_per_s": done / window.seconds,
+                   "requests_per_learner_call": (after["members"] - before["members"]) / calls if calls else None}
+            out[label].append(got)
+            print(f"SDK, {args.sdk_users} clients, {label}: {got['datums_per_s']:.1f} datums/s, "
+                  f"{got['requests_per_learner_call'] or 0:.1f} requests a learner call", flush=True)
+            service.close("success").result()
+            end_service()
+    rate = {k: statistics.median(g["datums_per_s"] for g in out[k]) for k in ("uncoalesced", "coalesced")}
+    out["coalesced_over_uncoalesced_median"] = rate["coalesced"] / rate["uncoalesced"]
     return out
 
 
-def _named(name: str, namespace: str) -> bool:
+def end_service() -> None:
+    """Serve shut down and the service's named, detached actors (the TinkerService, the learner) killed, their
+    names free: the next part's service starts its own, with its own config."""
     import ray
+    from ray import serve
 
-    try:
-        ray.get_actor(name, namespace=namespace)
-        return True
-    except ValueError:
-        return False
+    from otray.tinker.service.tinker_service import NAME, NAMESPACE
+
+    serve.shutdown()
+    for name in (NAME, f"{NAME}-learner-tiny"):
+        while True:
+            try:
+                ray.kill(ray.get_actor(name, namespace=NAMESPACE))
+            except ValueError:
+                break
+            time.sleep(0.1)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -374,6 +392,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--warmup", type=float, default=3.0)
     ap.add_argument("--tenants", type=int, default=5)
     ap.add_argument("--sdk-users", type=int, default=8, help="the clients of the sdk part")
+    ap.add_argument("--sdk-rounds", type=int, default=2, help="the sdk part's alternations of its two services")
     ap.add_argument("--rank", type=int, default=32, help="the LoRA rank of the throughput and kernels parts (the SDK's default: 32)")
     ap.add_argument("--users", default=",".join(map(str, USERS)), help="the N of the throughput part")
     ap.add_argument("--parts", default="throughput,tenant,kernels")
