@@ -173,13 +173,9 @@ class Training:
 
     async def _call(self, model_id: str, call: LearnerCall, check: asyncio.Future) -> Any:
         """A training request's learner call (:mod:`otray.tinker.service.learner_calls`: a small one goes with
-        other clients' as one), once ``check`` (its lease check) passed, healed as :meth:`_send` heals."""
-        await check
-
-        async def send() -> Any:
-            self.learner_of(model_id)  # raises if the model left
-            return await self.calls[self.live[model_id]].send(call, lambda: self.learner_of(model_id))
-        return await self.healing.call(self.live.get(model_id, ""), send, lambda: model_id in self.live)
+        other clients' as one): :meth:`_send`'s, the model still live when it reaches the learner's ``LearnerCalls``."""
+        return await self._send(model_id, lambda _: self.calls[self.live[model_id]].send(
+            call, lambda: self.learner_of(model_id)), check)
 
     async def _ran(self, owner: str, model_id: str, call: Pass | Step) -> None:
         """A training call done: in the model's replay log; past the log's bound, a restore point saved."""
