@@ -123,7 +123,7 @@ gpu-check:
 gpu-check-tinker:
 	mkdir -p $(GPU_OUT)
 	timeout -k 5 200 $(PY) benchmarks/tinker_shared_passes.py --gpu --shape 0.5b --parts kernels,throughput --seconds 4 \
-	    --users 1,8,16 --warmup 1 --out $(GPU_OUT)/tinker_shared_passes.json > $(GPU_OUT)/tinker_shared_passes.log 2>&1; \
+	    --users 1,8,16 --modes own,shared,graphs --warmup 1 --out $(GPU_OUT)/tinker_shared_passes.json > $(GPU_OUT)/tinker_shared_passes.log 2>&1; \
 	  status=$$?; grep -a "N=\|learners\|Error" $(GPU_OUT)/tinker_shared_passes.log; \
 	  timeout -k 5 110 $(PY) benchmarks/learner_fairness.py --gpu --shape 0.5b --policies fair --slice-tokens 2048 \
 	    --seconds 4 --warmup 2 --out $(GPU_OUT)/learner_fairness.json > $(GPU_OUT)/learner_fairness.log 2>&1 \

@@ -85,7 +85,8 @@ def learner_rates(args, path: str, done_row: Callable[[dict[str, Any]], None]) -
     # mode -> (pass_tokens, wait_for_followers, side_tokens, CPUs: torch threads, or one a lane with the side lane)
     known = {"own": (0, False, 0, 1), "own2": (0, False, 0, 2), "shared": (passes, False, 0, 1),
              "shared2": (passes, False, 0, 2), "shared_alone": (passes, False, 0, 1),
-             "followers": (passes, True, 0, 1), "side": (passes, False, 64, 2), "inline": (passes, False, 0, 1)}
+             "followers": (passes, True, 0, 1), "side": (passes, False, 64, 2), "inline": (passes, False, 0, 1),
+             "graphs": (passes, False, 0, 1)}  # graphs: models[i].graph_passes (bucketed; CUDA graphs on a GPU)
     modes = {m: known[m] for m in args.modes.split(",")}
     # --client service: the calls each mode's service would coalesce (own: none, as before shared passes)
     coalesce = {m: 0 if m.startswith("own") or m == "shared_alone" else TinkerScheduling().coalesce_tokens for m in modes}
@@ -115,7 +116,7 @@ def learner_rates(args, path: str, done_row: Callable[[dict[str, Any]], None]) -
     for mode, (pass_tokens, wait, side, cpus) in modes.items():
         learners[mode] = ray.remote(InlineUpdates if mode == "inline" else SharedLearner).options(num_cpus=cpus, num_gpus=0.3 if args.gpu else 0).remote(
             path, slice_tokens=TinkerScheduling().slice_tokens, pass_tokens=pass_tokens, wait_for_followers=wait,
-            side_tokens=side, num_threads=None if args.gpu else (1 if side else cpus))
+            side_tokens=side, num_threads=None if args.gpu else (1 if side else cpus), graph_passes=mode == "graphs")
         ray.get([learners[mode].create.remote(f"u{i}", f"u{i}", AdapterSpec(args.rank, i))
                  for i in range(max(users_list))])
     relays = {mode: ray.remote(Relay).options(num_cpus=0).remote(learners[mode], coalesce[mode]) for mode in modes} \
@@ -255,7 +256,8 @@ def kernels(args, path: str) -> dict[str, Any]:
 
     base = measure(one)
     rows: dict[str, Any] = {"one_user": base}
-    for k in sorted({int(u) for u in args.users.split(",")} - {1}):
+    ks = sorted({int(u) for u in args.users.split(",")} - {1})
+    for k in ks:
         got = measure(shared(k))
         got["ops_in_users"] = got["ops"] / base["ops"]  # how many one-user steps' operators the shared step has
         got["speed_over_own"] = k * base["median_s"] / got["median_s"]
@@ -263,6 +265,22 @@ def kernels(args, path: str) -> dict[str, Any]:
         print(f"in-process N={k:2}: a shared step computes {got['ops']} operators = {got['ops_in_users']:.2f} one-user "
               f"steps ({base['ops']}); {got['median_s'] * 1e3:.1f} ms against {k} x {base['median_s'] * 1e3:.1f}: "
               f"{got['speed_over_own']:.2f}x", flush=True)
+    # the same shared steps as bucketed passes (models[i].graph_passes: CUDA graphs on a GPU, eager on the CPU),
+    # the routed ones measured again beside them (the machine drifts)
+    for k in ks:
+        learner.graph_passes, learner.graphs = False, None
+        routed = measure(shared(k))
+        learner.graph_passes = True
+        got = measure(shared(k))
+        graphs = learner.graphs
+        got.update(routed_s=routed["median_s"], over_routed=routed["median_s"] / got["median_s"],
+                   speed_over_own=k * base["median_s"] / got["median_s"], counts=dict(graphs.counts),
+                   failures=[f"{key.rows}x{key.width}: {why}" for key, why in graphs.failures.items()])
+        rows[f"graphs_{k}"] = got
+        print(f"in-process N={k:2}, bucketed{' (CUDA graphs)' if graphs.capture else ''}: {got['ops']} operators, "
+              f"{got['median_s'] * 1e3:.1f} ms against {routed['median_s'] * 1e3:.1f} routed: "
+              f"{got['over_routed']:.2f}x; {got['speed_over_own']:.2f}x own; {graphs.counts}"
+              + (f"; capture failed: {got['failures']}" if got["failures"] else ""), flush=True)
     return rows
 
 
@@ -400,7 +418,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="learners measured side by side (own first): own, own2 (a pass per user on 2 torch threads), "
                          "shared, shared2 (shared on 2 torch threads), shared_alone (shared, never coalesced by --client service), followers (wait_for_followers), side (shared "
                          "with the side lane: 2 lanes of 1 thread), "
-                         "inline (shared, each optimizer update run before its step is answered)")
+                         "inline (shared, each optimizer update run before its step is answered), graphs (shared, "
+                         "bucketed passes: models[i].graph_passes, CUDA graphs on a GPU)")
     ap.add_argument("--client", choices=("sequential", "pipelined", "ahead", "fused", "fused-ahead", "service"),
                     default="service",
                     help="how a throughput user sends a step: forward_backward's result awaited before optim_step "

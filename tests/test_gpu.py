@@ -74,6 +74,9 @@ def test_the_shared_pass_kernels_check_runs_on_the_cpu(tmp_path, capsys):
     got = json.loads(out.read_text())["kernels"]
     assert got["one_user"]["ops"] > 0 and got["one_user"]["median_s"] > 0
     assert 0 < got["4"]["ops_in_users"] < 1.5 and got["4"]["speed_over_own"] > 0
+    # the bucketed passes beside them (CUDA graphs on a GPU; here eager): every measured step went through a bucket
+    assert got["graphs_4"]["counts"]["passes"] >= 7 and got["graphs_4"]["over_routed"] > 0
+    assert got["graphs_4"]["counts"]["captures"] == 0 and not got["graphs_4"]["failures"]
 
 
 @pytest.mark.gpu
@@ -196,6 +199,54 @@ def test_vision_language_learner_and_sampler_on_the_device():
     moved = gap()
     sampler.load_full_weights(learner.weights().tensors)
     assert gap() < 1e-3 < moved
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_bucketed_passes_replay_as_cuda_graphs_and_train_as_own_passes(tiny_path, dtype):
+    """``models[i].graph_passes`` on CUDA: from a bucket's second pass its forward and backward are CUDA graphs,
+    replayed (no capture failed); over four steps of four users (an optimizer step between passes, which the
+    graphs must read in place) each adapter's weights follow its own passes' on a twin learner (float32: 1e-4;
+    bf16 activations: the weights' change alike in direction), and the losses agree."""
+    import numpy as np
+
+    from otray.tinker.learner.adapter_learner import AdapterLearner
+    from otray.tinker.learner.passes import PassRequest
+    from otray.tinker.learner.specs import AdamStep, AdapterSpec
+    from otray.types import Datum
+
+    rng = np.random.default_rng(1)
+
+    def datum(n: int) -> Datum:
+        ids = rng.integers(1, 200, n + 1).tolist()
+        return Datum(ids[:-1], ids[1:], [1.0] * n, [0.0] * n, [0.0] * n)
+
+    data = {f"u{i}": [datum(9 + 3 * i)] for i in range(4)}
+    twins = [AdapterLearner(tiny_path, device="cuda", dtype=dtype, graph_passes=on) for on in (True, False)]
+    for learner in twins:
+        for i, name in enumerate(data):
+            learner.create(name, AdapterSpec(8, seed=i))
+    start = {n: [p.detach().clone() for p in twins[0]._params(n)] for n in data}
+    adam = AdamStep(learning_rate=1e-3)
+    losses = [[], []]
+    for _ in range(4):
+        got = twins[0].forward_many([PassRequest(n, d, "cross_entropy") for n, d in data.items()])
+        twins[0].optim_many([(n, adam) for n in data])
+        losses[0].append(sum(g.loss_sum for g in got))
+        losses[1].append(sum(twins[1].forward_backward(n, d, "cross_entropy").loss_sum for n, d in data.items()))
+        for n in data:
+            twins[1].optim_step(n, adam)
+    graphs = twins[0].graphs
+    assert not graphs.failures and graphs.counts["captures"] == 1 and graphs.counts["replays"] == 3, graphs.counts
+    assert np.allclose(losses[0], losses[1], rtol=1e-3 if dtype == "float32" else 3e-2), losses
+    for n in data:
+        for p, q, p0 in zip(twins[0]._params(n), twins[1]._params(n), start[n]):
+            if dtype == "float32":
+                assert torch.allclose(p, q, atol=1e-4), n
+            else:
+                moved = (p - p0).flatten(), (q - p0).flatten()
+                assert torch.nn.functional.cosine_similarity(*moved, 0) > 0.9, n
 
 
 @pytest.mark.gpu

@@ -207,11 +207,18 @@ def _logits(model: torch.nn.Module, batch: Sequence[Datum], device: str) -> tupl
     width = max(len(d) for d in batch)
     ids = pad_rows([d.input_ids for d in batch], width, 0, torch.long, device)
     attn = pad_rows([[1] * len(d) for d in batch], width, 0, torch.long, device)
-    logits = model(input_ids=ids, attention_mask=attn, **image_kwargs(model, batch, ids)).logits.float()
-    off = unsampled_ids(model.config)  # a vision-language policy's vision tokens: never sampled (otray.vlm)
+    logits = model(input_ids=ids, attention_mask=attn, **image_kwargs(model, batch, ids)).logits
+    return sampled_logits(model, logits), attn.float()
+
+
+def sampled_logits(model: torch.nn.Module, logits: torch.Tensor) -> torch.Tensor:
+    """``logits`` (the model's) in fp32, the tokens a policy never samples masked (a vision-language policy's
+    vision tokens: :mod:`otray.vlm`)."""
+    logits = logits.float()
+    off = unsampled_ids(model.config)
     if off:
         logits = logits.index_fill(-1, torch.tensor(off, device=logits.device), NEVER)
-    return logits, attn.float()
+    return logits
 
 
 def image_kwargs(model: torch.nn.Module, batch: Sequence[Datum], ids: torch.Tensor) -> dict[str, Any]:
@@ -231,8 +238,19 @@ def token_logprobs(model: torch.nn.Module, batch: Sequence[Datum], device: str =
     """``(logprobs, valid)``: each row's logprob of its target tokens under ``model`` (fp32,
     ``(rows, longest row)``) and a float mask of the positions that hold a token."""
     logits, valid = _logits(model, batch, device)
+    return targets_logprobs(logits, batch, device), valid
+
+
+def targets_logprobs(logits: torch.Tensor, batch: Sequence[Datum], device: str = "cpu") -> torch.Tensor:
+    """Each row's logprobs of its targets from fp32 ``logits`` (``(rows, T, vocab)``): ``(rows, T)``, or
+    ``(rows, T, K)`` for top-K datums (``Datum.target_k``; padded positions read token 0)."""
+    if batch[0].target_k is not None:
+        targets = torch.zeros(*logits.shape[:2], len(batch[0].target_k[0]), dtype=torch.long)
+        for i, d in enumerate(batch):
+            targets[i, :len(d)] = torch.tensor(d.target_k, dtype=torch.long)
+        return torch.log_softmax(logits, -1).gather(-1, targets.to(device))
     targets = pad_rows([d.target_ids for d in batch], logits.shape[1], 0, torch.long, device)
-    return -F.cross_entropy(logits.transpose(1, 2), targets, reduction="none"), valid
+    return -F.cross_entropy(logits.transpose(1, 2), targets, reduction="none")
 
 
 def position_log_softmax(model: torch.nn.Module, datum: Datum, device: str = "cpu") -> torch.Tensor:
@@ -246,10 +264,7 @@ def topk_logprobs(model: torch.nn.Module, batch: Sequence[Datum], device: str = 
     """``(logprobs, valid)`` as :func:`token_logprobs`, for each row's K targets per position
     (``Datum.target_k``): ``(rows, longest row, K)``; padded positions read token 0."""
     logits, valid = _logits(model, batch, device)
-    targets = torch.zeros(*logits.shape[:2], len(batch[0].target_k[0]), dtype=torch.long)
-    for i, d in enumerate(batch):
-        targets[i, :len(d)] = torch.tensor(d.target_k, dtype=torch.long)
-    return torch.log_softmax(logits, -1).gather(-1, targets.to(device)), valid
+    return targets_logprobs(logits, batch, device), valid
 
 
 def topk_weights(batch: Sequence[Datum], width: int, device: str = "cpu") -> torch.Tensor:

@@ -38,6 +38,7 @@ from otray.tinker.learner.adapter_steps import Answer, AdapterSteps
 from otray.tinker.learner.lane_gate import LaneGate
 from otray.tinker.learner.lora_bank import LoraBank
 from otray.tinker.learner.mixed_lora import RowRouting
+from otray.tinker.learner.pass_graphs import GRAPH_TOKENS, PassGraphs
 from otray.tinker.learner.sample_jobs import SampleJob, SampleOut
 from otray.tinker.learner.specs import AdamStep, AdapterSpec
 from otray.tinker.learner.passes import PassRequest, PassResult
@@ -57,7 +58,8 @@ class AdapterLearner:
     (PEFT keeps adapter weights in float32), so adapter updates are exact in either case."""
 
     def __init__(self, model_path: str, *, num_threads: Optional[int] = None, micro_batch_tokens: int = 8192,
-                 max_model_len: Optional[int] = None, dtype: str = "auto", device: str = "auto"):
+                 max_model_len: Optional[int] = None, dtype: str = "auto", device: str = "auto",
+                 graph_passes: bool = False):
         if num_threads:
             torch.set_num_threads(num_threads)
         self.model_path = model_path
@@ -77,6 +79,8 @@ class AdapterLearner:
         self.bank = LoraBank()  # each LoRA layer's training adapters' weights, stacked by rank (a slot each)
         self.routing = RowRouting(self.gate, self.bank)  # which rows each LoRA layer gives which adapter, in a shared pass
         self.training = False  # the model is in train mode (not switched to eval by a sample since)
+        self.graph_passes = graph_passes  # shared backward passes bucketed (CUDA graphs on a GPU): pass_graphs.py
+        self.graphs: Optional[PassGraphs] = None  # made with the model
 
     def adapters(self) -> list[str]:
         return sorted(self.specs)
@@ -180,8 +184,11 @@ class AdapterLearner:
             self._train_mode()
             self.use(live)  # PEFT's own record of the active adapter must name a live one
             self.routing.install(self.switch.lora_layers(self.model))
+            if self.graph_passes and self.graphs is None:
+                self.graphs = PassGraphs(self.model, self.routing, self.bank, self.gate, self.device,
+                                         capture=self.device.startswith("cuda"), max_tokens=GRAPH_TOKENS)
         return SharedPass(self.model, self.routing, self.device, self.micro_batch_tokens,
-                          {n: s.rank for n, s in self.specs.items()}, self._params).run(requests)
+                          {n: s.rank for n, s in self.specs.items()}, self._params, self.graphs).run(requests)
 
     def optim_step(self, adapter: str, p: AdamStep) -> Answer:
         """One AdamW step of ``adapter`` on its accumulated gradients; zeroes them."""

@@ -16,7 +16,9 @@ rounds side by side, session 65).
 
 A bank grows by doubling (its parameters re-pointed at the new one) and keeps a freed slot for the next adapter
 of its rank. ``version`` changes whenever a view handed out may be stale (a bank grown, an adapter placed or
-released): :class:`~otray.tinker.learner.mixed_lora.RowRouting` keys the stacks it keeps by it.
+released): :class:`~otray.tinker.learner.mixed_lora.RowRouting` keys the stacks it keeps by it; ``generation``
+changes only when a bank tensor is made or grown (:class:`~otray.tinker.learner.pass_graphs.PassGraphs` captures
+the banks themselves, and keys its graphs by it).
 
 Runs in the SharedLearner actor of one base model."""
 
@@ -53,6 +55,8 @@ class LoraBank:
     def __init__(self) -> None:
         self.slots: dict[str, tuple[int, int]] = {}  # adapter -> (rank, slot)
         self.version = 0
+        self.generation = 0
+        self._layers: dict[str, frozenset[int]] = {}  # adapter -> the ids of the layers it is on
         self._banks: dict[Key, torch.Tensor] = {}
         self._members: dict[Key, dict[int, torch.nn.Parameter]] = {}  # bank -> slot -> its parameter
         self._where: dict[int, tuple[Key, int]] = {}  # id(parameter) -> (its bank, its slot)
@@ -68,6 +72,7 @@ class LoraBank:
         taken = {s for r, s in self.slots.values() if r == rank}
         slot = next(s for s in range(len(taken) + 1) if s not in taken)
         self.slots[adapter] = (rank, slot)
+        self._layers[adapter] = frozenset(id(m) for m in mine)
         with torch.no_grad():
             for m in mine:
                 for kind, p in (("A", m.lora_A[adapter].weight), ("B", m.lora_B[adapter].weight)):
@@ -84,6 +89,7 @@ class LoraBank:
         if adapter not in self.slots:
             return
         rank, slot = self.slots.pop(adapter)
+        self._layers.pop(adapter, None)
         for key, members in self._members.items():
             p = members.pop(slot, None) if key[2] == rank else None
             if p is not None:
@@ -103,6 +109,7 @@ class LoraBank:
                 p.data = grown[s]
         self._banks[key] = grown
         self.version += 1
+        self.generation += 1
         return grown
 
     def stacked(self, layer: Any, a: list[torch.nn.Parameter], b: list[torch.nn.Parameter]) -> Optional[Stacked]:
@@ -123,3 +130,20 @@ class LoraBank:
         if slots == list(range(lo, lo + len(slots))):
             return Stacked(bank_a[lo:lo + len(slots)], bank_b[lo:lo + len(slots)])
         return Stacked(bank_a, bank_b, torch.tensor(slots, dtype=torch.long, device=bank_a.device))
+
+    def layers_of(self, adapter: str) -> frozenset[int]:
+        """The ids of the LoRA layers ``adapter`` (placed) is on."""
+        return self._layers[adapter]
+
+    def layer_banks(self, rank: int, layers: frozenset[int]) -> Optional[list[tuple[int, torch.Tensor, torch.Tensor,
+                                                                                     dict[int, torch.nn.Parameter],
+                                                                                     dict[int, torch.nn.Parameter]]]]:
+        """For each layer of ``layers`` (ids): its rank-``rank`` banks ``(slots, r, in)`` and ``(slots, out, r)`` and
+        which parameter each slot of them holds (slot -> ``lora_A`` / ``lora_B`` weight); None when one is missing."""
+        out = []
+        for layer in sorted(layers):
+            a, b = (layer, "A", rank), (layer, "B", rank)
+            if a not in self._banks or b not in self._banks:
+                return None
+            out.append((layer, self._banks[a], self._banks[b], self._members.get(a, {}), self._members.get(b, {})))
+        return out

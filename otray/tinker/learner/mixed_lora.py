@@ -32,6 +32,10 @@ autograd node (on the CPU a layer's autograd nodes for these cost more than its 
 stacked block alive until every adapter in it has stepped or dropped its gradient. 8 one-datum users' pass:
 829 operators, 1.15x one user's (2.7x before the slices; benchmarks/tinker_shared_passes.py, ``kernels``).
 
+A bucketed pass (:mod:`otray.tinker.learner.pass_graphs`) routes by :class:`FixedRows` instead: one shape and one
+code path whatever its adapters, each row's weights gathered from the bank by its slot, so that a CUDA graph can
+replay it.
+
 Runs in the SharedLearner actor of one base model."""
 
 from __future__ import annotations
@@ -102,6 +106,19 @@ class Folded:
         return a.to(dtype), b.to(dtype)
 
 
+@dataclass
+class FixedRows:
+    """A bucketed pass's routing, the same for every pass of its bucket (a CUDA graph replays it): row ``i`` goes
+    through the adapter in bank slot ``slots[i]`` (``(rows,)`` long, refilled in place between passes), its update
+    scaled by ``scales[i]`` (``(rows, 1, 1)``, the activations' dtype); ``banks``: id(layer) -> that layer's bank of
+    the pass's rank, ``(slots, r, in)`` and ``(slots, out, r)``, as tensors that take the gradient (layers not in it
+    have none of the pass's adapters: base only)."""
+
+    slots: torch.Tensor
+    scales: torch.Tensor
+    banks: dict[int, tuple[torch.Tensor, torch.Tensor]]
+
+
 class RowRouting(threading.local):
     """Which adapter each row of the current pass uses; read by every LoRA layer it was installed on. Each
     thread sees its own pass (a thread-local): two passes of other adapters may run at once. ``gate``: every
@@ -113,6 +130,7 @@ class RowRouting(threading.local):
         self.bank = bank or LoraBank()
         self.groups: Optional[list[Group]] = None
         self.rows = 0
+        self.fixed: Optional[FixedRows] = None  # a bucketed pass's routing (:meth:`fixed_rows`)
         self._installed: Optional[list[Any]] = None
         self._key: tuple = ()  # the pass's groups
         # (layer, groups) -> its segments; (layer, adapters) -> their weights, kept from pass to pass while the
@@ -134,6 +152,10 @@ class RowRouting(threading.local):
                 m._otray_routing = self
         self._installed = layers
 
+    def layers(self) -> list[Any]:
+        """The LoRA layers :meth:`install` gave the routed forward (this thread's)."""
+        return self._installed or []
+
     @contextmanager
     def routed(self, groups: list[Group]) -> Iterator[None]:
         """Route the passes inside to ``groups`` (which must cover the batch's rows in order; small groups
@@ -147,6 +169,15 @@ class RowRouting(threading.local):
         finally:
             self.groups, self.rows = None, 0
             self._consts.clear()
+
+    @contextmanager
+    def fixed_rows(self, rows: FixedRows) -> Iterator[None]:
+        """Route the passes inside by ``rows`` (before any :meth:`routed` groups)."""
+        self.fixed = rows
+        try:
+            yield
+        finally:
+            self.fixed = None
 
     def const(self, values: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """``values`` as a tensor on ``device``, made once per pass: a tensor made from host values in every
@@ -225,6 +256,8 @@ def row_order(sizes: dict[str, int], ranks: dict[str, int], slots: Optional[dict
 def _forward(layer: Any, routing: RowRouting, original: Callable[..., torch.Tensor], x: torch.Tensor, *args: Any,
              **kwargs: Any) -> torch.Tensor:
     """A LoRA layer's forward in a routed pass: the base layer on every row, plus each segment's update."""
+    if routing.fixed is not None:
+        return _fixed(layer, routing.fixed, layer.base_layer(x, *args, **kwargs), x)
     if routing.groups is None:
         return original(x, *args, **kwargs)
     if layer.merged:
@@ -247,6 +280,19 @@ def _forward(layer: Any, routing: RowRouting, original: Callable[..., torch.Tens
     parts = [_update(layer, routing, seg, x if seg.stop - seg.start == routing.rows else x[seg.start:seg.stop],
                      result.shape[-1]) for seg in segments]
     return _gated(routing.gate, result + (parts[0] if len(parts) == 1 else torch.cat(parts)).to(result.dtype))
+
+
+def _fixed(layer: Any, rows: FixedRows, result: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``result`` (the base layer's) plus each row's update through its slot's weights, gathered from the bank:
+    the bank takes the gradient (``index_select``'s backward adds each row's into its slot)."""
+    banks = rows.banks.get(id(layer))
+    if banks is None:
+        return result
+    n = rows.slots.shape[0]
+    w_a = banks[0].index_select(0, rows.slots).to(x.dtype)  # (rows, r, in)
+    w_b = banks[1].index_select(0, rows.slots).to(x.dtype)  # (rows, out, r)
+    h = torch.bmm(x.reshape(n, -1, x.shape[-1]), w_a.transpose(1, 2)) * rows.scales  # (rows, L, r)
+    return torch.baddbmm(result.reshape(n, -1, result.shape[-1]), h, w_b.transpose(1, 2)).view(result.shape)
 
 
 def _gated(gate: LaneGate, out: torch.Tensor) -> torch.Tensor:

@@ -24,6 +24,7 @@ from otray.tinker.errors import AdapterGone
 from otray.tinker.learner.loss_graph import LossGraph
 from otray.tinker.learner.loss_run import add_sums, surrogate
 from otray.tinker.learner.mixed_lora import RowRouting, groups_of, row_order
+from otray.tinker.learner.pass_graphs import PassGraphs
 from otray.tinker.learner.passes import PassNotRun, PassRequest, PassResult
 from otray.types import Datum
 
@@ -70,11 +71,12 @@ class _Answer:
 class SharedPass:
     """Several requests (of one pack key, adapters that exist) in shared passes on ``model``: ``ranks`` (each
     adapter's rank, for grouping), ``params`` (an adapter's LoRA parameters). :meth:`run` gives each request
-    a :class:`PassResult` or its exception; ``applied`` says whether any gradient was added."""
+    a :class:`PassResult` or its exception; ``applied`` says whether any gradient was added. ``graphs``: backward
+    micro-batches run as bucketed passes where they can (:class:`~otray.tinker.learner.pass_graphs.PassGraphs`)."""
 
     def __init__(self, model: Any, routing: RowRouting, device: str, micro_batch_tokens: int, ranks: dict[str, int],
-                 params: Callable[[str], list[torch.nn.Parameter]]):
-        self.model, self.routing, self.device = model, routing, device
+                 params: Callable[[str], list[torch.nn.Parameter]], graphs: Optional[PassGraphs] = None):
+        self.model, self.routing, self.device, self.graphs = model, routing, device, graphs
         self.micro_batch_tokens, self.ranks, self.params = micro_batch_tokens, ranks, params
         self.applied = False
 
@@ -106,7 +108,9 @@ class SharedPass:
         batch = [requests[i].datums[j] for i, j in rows]
         owners = [i for i, _ in rows]
         with torch.set_grad_enabled(backward), self.routing.routed(groups_of([requests[i].adapter for i in owners])):
-            lp, valid = batch_logprobs(self.model, batch, self.device)
+            bucketed = self.graphs.logprobs(batch, [requests[i].adapter for i in owners]) \
+                if self.graphs is not None and backward else None
+            lp, valid = bucketed or batch_logprobs(self.model, batch, self.device)
             terms, parts = [], []
             todo = self._loss_groups(requests, [i for i in dict.fromkeys(owners) if not isinstance(out[i], Exception)])
             while todo:

@@ -64,7 +64,7 @@ def start_learners(cfg: TinkerConfig, paths: dict[str, str]) -> dict[str, Any]:
             name=f"{NAME}-learner-{m.name}", namespace=NAMESPACE, get_if_exists=True, max_restarts=-1,
             num_cpus=m.learner_cpus, num_gpus=m.learner_gpus, **threads_env(threads, m.learner_cpus))
         learners[m.name] = remote.remote(paths[m.name], num_threads=threads, max_model_len=m.max_context_length,
-                                         dtype=m.dtype, policy=fair.policy, slice_tokens=fair.slice_tokens,
+                                         dtype=m.dtype, graph_passes=m.graph_passes, policy=fair.policy, slice_tokens=fair.slice_tokens,
                                          pass_tokens=fair.pass_tokens, wait_for_followers=fair.wait_for_followers,
                                          side_tokens=fair.side_tokens,
                                          follow_s=fair.follow_ms / 1000, shares=shares_of(cfg))
