@@ -8,18 +8,18 @@ adapter groups of its rows.
 
 A bucketed pass fixes both:
 
-- its shape: rows padded to a power of two, its width to a power of two of at least ``MIN_WIDTH`` (the bucket);
-  padded positions sit right of the real ones, which a causal model never lets them see (no attention mask is
-  given), and padded rows read the first row's slot with a zero scale; their logits are cut off before the loss,
-  so they add no gradient;
+- its shape: its rows and its width rounded up to a bucket (:func:`bucket_size`: eight an octave, the width a
+  multiple of 8). Padded positions sit right of the real ones, which a causal model never lets them see (no
+  attention mask is given); padded rows read the first row's slot; the logits of both are cut off before the
+  loss, so they add no gradient;
 - its path: :class:`~otray.tinker.learner.mixed_lora.FixedRows`, each row's LoRA weights gathered from its layer's
   :class:`~otray.tinker.learner.lora_bank.LoraBank` by the row's slot: the same kernels whichever adapters (of one
-  rank, on the same layers) the rows hold. Token ids, slots and scales are inputs refilled in place.
+  rank, on the same layers) the rows hold. Token ids, slots and (when adapters' scales differ) scales are inputs
+  refilled in place; the banks are read in place, so the optimizer's updates are what the next pass sees.
 
-The banks take the gradient (as tensors sharing the banks' storage: the optimizer's in-place updates are what the
-next pass reads) and after the backward each adapter of the pass gets its slice of it added to its parameters'
-gradients, in one multi-tensor add. So an adapter equals one trained in passes of its own
-(tests/tinker/test_pass_graphs.py).
+The gathered rows take the gradient, and after the backward each adapter of the pass adds its rows' gradients to
+its parameters' (multi-tensor adds: :meth:`PassGraphs.add_grads`). So an adapter equals one trained in passes of
+its own (tests/tinker/test_pass_graphs.py).
 
 A bucket's first pass runs eagerly; from its second, on a CUDA device, its forward and its backward are captured
 (two graphs; every bucket's in one memory pool, safe because a bucket's backward always follows its own forward
@@ -33,7 +33,8 @@ one scale per adapter and the same layers, with no images, of at most ``max_toke
 learner's main compute thread (a side lane's pass runs routed). The rest run the routed path, unchanged.
 
 On the CPU (``capture=False``) the bucketed passes run eagerly: the path the tests check; whether graphs pay is
-measured on a GPU (``benchmarks/tinker_shared_passes.py --parts kernels``, ``graphs`` rows; ``make gpu-check-tinker``).
+measured on a GPU (``benchmarks/tinker_shared_passes.py --parts kernels``, ``graphs_*`` rows; ``make gpu-check-tinker``).
+On the CPU the eager bucketed pass costs 0.88-1.00x the routed one (docs/notes/tinker.md).
 
 Runs in the SharedLearner actor of one base model."""
 
@@ -53,65 +54,69 @@ from otray.tinker.learner.mixed_lora import FixedRows, RowRouting
 from otray.types import Datum
 
 MAX_GRAPHS = 6  # buckets that keep captured graphs (each holds its logits, gradients and activations' pool share)
-MIN_WIDTH = 16
+WIDTH_STEP = 8  # a bucket's width is a multiple of it
 GRAPH_TOKENS = 4096  # the largest bucket (its logits, their gradient: ~2.5 GB in bf16 for a 152k vocabulary)
 
 
-def power_of_two(n: int, floor: int = 1) -> int:
-    """The least power of two that is at least ``n`` and ``floor``."""
-    out = 1
-    while out < max(n, floor):
-        out *= 2
-    return out
+def bucket_size(n: int, step: int = 1) -> int:
+    """``n`` rounded up to a bucket: to a multiple of ``step`` and of an eighth of the least power of two that holds
+    ``n``; so eight buckets an octave, none more than a quarter above what it holds (19 tokens, ``step`` 8: 24;
+    100: 112). (Powers of two padded the benchmark's 19-token rows to 32: the CPU's pass 1.7x the matmuls.)"""
+    step = max(step, 2 ** max(0, (max(n, 1) - 1).bit_length() - 3))
+    return -(-max(n, 1) // step) * step
 
 
 @dataclass(frozen=True)
 class BucketKey:
-    """A bucketed pass's shape: ``rows`` x ``width`` tokens through rank-``rank`` adapters on ``layers`` (ids)."""
+    """A bucketed pass's shape: ``rows`` x ``width`` tokens through rank-``rank`` adapters on ``layers`` (ids), with
+    one LoRA scale for all (``scale``) or each row its own (None)."""
 
     rows: int
     width: int
     rank: int
     layers: frozenset[int]
+    scale: Optional[float]
 
 
 @dataclass(frozen=True)
 class _Plan:
-    """What a set of adapters' rows need for a bucketed pass: their rank, layers and each one's slot and scale."""
+    """What a set of adapters' rows need for a bucketed pass: their rank, layers and each one's slot and scale
+    (``scale``: theirs when they all have one, the usual case, else None)."""
 
     rank: int
     layers: frozenset[int]
     slots: dict[str, int]
     scales: dict[str, float]
+    scale: Optional[float]
 
 
 class _Bucket:
-    """One bucket's inputs (refilled in place each pass), the bank tensors that take its gradient, and its graphs
-    once captured."""
+    """One bucket's inputs (refilled in place each pass), and its graphs once captured."""
 
     def __init__(self, key: BucketKey, model: Any, routing: RowRouting, banks: list, dtype: torch.dtype,
                  device: torch.device):
         self.key, self.model, self.routing = key, model, routing
         self.ids = torch.zeros((key.rows, key.width), dtype=torch.long, device=device)
-        self.inputs: list[torch.Tensor] = []  # each layer's A bank, then its B bank, sharing the banks' storage
-        self.members: list[dict[int, torch.nn.Parameter]] = []  # per input: slot -> the parameter it holds
-        layers = {}
-        for layer, bank_a, bank_b, members_a, members_b in banks:
-            a, b = bank_a.detach().requires_grad_(True), bank_b.detach().requires_grad_(True)
-            layers[layer] = (a, b)
-            self.inputs += [a, b]
-            self.members += [members_a, members_b]
+        self.members = {layer: (members_a, members_b) for layer, _, _, members_a, members_b in banks}
         self.rows = FixedRows(torch.zeros(key.rows, dtype=torch.long, device=device),
-                              torch.zeros((key.rows, 1, 1), dtype=dtype, device=device), layers)
+                              {layer: (bank_a, bank_b) for layer, bank_a, bank_b, _, _ in banks}, key.scale,
+                              torch.zeros((key.rows, 1, 1), dtype=dtype, device=device) if key.scale is None else None)
         self.uses = 0
         self.graphs: Optional[tuple[Any, Any]] = None  # (forward, backward) CUDA graphs
         self.out: Optional[torch.Tensor] = None  # the logits (static when captured)
+        self.taken: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # the pass's gathered weights (FixedRows)
         self.grad_out: Optional[torch.Tensor] = None
-        self.grads: Optional[Sequence[torch.Tensor]] = None
+        self.grads: Optional[Sequence[Optional[torch.Tensor]]] = None
 
     def _logits(self) -> torch.Tensor:
+        self.rows.taken = []
         with torch.enable_grad(), self.routing.fixed_rows(self.rows):
-            return self.model(input_ids=self.ids, use_cache=False).logits
+            out = self.model(input_ids=self.ids, use_cache=False).logits
+        self.taken = self.rows.taken
+        return out
+
+    def _inputs(self) -> list[torch.Tensor]:
+        return [w for _, a, b in self.taken for w in (a, b)]
 
     def forward(self) -> torch.Tensor:
         """The pass's logits (``(rows, width, vocab)``, the model's dtype), detached: :meth:`backward` follows."""
@@ -122,14 +127,14 @@ class _Bucket:
         return self.out.detach()
 
     def backward(self, grad: torch.Tensor) -> Sequence[Optional[torch.Tensor]]:
-        """The gradient of every input bank for ``grad`` of the logits (static tensors when captured; None for a
-        bank the pass did not reach)."""
+        """The gradient of each gathered weight (:attr:`taken`: each layer's A rows, then its B rows) for ``grad``
+        of the logits (static tensors when captured; None where the pass did not reach)."""
         if self.graphs is not None:
             self.grad_out.copy_(grad)
             self.graphs[1].replay()
             return self.grads
         out, self.out = self.out, None
-        return torch.autograd.grad(out, self.inputs, grad, allow_unused=True)
+        return torch.autograd.grad(out, self._inputs(), grad, allow_unused=True)
 
     def capture(self, pool: Any) -> None:
         """Capture the forward and the backward as CUDA graphs (warmed up on a side stream first, as CUDA graphs
@@ -140,14 +145,14 @@ class _Bucket:
         with torch.cuda.stream(side):
             for _ in range(2):
                 out = self._logits()
-                torch.autograd.grad(out, self.inputs, torch.zeros_like(out), allow_unused=True)
+                torch.autograd.grad(out, self._inputs(), torch.zeros_like(out), allow_unused=True)
         torch.cuda.current_stream().wait_stream(side)
         fwd, bwd = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
         with torch.cuda.graph(fwd, pool=pool):
             out = self._logits()
         grad_out = torch.zeros_like(out)
         with torch.cuda.graph(bwd, pool=pool):
-            grads = torch.autograd.grad(out, self.inputs, grad_out, allow_unused=True)
+            grads = torch.autograd.grad(out, self._inputs(), grad_out, allow_unused=True)
         self.graphs, self.out, self.grad_out, self.grads = (fwd, bwd), out, grad_out, grads
 
 
@@ -194,7 +199,7 @@ class PassGraphs:
         if plan is None:
             return None
         width = max(len(d) for d in batch)
-        key = BucketKey(power_of_two(len(batch)), power_of_two(width, MIN_WIDTH), plan.rank, plan.layers)
+        key = BucketKey(bucket_size(len(batch)), bucket_size(width, WIDTH_STEP), plan.rank, plan.layers, plan.scale)
         if key.rows * key.width > self.max_tokens:
             return None
         bucket = self._bucket(key)
@@ -204,39 +209,50 @@ class PassGraphs:
         slots = [plan.slots[a] for a in adapters]
         bucket.ids.copy_(pad_rows([d.input_ids for d in batch] + [[]] * pad, key.width, 0, torch.long), non_blocking=True)
         bucket.rows.slots.copy_(torch.tensor(slots + [slots[0]] * pad), non_blocking=True)
-        bucket.rows.scales.copy_(torch.tensor([plan.scales[a] for a in adapters] + [0.0] * pad).view(-1, 1, 1),
-                                 non_blocking=True)
+        if bucket.rows.scales is not None:
+            bucket.rows.scales.copy_(torch.tensor([plan.scales[a] for a in adapters] + [0.0] * pad).view(-1, 1, 1),
+                                     non_blocking=True)
         self.counts["passes"] += 1
         self.counts["replays"] += bucket.graphs is not None
-        logits = _Replay.apply(self._anchor, bucket, self, tuple(sorted(set(slots))))
+        logits = _Replay.apply(self._anchor, bucket, self, tuple(slots))
         logits = sampled_logits(self.model, logits[:len(batch), :width])
         valid = pad_rows([[1.0] * len(d) for d in batch], width, 0.0, torch.float32, str(self.device))
         return targets_logprobs(logits, batch, str(self.device)), valid
 
     def add_grads(self, bucket: _Bucket, grads: Sequence[Optional[torch.Tensor]], slots: tuple[int, ...]) -> None:
-        """Each training parameter in ``slots`` of the bucket's banks: its gradient += its slice of ``grads`` (a
-        first gradient is a copy of it when the grads are a graph's static tensors, else the slice itself)."""
-        have: list[torch.Tensor] = []
-        add: list[torch.Tensor] = []
-        first: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
-        for grad, members in zip(grads, bucket.members):
-            for s in slots if grad is not None else ():
-                p = members.get(s)
-                if p is None or not p.requires_grad:
-                    continue
-                if p.grad is None:
-                    first.append((p, grad[s]))
-                else:
-                    have.append(p.grad)
-                    add.append(grad[s])
-        if have:
-            torch._foreach_add_(have, add)
-        if first:
-            news = [g for _, g in first]
-            if bucket.graphs is not None:  # the next replay overwrites them
-                news = torch._foreach_mul(news, 1.0)
-            for (p, _), g in zip(first, news):
-                p.grad = g
+        """Each training parameter of the pass's adapters: its gradient += the gradients of the weights its rows
+        gathered (``slots``: each real row's slot; ``grads``: per gathered weight, ``(rows, ...)``). Added in
+        rounds, the ``j``-th row of each adapter in round ``j``, so that no multi-tensor add writes one tensor
+        twice; a first gradient is the row's itself (a copy when it is a graph's static tensor)."""
+        by_slot: dict[int, list[int]] = {}
+        for row, s in enumerate(slots):
+            by_slot.setdefault(s, []).append(row)
+        weights = [(members, grad) for (layer, _, _), pair in zip(bucket.taken, zip(grads[::2], grads[1::2]))
+                   for members, grad in zip(bucket.members[layer], pair) if grad is not None]
+        for j in range(max(map(len, by_slot.values()), default=0)):
+            have: list[torch.Tensor] = []
+            add: list[torch.Tensor] = []
+            first: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
+            for members, grad in weights:
+                for s, rows in by_slot.items():
+                    p = members.get(s) if j < len(rows) else None
+                    if p is None or not p.requires_grad:
+                        continue
+                    if p.grad is None:
+                        first.append((p, grad[rows[j]]))
+                    else:
+                        have.append(p.grad)
+                        add.append(grad[rows[j]])
+            if have:
+                torch._foreach_add_(have, add)
+            if first:
+                # in the parameter's layout (a fused AdamW walks both as flat memory; mixed_lora._RowUpdate makes
+                # them so), and copied when the next replay would overwrite them
+                news = [g if g.is_contiguous() else g.contiguous() for _, g in first]
+                if bucket.graphs is not None:
+                    news = torch._foreach_mul(news, 1.0)
+                for (p, _), g in zip(first, news):
+                    p.grad = g
 
     def _plan(self, adapters: list[str]) -> Optional[_Plan]:
         names = tuple(sorted(set(adapters)))
@@ -274,7 +290,7 @@ class PassGraphs:
                 if pa is None or pb is None or pa.data_ptr() != bank_a[s].data_ptr() or \
                         pb.data_ptr() != bank_b[s].data_ptr():
                     return None
-        return _Plan(rank, on, slots, scales)
+        return _Plan(rank, on, slots, scales, scales[names[0]] if len(set(scales.values())) == 1 else None)
 
     def _bucket(self, key: BucketKey) -> Optional[_Bucket]:
         """``key``'s bucket, made (or captured, from its second pass on a GPU) as needed."""
