@@ -32,7 +32,8 @@ autograd node (on the CPU a layer's autograd nodes for these cost more than its 
 stacked block alive until every adapter in it has stepped or dropped its gradient. 8 one-datum users' pass:
 829 operators, 1.15x one user's (2.7x before the slices; benchmarks/tinker_shared_passes.py, ``kernels``).
 
-A bucketed pass (:mod:`otray.tinker.learner.pass_graphs`) routes by :class:`FixedRows` instead: one shape and one
+A bucketed pass (:mod:`otray.tinker.learner.pass_graphs`) routes by
+:class:`~otray.tinker.learner.fixed_rows.FixedRows` instead: one shape and one
 code path whatever its adapters, each row's weights gathered from the bank by its slot, so that a CUDA graph can
 replay it.
 
@@ -43,12 +44,13 @@ from __future__ import annotations
 import functools
 import threading
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 
+from otray.tinker.learner.fixed_rows import FixedRows, fixed_update
 from otray.tinker.learner.lane_gate import LaneGate
 from otray.tinker.learner.lora_bank import LoraBank, Stacked
 
@@ -104,22 +106,6 @@ class Folded:
         consecutive), else the parameters stacked."""
         a, b = self.bank.weights() if self.bank is not None else (torch.stack(self.a), torch.stack(self.b))
         return a.to(dtype), b.to(dtype)
-
-
-@dataclass
-class FixedRows:
-    """A bucketed pass's routing, the same for every pass of its bucket (a CUDA graph replays it): row ``i`` goes
-    through the adapter in bank slot ``slots[i]`` (``(rows,)`` long, refilled in place between passes); ``banks``:
-    id(layer) -> that layer's bank of the pass's rank, ``(slots, r, in)`` and ``(slots, out, r)`` (layers not in it
-    have none of the pass's adapters: base only). The update is scaled by ``scale`` (every row's) or, when None,
-    row ``i``'s by ``scales[i]`` (``(rows, 1, 1)``, the activations' dtype). ``taken``: each layer's gathered rows
-    of its banks, as the pass made them: the tensors whose gradients are each row's adapter's."""
-
-    slots: torch.Tensor
-    banks: dict[int, tuple[torch.Tensor, torch.Tensor]]
-    scale: Optional[float] = None
-    scales: Optional[torch.Tensor] = None
-    taken: list[tuple[int, torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
 
 class RowRouting(threading.local):
@@ -260,7 +246,7 @@ def _forward(layer: Any, routing: RowRouting, original: Callable[..., torch.Tens
              **kwargs: Any) -> torch.Tensor:
     """A LoRA layer's forward in a routed pass: the base layer on every row, plus each segment's update."""
     if routing.fixed is not None:
-        return _fixed(layer, routing.fixed, layer.base_layer(x, *args, **kwargs), x)
+        return fixed_update(layer, routing.fixed, layer.base_layer(x, *args, **kwargs), x)
     if routing.groups is None:
         return original(x, *args, **kwargs)
     if layer.merged:
@@ -283,58 +269,6 @@ def _forward(layer: Any, routing: RowRouting, original: Callable[..., torch.Tens
     parts = [_update(layer, routing, seg, x if seg.stop - seg.start == routing.rows else x[seg.start:seg.stop],
                      result.shape[-1]) for seg in segments]
     return _gated(routing.gate, result + (parts[0] if len(parts) == 1 else torch.cat(parts)).to(result.dtype))
-
-
-def _fixed(layer: Any, rows: FixedRows, result: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """``result`` (the base layer's) plus each row's update through its slot's weights, gathered from the bank; the
-    gathered rows take the gradient (:attr:`FixedRows.taken`: per row, not scattered back into a bank-sized one)."""
-    banks = rows.banks.get(id(layer))
-    if banks is None:
-        return result
-    n = rows.slots.shape[0]
-    with torch.no_grad():
-        rows_a, rows_b = banks[0].index_select(0, rows.slots), banks[1].index_select(0, rows.slots)
-    rows.taken.append((id(layer), rows_a.requires_grad_(True), rows_b.requires_grad_(True)))
-    w_a, w_b = rows_a.to(x.dtype), rows_b.to(x.dtype)  # (rows, r, in), (rows, out, r)
-    scale = rows.scales if rows.scales is not None else rows.scale
-    return _RowUpdate.apply(result.reshape(n, -1, result.shape[-1]), x.reshape(n, -1, x.shape[-1]), w_a, w_b,
-                            scale).view(result.shape)
-
-
-class _RowUpdate(torch.autograd.Function):
-    """``base + s (x A^T) B^T`` per row (``base``: (n, L, out), ``x``: (n, L, in), ``A``: (n, r, in), ``B``: (n, out, r);
-    ``s``: a number, or ``(n, 1, 1)`` per row), every gradient contiguous in its tensor's own layout. (Left to
-    autograd, B's gradient was the transpose of a contiguous (n, r, out): a first gradient of that layout made
-    the CPU's fused AdamW, which walks a parameter and its gradient as flat memory alike, step the wrong
-    elements.)"""
-
-    @staticmethod
-    def forward(ctx: Any, base: torch.Tensor, xs: torch.Tensor, w_a: torch.Tensor, w_b: torch.Tensor,
-                scale: float | torch.Tensor) -> torch.Tensor:
-        h = torch.bmm(xs, w_a.transpose(1, 2))  # (n, L, r)
-        if isinstance(scale, torch.Tensor):
-            h = h * scale
-            out = torch.baddbmm(base, h, w_b.transpose(1, 2))
-        else:
-            out = torch.baddbmm(base, h, w_b.transpose(1, 2), alpha=scale)
-        ctx.save_for_backward(xs, w_a, w_b, h)
-        ctx.scale = scale
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
-        xs, w_a, w_b, h = ctx.saved_tensors  # h: already scaled when the scales are per row
-        per_row = isinstance(ctx.scale, torch.Tensor)
-        grad_b = torch.bmm(g.transpose(1, 2), h)  # (n, out, r)
-        grad_h = torch.bmm(g, w_b)  # (n, L, r)
-        if per_row:
-            grad_h = grad_h * ctx.scale
-        else:
-            grad_b.mul_(ctx.scale)
-            grad_h.mul_(ctx.scale)
-        grad_a = torch.bmm(grad_h.transpose(1, 2), xs)  # (n, r, in)
-        grad_x = torch.bmm(grad_h, w_a) if ctx.needs_input_grad[1] else None  # (n, L, in)
-        return g, grad_x, grad_a, grad_b, None
 
 
 def _gated(gate: LaneGate, out: torch.Tensor) -> torch.Tensor:

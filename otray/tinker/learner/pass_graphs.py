@@ -12,7 +12,7 @@ A bucketed pass fixes both:
   multiple of 8). Padded positions sit right of the real ones, which a causal model never lets them see (no
   attention mask is given); padded rows read the first row's slot; the logits of both are cut off before the
   loss, so they add no gradient;
-- its path: :class:`~otray.tinker.learner.mixed_lora.FixedRows`, each row's LoRA weights gathered from its layer's
+- its path: :class:`~otray.tinker.learner.fixed_rows.FixedRows`, each row's LoRA weights gathered from its layer's
   :class:`~otray.tinker.learner.lora_bank.LoraBank` by the row's slot: the same kernels whichever adapters (of one
   rank, on the same layers) the rows hold. Token ids, slots and (when adapters' scales differ) scales are inputs
   refilled in place; the banks are read in place, so the optimizer's updates are what the next pass sees.
@@ -50,7 +50,8 @@ import torch
 from otray.actors.learner.core import pad_rows, sampled_logits, targets_logprobs
 from otray.tinker.learner.lane_gate import LaneGate
 from otray.tinker.learner.lora_bank import LoraBank
-from otray.tinker.learner.mixed_lora import FixedRows, RowRouting
+from otray.tinker.learner.fixed_rows import FixedRows
+from otray.tinker.learner.mixed_lora import RowRouting
 from otray.types import Datum
 
 MAX_GRAPHS = 6  # buckets that keep captured graphs (each holds its logits, gradients and activations' pool share)
@@ -246,7 +247,7 @@ class PassGraphs:
             if have:
                 torch._foreach_add_(have, add)
             if first:
-                # in the parameter's layout (a fused AdamW walks both as flat memory; mixed_lora._RowUpdate makes
+                # in the parameter's layout (a fused AdamW walks both as flat memory; fixed_rows._RowUpdate makes
                 # them so), and copied when the next replay would overwrite them
                 news = [g if g.is_contiguous() else g.contiguous() for _, g in first]
                 if bucket.graphs is not None:
