@@ -197,9 +197,29 @@ def learner_rates(args, path: str, done_row: Callable[[dict[str, Any]], None]) -
         print(f"N={users:2}: own {own:.1f} datums/s; {line}", flush=True)
         rows[str(users) if str(users) not in rows else f"{users}#{k}"] = row  # (an N again: another rotation)
         done_row(rows)
+    if len(users_list) > len(set(users_list)):  # an N measured in several rotations: its ratios' spread
+        rows["over_own_by_n"] = spread(rows, [m for m in modes if m != "own"])
+        done_row(rows)
     for actor in [*learners.values(), *relays.values()]:
         ray.kill(actor)
     return rows
+
+
+def spread(rows: dict[str, Any], modes: list[str]) -> dict[str, Any]:
+    """Per N and mode: the median, least and greatest of its ratios to own over the rotations that measured it
+    (printed too): the machine drifts by 20-40% within minutes, so one rotation's ratio is one draw."""
+    ratios: dict[str, dict[str, list[float]]] = {}
+    for key, row in rows.items():
+        for mode in modes:
+            if row.get(f"{mode}_over_own") is not None:
+                ratios.setdefault(key.split("#")[0], {}).setdefault(mode, []).append(row[f"{mode}_over_own"])
+    out: dict[str, Any] = {}
+    for n, by_mode in ratios.items():
+        out[n] = {m: {"median": statistics.median(v), "min": min(v), "max": max(v), "rotations": len(v)}
+                  for m, v in by_mode.items()}
+        print(f"N={n:>2} over {len(next(iter(by_mode.values())))} rotations: " + "; ".join(
+            f"{m} {r['median']:.2f}x median ({r['min']:.2f}-{r['max']:.2f})" for m, r in out[n].items()), flush=True)
+    return out
 
 
 def kernels(args, path: str) -> dict[str, Any]:

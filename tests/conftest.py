@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
@@ -295,11 +296,12 @@ def heavy_imports_of(*modules: str) -> list[str]:
 SERVE_PORT = 8020 + 10 * int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
 
 
-def tinker_service(ray_local, tmp: Path, port: int, tiny_path: str, **overrides):
+def tinker_service(ray_local, tmp: Path, port: int, tiny_path: str, model: Optional[dict] = None, **overrides):
     """Start ``otray tinker`` on ``port`` with auth on and users alice, bob and carol (made by alice, an admin).
 
     The base model is offered as ``Qwen/Qwen3-8B`` (a cookbook registry name) mapped to the tiny
-    model, sampled by its learner (tests/tinker/test_engines.py passes ``models`` with vLLM samplers). Returns ``(keys, stop)``: the users' ``tml-`` keys and a function that stops it all.
+    model, sampled by its learner, with ``model``'s settings (tests/tinker/test_engines.py passes ``models`` with vLLM
+    samplers). Returns ``(keys, stop)``: the users' ``tml-`` keys and a function that stops it all.
     """
     from ray import serve
 
@@ -312,7 +314,7 @@ def tinker_service(ray_local, tmp: Path, port: int, tiny_path: str, **overrides)
     alice = ray_local.get(rm.add_user.remote("alice"))
     bob = ray_local.get(rm.add_user.remote("bob", False, alice))
     carol = ray_local.get(rm.add_user.remote("carol", False, alice))
-    models = [{"name": "Qwen/Qwen3-8B", "path": tiny_path, "sampler": {"engine": "learner"}}]
+    models = [{"name": "Qwen/Qwen3-8B", "path": tiny_path, "sampler": {"engine": "learner"}, **(model or {})}]
     run(load_tinker({"port": port, "storage": str(tmp / "store"), "long_poll_s": 5, "models": models, **overrides}))
 
     def stop() -> None:

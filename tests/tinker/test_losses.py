@@ -3,7 +3,9 @@ stable_reinforce (sampling with record_stability_info, provenance on the datums)
 sequence_ratio_mask, per-token clip thresholds, and custom losses (uploaded and run server-side:
 the service advertises ``custom_loss_server_side``; the client-side path is in test_rest.py). Each is checked against a float64 reference
 computed here from the service's own forward logprobs; each refusal is a user error naming the
-problem, and the same client's next request is served at once."""
+problem, and the same client's next request is served at once. The model runs with ``graph_passes`` on, so
+every forward_backward here is a bucketed pass (otray/tinker/learner/pass_graphs.py: eager on the CPU), checked
+through the real SDK against references from forward passes, which take the routed path."""
 
 from __future__ import annotations
 
@@ -12,10 +14,12 @@ import math
 import numpy as np
 import pytest
 
+from otray.tinker.service.tinker_service import NAME, NAMESPACE
 from tests.conftest import SERVE_PORT, tinker_fixture
 from tests.fixtures.promptly import answered_at_once
 from tests.fixtures.tinker_data import learner_logprobs, problems, sft
 
+ray = pytest.importorskip("ray")
 torch = pytest.importorskip("torch")
 tinker = pytest.importorskip("tinker")
 from tinker import types  # noqa: E402
@@ -25,7 +29,7 @@ URL = f"http://127.0.0.1:{PORT}"
 BASE = "Qwen/Qwen3-8B"
 
 
-svc = tinker_fixture(PORT, "tinker_losses", custom_losses={"max_losses": 3, "max_nodes": 500},
+svc = tinker_fixture(PORT, "tinker_losses", model={"graph_passes": True}, custom_losses={"max_losses": 3, "max_nodes": 500},
                      user_quotas={"carol": {"storage_gb": 1e-7}})  # carol: 100 bytes of storage
 
 
@@ -231,6 +235,8 @@ def test_custom_losses_run_server_side_and_train_as_the_same_builtin_loss(svc, t
     assert metrics["custom/tokens:mean"] == pytest.approx(np.mean([sum(w > 0 for w in d.loss_fn_inputs["weights"].tolist())
                                                                   for d in data]))
     sc.close("success").result()
+    graphs = ray.get(ray.get_actor(f"{NAME}-learner-{BASE}", namespace=NAMESPACE).usage.remote())["graphs"]
+    assert graphs["passes"] >= 5 and graphs["failed"] == 0, graphs  # the forward_backward calls above were bucketed
 
 
 def test_custom_loss_refusals_name_the_problem_and_leave_the_client_served(svc, tokenizer):

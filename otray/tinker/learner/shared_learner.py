@@ -115,11 +115,14 @@ class SharedLearner:
         """Learner seconds and steps by user since the actor started, the seconds turns were kept for a
         follower (:meth:`FairQueue._hold`), shared calls, packable calls and their steps by pack key, the
         sampling calls ended early (:meth:`abort_sample`), the side lane's calls and steps, and the
-        :meth:`train_step` calls, and the :meth:`calls` calls with the training calls they held."""
+        :meth:`train_step` calls, the :meth:`calls` calls with the training calls they held, and with
+        ``graph_passes`` the bucketed passes, those replayed as CUDA graphs, the captures and the failed ones."""
+        graphs = self.learner.graphs
         return {"seconds": dict(self.queue.used), "steps": dict(self.queue.steps), "held_s": self.queue.followers.held,
                 "shared": dict(self.queue.shared), "packed": {k: dict(v) for k, v in self.queue.packed.items()},
                 "aborted_samples": self.aborted, "side": dict(self.queue.side.calls), "train_steps": self.train_steps,
-                "batched": dict(self.batched)}
+                "batched": dict(self.batched),
+                "graphs": {**graphs.counts, "failed": len(graphs.failures)} if graphs is not None else None}
 
     async def adapters(self) -> list[str]:
         return self.learner.adapters()
