@@ -149,10 +149,12 @@ class _Bucket:
                 torch.autograd.grad(out, self._inputs(), torch.zeros_like(out), allow_unused=True)
         torch.cuda.current_stream().wait_stream(side)
         fwd, bwd = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-        with torch.cuda.graph(fwd, pool=pool):
+        # thread_local: the actor's other threads (Ray's, asyncio's) may touch CUDA meanwhile. transformers sees the
+        # capture (is_tracing) and builds the causal mask on the device instead of checking it on the host
+        with torch.cuda.graph(fwd, pool=pool, capture_error_mode="thread_local"):
             out = self._logits()
         grad_out = torch.zeros_like(out)
-        with torch.cuda.graph(bwd, pool=pool):
+        with torch.cuda.graph(bwd, pool=pool, capture_error_mode="thread_local"):
             grads = torch.autograd.grad(out, self._inputs(), grad_out, allow_unused=True)
         self.graphs, self.out, self.grad_out, self.grads = (fwd, bwd), out, grad_out, grads
 
