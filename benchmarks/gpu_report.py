@@ -5,7 +5,8 @@
 Reads (each may be missing: a part that failed or timed out is reported as such) ``gpu_tests.log`` (pytest's
 last line), ``gpu.json`` (``benchmarks/gpu.py``: otray against TRL), ``gpu_check.json`` (the engine's probes),
 ``learner_fairness.json``, ``tinker_shared_passes.json`` (issue 53: shared passes against a pass per
-user, N = 8 target >= 5x) and ``gpu_manager_job.log`` (its last lines). Targets on one H100/H200: colocated
+user, N = 8 target >= 5x, and the bucketed passes' CUDA graphs: read off into ``issue53``) and
+``gpu_manager_job.log`` (its last lines). Targets on one H100/H200: colocated
 compiled step / TRL's <= 0.30 (goal 0.15), compiled generation of the step's 64 x 256 tokens <= 1.5 s, weight
 sync between a learner and a worker on one GPU <= 0.05 s.
 """
@@ -50,6 +51,23 @@ def targets(gpu: dict | None) -> dict:
     return {k: {"value": v, "target": TARGETS[k], "met": None if v is None else v <= TARGETS[k]} for k, v in got.items()}
 
 
+def shared_passes(tsp: dict | None) -> dict:
+    """Issue 53's figures read off ``tinker_shared_passes.json``: N = 8 shared and bucketed (CUDA graphs) learners'
+    throughput over a pass per user (target >= 5x), the in-process bucketed step over the routed one, its capture
+    failures. None where that part or row did not run."""
+    if not tsp:
+        return {"missing": "tinker_shared_passes.json (benchmarks/tinker_shared_passes.py did not finish)"}
+    row, kern = (tsp.get("throughput") or {}).get("8") or {}, (tsp.get("kernels") or {}).get("graphs_8") or {}
+    out: dict = {}
+    for mode in ("shared", "graphs"):
+        v = row.get(f"{mode}_over_own")
+        out[f"{mode}_over_own_at_8"] = {"value": v, "target": 5.0, "met": None if v is None else v >= 5.0}
+    out["graphs_kernels_over_routed_at_8"] = kern.get("over_routed")
+    out["graph_captures_at_8"] = (kern.get("counts") or {}).get("captures")
+    out["graph_capture_failures"] = kern.get("failures")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dir", default=str(ROOT / "benchmarks" / "results"))
@@ -61,6 +79,8 @@ def main(argv: list[str] | None = None) -> int:
               "probes": read_json(d / "gpu_check.json"), "learner_fairness": read_json(d / "learner_fairness.json"),
               "tinker_shared_passes": read_json(d / "tinker_shared_passes.json"),
               "manager_job": last_lines(d / "gpu_manager_job.log", 4)}
+    report["issue53"] = shared_passes(report["tinker_shared_passes"])
+    print(f"issue 53: {report['issue53']}")
     for name, t in report["targets"].items():
         print(f"{name}: {t}" if not isinstance(t, dict) else
               f"{name}: {t['value']} (target <= {t['target']}: {'not measured' if t['met'] is None else 'met' if t['met'] else 'not met'})")

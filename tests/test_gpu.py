@@ -77,6 +77,21 @@ def test_the_shared_pass_kernels_check_runs_on_the_cpu(tmp_path, capsys):
     # the bucketed passes beside them (CUDA graphs on a GPU; here eager): every measured step went through a bucket
     assert got["graphs_4"]["counts"]["passes"] >= 7 and got["graphs_4"]["over_routed"] > 0
     assert got["graphs_4"]["counts"]["captures"] == 0 and not got["graphs_4"]["failures"]
+    from benchmarks.gpu_report import main as report
+
+    assert report(["--dir", str(tmp_path)]) == 0  # make gpu-check-tinker's read-off: what did not run is None
+    read = json.loads((tmp_path / "gpu_report.json").read_text())["issue53"]
+    assert read["shared_over_own_at_8"] == {"value": None, "target": 5.0, "met": None}
+    assert read["graphs_kernels_over_routed_at_8"] is None and read["graph_capture_failures"] is None
+    gpu = tmp_path / "gpu"  # a GPU run's shape of it
+    gpu.mkdir()
+    (gpu / "tinker_shared_passes.json").write_text(json.dumps({
+        "throughput": {"8": {"shared_over_own": 5.5, "graphs_over_own": 4.0}},
+        "kernels": {"graphs_8": {"over_routed": 2.0, "counts": {"captures": 1}, "failures": []}}}))
+    assert report(["--dir", str(gpu)]) == 0
+    read = json.loads((gpu / "gpu_report.json").read_text())["issue53"]
+    assert read["shared_over_own_at_8"]["met"] is True and read["graphs_over_own_at_8"]["met"] is False
+    assert read["graphs_kernels_over_routed_at_8"] == 2.0 and read["graph_captures_at_8"] == 1
 
 
 @pytest.mark.gpu
