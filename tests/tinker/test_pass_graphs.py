@@ -172,3 +172,32 @@ def test_graph_passes_is_a_model_setting_the_learner_honours(tiny_path):
     off.create("x", AdapterSpec(4, seed=0))
     off.forward_many([PassRequest("x", [datum(np.random.default_rng(0), 5)], "cross_entropy")])
     assert off.graphs is None
+
+
+def test_a_bucketed_pass_built_as_under_a_cuda_capture_equals_own_passes(tiny_path, monkeypatch):
+    """Under a CUDA stream capture transformers skips its host-side checks of the causal mask (``is_tracing``) and
+    builds it on the device from the positions (``find_packed_sequence_indices``): a bucketed pass made that way,
+    as its graph is captured on a GPU, still gives each request and gradient what its own pass gives."""
+    from transformers import masking_utils
+
+    built = []  # the masks of packed sequences made: None when transformers checked on the host that there are none
+
+    def packed(*args, **kwargs):
+        built.append(find(*args, **kwargs))
+        return built[-1]
+
+    find = masking_utils.find_packed_sequence_indices
+    monkeypatch.setattr(masking_utils, "find_packed_sequence_indices", packed)
+    users = {f"u{i}": AdapterSpec(8, seed=i) for i in range(4)}
+    learner = learner_with(tiny_path, users)
+    rng = np.random.default_rng(9)
+    reqs = [PassRequest(name, [datum(rng, 5 + 3 * i)], "cross_entropy") for i, name in enumerate(users)]
+    with monkeypatch.context() as capturing:
+        capturing.setattr(masking_utils, "is_tracing", lambda *a, **k: True)
+        mixed = learner.forward_many(reqs)
+    assert built and all(m is not None for m in built) and learner.graphs.counts["passes"] == 1
+    mixed_grads = {r.adapter: grads(learner, r.adapter) for r in reqs}
+    same(mixed, [learner.forward_backward(r.adapter, r.datums, r.loss_fn) for r in reqs])
+    for r in reqs:
+        for g, h in zip(mixed_grads[r.adapter], grads(learner, r.adapter)):
+            assert torch.allclose(g, h, atol=1e-5, rtol=1e-4), r.adapter
