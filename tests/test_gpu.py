@@ -223,7 +223,8 @@ def test_bucketed_passes_replay_as_cuda_graphs_and_train_as_own_passes(tiny_path
     """``models[i].graph_passes`` on CUDA: from a bucket's second pass its forward and backward are CUDA graphs,
     replayed (no capture failed); over four steps of four users (an optimizer step between passes, which the
     graphs must read in place) each adapter's weights follow its own passes' on a twin learner (float32: 1e-4;
-    bf16 activations: the weights' change alike in direction), and the losses agree."""
+    bf16 activations: the weights' change alike in direction), and the losses agree; so do a forward-only
+    bucket's, captured and replayed too."""
     import numpy as np
 
     from otray.tinker.learner.adapter_learner import AdapterLearner
@@ -255,6 +256,11 @@ def test_bucketed_passes_replay_as_cuda_graphs_and_train_as_own_passes(tiny_path
     graphs = twins[0].graphs
     assert not graphs.failures and graphs.counts["captures"] == 1 and graphs.counts["replays"] == 3, graphs.counts
     assert np.allclose(losses[0], losses[1], rtol=1e-3 if dtype == "float32" else 3e-2), losses
+    forward = [PassRequest(n, d, "cross_entropy", backward=False) for n, d in data.items()]  # a forward-only bucket:
+    got = [sum(g.loss_sum for g in twins[0].forward_many(forward)) for _ in range(3)]  # captured at its second pass
+    own = sum(twins[1].forward_backward(n, d, "cross_entropy", backward=False).loss_sum for n, d in data.items())
+    assert not graphs.failures and graphs.counts["captures"] == 2 and graphs.counts["replays"] == 5, graphs.counts
+    assert np.allclose(got, own, rtol=1e-3 if dtype == "float32" else 3e-2), (got, own)
     for n in data:
         for p, q, p0 in zip(twins[0]._params(n), twins[1]._params(n), start[n]):
             if dtype == "float32":

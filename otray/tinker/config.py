@@ -69,7 +69,7 @@ class TinkerModel:
     max_context_length: Optional[int] = None  # default: the model's max_position_embeddings
     lora_alpha: float = 32.0  # the LoRA scale is alpha / rank
     max_rank: int = 128
-    # shared backward passes bucketed (rows and width rounded up to buckets, each row's LoRA weights gathered by
+    # shared passes bucketed (rows and width rounded up to buckets, each row's LoRA weights gathered by
     # its slot) and, on a GPU, replayed as CUDA graphs (otray/tinker/learner/pass_graphs.py); on the CPU the same
     # passes run eagerly (0.88-1.00x the routed pass). Off until a GPU run measures that it pays
     # (benchmarks/tinker_shared_passes.py --parts kernels, make gpu-check-tinker)

@@ -68,6 +68,23 @@ def test_a_bucketed_pass_gives_each_request_what_its_own_pass_gives(tiny_path, l
             assert torch.allclose(g, h, atol=1e-5, rtol=1e-4), r.adapter
 
 
+def test_a_forward_only_pass_has_buckets_of_its_own_and_leaves_no_gradient(tiny_path):
+    """Forward requests (``backward=False``) go through forward-only buckets (no autograd graph: on a GPU the
+    forward alone is captured): the logprobs and losses of their own passes, no gradient on any adapter; a
+    forward_backward of the same shape then takes a bucket of its own."""
+    users = {f"u{i}": AdapterSpec(8, seed=i) for i in range(3)}
+    learner = learner_with(tiny_path, users)
+    rng = np.random.default_rng(3)
+    reqs = [PassRequest(name, [datum(rng, 7 + i)], "importance_sampling", backward=False)
+            for i, name in enumerate(users)]
+    mixed = learner.forward_many(reqs)
+    assert learner.graphs.counts["passes"] == 1 and not next(iter(learner.graphs.buckets)).grad
+    assert all(p.grad is None for n in users for p in learner._params(n))
+    same(mixed, [learner.forward_backward(r.adapter, r.datums, r.loss_fn, None, False) for r in reqs])
+    learner.forward_many([dataclasses.replace(r, backward=True) for r in reqs])
+    assert [key.grad for key in learner.graphs.buckets] == [False, True]
+
+
 def test_adapters_of_other_scales_share_a_bucket_with_a_scale_per_row(tiny_path):
     """Three rank-16 adapters with alphas 32, 16 and 8 (scales 2, 1 and 0.5): one bucket whose rows carry their
     scales; each request and gradient equal its own pass's. Buckets round up by eighths of an octave."""
@@ -122,9 +139,9 @@ def test_adapters_trained_in_bucketed_passes_equal_adapters_trained_alone(tiny_p
 
 
 def test_passes_a_bucket_cannot_take_run_the_routed_path(tiny_path):
-    """Ranks that differ in one pass, adapters on other layers, a forward-only pass and a pass past the largest
-    bucket run the routed path (no bucketed pass counted) and still equal their own passes; a failing custom loss
-    in a bucketed pass fails alone and leaves its adapter no gradient, the others are served."""
+    """Ranks that differ in one pass, adapters on other layers and a pass past the largest bucket run the routed
+    path (no bucketed pass counted) and still equal their own passes; a failing custom loss in a bucketed pass
+    fails alone and leaves its adapter no gradient, the others are served."""
     from otray.tinker.errors import UserError
     from otray.tinker.learner import pass_graphs
 
@@ -136,7 +153,6 @@ def test_passes_a_bucket_cannot_take_run_the_routed_path(tiny_path):
     for pair in (["one", "wide"], ["one", "attn"]):
         reqs = [PassRequest(n, data[n], "cross_entropy") for n in pair]
         same(learner.forward_many(reqs), [learner.forward_backward(n, data[n], "cross_entropy") for n in pair])
-    learner.forward_many([PassRequest(n, data[n], "cross_entropy", backward=False) for n in ("one", "two")])
     long = [datum(rng, pass_graphs.GRAPH_TOKENS // 8 + 1) for _ in range(8)]  # with two's row: 16 x 1024, too big
     learner.forward_many([PassRequest("one", long, "cross_entropy"), PassRequest("two", data["two"], "cross_entropy")])
     assert learner.graphs.counts["passes"] == 0

@@ -79,7 +79,7 @@ class AdapterLearner:
         self.bank = LoraBank()  # each LoRA layer's training adapters' weights, stacked by rank (a slot each)
         self.routing = RowRouting(self.gate, self.bank)  # which rows each LoRA layer gives which adapter, in a shared pass
         self.training = False  # the model is in train mode (not switched to eval by a sample since)
-        self.graph_passes = graph_passes  # shared backward passes bucketed (CUDA graphs on a GPU): pass_graphs.py
+        self.graph_passes = graph_passes  # shared passes bucketed (CUDA graphs on a GPU): pass_graphs.py
         self.graphs: Optional[PassGraphs] = None  # made with the model
 
     def adapters(self) -> list[str]:

@@ -22,13 +22,13 @@ its parameters' (multi-tensor adds: :meth:`PassGraphs.add_grads`). So an adapter
 its own (tests/tinker/test_pass_graphs.py).
 
 A bucket's first pass runs eagerly; from its second, on a CUDA device, its forward and its backward are captured
-(two graphs; every bucket's in one memory pool, safe because a bucket's backward always follows its own forward
+(two graphs, or the forward alone for a forward-only bucket; every bucket's in one memory pool, safe because a bucket's backward always follows its own forward
 before another bucket runs) and replayed. At most ``MAX_GRAPHS`` buckets keep graphs (each keeps its logits and
 gradients; the least recently used is dropped). A capture that fails leaves its bucket eager for good and its
 reason in :attr:`PassGraphs.failures`. A bank grown (a new adapter past its slots) drops every bucket: they read
 the old banks.
 
-Which passes: backward passes (a forward-only pass runs the routed path) whose rows are all of adapters of one rank,
+Which passes: forward_backward and forward passes (a bucket is one or the other) whose rows are all of adapters of one rank,
 one scale per adapter and the same layers, with no images, of at most ``max_tokens`` tokens once bucketed, on the
 learner's main compute thread (a side lane's pass runs routed). The rest run the routed path, unchanged.
 
@@ -70,13 +70,15 @@ def bucket_size(n: int, step: int = 1) -> int:
 @dataclass(frozen=True)
 class BucketKey:
     """A bucketed pass's shape: ``rows`` x ``width`` tokens through rank-``rank`` adapters on ``layers`` (ids), with
-    one LoRA scale for all (``scale``) or each row its own (None)."""
+    one LoRA scale for all (``scale``) or each row its own (None); ``grad``: a forward_backward's (else a
+    forward's: no autograd graph, no backward)."""
 
     rows: int
     width: int
     rank: int
     layers: frozenset[int]
     scale: Optional[float]
+    grad: bool = True
 
 
 @dataclass(frozen=True)
@@ -111,7 +113,7 @@ class _Bucket:
 
     def _logits(self) -> torch.Tensor:
         self.rows.taken = []
-        with torch.enable_grad(), self.routing.fixed_rows(self.rows):
+        with torch.set_grad_enabled(self.key.grad), self.routing.fixed_rows(self.rows):
             out = self.model(input_ids=self.ids, use_cache=False).logits
         self.taken = self.rows.taken
         return out
@@ -120,7 +122,8 @@ class _Bucket:
         return [w for _, a, b in self.taken for w in (a, b)]
 
     def forward(self) -> torch.Tensor:
-        """The pass's logits (``(rows, width, vocab)``, the model's dtype), detached: :meth:`backward` follows."""
+        """The pass's logits (``(rows, width, vocab)``, the model's dtype), detached; in a forward_backward's bucket
+        :meth:`backward` follows."""
         if self.graphs is not None:
             self.graphs[0].replay()
             return self.out.detach()
@@ -146,13 +149,17 @@ class _Bucket:
         with torch.cuda.stream(side):
             for _ in range(2):
                 out = self._logits()
-                torch.autograd.grad(out, self._inputs(), torch.zeros_like(out), allow_unused=True)
+                if self.key.grad:
+                    torch.autograd.grad(out, self._inputs(), torch.zeros_like(out), allow_unused=True)
         torch.cuda.current_stream().wait_stream(side)
         fwd, bwd = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
         # thread_local: the actor's other threads (Ray's, asyncio's) may touch CUDA meanwhile. transformers sees the
         # capture (is_tracing) and builds the causal mask on the device instead of checking it on the host
         with torch.cuda.graph(fwd, pool=pool, capture_error_mode="thread_local"):
             out = self._logits()
+        if not self.key.grad:
+            self.graphs, self.out = (fwd, None), out
+            return
         grad_out = torch.zeros_like(out)
         with torch.cuda.graph(bwd, pool=pool, capture_error_mode="thread_local"):
             grads = torch.autograd.grad(out, self._inputs(), grad_out, allow_unused=True)
@@ -190,10 +197,12 @@ class PassGraphs:
         self._pool: Any = None
         self._anchor = torch.zeros((), requires_grad=True)
 
-    def logprobs(self, batch: list[Datum], adapters: list[str]) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-        """``(logprobs, valid)`` of a backward micro-batch (row ``i`` through adapter ``adapters[i]``) as
-        :func:`~otray.actors.learner.core.token_logprobs` gives them, from a bucketed pass; None when the batch
-        is not one for a bucket (the caller runs the routed path)."""
+    def logprobs(self, batch: list[Datum], adapters: list[str], backward: bool = True
+                 ) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """``(logprobs, valid)`` of a micro-batch (row ``i`` through adapter ``adapters[i]``; ``backward``: a
+        forward_backward's, whose logprobs take the gradient) as :func:`~otray.actors.learner.core.token_logprobs`
+        gives them, from a bucketed pass; None when the batch is not one for a bucket (the caller runs the routed
+        path)."""
         if self.gate.main is not None and threading.get_ident() != self.gate.main:
             return None  # a side lane's pass: buckets are the main lane's (one bucket's forward, then its backward)
         if any(d.images for d in batch):
@@ -202,7 +211,8 @@ class PassGraphs:
         if plan is None:
             return None
         width = max(len(d) for d in batch)
-        key = BucketKey(bucket_size(len(batch)), bucket_size(width, WIDTH_STEP), plan.rank, plan.layers, plan.scale)
+        key = BucketKey(bucket_size(len(batch)), bucket_size(width, WIDTH_STEP), plan.rank, plan.layers, plan.scale,
+                        backward)
         if key.rows * key.width > self.max_tokens:
             return None
         bucket = self._bucket(key)
@@ -217,7 +227,7 @@ class PassGraphs:
                                      non_blocking=True)
         self.counts["passes"] += 1
         self.counts["replays"] += bucket.graphs is not None
-        logits = _Replay.apply(self._anchor, bucket, self, tuple(slots))
+        logits = _Replay.apply(self._anchor, bucket, self, tuple(slots)) if backward else bucket.forward()
         logits = sampled_logits(self.model, logits[:len(batch), :width])
         valid = pad_rows([[1.0] * len(d) for d in batch], width, 0.0, torch.float32, str(self.device))
         return targets_logprobs(logits, batch, str(self.device)), valid

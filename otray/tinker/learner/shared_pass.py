@@ -71,7 +71,7 @@ class _Answer:
 class SharedPass:
     """Several requests (of one pack key, adapters that exist) in shared passes on ``model``: ``ranks`` (each
     adapter's rank, for grouping), ``params`` (an adapter's LoRA parameters). :meth:`run` gives each request
-    a :class:`PassResult` or its exception; ``applied`` says whether any gradient was added. ``graphs``: backward
+    a :class:`PassResult` or its exception; ``applied`` says whether any gradient was added. ``graphs``:
     micro-batches run as bucketed passes where they can (:class:`~otray.tinker.learner.pass_graphs.PassGraphs`)."""
 
     def __init__(self, model: Any, routing: RowRouting, device: str, micro_batch_tokens: int, ranks: dict[str, int],
@@ -108,8 +108,8 @@ class SharedPass:
         batch = [requests[i].datums[j] for i, j in rows]
         owners = [i for i, _ in rows]
         with torch.set_grad_enabled(backward), self.routing.routed(groups_of([requests[i].adapter for i in owners])):
-            bucketed = self.graphs.logprobs(batch, [requests[i].adapter for i in owners]) \
-                if self.graphs is not None and backward else None
+            bucketed = self.graphs.logprobs(batch, [requests[i].adapter for i in owners], backward) \
+                if self.graphs is not None else None
             lp, valid = bucketed or batch_logprobs(self.model, batch, self.device)
             terms, parts = [], []
             todo = self._loss_groups(requests, [i for i in dict.fromkeys(owners) if not isinstance(out[i], Exception)])
