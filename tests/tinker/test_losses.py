@@ -4,8 +4,8 @@ sequence_ratio_mask, per-token clip thresholds, and custom losses (uploaded and 
 the service advertises ``custom_loss_server_side``; the client-side path is in test_rest.py). Each is checked against a float64 reference
 computed here from the service's own forward logprobs; each refusal is a user error naming the
 problem, and the same client's next request is served at once. The model runs with ``graph_passes`` on, so
-every forward_backward here is a bucketed pass (otray/tinker/learner/pass_graphs.py: eager on the CPU), checked
-through the real SDK against references from forward passes, which take the routed path."""
+every forward_backward and forward here is a bucketed pass (otray/tinker/learner/pass_graphs.py: eager on the
+CPU; tests/tinker/test_pass_graphs.py holds them against routed passes in-process)."""
 
 from __future__ import annotations
 
@@ -236,7 +236,7 @@ def test_custom_losses_run_server_side_and_train_as_the_same_builtin_loss(svc, t
                                                                   for d in data]))
     sc.close("success").result()
     graphs = ray.get(ray.get_actor(f"{NAME}-learner-{BASE}", namespace=NAMESPACE).usage.remote())["graphs"]
-    assert graphs["passes"] >= 5 and graphs["failed"] == 0, graphs  # the forward_backward calls above were bucketed
+    assert graphs["passes"] >= 5 and graphs["failed"] == 0, graphs  # the calls above were bucketed
 
 
 def test_custom_loss_refusals_name_the_problem_and_leave_the_client_served(svc, tokenizer):
