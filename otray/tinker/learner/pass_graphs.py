@@ -22,19 +22,19 @@ its parameters' (multi-tensor adds: :meth:`PassGraphs.add_grads`). So an adapter
 its own (tests/tinker/test_pass_graphs.py).
 
 A bucket's first pass runs eagerly; from its second, on a CUDA device, its forward and its backward are captured
-(two graphs, or the forward alone for a forward-only bucket; every bucket's in one memory pool, safe because a bucket's backward always follows its own forward
-before another bucket runs) and replayed. At most ``MAX_GRAPHS`` buckets keep graphs (each keeps its logits and
-gradients; the least recently used is dropped). A capture that fails leaves its bucket eager for good and its
-reason in :attr:`PassGraphs.failures`. A bank grown (a new adapter past its slots) drops every bucket: they read
-the old banks.
+(two graphs; a forward-only bucket's forward alone) and replayed. Every bucket's graphs share one memory pool,
+safe because a bucket's backward always follows its own forward before another bucket runs. At most
+``MAX_GRAPHS`` buckets are kept (each keeps its logits and gradients; the least recently used is dropped). A
+capture that fails leaves its bucket eager for good and its reason in :attr:`PassGraphs.failures`. A bank grown
+(a new adapter past its slots) drops every bucket: they read the old banks.
 
-Which passes: forward_backward and forward passes (a bucket is one or the other) whose rows are all of adapters of one rank,
-one scale per adapter and the same layers, with no images, of at most ``max_tokens`` tokens once bucketed, on the
-learner's main compute thread (a side lane's pass runs routed). The rest run the routed path, unchanged.
+Which passes: forward_backward and forward passes (a bucket is one or the other) whose rows are all of adapters
+of one rank, one scale per adapter and the same layers, with no images, of at most ``max_tokens`` tokens once
+bucketed, on the learner's main compute thread (a side lane's pass runs routed). The rest run the routed path.
 
-On the CPU (``capture=False``) the bucketed passes run eagerly: the path the tests check; whether graphs pay is
-measured on a GPU (``benchmarks/tinker_shared_passes.py --parts kernels``, ``graphs_*`` rows; ``make gpu-check-tinker``).
-On the CPU the eager bucketed pass costs 0.88-1.00x the routed one (docs/notes/tinker.md).
+On the CPU (``capture=False``) the bucketed passes run eagerly, at 0.88-1.00x the routed pass's cost
+(docs/notes/tinker.md): the path the tests check. Whether graphs pay is measured on a GPU
+(``benchmarks/tinker_shared_passes.py --parts kernels``, ``graphs_*`` rows; ``make gpu-check-tinker``).
 
 Runs in the SharedLearner actor of one base model."""
 
@@ -48,13 +48,13 @@ from typing import Any, Optional, Sequence
 import torch
 
 from otray.actors.learner.core import pad_rows, sampled_logits, targets_logprobs
+from otray.tinker.learner.fixed_rows import FixedRows
 from otray.tinker.learner.lane_gate import LaneGate
 from otray.tinker.learner.lora_bank import LoraBank
-from otray.tinker.learner.fixed_rows import FixedRows
 from otray.tinker.learner.mixed_lora import RowRouting
 from otray.types import Datum
 
-MAX_GRAPHS = 6  # buckets that keep captured graphs (each holds its logits, gradients and activations' pool share)
+MAX_GRAPHS = 6  # buckets kept, with their graphs (each holds its logits, gradients and its share of the pool)
 WIDTH_STEP = 8  # a bucket's width is a multiple of it
 GRAPH_TOKENS = 4096  # the largest bucket (its logits, their gradient: ~2.5 GB in bf16 for a 152k vocabulary)
 
