@@ -2,7 +2,8 @@
 logprob gap in bf16 and float32, full and LoRA weight updates reaching the sampler, ``dtype: auto``,
 float32 master weights and Adam state that an lr-1e-6 step moves, a left-padded batch with stop
 strings, checkpoints (CUDA RNG included) saved and loaded on CUDA, colocated sampling, Ray actors
-holding GPU memory, the tiny VLM's learner and sampler, the Tinker service's custom loss interpreter. Run on a lent GPU machine with ``make gpu-check`` (NOTES.md, "GPU check").
+holding GPU memory, the tiny VLM's learner and sampler, the Tinker service's custom loss interpreter and its
+bucketed shared passes replayed as CUDA graphs. Run on a lent GPU machine with ``make gpu-check`` (NOTES.md, "GPU check").
 
 Without a GPU the smoke runs of ``benchmarks/gpu_check.py`` and ``benchmarks/learner_fairness.py`` run on
 the CPU, and so do the ``gpu`` tests that do not need CUDA itself (no CUDA RNG, memory, bf16 autocast or
