@@ -71,6 +71,16 @@ def requests(learner: AdapterLearner, loss_fn: str, seed: int, graph=None, k: in
     return out
 
 
+def same_grads(shared: dict[str, list[torch.Tensor]], learner: AdapterLearner, adapters, real: str = "all") -> None:
+    """Each adapter's gradients now (its own passes') equal ``shared`` (a shared pass's, taken with :func:`grads`)
+    to 1e-5; ``real``: whether all of its tensors' gradients must be nonzero (A's and B's), or any."""
+    for name in adapters:
+        own = grads(learner, name)
+        assert (all if real == "all" else any)(g.abs().sum() > 0 for g in own), name  # real gradients compared
+        for g, h in zip(shared[name], own):
+            assert torch.allclose(g, h, atol=1e-5, rtol=1e-4), name
+
+
 def same(mixed, alone) -> None:
     for m, a in zip(mixed, alone):
         assert len(m.logprobs) == len(a.logprobs)
@@ -101,11 +111,7 @@ def test_a_mixed_pass_gives_each_request_what_its_own_pass_gives(learner, loss_f
     mixed_grads = {r.adapter: grads(learner, r.adapter) for r in reqs}
     alone = [learner.forward_backward(r.adapter, r.datums, r.loss_fn, r.loss_fn_config, True, r.graph) for r in reqs]
     same(mixed, alone)
-    for r in reqs:
-        own = grads(learner, r.adapter)
-        assert any(g.abs().sum() > 0 for g in own), r.adapter  # the check below compares real gradients
-        for g, h in zip(mixed_grads[r.adapter], own):
-            assert torch.allclose(g, h, atol=1e-5, rtol=1e-4), r.adapter
+    same_grads(mixed_grads, learner, [r.adapter for r in reqs], real="any")
 
 
 def test_batched_small_users_equal_their_own_passes(tiny_path):
@@ -127,11 +133,7 @@ def test_batched_small_users_equal_their_own_passes(tiny_path):
     mixed_grads = {r.adapter: grads(learner, r.adapter) for r in reqs}
     alone = [learner.forward_backward(r.adapter, r.datums, r.loss_fn, r.loss_fn_config) for r in reqs]
     same(mixed, alone)
-    for r in reqs:
-        own = grads(learner, r.adapter)
-        assert all(g.abs().sum() > 0 for g in own), r.adapter  # A's and B's gradients both real
-        for g, h in zip(mixed_grads[r.adapter], own):
-            assert torch.allclose(g, h, atol=1e-5, rtol=1e-4), r.adapter
+    same_grads(mixed_grads, learner, [r.adapter for r in reqs])
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

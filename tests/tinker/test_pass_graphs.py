@@ -16,7 +16,7 @@ import torch
 from otray.tinker.learner.adapter_learner import AdapterLearner
 from otray.tinker.learner.passes import PassRequest
 from otray.tinker.learner.specs import AdamStep, AdapterSpec
-from tests.tinker.test_mixed_passes import datum, grads, same
+from tests.tinker.test_mixed_passes import datum, grads, same, same_grads
 
 
 def learner_with(tiny_path: str, users: dict[str, AdapterSpec], graph_passes: bool = True) -> AdapterLearner:
@@ -61,11 +61,7 @@ def test_a_bucketed_pass_gives_each_request_what_its_own_pass_gives(tiny_path, l
     alone = [[learner.forward_backward(r.adapter, r.datums, r.loss_fn, r.loss_fn_config, True, r.graph)
               for _ in range(2)][-1] for r in reqs]
     same(mixed, alone)
-    for r in reqs:
-        own = grads(learner, r.adapter)
-        assert all(g.abs().sum() > 0 for g in own), r.adapter  # A's and B's gradients both real
-        for g, h in zip(mixed_grads[r.adapter], own):
-            assert torch.allclose(g, h, atol=1e-5, rtol=1e-4), r.adapter
+    same_grads(mixed_grads, learner, [r.adapter for r in reqs])
 
 
 def test_a_forward_only_pass_has_buckets_of_its_own_and_leaves_no_gradient(tiny_path):
@@ -101,9 +97,7 @@ def test_adapters_of_other_scales_share_a_bucket_with_a_scale_per_row(tiny_path)
     assert key.scale is None and learner.graphs.counts["passes"] == 1
     mixed_grads = {r.adapter: grads(learner, r.adapter) for r in reqs}
     same(mixed, [learner.forward_backward(r.adapter, r.datums, r.loss_fn) for r in reqs])
-    for r in reqs:
-        for g, h in zip(mixed_grads[r.adapter], grads(learner, r.adapter)):
-            assert torch.allclose(g, h, atol=1e-5, rtol=1e-4), r.adapter
+    same_grads(mixed_grads, learner, [r.adapter for r in reqs])
 
 
 def test_adapters_trained_in_bucketed_passes_equal_adapters_trained_alone(tiny_path):
@@ -214,6 +208,4 @@ def test_a_bucketed_pass_built_as_under_a_cuda_capture_equals_own_passes(tiny_pa
     assert built and all(m is not None for m in built) and learner.graphs.counts["passes"] == 1
     mixed_grads = {r.adapter: grads(learner, r.adapter) for r in reqs}
     same(mixed, [learner.forward_backward(r.adapter, r.datums, r.loss_fn) for r in reqs])
-    for r in reqs:
-        for g, h in zip(mixed_grads[r.adapter], grads(learner, r.adapter)):
-            assert torch.allclose(g, h, atol=1e-5, rtol=1e-4), r.adapter
+    same_grads(mixed_grads, learner, [r.adapter for r in reqs])
