@@ -7,6 +7,7 @@ tests/tinker/test_service.py and benchmarks/tinker_fairness.py."""
 from __future__ import annotations
 
 import asyncio
+import random
 
 import pytest
 
@@ -114,6 +115,41 @@ def test_a_client_looping_steps_keeps_its_turn_across_round_trips_while_owed_it(
     span = ran[ran.index("bob-fb"):len(ran) - ran[::-1].index("bob-optim")]
     back_to_back = sum(a == "bob-optim" and b == "bob-fb" for a, b in zip(span, span[1:]))
     assert back_to_back >= 3 and span.count("alice") >= 3, span
+
+
+def loop_alike(users: int, loops: int, keep_alike_turns: bool = False) -> tuple[FairQueue, list[str], float]:
+    """``users`` users each looping ``loops`` one-slice calls (a forward_backward and its optim_step queued together,
+    as ``SharedLearner.train_step`` queues them, then a round trip): the queue, whose step ran in turn, the seconds.
+    ``keep_alike_turns``: turns kept as before session 69, whatever the others do."""
+    async def main() -> tuple[FairQueue, list[str], float]:
+        queue, ran = FairQueue(follow_s=0.2), []
+        if keep_alike_turns:
+            queue.turns.alike = lambda name: False
+
+        async def user(name: str) -> None:
+            costs = random.Random(name)  # steps of one size measure a few ms apart (so one user leads by a sliver)
+            for _ in range(loops):
+                await asyncio.gather(queue.run(name, name, [step(ran, name, costs.uniform(0.006, 0.014))], follow=True),
+                                     queue.run(name, name, [step(ran, name, 0.002)]))
+                await asyncio.sleep(0.006)  # the answer's way back and the next call's way in
+
+        t0 = asyncio.get_running_loop().time()
+        await asyncio.gather(*(user(f"u{i}") for i in range(users)))
+        return queue, ran, asyncio.get_running_loop().time() - t0
+
+    return asyncio.run(main())
+
+
+def test_users_looping_alike_take_turns_without_the_learner_idling_for_any_of_them():
+    """Four equal users, each looping one-slice calls with a round trip between them: each loses its turn at its
+    round trip as the others do, so no turn is kept for one (it would lead the rest by a sliver: the learner idle
+    for its round trip while the others' calls wait, 15% of it with eight one-datum users, session 69), and
+    they still share the learner evenly. Turns kept regardless (before): the learner idles."""
+    queue, ran, seconds = loop_alike(4, 12)
+    assert queue.followers.held < 0.05 * seconds, (queue.followers.held, seconds)
+    assert sorted(ran[:40].count(f"u{i}") for i in range(4))[0] >= 8, ran[:40]  # even turns while all loop
+    kept, _, _ = loop_alike(4, 12, keep_alike_turns=True)
+    assert kept.followers.held > 2 * queue.followers.held + 0.02, (kept.followers.held, queue.followers.held)
 
 
 def test_two_busy_users_share_the_learner_by_time_in_proportion_to_weight():

@@ -12,7 +12,7 @@ start-time fair queueing over users:
 - a client's jobs run in the order they came (the service sends a model's requests in ``seq_id``
   order); its next job is ready the moment the previous one ends, so a pipelined ``optim_step``
   keeps the turn its ``forward_backward`` had, and a client whose next job usually comes within
-  ``follow_s`` keeps its turn for it while owed it (:meth:`FairQueue._hold`);
+  ``follow_s`` keeps its turn for it while owed it (:mod:`otray.tinker.learner.kept_turns`);
 - each user has a virtual clock ``finish``: learner seconds used, divided by its ``weight``; the
   next step is the user's with the earliest ``max(V, finish)`` among those with work, ``V`` the start
   of the last step run (a user idle for a while starts at ``V``: no credit for time it did not ask
@@ -61,6 +61,7 @@ from otray.tinker.config import Share
 from otray.tinker.learner.fair_jobs import (Job, Member, Pack, Packable, Step, User, head, next_steps, run_call,
                                             slices, unrun)
 from otray.tinker.learner.followers import Followers
+from otray.tinker.learner.kept_turns import KeptTurns
 from otray.tinker.learner.side_lane import SideLane
 
 __all__ = ["FairQueue", "Packable", "slices"]
@@ -79,7 +80,7 @@ class FairQueue:
         self.side = SideLane(self, side, side_tokens if policy == "fair" else 0, paused)
         self.first_keys = frozenset(first_keys) if pack is not None and pass_tokens > 0 and policy == "fair" else frozenset()
         self.followers = Followers()
-        self.hold_due: dict[str, float] = {}  # user -> seconds of a hold its job ended, charged with that job's step
+        self.turns = KeptTurns(self)  # turns kept for a client's next job (its round trip)
         self.running: set[int] = set()  # ids of the jobs whose step is on the learner now
         self.passes: list[int] = []  # steps per shared call, the latest 1,000 (tests)
         self.shared = {"calls": 0, "steps": 0}  # shared calls and the steps they held, since the start
@@ -98,7 +99,7 @@ class FairQueue:
     async def run(self, user: str, client: str, steps: Sequence[Union[Step, Packable]], follow: bool = False) -> list[Any]:
         """Run ``steps`` of ``client`` (``user``'s) in order, each in its turn; their results. A step that
         raises ends the job (its later steps do not run) and the exception is raised here. ``follow``:
-        the client's next job is likely on its way (see :meth:`_hold`)."""
+        the client's next job is likely on its way (:meth:`KeptTurns.hold`)."""
         job = Job(deque(steps), asyncio.get_running_loop().create_future(), next(self.arrivals), follow)
         self.users.setdefault(user, User()).clients.setdefault(client, deque()).append(job)
         self.followers.arrived(user, client, head(steps))  # also wakes a held turn (Followers.wait)
@@ -171,7 +172,7 @@ class FairQueue:
                 if self.first_keys and isinstance(steps[0], Packable):
                     await self._gather([(m[0], m[2]) for m in members if not m[3].steps])
                 elif not job.steps and self.pending and self.policy == "fair":
-                    await self._hold(name, client, job.follow)
+                    await self.turns.hold(name, client, job.follow)
         except Exception as e:  # a fault of the queue itself: every waiting caller learns it (none hangs)
             self.fail_all(e)
             raise
@@ -198,7 +199,7 @@ class FairQueue:
         spent = max(time.monotonic() - t0 - waited, 0.0)
         for (n, mu, c, mjob), outcome, t in zip(members, outcomes, tokens):
             share = spent * t / sum(tokens)  # a shared pass is charged by tokens
-            mu.finish = max(self.vtime, mu.finish) + (share + self.hold_due.pop(n, 0.0)) / self.share(n).weight
+            mu.finish = max(self.vtime, mu.finish) + (share + self.turns.due.pop(n, 0.0)) / self.share(n).weight
             self.used[n] = self.used.get(n, 0.0) + share
             self.steps[n] = self.steps.get(n, 0) + 1
             left = mjob.took(outcome)
@@ -271,24 +272,6 @@ class FairQueue:
         if not u.clients and u.finish <= self.vtime:  # nothing to remember: it would start at V anyway
             del self.users[name]
 
-    async def _hold(self, name: str, client: str, follow: bool) -> None:
-        """A job of ``client`` ended. If its next job is likely on its way (``follow``: a forward_backward's
-        optim_step, kept up to ``follow_s``; or its last next job came within ``follow_s``, a loop of steps, kept up
-        to twice that gap) and that user is owed the next turn, keep the turn for it. Without it a looping user
-        lost its turn at each round trip: ~35% of the learner beside a busy one, not half (``custom_loss_bound.py``).
-        A hold is charged to that user as learner time: at once when no job came, else with that job's step
-        (uncharged, a looping user took it on top of its half: busy alice 44%)."""
-        within = self.follow_s if follow else self.followers.window(name, client, self.follow_s)
-        if within is None or not (follow or self._owed(name)):
-            return
-        t0 = time.monotonic()
-        await self.followers.wait(lambda: not self._owed(name) or client in self.users[name].clients, t0 + within)
-        waited, u = time.monotonic() - t0, self.users.get(name)
-        if u is not None and client in u.clients:
-            self.hold_due[name] = self.hold_due.get(name, 0.0) + waited
-        elif u is not None:
-            u.finish += waited / self.share(name).weight
-
     async def _await_riders(self, first: Member) -> None:
         """Before a shared pass, wait for the due clients whose next step would ride in it (:meth:`Followers.riders`):
         clients looping alike share each pass, not cohorts taking turns (not with ``first_keys``: it gathers)."""
@@ -306,18 +289,9 @@ class FairQueue:
         """After a shared call: wait for the next jobs of those ``clients`` (user, client) whose next job came
         within ``follow_s`` last time, up to twice the slowest of their gaps (and ``follow_s``), so they share the
         next call instead of forming a cohort of their own. A wait that a client does not end is charged to its
-        user, as :meth:`_hold`'s is."""
+        user, as a kept turn is (:meth:`KeptTurns.hold`)."""
         late, waited = await self.followers.gather(clients, self.follow_s,
                                                    lambda n, c: n in self.users and c in self.users[n].clients)
         for n, _ in late:
             if n in self.users:
                 self.users[n].finish += waited / len(late) / self.share(n).weight
-
-    def _owed(self, name: str) -> bool:
-        """``name`` would be chosen next over every other user with work waiting."""
-        mine = self.users.get(name)
-        others = [(n, u) for n, u in self.users.items() if n != name and u.clients]
-        if mine is None or not others:
-            return False
-        tag = (-self.share(name).priority, max(self.vtime, mine.finish))
-        return all(tag <= (-self.share(n).priority, max(self.vtime, u.finish)) for n, u in others)

@@ -69,7 +69,7 @@ class _Slice:
 class SharedLearner:
     """Ray actor: one base model's adapters, trained and sampled in fair turns (``policy``: fair | fifo;
     ``shares``: an admin's weights and priorities by user; ``slice_tokens``: 0 for whole calls;
-    ``follow_s``: how long a turn is kept for a forward_backward's optim_step, :meth:`FairQueue._hold`;
+    ``follow_s``: how long a turn is kept for a forward_backward's optim_step, :meth:`~otray.tinker.learner.kept_turns.KeptTurns.hold`;
     ``pass_tokens``: slices of several clients share a pass up to this many tokens, 0: never;
     ``wait_for_followers``: optimizer steps first and shared calls wait for their clients' next jobs,
     :mod:`otray.tinker.learner.fair`'s "Cohorts"; ``side_tokens``: small steps of other clients, up to this many
@@ -113,7 +113,7 @@ class SharedLearner:
 
     def usage(self) -> dict[str, Any]:
         """Learner seconds and steps by user since the actor started, the seconds turns were kept for a
-        follower (:meth:`FairQueue._hold`), shared calls, packable calls and their steps by pack key, the
+        follower (:meth:`~otray.tinker.learner.kept_turns.KeptTurns.hold`), shared calls, packable calls and their steps by pack key, the
         sampling calls ended early (:meth:`abort_sample`), the side lane's calls and steps, and the
         :meth:`train_step` calls, the :meth:`calls` calls with the training calls they held, and with
         ``graph_passes`` the bucketed passes, those replayed as CUDA graphs, the captures and the failed ones."""
