@@ -86,7 +86,8 @@ def learner_rates(args, path: str, done_row: Callable[[dict[str, Any]], None]) -
     known = {"own": (0, False, 0, 1), "own2": (0, False, 0, 2), "shared": (passes, False, 0, 1),
              "shared2": (passes, False, 0, 2), "shared_alone": (passes, False, 0, 1),
              "followers": (passes, True, 0, 1), "side": (passes, False, 64, 2), "inline": (passes, False, 0, 1),
-             "graphs": (passes, False, 0, 1)}  # graphs: models[i].graph_passes (bucketed; CUDA graphs on a GPU)
+             "graphs": (passes, False, 0, 1),  # graphs: models[i].graph_passes (bucketed; CUDA graphs on a GPU)
+             "own_kept": (0, False, 0, 1)}  # own, turns kept among users looping alike (before session 69)
     modes = {m: known[m] for m in args.modes.split(",")}
     # --client service: the calls each mode's service would coalesce (own: none, as before shared passes)
     coalesce = {m: 0 if m.startswith("own") or m == "shared_alone" else TinkerScheduling().coalesce_tokens for m in modes}
@@ -110,11 +111,20 @@ def learner_rates(args, path: str, done_row: Callable[[dict[str, Any]], None]) -
         def _optim_answers(self, works):
             return self.learner.optim_many(works)
 
+    class KeptTurns(SharedLearner):
+        """``own_kept``: a pass per user, with a looping user's turn kept across its round trip while owed it
+        even among users who loop alike (before session 69: :mod:`otray.tinker.learner.kept_turns`)."""
+
+        def __init__(self, *args: Any, **kwargs: Any):
+            super().__init__(*args, **kwargs)
+            self.queue.turns.alike = lambda name: False
+
     users_list = [int(u) for u in args.users.split(",")]
     t0 = time.perf_counter()
     learners = {}
     for mode, (pass_tokens, wait, side, cpus) in modes.items():
-        learners[mode] = ray.remote(InlineUpdates if mode == "inline" else SharedLearner).options(num_cpus=cpus, num_gpus=0.3 if args.gpu else 0).remote(
+        kind = {"inline": InlineUpdates, "own_kept": KeptTurns}.get(mode, SharedLearner)
+        learners[mode] = ray.remote(kind).options(num_cpus=cpus, num_gpus=0.3 if args.gpu else 0).remote(
             path, slice_tokens=TinkerScheduling().slice_tokens, pass_tokens=pass_tokens, wait_for_followers=wait,
             side_tokens=side, num_threads=None if args.gpu else (1 if side else cpus), graph_passes=mode == "graphs")
         ray.get([learners[mode].create.remote(f"u{i}", f"u{i}", AdapterSpec(args.rank, i))
@@ -439,7 +449,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                          "shared, shared2 (shared on 2 torch threads), shared_alone (shared, never coalesced by --client service), followers (wait_for_followers), side (shared "
                          "with the side lane: 2 lanes of 1 thread), "
                          "inline (shared, each optimizer update run before its step is answered), graphs (shared, "
-                         "bucketed passes: models[i].graph_passes, CUDA graphs on a GPU)")
+                         "bucketed passes: models[i].graph_passes, CUDA graphs on a GPU), own_kept (own, with turns "
+                         "kept among users looping alike, as before session 69)")
     ap.add_argument("--client", choices=("sequential", "pipelined", "ahead", "fused", "fused-ahead", "service"),
                     default="service",
                     help="how a throughput user sends a step: forward_backward's result awaited before optim_step "
