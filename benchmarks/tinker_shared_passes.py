@@ -111,7 +111,7 @@ def learner_rates(args, path: str, done_row: Callable[[dict[str, Any]], None]) -
         def _optim_answers(self, works):
             return self.learner.optim_many(works)
 
-    class KeptTurns(SharedLearner):
+    class TurnsKeptAmongAlike(SharedLearner):
         """``own_kept``: a pass per user, with a looping user's turn kept across its round trip while owed it
         even among users who loop alike (before session 69: :mod:`otray.tinker.learner.kept_turns`)."""
 
@@ -123,7 +123,7 @@ def learner_rates(args, path: str, done_row: Callable[[dict[str, Any]], None]) -
     t0 = time.perf_counter()
     learners = {}
     for mode, (pass_tokens, wait, side, cpus) in modes.items():
-        kind = {"inline": InlineUpdates, "own_kept": KeptTurns}.get(mode, SharedLearner)
+        kind = {"inline": InlineUpdates, "own_kept": TurnsKeptAmongAlike}.get(mode, SharedLearner)
         learners[mode] = ray.remote(kind).options(num_cpus=cpus, num_gpus=0.3 if args.gpu else 0).remote(
             path, slice_tokens=TinkerScheduling().slice_tokens, pass_tokens=pass_tokens, wait_for_followers=wait,
             side_tokens=side, num_threads=None if args.gpu else (1 if side else cpus), graph_passes=mode == "graphs")
