@@ -204,7 +204,9 @@ def learner_rates(args, path: str, done_row: Callable[[dict[str, Any]], None]) -
         line = "; ".join(f"{m} {row[m]['datums_per_s']:.1f} ({row[f'{m}_over_own'] or float('nan'):.2f}x; a call holds "
                          + ", ".join(f"{k} {v:.1f}" for k, v in row[m]["steps_per_call_by_key"].items()) + ")"
                          for m in others)
-        print(f"N={users:2}: own {own:.1f} datums/s; {line}", flush=True)
+        idle = row["own"]["learner_waiting_share"]  # a baseline that idles flatters every ratio (session 69)
+        print(f"N={users:2}: own {own:.1f} datums/s (its learner kept waiting {idle:.0%}"
+              + (": a ratio against it is too kind" if idle > 0.05 else "") + f"); {line}", flush=True)
         rows[str(users) if str(users) not in rows else f"{users}#{k}"] = row  # (an N again: another rotation)
         done_row(rows)
     if len(users_list) > len(set(users_list)):  # an N measured in several rotations: its ratios' spread
