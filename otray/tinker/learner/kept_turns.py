@@ -8,8 +8,8 @@ looping user lost its turn at each round trip: ~35% of the learner beside a busy
 
 Users who all loop alike lose their turns at their round trips alike, so among them a turn is kept only for a
 user that leads the others by more than the learner would idle: eight equal users looping one-datum steps, a
-pass each, kept 15% of the learner idle for leads of 1.5 ms (median) and took 11% fewer steps a second
-(session 69, ``/tmp``-free: NOTES, issue 53).
+pass each, kept 15-22% of the learner idle for leads of 1.5 ms (median) and ran at 0.94x the steps a second
+(session 69: ``benchmarks/tinker_shared_passes.py --modes own,own_kept``; NOTES, issue 53).
 
 Runs in the SharedLearner actor of one base model."""
 
