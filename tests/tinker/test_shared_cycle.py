@@ -22,5 +22,6 @@ def test_a_cycles_gaps_and_the_compute_threads_idle_share_are_read_from_the_mark
     assert got["gaps_ms"]["pass->optim"] == pytest.approx(60) and got["gaps_ms"]["updated->send"] == pytest.approx(25)
     assert list(got["gaps_ms"])[0] == "pass->optim"  # the biggest part first
     assert got["compute_idle_share"] == pytest.approx(62 / 200)
-    late = timeline([(n, at + (0.01 if n == "out" else 0.0)) for n, at in marks], 0.0, 0.3)  # out at 75: after the update
+    # the answer leaving at 75, after the update's end: the thread is free from then
+    late = timeline([(n, at + (0.01 if n == "out" else 0.0)) for n, at in marks], 0.0, 0.3)
     assert late["compute_idle_share"] == pytest.approx(52 / 200)
