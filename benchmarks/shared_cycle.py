@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.results_io import RESULTS, save  # noqa: E402
-from benchmarks.tinker_shared_passes import TEXT  # noqa: E402
+from benchmarks.tinker_shared_passes import TEXT, relay_class  # noqa: E402
 
 
 def actors() -> tuple[type, type]:
@@ -63,14 +63,13 @@ def actors() -> tuple[type, type]:
         def take_marks(self) -> list[tuple[str, float]]:
             return self.marks
 
-    class Relay:
-        """A training client's pair on its way to the learner as the TinkerService sends it, noting when a
-        coalesced call is sent and answered."""
+    class Relay(relay_class()):
+        """The service's relay (``tinker_shared_passes.py --client service``), noting when a coalesced call is sent
+        and answered."""
 
         def __init__(self, learner: Any, small_tokens: int):
-            from otray.tinker.service.learner_calls import LearnerCalls
-
-            self.learner, self.calls, self.marks = learner, LearnerCalls(small_tokens), []
+            super().__init__(learner, small_tokens)
+            self.marks: list[tuple[str, float]] = []
             call = self.calls._call
 
             async def marked(handle: Any, members: list[Any]) -> None:
@@ -79,9 +78,6 @@ def actors() -> tuple[type, type]:
                 self.marks.append(("answered", time.time()))
 
             self.calls._call = marked
-
-        async def train_step(self, call: Any) -> Any:
-            return await self.calls.send(call, lambda: self.learner)
 
         def take_marks(self) -> list[tuple[str, float]]:
             return self.marks

@@ -65,6 +65,25 @@ def per_key(before: dict[str, dict[str, int]], after: dict[str, dict[str, int]])
     return out
 
 
+def relay_class() -> type:
+    """The relay actor's class for ``--client service`` (made in a function, so Ray ships it by value)."""
+
+    class Relay:
+        """A training client's pair on its way to the learner as the TinkerService sends it, through
+        :class:`~otray.tinker.service.learner_calls.LearnerCalls` (small calls of several clients as one learner
+        call)."""
+
+        def __init__(self, learner: Any, small_tokens: int):
+            from otray.tinker.service.learner_calls import LearnerCalls
+
+            self.learner, self.calls = learner, LearnerCalls(small_tokens)
+
+        async def train_step(self, call: Any) -> Any:
+            return await self.calls.send(call, lambda: self.learner)
+
+    return Relay
+
+
 def learner_rates(args, path: str, done_row: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
     """Aggregate datums/s of N users' one-datum steps, per N (``args.users``), on a learner with and without
     shared passes; ``done_row(rows)`` after each N (the script saves what it has: a time cap keeps it)."""
@@ -92,18 +111,7 @@ def learner_rates(args, path: str, done_row: Callable[[dict[str, Any]], None]) -
     # --client service: the calls each mode's service would coalesce (own: none, as before shared passes)
     coalesce = {m: 0 if m.startswith("own") or m == "shared_alone" else TinkerScheduling().coalesce_tokens for m in modes}
 
-    class Relay:
-        """``--client service``: a training client's pair on its way to the learner as the TinkerService sends
-        it, through :class:`~otray.tinker.service.learner_calls.LearnerCalls` (small calls of several clients as
-        one learner call)."""
-
-        def __init__(self, learner: Any, small_tokens: int):
-            from otray.tinker.service.learner_calls import LearnerCalls
-
-            self.learner, self.calls = learner, LearnerCalls(small_tokens)
-
-        async def train_step(self, call: Any) -> Any:
-            return await self.calls.send(call, lambda: self.learner)
+    Relay = relay_class()
 
     class InlineUpdates(SharedLearner):
         """``inline``: shared passes with each optimizer step's update run before its answer (before session 57)."""
