@@ -5,8 +5,9 @@ forward_backward and optim_step as one pair through a relay actor holding the se
 :class:`~otray.tinker.service.learner_calls.LearnerCalls`, to one
 :class:`~otray.tinker.learner.shared_learner.SharedLearner` over Ray), with both actors noting when each part of a
 cycle starts (wall clock: they share the machine). Per cycle, in order: the learner call arrives (``in``), its
-shared pass runs (``pass``), the optimizer steps are answered (``optim``: gradient norms), the answer leaves
-(``out``) and reaches the relay (``answered``), the fused AdamW update behind it ends (``updated``), and the relay
+shared pass runs (``pass``) and its forward and backward end (``passed``), the optimizer steps are answered
+(``optim``: gradient norms; in the pass's hop since session 70), the answer leaves (``out``) and reaches the relay
+(``answered``), the fused AdamW update behind it ends (``updated``), and the relay
 sends the next call once every client is back (``send``). Printed: the median of each gap between consecutive
 marks over the middle of the run, its share of the cycle, the cycle, and the compute thread's idle share
 (from the update's end, or the answer's when it ends later, to the next pass).
@@ -43,6 +44,14 @@ def actors() -> tuple[type, type]:
         def __init__(self, *args: Any, **kwargs: Any):
             super().__init__(*args, **kwargs)
             self.marks: list[tuple[str, float]] = []
+            forward_many = self.learner.forward_many
+
+            def passed(requests: list[Any]) -> list[Any]:
+                out = forward_many(requests)
+                self.marks.append(("passed", time.time()))
+                return out
+
+            self.learner.forward_many = passed
 
         async def calls(self, calls: list[Any]) -> list[Any]:
             self.marks.append(("in", time.time()))

@@ -106,7 +106,9 @@ def learner_rates(args, path: str, done_row: Callable[[dict[str, Any]], None]) -
              "shared2": (passes, False, 0, 2), "shared_alone": (passes, False, 0, 1),
              "followers": (passes, True, 0, 1), "side": (passes, False, 64, 2), "inline": (passes, False, 0, 1),
              "graphs": (passes, False, 0, 1),  # graphs: models[i].graph_passes (bucketed; CUDA graphs on a GPU)
-             "own_kept": (0, False, 0, 1)}  # own, turns kept among users looping alike (before session 69)
+             "own_kept": (0, False, 0, 1),  # own, turns kept among users looping alike (before session 69)
+             "pairs_apart": (passes, False, 0, 1),  # shared, a train_step's two parts two turns (before session 70)
+             "own_apart": (0, False, 0, 1)}  # own, a train_step's two parts two turns (before session 70)
     modes = {m: known[m] for m in args.modes.split(",")}
     # --client service: the calls each mode's service would coalesce (own: none, as before shared passes)
     coalesce = {m: 0 if m.startswith("own") or m == "shared_alone" else TinkerScheduling().coalesce_tokens for m in modes}
@@ -127,11 +129,18 @@ def learner_rates(args, path: str, done_row: Callable[[dict[str, Any]], None]) -
             super().__init__(*args, **kwargs)
             self.queue.turns.alike = lambda name: False
 
+    class PairsApart(SharedLearner):
+        """``pairs_apart``: a train_step's forward_backward and optim_step two turns of the queue and two hops of
+        the compute thread (before session 70)."""
+
+        pair_turns = False
+
     users_list = [int(u) for u in args.users.split(",")]
     t0 = time.perf_counter()
     learners = {}
     for mode, (pass_tokens, wait, side, cpus) in modes.items():
-        kind = {"inline": InlineUpdates, "own_kept": TurnsKeptAmongAlike}.get(mode, SharedLearner)
+        kind = {"inline": InlineUpdates, "own_kept": TurnsKeptAmongAlike, "pairs_apart": PairsApart,
+                "own_apart": PairsApart}.get(mode, SharedLearner)
         learners[mode] = ray.remote(kind).options(num_cpus=cpus, num_gpus=0.3 if args.gpu else 0).remote(
             path, slice_tokens=TinkerScheduling().slice_tokens, pass_tokens=pass_tokens, wait_for_followers=wait,
             side_tokens=side, num_threads=None if args.gpu else (1 if side else cpus), graph_passes=mode == "graphs")
@@ -460,7 +469,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                          "with the side lane: 2 lanes of 1 thread), "
                          "inline (shared, each optimizer update run before its step is answered), graphs (shared, "
                          "bucketed passes: models[i].graph_passes, CUDA graphs on a GPU), own_kept (own, with turns "
-                         "kept among users looping alike, as before session 69)")
+                         "kept among users looping alike, as before session 69), pairs_apart and own_apart (shared "
+                         "and own, a train_step's two parts two turns of the queue, as before session 70)")
     ap.add_argument("--client", choices=("sequential", "pipelined", "ahead", "fused", "fused-ahead", "service"),
                     default="service",
                     help="how a throughput user sends a step: forward_backward's result awaited before optim_step "

@@ -210,12 +210,17 @@ def test_a_custom_loss_failing_in_a_later_slice_leaves_the_gradient_as_it_was(ti
     asyncio.run(scenario())
 
 
-def test_a_forward_backward_and_its_optim_step_in_one_call_equal_two_calls(tiny_path):
+@pytest.mark.parametrize("pair_turns", [True, False])
+def test_a_forward_backward_and_its_optim_step_in_one_call_equal_two_calls(tiny_path, pair_turns):
     """SharedLearner.train_step (the service sends a client's queued forward_backward and optim_step so): its
     answers and the adapter it leaves equal the two calls'; a forward_backward that fails (a custom loss's
-    gather out of range) fails alone, and the optim_step after it still runs, as it would after two calls."""
+    gather out of range) fails alone, and the optim_step after it still runs, as it would after two calls.
+    ``pair_turns`` (the default): a one-slice pair is one turn of the queue, its step answered in the pass's
+    hop; off, two turns (as a pair of several slices still goes). A pair queued behind a model's drop fails
+    whole with the drop's reason."""
     import asyncio
     import json
+    import threading
 
     from otray.tinker.errors import UserError
     from otray.tinker.learner.loss_graph import parse_graph
@@ -235,6 +240,7 @@ def test_a_forward_backward_and_its_optim_step_in_one_call_equal_two_calls(tiny_
 
     async def scenario() -> None:
         shared = SharedLearner(tiny_path, slice_tokens=1024, pass_tokens=1280)
+        shared.pair_turns = pair_turns
         for name in ("one", "two"):
             await shared.create("alice", name, AdapterSpec(4, seed=7))
         for data in steps:
@@ -247,9 +253,23 @@ def test_a_forward_backward_and_its_optim_step_in_one_call_equal_two_calls(tiny_
         one, two = [await loop.run_in_executor(shared.pool, shared.learner.adapter_tensors, n) for n in ("one", "two")]
         assert all(torch.equal(v, two[k.replace(".one.", ".two.")]) for k, v in one.items())
         assert shared.usage()["train_steps"] == 3
+        # two creates, three forward_backward and optim_step calls, and the pairs: one turn each, or two
+        assert shared.usage()["steps"]["alice"] == 2 + 6 + (3 if pair_turns else 6)
         failed = await shared.train_step("alice", "one", [bad], "custom", adam, None, graph)
         assert isinstance(failed.forward_backward, UserError) and "gather" in str(failed.forward_backward)
         assert failed.optim_step["step:max"] == 4.0  # it ran, as an optim_step sent after the failed call would
+        gate = threading.Event()  # bob's step holds the learner until the pair is queued and withdrawn
+        busy = asyncio.ensure_future(shared._one("bob", "bob", gate.wait))
+        pair = asyncio.ensure_future(shared.train_step("alice", "two", steps[0], "cross_entropy", adam))
+        while shared.queue.pending < (2 if pair_turns else 3):  # bob's job, and the pair's one job or two
+            await asyncio.sleep(0)
+        dropping = asyncio.ensure_future(shared.drop("alice", "two", "its session closed"))
+        await asyncio.sleep(0)  # its queued calls withdrawn
+        gate.set()
+        await asyncio.gather(busy, dropping)
+        gone = await pair
+        assert all(isinstance(part, UserError) and "left the learner" in str(part) and "its session closed" in str(part)
+                   for part in (gone.forward_backward, gone.optim_step)), gone
 
     asyncio.run(scenario())
 

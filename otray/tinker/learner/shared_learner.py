@@ -60,10 +60,21 @@ def sendable(e: BaseException) -> BaseException:
 @dataclass
 class _Slice:
     """One slice of a forward_backward call, as the queue packs it: ``saved`` (a custom loss's backward)
-    holds the adapter's gradients from before the call, shared by the call's slices."""
+    holds the adapter's gradients from before the call, shared by the call's slices; ``then``: the optim_step
+    of a one-slice :meth:`SharedLearner.train_step`, answered in the pass's hop (:class:`_Pair`)."""
 
     request: PassRequest
     saved: Optional[list]
+    then: Optional[AdamStep] = None
+
+
+@dataclass
+class _Pair:
+    """What a :class:`_Slice` with ``then`` gives back: the pass's result and the optimizer step's answer, each
+    or its exception (the step runs whether or not the pass failed, as a second call would)."""
+
+    passed: Any
+    stepped: Any
 
 
 class SharedLearner:
@@ -74,6 +85,8 @@ class SharedLearner:
     ``wait_for_followers``: optimizer steps first and shared calls wait for their clients' next jobs,
     :mod:`otray.tinker.learner.fair`'s "Cohorts"; ``side_tokens``: small steps of other clients, up to this many
     tokens a call, run on a second compute thread beside a pass, 0: never, the fair queue's "side lane")."""
+
+    pair_turns = True  # a one-slice train_step is one turn of the queue (False: two, as before; a benchmark's mode)
 
     def __init__(self, model_path: str, *, policy: str = "fair", slice_tokens: int = 0, follow_s: float = 0.05,
                  shares: Optional[dict[str, Share]] = None, pass_tokens: int = 0, wait_for_followers: bool = False,
@@ -140,18 +153,23 @@ class SharedLearner:
     async def forward_backward(self, user: str, adapter: str, datums: list[Datum], loss_fn: str,
                                loss_fn_config: Optional[dict[str, float]] = None, backward: bool = True,
                                graph: Optional[LossGraph] = None) -> PassResult:
+        requests, saved = self._slices(adapter, datums, loss_fn, loss_fn_config, backward, graph)
+        return _joined(await self.queue.run(user, adapter, [
+            Packable(r.pack_key(), r.tokens(), _Slice(r, saved)) if r.pack_key() is not None
+            else self._step(self._pass, adapter, r.datums, loss_fn, loss_fn_config, backward, graph, saved)
+            for r in requests], follow=backward))
+
+    def _slices(self, adapter: str, datums: list[Datum], loss_fn: str, loss_fn_config: Optional[dict[str, float]],
+                backward: bool, graph: Optional[LossGraph]) -> tuple[list[PassRequest], Optional[list]]:
+        """A forward_backward call's slices, each a request (a turn of its own), and the ``saved`` list its
+        slices share (a custom loss's backward: :meth:`_keep_grads`)."""
         if graph is not None:  # the call's runs of its loss share one clock (custom_losses.max_call_s)
             graph = dataclasses.replace(graph, clock=GraphClock(graph.call_s))
         cost = graph.datum_cost if graph is not None else 0  # a custom loss's datum is charged more than its tokens
         parts = slices([len(d) + cost for d in datums], self.slice_tokens) if self.slice_tokens else [range(len(datums))]
         saved: Optional[list] = [] if graph is not None and backward else None
-        requests = [PassRequest(adapter, datums[p.start:p.stop], loss_fn, loss_fn_config, backward, graph) for p in parts]
-        results = await self.queue.run(user, adapter, [
-            Packable(r.pack_key(), r.tokens(), _Slice(r, saved)) if r.pack_key() is not None
-            else self._step(self._pass, adapter, r.datums, loss_fn, loss_fn_config, backward, graph, saved)
-            for r in requests], follow=backward)
-        return PassResult([lp for r in results for lp in r.logprobs], [x for r in results for x in r.losses],
-                          sum(r.loss_sum for r in results), functools.reduce(add_sums, [r.metric_sums for r in results]))
+        return ([PassRequest(adapter, datums[p.start:p.stop], loss_fn, loss_fn_config, backward, graph) for p in parts],
+                saved)
 
     def _pass(self, adapter: str, datums: list[Datum], loss_fn: str, cfg: Optional[dict[str, float]], backward: bool,
               graph: Optional[LossGraph], saved: Optional[list]) -> PassResult:
@@ -225,6 +243,15 @@ class SharedLearner:
         for w, out in zip(works, outs):
             if isinstance(out, Exception) and w.saved:
                 self._put_back_grads(w.request.adapter, w.saved)
+        pairs = [i for i, w in enumerate(works) if w.then is not None]
+        if pairs:  # one-slice train_steps: their optimizer steps answered in this hop, as :meth:`_pack` runs them
+            steps = [(works[i].request.adapter, works[i].then) for i in pairs]
+            try:
+                answers = self.learner.optim_many(steps) if self.side_pool is not None else self._optim_answers(steps)
+            except Exception as e:  # noqa: BLE001 - not one adapter's failure (those come back as answers)
+                answers = [e] * len(pairs)
+            for i, answer in zip(pairs, answers):
+                outs[i] = _Pair(outs[i], answer)
         return outs
 
     def _alone(self, w: _Slice) -> Any:
@@ -242,9 +269,23 @@ class SharedLearner:
                          loss_fn_config: Optional[dict[str, float]] = None,
                          graph: Optional[LossGraph] = None) -> TrainStepResult:
         """A client's forward_backward and the optim_step after it in one call (one round trip, not two; the
-        service sends a pipelined pair so): two jobs of ``adapter``, queued in that order, each run as its own call
-        would run it, the second whether or not the first failed; each part's result or its exception."""
+        service sends a pipelined pair so), each part run as its own call would run it, the second whether or not
+        the first failed; each part's result or its exception. A one-slice forward_backward and its step are one
+        turn of the queue: the step is answered in the pass's hop of the compute thread (:meth:`_passes`), not a
+        hop and a queue turn of its own (a learner without shared passes: 1.16x the one-datum steps a second of one
+        user, 1.11x of eight; a shared pass of eight: 0.5-0.7 ms less between its end and the answers, its rate
+        within noise; ``benchmarks/tinker_shared_passes.py``, modes ``own_apart`` and ``pairs_apart``). A longer one
+        goes as two jobs of ``adapter``, queued in that order."""
         self.train_steps += 1
+        requests, saved = self._slices(adapter, datums, loss_fn, loss_fn_config, True, graph)
+        if self.pair_turns and len(requests) == 1 and requests[0].pack_key() is not None:  # one turn, one hop
+            r = requests[0]
+            try:
+                (pair,) = await self.queue.run(user, adapter, [Packable(r.pack_key(), r.tokens(), _Slice(r, saved, step))])
+            except Exception as e:  # noqa: BLE001 - the job failed whole (withdrawn: its model left the learner)
+                return TrainStepResult(sendable(e), sendable(e))
+            passed = pair.passed if isinstance(pair.passed, BaseException) else _joined([pair.passed])
+            return TrainStepResult(*[sendable(d) if isinstance(d, BaseException) else d for d in (passed, pair.stepped)])
         fb = asyncio.ensure_future(self.forward_backward(user, adapter, datums, loss_fn, loss_fn_config, True, graph))
         opt = asyncio.ensure_future(self.optim_step(user, adapter, step))  # (tasks start in order: fb queues first)
         done = await asyncio.gather(fb, opt, return_exceptions=True)
@@ -293,3 +334,9 @@ class SharedLearner:
             return False
         self.sampling[call] = True
         return True
+
+
+def _joined(results: list[PassResult]) -> PassResult:
+    """A forward_backward call's slices' results as one."""
+    return PassResult([lp for r in results for lp in r.logprobs], [x for r in results for x in r.losses],
+                      sum(r.loss_sum for r in results), functools.reduce(add_sums, [r.metric_sums for r in results]))
