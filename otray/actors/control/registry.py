@@ -227,10 +227,12 @@ class Registry:
         return self.job(job_id)
 
     def set_progress(self, job_id: str, progress: dict[str, Any]) -> None:
-        """Record one metrics row: it becomes the job's progress and is appended to its metrics."""
+        """Record one metrics row: it becomes the job's progress and is appended to its metrics, after every row
+        kept (its index one past the job's last: a count of the rows, lowered by a :meth:`rewind` under a kept
+        recovery row, collided with it; and a count grows with the job, where the last index is one look)."""
         row = json.dumps(progress)
         self.db.execute("UPDATE jobs SET progress = ? WHERE id = ?", (row, job_id))
-        self.db.execute("INSERT INTO metrics VALUES (?, (SELECT COUNT(*) FROM metrics WHERE job_id = ?), ?)",
+        self.db.execute("INSERT INTO metrics VALUES (?, (SELECT COALESCE(MAX(seq), -1) + 1 FROM metrics WHERE job_id = ?), ?)",
                         (job_id, job_id, row))
 
     def rewind(self, job_id: str, step: int) -> None:
@@ -248,8 +250,10 @@ class Registry:
         return [json.loads(r[0]) for r in rows]
 
     def metrics(self, job_id: str, since: int = 0) -> list[dict[str, Any]]:
-        """The job's metrics rows from index ``since`` on, in order."""
-        rows = self.db.execute("SELECT row FROM metrics WHERE job_id = ? AND seq >= ? ORDER BY seq", (job_id, since))
+        """The job's metrics rows from index ``since`` on, in order (an index into the rows there are: a rewind
+        leaves gaps in their ``seq``)."""
+        rows = self.db.execute("SELECT row FROM metrics WHERE job_id = ? ORDER BY seq LIMIT -1 OFFSET ?",
+                               (job_id, max(since, 0)))
         return [json.loads(r[0]) for r in rows]
 
     @staticmethod

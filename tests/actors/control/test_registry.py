@@ -87,3 +87,25 @@ def test_jobs_by_owner_checkpoints_and_reopen(reg, tmp_path):
     with pytest.raises(KeyError, match="no job"):
         again.job("nope")
     again.close()
+
+
+def test_rows_after_a_rewind_past_a_kept_recovery_row_are_recorded_in_order(reg):
+    """A job that replaced a rollout worker at step 5 (a ``recovery`` row, kept by a rewind) and then restarted
+    from its step-3 checkpoint: the steps it runs again are recorded after the recovery rows, each once, and a
+    reader of the rows from an index on (``metrics(job, since)``) gets them. (A row's index was the job's row
+    count, which a rewind lowers under the kept recovery row's: the second step after the restart collided with
+    it, ``IntegrityError``.)"""
+    job = reg.create_job("alice", "demo", {})
+    for step in range(1, 11):
+        reg.set_progress(job, {"step": step})
+        if step == 5:
+            reg.set_progress(job, {"step": 5, "phase": "recovery", "workers": 1})
+    reg.rewind(job, 3)
+    reg.set_progress(job, {"step": 3, "phase": "recovery", "failure": 1})
+    for step in range(4, 8):
+        reg.set_progress(job, {"step": step})
+    rows = reg.metrics(job)
+    assert [(r["step"], r.get("phase")) for r in rows] == [
+        (1, None), (2, None), (3, None), (5, "recovery"), (3, "recovery"), (4, None), (5, None), (6, None), (7, None)]
+    assert [r["step"] for r in reg.metrics(job, 4)] == [3, 4, 5, 6, 7]  # from the fifth row on
+    assert reg.job(job).progress == {"step": 7}
