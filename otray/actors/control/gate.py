@@ -25,6 +25,7 @@ import re
 import secrets
 from typing import Any
 
+from otray.actors.control import epochs
 from otray.actors.control.registry import AuthError, JobRecord, Registry, unknown_job
 from otray.types import QuotaError
 from otray.trust import BUNDLED_MODULES, Caller, normal_url
@@ -44,6 +45,7 @@ class Gate:
             registry.set_setting("secret", secret)
         self._secret = bytes.fromhex(secret)
         self._job_tokens: dict[str, str] = {}
+        epochs.bump(epochs.KEYS, epochs.LEASES)  # a manager (re)started: its job tokens are new; cached answers go
 
     # ------------------------------------------------------------------ users
 
@@ -136,7 +138,14 @@ class Gate:
             raise AuthError(f"not the job token of {job_id}: only that job's driver may report for it")
 
     def drop_job(self, job_id: str) -> None:
+        """``job_id``'s token no longer holds (cancelled, its lease closed or its holder gone): from the next
+        request on, also where a lease check was cached (:mod:`~otray.actors.control.epochs`)."""
         self._job_tokens.pop(job_id, None)
+        epochs.bump(epochs.LEASES)
+
+    def keys_changed(self) -> None:
+        """A key was deleted or rotated: every cached key check asks again (:mod:`~otray.actors.control.epochs`)."""
+        epochs.bump(epochs.KEYS)
 
     def grant(self, job_id: str, step: int) -> str:
         return hmac.new(self._secret, f"{job_id}:{step}".encode(), hashlib.sha256).hexdigest()

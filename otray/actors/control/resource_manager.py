@@ -273,6 +273,7 @@ class ResourceManager:
         """Remove a user; their key fails from the next request on (their jobs stay)."""
         self.gate.admin(api_key, "delete users")
         self.registry.delete_user(name)
+        self.gate.keys_changed()
 
     async def rotate_key(self, name: str | None = None, api_key: str | None = None) -> str:
         """A new key for ``name`` (an admin, any user; a user, themselves); the old one stops working."""
@@ -280,7 +281,9 @@ class ResourceManager:
         name = name or who.name
         if name != who.name and not who.admin:
             raise AuthError("only an admin can rotate another user's key")
-        return self.registry.rotate_key(name)
+        key = self.registry.rotate_key(name)
+        self.gate.keys_changed()
+        return key
 
     async def allow_modules(self, modules: list[str], api_key: str | None = None) -> list[str]:
         """Let users' configs name code from ``modules`` too (besides the bundled envs)."""

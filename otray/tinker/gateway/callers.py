@@ -1,13 +1,20 @@
 """Who is calling the Tinker API: a JWT this service minted (:mod:`otray.tinker.service.tokens`), or a
 ``tml-`` key checked against the ResourceManager's registry when auth is on (``local`` when off).
 
+The manager's answer that a key (or the key a JWT was minted for) holds is kept while the cluster's key epoch
+reads the same (:mod:`otray.actors.control.epochs`): the manager sets a new one before a deletion or rotation
+answers, so a revoked key is still refused at its very next request, and a request otherwise costs one GCS read
+instead of a call to the manager.
+
 Runs in the gateway's Ray Serve replica."""
 
 from __future__ import annotations
 
+import hashlib
 import time
 from typing import Any, Callable
 
+from otray.actors.control.epochs import KEYS, EpochCache
 from otray.tinker.service import tokens
 from otray.tinker.errors import UserError, unwrap
 
@@ -17,6 +24,7 @@ class Callers:
         self.cfg, self.service = cfg, service  # a TinkerConfig; the TinkerService actor
         self.auth_cache = (False, 0.0)  # (auth on, until when that answer holds)
         self.secret: bytes | None = None  # the JWT signing key, fetched from the service once
+        self.checked = EpochCache(KEYS)  # (user, tag) -> live; sha256 of a key -> its user: the manager's answers
 
     async def owner(self, key: str) -> str:
         """The caller's user name: from a JWT this service minted (while the key it was exchanged for is
@@ -24,7 +32,8 @@ class Callers:
         ResourceManager's registry when auth is on."""
         if tokens.looks_like_jwt(key):
             user, tag = tokens.user_of(await self._secret(), key)
-            if await self._auth_on() and not await self._registry(lambda rm: rm.key_live.remote(user, tag)):
+            if await self._auth_on() and not await self._held(("live", user, tag),
+                                                              lambda rm: rm.key_live.remote(user, tag)):
                 raise tokens.BadToken("the API key this JWT was exchanged for was deleted or rotated; exchange a "
                                       "current key at /auth/token")
             return user
@@ -56,7 +65,20 @@ class Callers:
             raise UserError("missing or malformed API key: send X-API-Key: tml-... (from `otray users add`)", 401)
         if not await self._auth_on():
             return "local"
-        return (await self._registry(lambda rm: rm.whoami.remote(key))).name
+        digest = hashlib.sha256(key.encode()).digest()  # (the key itself is not kept)
+        return await self._held(("owner", digest), lambda rm: rm.whoami.remote(key), lambda who: who.name)
+
+    async def _held(self, what: tuple, call: Callable[[Any], Any], answer: Callable[[Any], Any] = bool) -> Any:
+        """The manager's answer to ``call`` (``answer`` of it), kept under the key epoch read before asking; a
+        false answer or a refusal is never kept (both are asked again)."""
+        epoch = self.checked.epoch()
+        got = self.checked.get(what, epoch)
+        if got is not None:
+            return got
+        got = answer(await self._registry(call))
+        if got:
+            self.checked.put(what, epoch, got)
+        return got
 
     async def _auth_on(self) -> bool:
         from otray.serve.http import rm_handle

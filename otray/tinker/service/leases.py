@@ -10,7 +10,9 @@ token: the service's next report fails, and the model is unloaded, so the client
 a user error that says so.
 
 The open leases' (job id, token) pairs are kept in the service's SQLite store, so a restarted
-service can close those its predecessor left open.
+service can close those its predecessor left open. A request asks the manager whether its lease holds only when
+a job token was dropped since it last said so (:mod:`otray.actors.control.epochs`): a cancel is still seen at
+the very next request.
 
 Runs in the TinkerService actor."""
 
@@ -21,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from otray import metric_keys as K
+from otray.actors.control.epochs import LEASES, EpochCache
 from otray.records import JobState
 from otray.tinker.service.store import Store
 
@@ -56,6 +59,7 @@ class Leases:
         self.store, self.rm, self.holder = store, rm, holder
         self.progress: dict[str, _Progress] = {}
         self.inherited = set(store.leases())  # open when this service started: its predecessor's (their models died)
+        self.checked = EpochCache(LEASES)  # (job id, token) -> True: the manager's answers that a lease holds
 
     async def open(self, spec: LeaseSpec, api_key: Optional[str]) -> str:
         """Open the lease for a new live model; returns its job id."""
@@ -75,11 +79,16 @@ class Leases:
         held = self.store.leases().get(model_id)
         if held is None:
             return
+        epoch = self.checked.epoch()  # a lease the manager said holds, held while no token was dropped since
+        if self.checked.get(held, epoch):
+            return
         try:
             await self.rm.check_lease.remote(held[0], held[1])
         except Exception as e:  # noqa: BLE001 - AuthError: the token was dropped
             if isinstance(_cause(e), PermissionError):
                 self._ended(model_id, held[0])
+            return
+        self.checked.put(held, epoch, True)
 
     def _ended(self, model_id: str, job_id: str) -> None:
         self.store.drop_lease(model_id)

@@ -309,3 +309,34 @@ def test_an_admin_sets_job_quotas_and_a_submit_past_one_is_refused_naming_it(key
     monkeypatch.setenv("OTRAY_API_KEY", keyed["root"])
     assert main(["users", "quota", "nobody", "--jobs", "1"]) == 2
     assert "no user 'nobody'" in capsys.readouterr().err
+
+
+def test_a_key_check_the_gateway_kept_holds_until_a_key_changes(keyed, ray_local):
+    """The Tinker gateway keeps the manager's answer that a key holds while the cluster's key epoch reads the
+    same (otray.actors.control.epochs): five requests ask the manager once, and a rotation or a deletion is still
+    refused at the very next request."""
+    import asyncio
+
+    from otray.actors.control.registry import tinker_key
+    from otray.tinker.config import load_tinker
+    from otray.tinker.errors import UserError
+    from otray.tinker.gateway.callers import Callers
+
+    rm, root = keyed["rm"], keyed["root"]
+    dora = tinker_key(ray_local.get(rm.add_user.remote("dora", False, root)))
+    callers = Callers(load_tinker({"auth": "on"}), None)
+
+    async def scenario() -> None:
+        for _ in range(5):
+            assert await callers.key_owner(dora) == "dora"
+        assert callers.checked.asked == 1
+        new = tinker_key(ray_local.get(rm.rotate_key.remote(None, dora)))
+        with pytest.raises(UserError, match="wrong API key") as refused:
+            await callers.key_owner(dora)
+        assert refused.value.status == 401
+        assert await callers.key_owner(new) == "dora"
+        ray_local.get(rm.delete_user.remote("dora", root))
+        with pytest.raises(UserError, match="wrong API key"):
+            await callers.key_owner(new)
+
+    asyncio.run(scenario())
