@@ -210,14 +210,14 @@ def test_a_custom_loss_failing_in_a_later_slice_leaves_the_gradient_as_it_was(ti
     asyncio.run(scenario())
 
 
-@pytest.mark.parametrize("pair_turns", [True, False])
-def test_a_forward_backward_and_its_optim_step_in_one_call_equal_two_calls(tiny_path, pair_turns):
+@pytest.mark.parametrize("pair_turns,side_tokens", [(True, 0), (False, 0), (True, 64)])
+def test_a_forward_backward_and_its_optim_step_in_one_call_equal_two_calls(tiny_path, pair_turns, side_tokens):
     """SharedLearner.train_step (the service sends a client's queued forward_backward and optim_step so): its
     answers and the adapter it leaves equal the two calls'; a forward_backward that fails (a custom loss's
     gather out of range) fails alone, and the optim_step after it still runs, as it would after two calls.
     ``pair_turns`` (the default): a one-slice pair is one turn of the queue, its step answered in the pass's
-    hop; off, two turns (as a pair of several slices still goes). A pair queued behind a model's drop fails
-    whole with the drop's reason."""
+    hop; off, two turns (as a pair of several slices still goes); beside a side lane, its update runs in that hop
+    too. A pair queued behind a model's drop fails whole with the drop's reason."""
     import asyncio
     import json
     import threading
@@ -239,7 +239,7 @@ def test_a_forward_backward_and_its_optim_step_in_one_call_equal_two_calls(tiny_
         np.full(3, -3, np.float32), np.ones(3, np.float32), np.full(3, 10 ** 6, np.float32)))
 
     async def scenario() -> None:
-        shared = SharedLearner(tiny_path, slice_tokens=1024, pass_tokens=1280)
+        shared = SharedLearner(tiny_path, slice_tokens=1024, pass_tokens=1280, side_tokens=side_tokens)
         shared.pair_turns = pair_turns
         for name in ("one", "two"):
             await shared.create("alice", name, AdapterSpec(4, seed=7))
