@@ -318,11 +318,14 @@ def test_a_key_check_the_gateway_kept_holds_until_a_key_changes(keyed, ray_local
     import asyncio
 
     from otray.actors.control.registry import tinker_key
+    from otray.actors.control.resource_manager import NAME, NAMESPACE
+    from otray.serve import http
     from otray.tinker.config import load_tinker
     from otray.tinker.errors import UserError
     from otray.tinker.gateway.callers import Callers
 
-    rm, root = keyed["rm"], keyed["root"]
+    rm, root = ray_local.get_actor(NAME, namespace=NAMESPACE), keyed["root"]  # (the crash test above restarts it)
+    http._RM[:] = [None, 0.0]  # the gateway's lookup of the manager: made afresh
     dora = tinker_key(ray_local.get(rm.add_user.remote("dora", False, root)))
     callers = Callers(load_tinker({"auth": "on"}), None)
 
