@@ -17,7 +17,7 @@ Runs in the ResourceManager (:func:`bump`), the Tinker gateway's replicas and th
 from __future__ import annotations
 
 import secrets
-from typing import Optional
+from typing import Any, Awaitable, Callable, Hashable, Optional
 
 KEYS = b"otray:epoch:keys"  # users' API keys: deleted or rotated
 LEASES = b"otray:epoch:leases"  # job tokens (a Tinker lease's): dropped
@@ -52,22 +52,20 @@ class EpochCache:
 
     def __init__(self, name: bytes, limit: int = 10_000):
         self.name, self.limit = name, limit
-        self.kept: dict[object, tuple[bytes, object]] = {}
+        self.kept: dict[Hashable, tuple[bytes, Any]] = {}
         self.asked = 0  # answers asked of the manager (not taken from here)
 
-    def epoch(self) -> Optional[bytes]:
-        """Read before asking: the epoch an answer asked now is kept with."""
-        return read(self.name)
-
-    def get(self, key: object, epoch: Optional[bytes]) -> object:
-        """The answer kept for ``key`` under ``epoch``, or None."""
+    async def answer(self, key: Hashable, ask: Callable[[], Awaitable[Any]]) -> Any:
+        """The answer kept for ``key`` while the epoch reads as it did when it was asked, else ``ask()``'s (kept
+        when true; a false answer, or an exception, is asked again next time)."""
+        epoch = read(self.name)  # before asking: a change after this read is a new epoch
         got = self.kept.get(key)
-        return got[1] if got is not None and epoch is not None and got[0] == epoch else None
-
-    def put(self, key: object, epoch: Optional[bytes], answer: object) -> None:
+        if got is not None and epoch is not None and got[0] == epoch:
+            return got[1]
         self.asked += 1
-        if epoch is None:
-            return
-        if len(self.kept) >= self.limit:
-            self.kept.clear()
-        self.kept[key] = (epoch, answer)
+        answer = await ask()
+        if answer and epoch is not None:
+            if len(self.kept) >= self.limit:
+                self.kept.clear()
+            self.kept[key] = (epoch, answer)
+        return answer

@@ -69,16 +69,11 @@ class Callers:
         return await self._held(("owner", digest), lambda rm: rm.whoami.remote(key), lambda who: who.name)
 
     async def _held(self, what: tuple, call: Callable[[Any], Any], answer: Callable[[Any], Any] = bool) -> Any:
-        """The manager's answer to ``call`` (``answer`` of it), kept under the key epoch read before asking; a
-        false answer or a refusal is never kept (both are asked again)."""
-        epoch = self.checked.epoch()
-        got = self.checked.get(what, epoch)
-        if got is not None:
-            return got
-        got = answer(await self._registry(call))
-        if got:
-            self.checked.put(what, epoch, got)
-        return got
+        """The manager's answer to ``call`` (``answer`` of it), kept under the key epoch (:class:`EpochCache`)."""
+        async def ask() -> Any:
+            return answer(await self._registry(call))
+
+        return await self.checked.answer(what, ask)
 
     async def _auth_on(self) -> bool:
         from otray.serve.http import rm_handle

@@ -79,16 +79,15 @@ class Leases:
         held = self.store.leases().get(model_id)
         if held is None:
             return
-        epoch = self.checked.epoch()  # a lease the manager said holds, held while no token was dropped since
-        if self.checked.get(held, epoch):
-            return
-        try:
+        async def holds() -> bool:
             await self.rm.check_lease.remote(held[0], held[1])
+            return True
+
+        try:  # a lease the manager said holds holds while no job token was dropped since
+            await self.checked.answer(held, holds)
         except Exception as e:  # noqa: BLE001 - AuthError: the token was dropped
             if isinstance(_cause(e), PermissionError):
                 self._ended(model_id, held[0])
-            return
-        self.checked.put(held, epoch, True)
 
     def _ended(self, model_id: str, job_id: str) -> None:
         self.store.drop_lease(model_id)
