@@ -153,23 +153,15 @@ class SharedLearner:
     async def forward_backward(self, user: str, adapter: str, datums: list[Datum], loss_fn: str,
                                loss_fn_config: Optional[dict[str, float]] = None, backward: bool = True,
                                graph: Optional[LossGraph] = None) -> PassResult:
-        requests, saved = self._slices(adapter, datums, loss_fn, loss_fn_config, backward, graph)
+        return await self._queued(user, adapter, *_slices(adapter, datums, loss_fn, loss_fn_config, backward, graph,
+                                                             self.slice_tokens))
+
+    async def _queued(self, user: str, adapter: str, requests: list[PassRequest], saved: Optional[list]) -> PassResult:
+        """A forward_backward call's slices (:func:`_slices`) as one job of ``adapter``, a step each; joined."""
         return _joined(await self.queue.run(user, adapter, [
             Packable(r.pack_key(), r.tokens(), _Slice(r, saved)) if r.pack_key() is not None
-            else self._step(self._pass, adapter, r.datums, loss_fn, loss_fn_config, backward, graph, saved)
-            for r in requests], follow=backward))
-
-    def _slices(self, adapter: str, datums: list[Datum], loss_fn: str, loss_fn_config: Optional[dict[str, float]],
-                backward: bool, graph: Optional[LossGraph]) -> tuple[list[PassRequest], Optional[list]]:
-        """A forward_backward call's slices, each a request (a turn of its own), and the ``saved`` list its
-        slices share (a custom loss's backward: :meth:`_keep_grads`)."""
-        if graph is not None:  # the call's runs of its loss share one clock (custom_losses.max_call_s)
-            graph = dataclasses.replace(graph, clock=GraphClock(graph.call_s))
-        cost = graph.datum_cost if graph is not None else 0  # a custom loss's datum is charged more than its tokens
-        parts = slices([len(d) + cost for d in datums], self.slice_tokens) if self.slice_tokens else [range(len(datums))]
-        saved: Optional[list] = [] if graph is not None and backward else None
-        return ([PassRequest(adapter, datums[p.start:p.stop], loss_fn, loss_fn_config, backward, graph) for p in parts],
-                saved)
+            else self._step(self._pass, adapter, r.datums, r.loss_fn, r.loss_fn_config, r.backward, r.graph, saved)
+            for r in requests], follow=requests[0].backward))
 
     def _pass(self, adapter: str, datums: list[Datum], loss_fn: str, cfg: Optional[dict[str, float]], backward: bool,
               graph: Optional[LossGraph], saved: Optional[list]) -> PassResult:
@@ -271,13 +263,10 @@ class SharedLearner:
         """A client's forward_backward and the optim_step after it in one call (one round trip, not two; the
         service sends a pipelined pair so), each part run as its own call would run it, the second whether or not
         the first failed; each part's result or its exception. A one-slice forward_backward and its step are one
-        turn of the queue: the step is answered in the pass's hop of the compute thread (:meth:`_passes`), not a
-        hop and a queue turn of its own (a learner without shared passes: 1.16x the one-datum steps a second of one
-        user, 1.11x of eight; a shared pass of eight: 0.5-0.7 ms less between its end and the answers, its rate
-        within noise; ``benchmarks/tinker_shared_passes.py``, modes ``own_apart`` and ``pairs_apart``). A longer one
-        goes as two jobs of ``adapter``, queued in that order."""
+        turn of the queue, the step answered in the pass's hop (:meth:`_passes`; a learner without shared passes
+        ran 1.11-1.16x the steps a second so: NOTES "Issue 53"); a longer one goes as two jobs, in that order."""
         self.train_steps += 1
-        requests, saved = self._slices(adapter, datums, loss_fn, loss_fn_config, True, graph)
+        requests, saved = _slices(adapter, datums, loss_fn, loss_fn_config, True, graph, self.slice_tokens)
         if self.pair_turns and len(requests) == 1 and requests[0].pack_key() is not None:  # one turn, one hop
             r = requests[0]
             try:
@@ -286,7 +275,7 @@ class SharedLearner:
                 return TrainStepResult(sendable(e), sendable(e))
             passed = pair.passed if isinstance(pair.passed, BaseException) else _joined([pair.passed])
             return TrainStepResult(*[sendable(d) if isinstance(d, BaseException) else d for d in (passed, pair.stepped)])
-        fb = asyncio.ensure_future(self.forward_backward(user, adapter, datums, loss_fn, loss_fn_config, True, graph))
+        fb = asyncio.ensure_future(self._queued(user, adapter, requests, saved))
         opt = asyncio.ensure_future(self.optim_step(user, adapter, step))  # (tasks start in order: fb queues first)
         done = await asyncio.gather(fb, opt, return_exceptions=True)
         return TrainStepResult(*[sendable(d) if isinstance(d, BaseException) else d for d in done])
@@ -334,6 +323,18 @@ class SharedLearner:
             return False
         self.sampling[call] = True
         return True
+
+
+def _slices(adapter: str, datums: list[Datum], loss_fn: str, loss_fn_config: Optional[dict[str, float]],
+            backward: bool, graph: Optional[LossGraph], slice_tokens: int) -> tuple[list[PassRequest], Optional[list]]:
+    """A forward_backward call's slices of at most ``slice_tokens`` tokens (0: whole), each a request (a turn of its
+    own), and the ``saved`` list its slices share (a custom loss's backward: :meth:`SharedLearner._keep_grads`)."""
+    if graph is not None:  # the call's runs of its loss share one clock (custom_losses.max_call_s)
+        graph = dataclasses.replace(graph, clock=GraphClock(graph.call_s))
+    cost = graph.datum_cost if graph is not None else 0  # a custom loss's datum is charged more than its tokens
+    parts = slices([len(d) + cost for d in datums], slice_tokens) if slice_tokens else [range(len(datums))]
+    saved: Optional[list] = [] if graph is not None and backward else None
+    return [PassRequest(adapter, datums[p.start:p.stop], loss_fn, loss_fn_config, backward, graph) for p in parts], saved
 
 
 def _joined(results: list[PassResult]) -> PassResult:
