@@ -5,8 +5,10 @@ optim_step (``--client``: ``sequential``, the first's result awaited before the 
 both sent together as the tinker SDK's clients send them; ``ahead``, the next step sent before this one is
 awaited, as tinker-cookbook's supervised loop does; ``fused``, both in one call, ``SharedLearner.train_step``, as
 the service sends a forward_backward whose optim_step is queued behind it; ``fused-ahead``, fused, the next step
-sent before this one is awaited; ``service``, fused, through a relay actor that coalesces small calls of several
-clients into one learner call as the TinkerService does, :mod:`otray.tinker.service.learner_calls`), straight to a
+sent before this one is awaited; ``service``, fused, through a relay actor that sends a client's calls one at a time
+in order and coalesces small calls of several clients into one learner call as the TinkerService does,
+:mod:`otray.tinker.service.learner_calls`; ``service-ahead``, service, the next step sent before this one is
+awaited, so the relay has it when this one's answer comes), straight to a
 :class:`~otray.tinker.learner.shared_learner.SharedLearner` over Ray (no HTTP: the
 learner and its queue are what is measured). Three learners side by side, runs rotating: ``own``
 (``pass_tokens=0``: every user's slice a pass of its own, the behaviour before shared passes), ``shared``
@@ -69,17 +71,22 @@ def relay_class() -> type:
     """The relay actor's class for ``--client service`` (made in a function, so Ray ships it by value)."""
 
     class Relay:
-        """A training client's pair on its way to the learner as the TinkerService sends it, through
-        :class:`~otray.tinker.service.learner_calls.LearnerCalls` (small calls of several clients as one learner
-        call)."""
+        """A training client's pair on its way to the learner as the TinkerService sends it: one call of a client
+        at a time, in order (the service's ``OrderedExecutor``: a client's next call goes when its last is answered),
+        through :class:`~otray.tinker.service.learner_calls.LearnerCalls` (small calls of several clients as one
+        learner call)."""
 
         def __init__(self, learner: Any, small_tokens: int):
             from otray.tinker.service.learner_calls import LearnerCalls
 
             self.learner, self.calls = learner, LearnerCalls(small_tokens)
+            self.order: dict[tuple[str, str], Any] = {}  # client -> its lock (asyncio's: first come, first served)
 
         async def train_step(self, call: Any) -> Any:
-            return await self.calls.send(call, lambda: self.learner)
+            import asyncio
+
+            async with self.order.setdefault(call.client(), asyncio.Lock()):
+                return await self.calls.send(call, lambda: self.learner)
 
     return Relay
 
@@ -147,7 +154,7 @@ def learner_rates(args, path: str, done_row: Callable[[dict[str, Any]], None]) -
         ray.get([learners[mode].create.remote(f"u{i}", f"u{i}", AdapterSpec(args.rank, i))
                  for i in range(max(users_list))])
     relays = {mode: ray.remote(Relay).options(num_cpus=0).remote(learners[mode], coalesce[mode]) for mode in modes} \
-        if args.client == "service" else {}
+        if args.client.startswith("service") else {}
 
     mode_of = {learner: mode for mode, learner in learners.items()}
 
@@ -161,11 +168,14 @@ def learner_rates(args, path: str, done_row: Callable[[dict[str, Any]], None]) -
                 if len(pending) > 1:  # results are awaited, so the learner has it queued meanwhile
                     ray.get(pending.pop(0))
                 return
-            if client == "service":  # as fused, through the service's coalescing (Relay)
+            if client in ("service", "service-ahead"):  # as fused, through the service's coalescing (Relay);
+                # service-ahead: the next step sent before this one is awaited
                 call = PairCall(PassCall(user, PassRequest(user, data, "cross_entropy")), AdamStep(learning_rate=1e-5))
-                got = ray.get(relays[mode_of[learner]].train_step.remote(call))
-                if isinstance(got.optim_step, BaseException):
-                    raise got.optim_step
+                pending.append(relays[mode_of[learner]].train_step.remote(call))
+                if len(pending) > (client == "service-ahead"):
+                    got = ray.get(pending.pop(0))
+                    if isinstance(got.optim_step, BaseException):
+                        raise got.optim_step
                 return
             if client in ("fused", "fused-ahead"):  # both parts in one call (SharedLearner.train_step), as the
                 # service sends them; fused-ahead: the next step sent before this one is awaited
@@ -471,15 +481,18 @@ def main(argv: Optional[list[str]] = None) -> int:
                          "bucketed passes: models[i].graph_passes, CUDA graphs on a GPU), own_kept (own, with turns "
                          "kept among users looping alike, as before session 69), pairs_apart and own_apart (shared "
                          "and own, a train_step's two parts two turns of the queue, as before session 70)")
-    ap.add_argument("--client", choices=("sequential", "pipelined", "ahead", "fused", "fused-ahead", "service"),
+    ap.add_argument("--client", choices=("sequential", "pipelined", "ahead", "fused", "fused-ahead", "service",
+                                         "service-ahead"),
                     default="service",
                     help="how a throughput user sends a step: forward_backward's result awaited before optim_step "
                          "is sent; both sent together and then awaited (the tinker SDK's clients); ahead: as "
                          "pipelined, the next step sent before this one is awaited (tinker-cookbook's supervised "
                          "loop, submit_ahead=1); fused: both in one call (SharedLearner.train_step, what the service "
                          "sends for a queued pair); fused-ahead: fused, the next step sent before this one is awaited; "
-                         "service: fused, through a relay actor coalescing as the TinkerService does (LearnerCalls: "
-                         "own and shared_alone alone, the others scheduling.coalesce_tokens)")
+                         "service: fused, through a relay actor ordering each client's calls and coalescing as the "
+                         "TinkerService does (LearnerCalls: own and shared_alone alone, the others "
+                         "scheduling.coalesce_tokens); service-ahead: service, the next step sent before this one "
+                         "is awaited")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "tinker_shared_passes.json"))
     args = ap.parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
