@@ -72,11 +72,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     job = client.submit(args.config, args.overrides)
     print(f"submitted job {job.id}", flush=True)
     tag_ray_job(job.id)
-    seen, state, told = 0, None, Told()
+    cursor, state, told = -1, None, Told()
     while True:
         st = job.status()
-        rows = job.metrics(seen)
-        seen += len(rows)
+        page = job.metrics_after(cursor)
+        rows, cursor = page.rows, page.cursor
         if st.state != state and not st.terminal:
             state = st.state
             print(f"[{job.id}] {state.value}", flush=True)

@@ -4,6 +4,7 @@
     job = client.submit("conf/arithmetic_grpo.yaml", overrides=["algo.steps=10"])
     job.wait()                                    # -> the final JobStatus (otray.records)
     job.metrics()                                 # -> list of metrics rows (keys: otray.metric_keys)
+    page = job.metrics_after(-1)                  # follow a running job: page.rows, then metrics_after(page.cursor)
 
 Configs are validated here, before anything reaches the cluster, so a bad key
 fails at submit with the key named.
@@ -18,7 +19,7 @@ from typing import Any, Callable
 
 from otray import config as config_mod
 from otray.placement import cluster_env
-from otray.records import EpisodePage, JobStatus
+from otray.records import EpisodePage, JobStatus, MetricsPage
 from otray.types import OtrayError
 
 
@@ -44,8 +45,14 @@ class JobHandle:
         return self.client.call(lambda rm: rm.status.remote(self.id, api_key=self._key))
 
     def metrics(self, since: int = 0) -> list[dict[str, Any]]:
-        """The job's metrics rows from index ``since`` on (keys: :mod:`otray.metric_keys`)."""
+        """The job's metrics rows from position ``since`` on (keys: :mod:`otray.metric_keys`). To follow a running
+        job, use :meth:`metrics_after`: positions shift when a restart drops the rows past its checkpoint."""
         return self.client.call(lambda rm: rm.metrics.remote(self.id, since, api_key=self._key))
+
+    def metrics_after(self, cursor: int = -1) -> MetricsPage:
+        """The job's metrics rows written after ``cursor`` (-1: all), and the cursor to pass next: a follower sees
+        every row once, the steps a restart runs again included."""
+        return self.client.call(lambda rm: rm.metrics_after.remote(self.id, cursor, api_key=self._key))
 
     def cancel(self) -> JobStatus:
         return self.client.call(lambda rm: rm.cancel.remote(self.id, api_key=self._key))

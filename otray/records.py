@@ -95,6 +95,16 @@ class EpisodePage:
     episodes: list[dict[str, Any]]
 
 
+@dataclass(frozen=True)
+class MetricsPage:
+    """A job's metrics rows after a cursor (``Job.metrics_after``), and the cursor to ask from next. Rows keep the
+    order they were written in; a restart's rewind drops the rows past its checkpoint, and the steps it runs
+    again come after the cursor as new rows, so a follower sees them (reading by count, it skipped them)."""
+
+    rows: list[dict[str, Any]]
+    cursor: int
+
+
 @dataclass
 class CheckpointMeta:
     """A learner checkpoint's ``meta.json``: where its counters stand and what it holds.

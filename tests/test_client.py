@@ -40,9 +40,13 @@ def test_submit_wait_metrics_and_ownership(cluster, tmp_path, tiny_path):
     assert final.state == "SUCCEEDED" and final.owner == "alice"
     rows = job.metrics()
     assert [r["phase"] for r in rows] == ["init", "grpo", "grpo"] and rows[-1]["step"] == 2
+    page = job.metrics_after()  # a follower's read (otray train's table), then nothing new after its cursor
+    assert page.rows == rows and job.metrics_after(page.cursor).rows == []
     # bob can neither see nor cancel alice's job; the admin can see it
     with pytest.raises(KeyError, match="no job .* of yours"):  # answered like an id that does not exist
         bob.job(job.id).status()
+    with pytest.raises(KeyError, match="no job .* of yours"):
+        bob.job(job.id).metrics_after()
     with pytest.raises(KeyError, match="no job .* of yours"):
         bob.job(job.id).cancel()
     assert [j.id for j in bob.jobs()] == []

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from otray.records import JobState, JobStatus
+from otray.records import JobState, JobStatus, MetricsPage
 from otray.types import OtrayError
 
 
@@ -59,6 +59,7 @@ CREATE TABLE IF NOT EXISTS jobs (
     created REAL NOT NULL, started REAL, finished REAL, transitions TEXT NOT NULL DEFAULT '[]');
 CREATE TABLE IF NOT EXISTS metrics (
     job_id TEXT NOT NULL, seq INTEGER NOT NULL, row TEXT NOT NULL, PRIMARY KEY (job_id, seq));
+CREATE TABLE IF NOT EXISTS metric_ends (job_id TEXT PRIMARY KEY, next INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS episodes (
     job_id TEXT NOT NULL, seq INTEGER NOT NULL, step INTEGER NOT NULL, row TEXT NOT NULL,
     PRIMARY KEY (job_id, seq));
@@ -227,17 +228,22 @@ class Registry:
         return self.job(job_id)
 
     def set_progress(self, job_id: str, progress: dict[str, Any]) -> None:
-        """Record one metrics row: it becomes the job's progress and is appended to its metrics, after every row
-        kept (its index one past the job's last: a count of the rows, lowered by a :meth:`rewind` under a kept
-        recovery row, collided with it; and a count grows with the job, where the last index is one look)."""
+        """Record one metrics row: it becomes the job's progress and is appended to its metrics. Its index
+        (``seq``, a follower's cursor: :meth:`metrics_after`) is past every index the job ever had: one past its
+        last row, or past the rows a :meth:`rewind` dropped (``metric_ends``), so an index is never given twice
+        (a row count, lowered by a rewind under a kept recovery row, collided with it: ``IntegrityError``)."""
         row = json.dumps(progress)
         self.db.execute("UPDATE jobs SET progress = ? WHERE id = ?", (row, job_id))
-        self.db.execute("INSERT INTO metrics VALUES (?, (SELECT COALESCE(MAX(seq), -1) + 1 FROM metrics WHERE job_id = ?), ?)",
-                        (job_id, job_id, row))
+        self.db.execute("INSERT INTO metrics VALUES (?, MAX((SELECT COALESCE(MAX(seq), -1) + 1 FROM metrics WHERE "
+                        "job_id = ?), (SELECT COALESCE(MAX(next), 0) FROM metric_ends WHERE job_id = ?)), ?)",
+                        (job_id, job_id, job_id, row))
 
     def rewind(self, job_id: str, step: int) -> None:
         """Forget a job's metrics rows and episodes after ``step`` (a restarted job runs those steps again:
-        kept, they would be duplicates). Its rows are in step order, so what goes is their tail."""
+        kept, they would be duplicates). Its rows are in step order, so what goes is their tail; the index after
+        them is kept, and the rows written next come after it."""
+        self.db.execute("INSERT INTO metric_ends SELECT ?, COALESCE(MAX(seq), -1) + 1 FROM metrics WHERE job_id = ? "
+                        "ON CONFLICT(job_id) DO UPDATE SET next = MAX(next, excluded.next)", (job_id, job_id))
         self.db.execute("DELETE FROM metrics WHERE job_id = ? AND CAST(json_extract(row, '$.step') AS INTEGER) > ? "
                         "AND json_extract(row, '$.phase') IS NOT 'recovery'", (job_id, step))  # (events: they stay)
         self.db.execute("DELETE FROM episodes WHERE job_id = ? AND step > ?", (job_id, step))
@@ -250,11 +256,18 @@ class Registry:
         return [json.loads(r[0]) for r in rows]
 
     def metrics(self, job_id: str, since: int = 0) -> list[dict[str, Any]]:
-        """The job's metrics rows from index ``since`` on, in order (an index into the rows there are: a rewind
-        leaves gaps in their ``seq``)."""
+        """The job's metrics rows from position ``since`` on, in order (a position among the rows there are now:
+        a follower that counts them misses the rows a restart runs again; :meth:`metrics_after` does not)."""
         rows = self.db.execute("SELECT row FROM metrics WHERE job_id = ? ORDER BY seq LIMIT -1 OFFSET ?",
                                (job_id, max(since, 0)))
         return [json.loads(r[0]) for r in rows]
+
+    def metrics_after(self, job_id: str, cursor: int = -1, limit: int = 10_000) -> MetricsPage:
+        """The job's metrics rows written after ``cursor`` (-1: from the first), at most ``limit``, and the
+        cursor that follows them (``cursor`` itself when there are none)."""
+        rows = self.db.execute("SELECT seq, row FROM metrics WHERE job_id = ? AND seq > ? ORDER BY seq LIMIT ?",
+                               (job_id, cursor, max(limit, 1))).fetchall()
+        return MetricsPage([json.loads(r[1]) for r in rows], rows[-1][0] if rows else cursor)
 
     @staticmethod
     def _record(row: tuple) -> JobRecord:

@@ -38,7 +38,7 @@ from otray.actors.control.lease_watch import LeaseWatch
 from otray.actors.control.lease import NAME, NAMESPACE, JobDriver, bundles_for, missing_resources  # noqa: F401 (re-exported)
 from otray.actors.control.registry import AuthError, JobRecord, Registry
 from otray.actors.control.scheduler import JobQueue, job_error  # noqa: F401 (re-exported)
-from otray.records import EpisodePage, Identity, JobState, JobStatus, ServableJob, UserInfo
+from otray.records import EpisodePage, Identity, JobState, JobStatus, MetricsPage, ServableJob, UserInfo
 from otray.types import ConfigError
 
 log = logging.getLogger(__name__)
@@ -146,6 +146,11 @@ class ResourceManager:
     async def metrics(self, job_id: str, since: int = 0, api_key: str | None = None) -> list[dict[str, Any]]:
         self.gate.own(job_id, api_key)
         return self.registry.metrics(job_id, since)
+
+    async def metrics_after(self, job_id: str, cursor: int = -1, api_key: str | None = None) -> MetricsPage:
+        """A job's metrics rows written after ``cursor``, and the next cursor (``Registry.metrics_after``)."""
+        self.gate.own(job_id, api_key)
+        return self.registry.metrics_after(job_id, cursor)
 
     # ------------------------------------------------------------------ a job's driver (job token)
 

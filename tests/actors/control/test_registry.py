@@ -109,3 +109,27 @@ def test_rows_after_a_rewind_past_a_kept_recovery_row_are_recorded_in_order(reg)
         (1, None), (2, None), (3, None), (5, "recovery"), (3, "recovery"), (4, None), (5, None), (6, None), (7, None)]
     assert [r["step"] for r in reg.metrics(job, 4)] == [3, 4, 5, 6, 7]  # from the fifth row on
     assert reg.job(job).progress == {"step": 7}
+
+
+def test_a_follower_by_cursor_sees_the_steps_a_restart_runs_again(reg):
+    """``metrics_after``: a follower that read up to step 6 before a restart to step 3 gets the restart's
+    recovery row and steps 4-6 run again, then the new ones, each once; the rewind's dropped indices are not
+    given again (a follower counting rows missed the rows until the count passed what it had read)."""
+    job = reg.create_job("alice", "demo", {})
+    for step in range(1, 7):
+        reg.set_progress(job, {"step": step})
+    page = reg.metrics_after(job)
+    assert [r["step"] for r in page.rows] == [1, 2, 3, 4, 5, 6]
+    assert reg.metrics_after(job, page.cursor).rows == [] and reg.metrics_after(job, page.cursor).cursor == page.cursor
+    reg.rewind(job, 3)
+    reg.set_progress(job, {"step": 3, "phase": "recovery", "failure": 1})
+    for step in range(4, 8):
+        reg.set_progress(job, {"step": step})
+    after = reg.metrics_after(job, page.cursor)
+    assert [(r["step"], r.get("phase")) for r in after.rows] == [(3, "recovery"), (4, None), (5, None), (6, None),
+                                                                  (7, None)]
+    assert [r["step"] for r in reg.metrics(job, 6)] == [6, 7]  # by count: the recovery row, 4 and 5 missed
+    reg.rewind(job, 5)  # a second restart with no row between: its rows still come after every index given
+    reg.set_progress(job, {"step": 6})
+    assert [r["step"] for r in reg.metrics_after(job, after.cursor).rows] == [6]
+    assert [r["step"] for r in reg.metrics_after(job, -1, limit=2).rows] == [1, 2]
