@@ -18,6 +18,7 @@ def _examples():
         R.Identity("alice", True, True),
         R.ServableJob("j1", 1.0, "tiny", [10, 20]),
         R.EpisodePage([1, 2], [{"task": "t", "reward": 1.0}]),
+        R.MetricsPage([{"step": 1, "phase": "grpo"}], 4),
         R.CheckpointMeta(3, 3, {"rank": 8}, "tiny", {"job_step": 3}, sharded=2, optimizer=True),
     ]
 
