@@ -245,19 +245,26 @@ def learner_rates(args, path: str, done_row: Callable[[dict[str, Any]], None]) -
 
 
 def spread(rows: dict[str, Any], modes: list[str]) -> dict[str, Any]:
-    """Per N and mode: the median, least and greatest of its ratios to own over the rotations that measured it
-    (printed too): the machine drifts by 20-40% within minutes, so one rotation's ratio is one draw."""
+    """Per N and mode: the median, least and greatest of its ratios to own over the rotations that measured it,
+    and the pooled ratio (its datums over own's, all rotations' windows together) (printed too): the machine
+    drifts by 20-40% within minutes, so one rotation's ratio is one draw."""
     ratios: dict[str, dict[str, list[float]]] = {}
+    pooled: dict[str, dict[str, list[float]]] = {}  # N -> mode -> [its datums/s, own's], summed over rotations
     for key, row in rows.items():
         for mode in modes:
             if row.get(f"{mode}_over_own") is not None:
-                ratios.setdefault(key.split("#")[0], {}).setdefault(mode, []).append(row[f"{mode}_over_own"])
+                n = key.split("#")[0]
+                ratios.setdefault(n, {}).setdefault(mode, []).append(row[f"{mode}_over_own"])
+                total = pooled.setdefault(n, {}).setdefault(mode, [0.0, 0.0])
+                total[0] += row[mode]["datums_per_s"]
+                total[1] += row["own"]["datums_per_s"]
     out: dict[str, Any] = {}
     for n, by_mode in ratios.items():
-        out[n] = {m: {"median": statistics.median(v), "min": min(v), "max": max(v), "rotations": len(v)}
-                  for m, v in by_mode.items()}
+        out[n] = {m: {"median": statistics.median(v), "min": min(v), "max": max(v), "rotations": len(v),
+                      "pooled": pooled[n][m][0] / pooled[n][m][1]} for m, v in by_mode.items()}
         print(f"N={n:>2} over {len(next(iter(by_mode.values())))} rotations: " + "; ".join(
-            f"{m} {r['median']:.2f}x median ({r['min']:.2f}-{r['max']:.2f})" for m, r in out[n].items()), flush=True)
+            f"{m} {r['median']:.2f}x median ({r['min']:.2f}-{r['max']:.2f}), {r['pooled']:.2f}x pooled"
+            for m, r in out[n].items()), flush=True)
     return out
 
 
