@@ -71,22 +71,23 @@ def relay_class() -> type:
     """The relay actor's class for ``--client service`` (made in a function, so Ray ships it by value)."""
 
     class Relay:
-        """A training client's pair on its way to the learner as the TinkerService sends it: one call of a client
-        at a time, in order (the service's ``OrderedExecutor``: a client's next call goes when its last is answered),
+        """A training client's pair on its way to the learner as the TinkerService sends it: a client's calls handed
+        over in order, the next while up to ``ahead`` - 1 before it are unanswered (the service's ``OrderedExecutor``
+        and ``Handover``, ``futures.AHEAD``; 1: the next when the last is answered, as before session 72),
         through :class:`~otray.tinker.service.learner_calls.LearnerCalls` (small calls of several clients as one
         learner call)."""
 
-        def __init__(self, learner: Any, small_tokens: int):
+        def __init__(self, learner: Any, small_tokens: int, ahead: int):
             from otray.tinker.service.learner_calls import LearnerCalls
 
-            self.learner, self.calls = learner, LearnerCalls(small_tokens)
-            self.order: dict[tuple[str, str], Any] = {}  # client -> its lock (asyncio's: first come, first served)
+            self.learner, self.calls, self.ahead = learner, LearnerCalls(small_tokens), ahead
+            self.room: dict[tuple[str, str], Any] = {}  # client -> its semaphore (asyncio's: first come, first served)
 
         async def train_step(self, call: Any) -> Any:
             import asyncio
 
-            async with self.order.setdefault(call.client(), asyncio.Lock()):
-                return await self.calls.send(call, lambda: self.learner)
+            async with self.room.setdefault(call.client(), asyncio.Semaphore(self.ahead)):
+                return await self.calls.submit(call, lambda: self.learner)
 
     return Relay
 
@@ -115,7 +116,9 @@ def learner_rates(args, path: str, done_row: Callable[[dict[str, Any]], None]) -
              "graphs": (passes, False, 0, 1),  # graphs: models[i].graph_passes (bucketed; CUDA graphs on a GPU)
              "own_kept": (0, False, 0, 1),  # own, turns kept among users looping alike (before session 69)
              "pairs_apart": (passes, False, 0, 1),  # shared, a train_step's two parts two turns (before session 70)
-             "own_apart": (0, False, 0, 1)}  # own, a train_step's two parts two turns (before session 70)
+             "own_apart": (0, False, 0, 1),  # own, a train_step's two parts two turns (before session 70)
+             "shared_one": (passes, False, 0, 1)}  # shared, --client service*: a client's next call sent when its
+    # last is answered (before session 72; the others: while it is on the learner, futures.AHEAD)
     modes = {m: known[m] for m in args.modes.split(",")}
     # --client service: the calls each mode's service would coalesce (own: none, as before shared passes)
     coalesce = {m: 0 if m.startswith("own") or m == "shared_alone" else TinkerScheduling().coalesce_tokens for m in modes}
@@ -153,7 +156,11 @@ def learner_rates(args, path: str, done_row: Callable[[dict[str, Any]], None]) -
             side_tokens=side, num_threads=None if args.gpu else (1 if side else cpus), graph_passes=mode == "graphs")
         ray.get([learners[mode].create.remote(f"u{i}", f"u{i}", AdapterSpec(args.rank, i))
                  for i in range(max(users_list))])
-    relays = {mode: ray.remote(Relay).options(num_cpus=0).remote(learners[mode], coalesce[mode]) for mode in modes} \
+    from otray.tinker.service.futures import AHEAD
+
+    relays = {mode: ray.remote(Relay).options(num_cpus=0).remote(learners[mode], coalesce[mode],
+                                                                  1 if mode == "shared_one" else AHEAD)
+              for mode in modes} \
         if args.client.startswith("service") else {}
 
     mode_of = {learner: mode for mode, learner in learners.items()}

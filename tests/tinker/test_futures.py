@@ -117,3 +117,114 @@ def test_a_request_runs_with_the_queued_one_it_leads_and_each_gets_its_own_answe
         assert [o.kind for o in outs] == ["json", "json", "error", "error"]
         assert all("the shared call failed" in o.body["error"] for o in outs[2:])
     asyncio.run(main())
+
+
+class Sender:
+    """A run that may be sent ahead (futures.Ahead, as a training call): ``send`` records that it went; its answer
+    comes when the test opens its ``gate``. ``follow``: what ``may_follow`` says; ``step``: it is an optim_step, the
+    run before it (``leads``) goes with it as one."""
+
+    def __init__(self, log: list, seq: int, follow: bool = True, leads: bool = False, step: bool = False):
+        self.log, self.seq, self.follow, self.leads, self.step = log, seq, follow, leads, step
+        self.gate = asyncio.Event()
+
+    def may_follow(self, ahead) -> bool:
+        return self.follow
+
+    async def send(self, ahead):
+        self.log.append(("sent", self.seq, tuple(r.seq for r in ahead)))
+
+        async def answer() -> Outcome:
+            await self.gate.wait()
+            return Outcome("json", {"seq": self.seq})
+        return answer
+
+    def with_next(self, run):
+        if not (self.leads and isinstance(run, Sender) and run.step):
+            return None
+        pair = Sender(self.log, (self.seq, run.seq))
+        pair.gate = self.gate
+
+        async def send(ahead):
+            answer = await Sender.send(pair, ahead)
+
+            async def both() -> tuple[Outcome, Outcome]:
+                await answer()
+                return Outcome("json", {"seq": self.seq}), Outcome("json", {"seq": run.seq})
+            return both
+        pair.send = send
+        return pair
+
+    async def __call__(self) -> Outcome:
+        return await (await self.send(()))()
+
+
+async def ticks(n: int = 20) -> None:
+    for _ in range(n):
+        await asyncio.sleep(0)
+
+
+def test_a_training_call_goes_while_the_one_before_is_unanswered_and_answers_stay_in_order():
+    """Runs that may go ahead (training calls) are sent up to AHEAD unanswered; each is answered only after the one
+    before it; a run that may not follow (a restore point is due) and any other request wait until those before
+    them are answered."""
+    from otray.tinker.service.futures import AHEAD
+
+    async def main():
+        futures, order = executor(30)
+        log: list = []
+        runs = {s: Sender(log, s) for s in (1, 2, 3)}
+        held = Sender(log, 4, follow=False)
+        ran: list = []
+        ids = [order.submit("m", s, "alice", runs[s]) for s in (1, 2, 3)]
+        ids += [order.submit("m", 4, "alice", held), order.submit("m", 5, "alice", recorder(ran, 5))]
+        done = lambda k: futures.items[ids[k - 1]].done.is_set()  # noqa: E731
+        await ticks()
+        assert AHEAD == 2 and log == [("sent", 1, ()), ("sent", 2, (1,))]  # 3 waits: two are unanswered
+        runs[1].gate.set()
+        await ticks()
+        assert done(1) and not done(2) and log[2:] == [("sent", 3, (2,))]
+        runs[3].gate.set()
+        await ticks()
+        assert not done(3)  # its answer is in, but 2 is not answered yet
+        assert len(log) == 3 and ran == []  # 4 may not follow 3 (a restore point is due): it waits, and 5 behind it
+        runs[2].gate.set()
+        await ticks()
+        assert done(2) and done(3) and log[3:] == [("sent", 4, ())] and ran == []
+        held.gate.set()
+        outs = [await futures.wait(r, "alice", 5) for r in ids]
+        assert [o.body["seq"] for o in outs] == [1, 2, 3, 4, 5] and ran == [5]
+        assert order.sent_ahead == 2
+    asyncio.run(main())
+
+
+def test_a_forward_backward_sent_ahead_waits_for_its_optim_step_to_go_as_one():
+    """A run that leads (a forward_backward) with an unanswered run before it waits for its follower (its
+    optim_step) and goes with it as one; if the run before is answered first, it goes alone."""
+    async def main():
+        futures, order = executor(30)
+        log: list = []
+        first, fb, step = Sender(log, 1), Sender(log, 2, leads=True), Sender(log, 3, step=True)
+        ids = [order.submit("m", 1, "alice", first), order.submit("m", 2, "alice", fb)]
+        await ticks()
+        assert log == [("sent", 1, ())]  # 2 waits for the optim_step that may be on its way
+        ids.append(order.submit("m", 3, "alice", step))
+        await ticks()
+        assert log[1:] == [("sent", (2, 3), (1,))]  # the two as one, sent while 1 is on the learner
+        first.gate.set(), fb.gate.set()
+        assert [(await futures.wait(r, "alice", 5)).body["seq"] for r in ids] == [1, 2, 3]
+
+        alone = Sender(log, 4, leads=True)
+        ids = [order.submit("m", 4, "alice", alone)]
+        await ticks()
+        assert log[2:] == [("sent", 4, ())]  # nothing before it unanswered: it goes at once, alone
+        later = Sender(log, 5, leads=True)
+        ids.append(order.submit("m", 5, "alice", later))
+        await ticks()
+        assert log[3:] == []  # 5 waits for an optim_step or for 4's answer
+        alone.gate.set()
+        await ticks()
+        assert log[3:] == [("sent", 5, ())]  # 4 answered first: 5 goes alone
+        later.gate.set()
+        assert [(await futures.wait(r, "alice", 5)).body["seq"] for r in ids] == [4, 5]
+    asyncio.run(main())

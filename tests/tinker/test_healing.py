@@ -149,6 +149,77 @@ def test_models_loaded_from_a_checkpoint_since_overwritten_and_deleted_are_rebui
     assert recoveries(ray_local, svc["alice"], tc.model_id) and recoveries(ray_local, svc["alice"], loaded.model_id)
 
 
+def test_calls_sent_ahead_are_resent_in_order_and_never_ahead_of_a_restore_point(svc, ray_local, tokenizer, tiny_path):
+    """The service hands a client's next step to the learner while its last is still there (here: both wait behind
+    a long sample). First a big step, whose optim_step takes the replay log past its bound (a restore point is
+    saved after it), and a small one (held until that save: ``Healing.due``, whose own test is below; with that
+    guard off this test still passed in session 72, the learner having run the save first), then a death. Then two
+    small steps, the second sent ahead of the first, and the learner killed under both: they go again, in order,
+    once the model is rebuilt. The adapter ends equal to one trained in-process."""
+    from otray.tinker.service.tinker_service import NAME, NAMESPACE
+
+    service = ray_local.get_actor(NAME, namespace=NAMESPACE)
+    ahead = ray_local.get(service.training_calls.remote())["ahead"]
+    tc = tinker.ServiceClient(base_url=URL, api_key=svc["alice"]).create_lora_training_client(
+        base_model=BASE, rank=4, seed=7).result()
+    small = [[sft(p, a) for p, a in problems(tokenizer, 1, seed=40 + s)] for s in range(5)]
+    big = [sft(p, a) for p, a in problems(tokenizer, 8, seed=50)]  # > 4 KB: its step saves a restore point
+    prompt = types.ModelInput.from_ints(tokenizer.encode("12+34="))
+
+    def send(data):
+        return tc.forward_backward(data, "cross_entropy"), tc.optim_step(types.AdamParams(learning_rate=LR))
+
+    def behind_a_sample(steps: list, kill: bool) -> None:
+        sample = sampler.sample(prompt, 8, types.SamplingParams(max_tokens=120, seed=1, stop=[]))
+        time.sleep(0.2)
+        sent = [send(data) for data in steps]  # the second goes to the learner while the first waits there
+        if kill:
+            time.sleep(0.5)
+            kill_learner(ray_local)
+        sample.result()
+        [f.result() for pair in sent for f in pair]
+
+    [f.result() for f in send(small[0])]
+    sampler = tc.save_weights_and_get_sampling_client().result()
+    behind_a_sample([big, small[1]], kill=False)
+    kill_learner(ray_local)  # the log since the restore point: small[1] only, whatever went ahead
+    deadline = time.monotonic() + 120
+    while not recoveries(ray_local, svc["alice"], tc.model_id) and time.monotonic() < deadline:
+        time.sleep(0.2)  # rebuilt (the next kill is then a death of its own)
+    behind_a_sample(small[2:4], kill=True)
+    [f.result() for f in send(small[4])]
+    got = saved_adapter(svc["store"], tc.save_state("end").result().path)
+    assert max_diff(got, reference(tiny_path, [small[0], big, *small[1:]], 7)) < 1e-5
+    assert len(recoveries(ray_local, svc["alice"], tc.model_id)) == 2
+    assert ray_local.get(service.training_calls.remote())["ahead"] > ahead  # small[3] went ahead of small[2]
+
+
+def test_a_call_does_not_go_ahead_of_a_step_that_saves_a_restore_point(tmp_path):
+    """``Healing.due`` (what keeps a training call from going to the learner ahead of calls whose recording saves
+    a restore point) says so exactly when ``ran`` will."""
+    from otray.tinker.learner.specs import AdamStep, AdapterSpec
+    from otray.tinker.service.healing import Healing, Pass, Step
+    from otray.types import Datum
+
+    async def nothing(*_) -> None:
+        return None
+
+    healing = Healing({"base": None}, tmp_path, 4000, nothing, nothing, lambda base: [])
+    healing.made("m", "alice", "base", AdapterSpec(4, 0))
+    datum = Datum(list(range(60)), list(range(60)), [1.0] * 60, [0.0] * 60, [0.0] * 60)
+    fb = (Pass([datum], "cross_entropy", None, None), Healing.size(Pass([datum], "cross_entropy", None, None)))
+    step = (Step(AdamStep()), Healing.size(Step(AdamStep())))
+    saves = []
+    for _ in range(12):
+        due = healing.due("m", [fb, step])
+        assert not healing.due("m", [fb]) and not healing.due("unknown", [fb, step])
+        saves.append(healing.ran("m", *fb) or healing.ran("m", *step))
+        assert saves[-1] == due
+        if due:
+            healing.replays["m"].bytes = 0  # as a snapshot starts the log over
+    assert any(saves) and not all(saves), saves
+
+
 def test_a_replay_log_is_bounded_even_without_optim_steps(tmp_path):
     """Past the bound, the next optim_step asks for a restore point; a client that only sends
     forward_backward calls (a gradient pending, so no restore point can be saved) has its log dropped at

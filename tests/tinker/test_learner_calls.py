@@ -138,3 +138,46 @@ def test_clients_that_loop_alike_share_one_call(ray_local, learners):
     assert calls.sent["requests"] == 40
     # rounds 4-7, their gaps long known: one call each (two more for the machine's noise)
     assert marks[8] - marks[4] <= 6, (marks, calls.sent)
+
+
+class Watched(LearnerCalls):
+    """LearnerCalls noting the clients of each coalesced learner call it sends."""
+
+    def __init__(self, small_tokens: int):
+        super().__init__(small_tokens)
+        self.held: list[list[tuple[str, str]]] = []
+
+    async def _call(self, handle, members) -> None:
+        self.held.append([m.call.client() for m in members])
+        await super()._call(handle, members)
+
+
+def test_a_clients_calls_handed_over_before_their_answers_keep_their_order(ray_local, learners):
+    """Three clients each hand over two steps at once, and a fourth a small step then a big forward_backward while
+    the learner is full (the service sends a model's next call while its last is on the learner): a learner call
+    holds at most one call of a client, the big one waits behind its client's small one, and every answer equals
+    the same calls sent one by one."""
+    together, alone = learners
+    ray_local.get([lr.create.remote(f"user{i}", f"n{i}", AdapterSpec(4, seed=20 + i)) for lr in learners
+                   for i in range(4)])
+
+    def step_of(i: int, step: int) -> PairCall:
+        return PairCall(PassCall(f"user{i}", PassRequest(f"n{i}", [datum(100 + 10 * i + step)], "cross_entropy")), ADAM)
+
+    big = PassCall("user3", PassRequest("n3", [datum(97, 40), datum(96, 40)], "cross_entropy"))  # 80 tokens
+    order = [step_of(i, s) for s in range(2) for i in range(3)] + [step_of(3, 0), big]
+    calls = Watched(small_tokens=64)
+
+    async def scenario() -> list:
+        return await asyncio.gather(*[calls.submit(c, lambda: together) for c in order])
+
+    got = asyncio.run(scenario())
+    want = [ray_local.get(alone.calls.remote([c]))[0] for c in order]
+    for g, w in zip(got[:7], want[:7]):
+        assert g.optim_step == w.optim_step
+        assert np.allclose(g.forward_backward.logprobs[0], w.forward_backward.logprobs[0], atol=1e-5)
+    assert all(np.allclose(a, b, atol=1e-5) for a, b in zip(got[7].logprobs, want[7].logprobs))
+    assert all(len(set(h)) == len(h) for h in calls.held), calls.held  # one call of a client in a learner call
+    flat = [c for h in calls.held for c in h]
+    assert sorted(flat) == sorted(c.client() for c in order)  # the big one too went as a (coalesced) call: queued
+    assert flat.index(("user3", "n3")) < len(flat) - 1 and calls.held[-1] == [("user3", "n3")]

@@ -12,6 +12,9 @@ how it applies each model's calls in ``seq_id`` order.
   requests after ``gap_timeout_s`` instead of hanging them. A request whose run can lead the one
   queued after it (``with_next``: a forward_backward and its optim_step,
   :mod:`otray.tinker.service.train_runs`) runs with it as one call, each still answered alone.
+  A training call (an :class:`Ahead` run) is sent while the one before it is still on the learner,
+  up to ``AHEAD`` unanswered (:mod:`otray.tinker.service.handover`); answers are still given in order,
+  and any other request waits until those before it are answered.
 
 Runs in the TinkerService actor."""
 
@@ -19,11 +22,14 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Optional
+from typing import Any, Awaitable, Callable, Optional, Protocol, Sequence
 
 from otray.tinker.service.timeline import Timeline
 from otray.tinker.errors import UserError
+
+AHEAD = 2  # a model's runs sent and not answered yet, at most: the one on the learner and the next behind it
 
 
 @dataclass
@@ -129,12 +135,25 @@ class Futures:
             del self.items[rid]
 
 
+class Ahead(Protocol):
+    """A run whose call may be sent before the requests before it are answered (a training call: the learner runs
+    a model's calls in the order they came, :mod:`otray.tinker.service.handover`)."""
+
+    def may_follow(self, ahead: Sequence[Any]) -> bool:
+        """Whether it may be sent while the runs ``ahead`` (sent before it, in order) are unanswered."""
+
+    async def send(self, ahead: Sequence[Any]) -> Callable[[], Awaitable[Any]]:
+        """Its call sent, behind ``ahead``'s; returns what answers it (an Outcome; a pair's run, two)."""
+
+
 @dataclass
 class _Queue:
-    next_seq: int = 1
+    next_seq: int = 1  # the next request to run (or send)
     pending: dict[int, tuple[str, Callable[[], Awaitable[Outcome]]]] = field(default_factory=dict)
     seen: dict[int, str] = field(default_factory=dict)  # seq_id -> request id (resubmissions)
     running: bool = False
+    ahead: deque[tuple[Any, asyncio.Task]] = field(default_factory=deque)  # runs sent, each with what answers it
+    arrived: asyncio.Event = field(default_factory=asyncio.Event)  # set as each request is queued
 
 
 class OrderedExecutor:
@@ -142,6 +161,7 @@ class OrderedExecutor:
         self.futures = futures
         self.gap_timeout_s = gap_timeout_s
         self.queues: dict[str, _Queue] = {}
+        self.sent_ahead = 0  # runs sent while one before them was unanswered, since the start
 
     def start(self, model_id: str, next_seq: int = 1) -> None:
         """A new model whose first queued request will be ``next_seq``."""
@@ -170,6 +190,7 @@ class OrderedExecutor:
         self.futures.new(request_id, owner, kind)
         q.seen[seq_id] = request_id
         q.pending[seq_id] = (request_id, run)
+        q.arrived.set()
         if seq_id > q.next_seq:
             asyncio.get_running_loop().call_later(self.gap_timeout_s, self._gap, model_id, q.next_seq)
         if not q.running:
@@ -200,24 +221,63 @@ class OrderedExecutor:
     async def _drain(self, q: _Queue) -> None:
         try:
             while q.next_seq in q.pending:
-                request_id, run = q.pending.pop(q.next_seq)
-                follower = q.pending.get(q.next_seq + 1)
-                pair = run.with_next(follower[1]) if follower is not None and hasattr(run, "with_next") else None
-                if pair is None:
-                    self.futures.timeline.running(request_id)
-                    self.futures.finish(request_id, await settle(run))
-                    q.next_seq += 1
-                else:  # this request and the queued one after it in one call (train_runs.pass_and_step)
-                    del q.pending[q.next_seq + 1]
-                    self.futures.timeline.running(request_id)
-                    self.futures.timeline.running(follower[0])
-                    for rid, outcome in zip((request_id, follower[0]), await settle_pair(pair)):
-                        self.futures.finish(rid, outcome)
-                    q.next_seq += 2
+                await self._room(q, q.pending[q.next_seq][1])
+                if q.next_seq not in q.pending:  # the model was forgotten meanwhile
+                    break
+                ids, run = self._unit(q)
+                if hasattr(run, "send"):  # sent now, answered in order once those before it are
+                    try:
+                        answer = await run.send([r for r, _ in q.ahead])
+                    except Exception as e:  # noqa: BLE001 - refused before it was sent (its lease check)
+                        answer = raising(e)
+                    before = q.ahead[-1][1] if q.ahead else None
+                    self.sent_ahead += before is not None and not before.done()
+                    q.ahead.append((run, asyncio.ensure_future(self._answer(ids, answer, before))))
+                else:
+                    await self._answer(ids, run, None)
                 for old in [s for s in q.seen if s < q.next_seq - 1000]:
                     del q.seen[old]
         finally:
             q.running = False
+
+    async def _room(self, q: _Queue, run: Any) -> None:
+        """Wait until ``run`` may go: the runs sent and not answered yet are fewer than ``AHEAD``, and ``run`` is one
+        that may be sent ahead of them (:class:`Ahead`), else there are none."""
+        while q.ahead:
+            oldest = q.ahead[0][1]
+            if oldest.done():
+                q.ahead.popleft()
+            elif not hasattr(run, "send") or len(q.ahead) >= AHEAD or not run.may_follow([r for r, _ in q.ahead]):
+                await asyncio.wait([oldest])
+            elif getattr(run, "leads", False) and q.next_seq + 1 not in q.pending:
+                # a forward_backward whose optim_step may be on its way: the two go as one if it comes before the
+                # learner needs work (the run before answered)
+                q.arrived.clear()
+                came = asyncio.ensure_future(q.arrived.wait())
+                await asyncio.wait([came, oldest], return_when=asyncio.FIRST_COMPLETED)
+                came.cancel()
+            else:
+                return
+
+    def _unit(self, q: _Queue) -> tuple[list[str], Any]:
+        """The next request's run, with the queued one after it when it leads it (``with_next``: one run answering
+        both); their request ids."""
+        request_id, run = q.pending.pop(q.next_seq)
+        follower = q.pending.get(q.next_seq + 1)
+        pair = run.with_next(follower[1]) if follower is not None and hasattr(run, "with_next") else None
+        ids = [request_id] if pair is None else [request_id, q.pending.pop(q.next_seq + 1)[0]]
+        q.next_seq += len(ids)
+        for rid in ids:
+            self.futures.timeline.running(rid)
+        return ids, run if pair is None else pair
+
+    async def _answer(self, ids: list[str], run: Callable[[], Awaitable[Any]], before: Optional[asyncio.Task]) -> None:
+        """``run()``'s outcome (a pair's two) given to requests ``ids``, once ``before`` (the request before) was."""
+        if before is not None:
+            await asyncio.wait([before])
+        outcomes = [await settle(run)] if len(ids) == 1 else await settle_pair(run)
+        for rid, outcome in zip(ids, outcomes):
+            self.futures.finish(rid, outcome)
 
     def _gap(self, model_id: str, missing: int) -> None:
         q = self.queues.get(model_id)
@@ -237,3 +297,11 @@ class OrderedExecutor:
         if not q.running:
             q.running = True
             asyncio.get_running_loop().create_task(self._drain(q))
+
+
+def raising(e: Exception) -> Callable[[], Awaitable[Any]]:
+    """A run that raises ``e``."""
+
+    async def run() -> Any:
+        raise e
+    return run

@@ -23,7 +23,7 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Awaitable, Callable, Optional, Union
+from typing import Any, Awaitable, Callable, Optional, Sequence, Union
 
 import ray
 
@@ -155,20 +155,38 @@ class Healing:
             link_tree(path, dest)
             replay.calls.append(Loaded(str(dest), optimizer))
 
-    def ran(self, model_id: str, call: Union[Pass, Step]) -> bool:
-        """A training call of ``model_id`` done; True when its log is past the bound after an optim_step (the
-        caller then saves a restore point with :meth:`snapshot`: only there, since a save keeps no
-        gradient, and between a forward_backward and its step the adapter holds one)."""
+    @staticmethod
+    def size(call: Union[Pass, Step]) -> int:
+        """What ``call`` adds to a replay log's size (its pickled bytes)."""
+        return len(pickle.dumps(call, protocol=pickle.HIGHEST_PROTOCOL))
+
+    def ran(self, model_id: str, call: Union[Pass, Step], size: Optional[int] = None) -> bool:
+        """A training call of ``model_id`` done (``size``: :meth:`size`, when known); True when its log is past the
+        bound after an optim_step (the caller then saves a restore point with :meth:`snapshot`: only there, since
+        a save keeps no gradient, and between a forward_backward and its step the adapter holds one)."""
         replay = self.replays.get(model_id)
         if replay is None:
             return False
         replay.calls.append(call)
-        replay.bytes += len(pickle.dumps(call, protocol=pickle.HIGHEST_PROTOCOL))
+        replay.bytes += self.size(call) if size is None else size
         if replay.bytes > 2 * self.replay_bytes and not isinstance(call, Step):  # no step to save a restore point at
             self.forget(model_id)
             self.lost[model_id] = (f"its training calls since its last optim_step passed twice healing_replay_mb "
                                    f"({self.replay_bytes / 2**20:g} MB) and were not kept")
         return isinstance(call, Step) and replay.bytes > self.replay_bytes
+
+    def due(self, model_id: str, calls: Sequence[tuple[Union[Pass, Step], int]]) -> bool:
+        """Whether recording ``calls`` (each with its :meth:`size`, in order) after ``model_id``'s log would save a
+        restore point at one of them (:meth:`ran`): a call sent to the learner before that save would be in it."""
+        replay = self.replays.get(model_id)
+        if replay is None:
+            return False
+        size = replay.bytes
+        for call, n in calls:
+            size += n
+            if isinstance(call, Step) and size > self.replay_bytes:
+                return True
+        return False
 
     async def snapshot(self, model_id: str, save: Callable[[str], Awaitable[Any]]) -> None:
         """``save(dir)`` (the learner's save, optimizer included, in the model's order) is the new restore

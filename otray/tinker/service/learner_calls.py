@@ -7,7 +7,12 @@ alone while ``depth`` coalesced calls are already on the learner: it waits for o
 with every other call waiting (up to ``small_tokens`` tokens in all) as one :meth:`SharedLearner.calls`, whose
 answer list ends together (its members are small, so they share the learner's next pass: no one waits on a big
 user). With fewer than ``depth`` on the learner it goes at once, so a lone client never waits here and the
-learner always has the next call queued when one ends. A bigger call always goes at once, alone.
+learner always has the next call queued when one ends. A bigger call goes at once, alone (behind its client's
+calls still waiting here, if any).
+
+A client may have several calls here (the service sends a model's next training call before its last is answered:
+:class:`~otray.tinker.service.futures.OrderedExecutor`). They keep their order: a learner call holds at most one
+call of each client, so its next goes in a later learner call, which the learner's queue runs after it.
 
 Clients that loop alike come back from one answer list a few ms apart: the first back would go alone, the next
 too, and the rest together, two cohorts taking turns with a pass each (4.4 of 8 users a pass, 36% fewer datums/s
@@ -17,8 +22,8 @@ to twice their last gap (:meth:`Followers.gather`): one call, one pass, a cycle.
 
 Each member stays its own request: its lease check passed before it came here, its model is looked up again
 when its call is sent (a model unloaded meanwhile is refused, its rows never sent), it gets its own answer or
-exception, and a call lost with its learner reaches every member, whose healing (``Healing.call``) sends it
-again.
+exception, and a call lost with its learner reaches every member, whose healing (``Healing.call``, or the
+executor's, in order, for a call sent ahead) sends it again.
 
 Runs in the TinkerService actor."""
 
@@ -59,16 +64,29 @@ class LearnerCalls:
 
     async def send(self, call: LearnerCall, learner: Callable[[], Any]) -> Any:
         """``call``'s answer (its result; its exception raised) from the learner ``learner()`` names."""
-        handle = learner()  # a model no longer live is refused now
-        if call.tokens() > self.small_tokens:
+        return await self.submit(call, learner)
+
+    def submit(self, call: LearnerCall, learner: Callable[[], Any]) -> asyncio.Future:
+        """``call`` handed over now, behind every call of its client handed over before it (a client may have
+        several on their way: the service sends a model's next training call before its last is answered,
+        :class:`~otray.tinker.service.futures.OrderedExecutor`); the future of its answer (its result, or the
+        exception it raised: not raised). ``learner()`` is asked when the call is sent to the learner, and may
+        refuse it then by raising (its model left; its learner died since it was handed over)."""
+        answer = asyncio.get_running_loop().create_future()
+        if call.tokens() > self.small_tokens and not self._waiting(*call.client()):
+            try:
+                handle = learner()  # a model no longer live is refused now
+            except Exception as e:  # noqa: BLE001 - its answer
+                answer.set_exception(e)
+                return answer
             self.sent["calls"] += 1
             self.sent["requests"] += 1
-            return _answer((await handle.calls.remote([call]))[0])
-        member = _Member(call, learner, asyncio.get_running_loop().create_future())
-        self.waiting.append(member)
+            asyncio.ensure_future(self._alone(handle.calls.remote([call]), answer))
+            return answer
+        self.waiting.append(_Member(call, learner, answer))
         self.followers.arrived(*call.client())
         self._kick()
-        return _answer(await member.answer)
+        return answer
 
     def forget(self, user: str, client: str) -> None:
         """``client`` (a model id) left: its gaps are no longer kept or waited for."""
@@ -99,20 +117,38 @@ class LearnerCalls:
         return any(m.call.client() == (user, client) for m in self.waiting)
 
     def _take(self) -> None:
-        """The waiting calls, as few learner calls as ``small_tokens`` allows, while fewer than ``depth`` are on it."""
+        """The waiting calls, as few learner calls as ``small_tokens`` allows, while fewer than ``depth`` are on it:
+        each learner call holds at most one call of a client (its next waits for the next learner call, which the
+        learner runs after this one: a client's calls keep their order), in the order they came; a call bigger than
+        ``small_tokens`` (one that came behind its client's earlier call) goes alone."""
         while self.waiting and self.on_learner < self.depth:
-            members, tokens, handle = [], 0, None
-            while self.waiting and tokens + self.waiting[0].call.tokens() <= self.small_tokens:
+            members, tokens, handle, taken = [], 0, None, set()
+            rest: deque[_Member] = deque()
+            while self.waiting:
                 m = self.waiting.popleft()
                 if m.answer.done():  # its request was cancelled while it waited
                     continue
+                client, size = m.call.client(), m.call.tokens()
+                big = size > self.small_tokens
+                if client in taken or (big and members) or (not big and tokens + size > self.small_tokens):
+                    taken.add(client)  # its later calls wait too: they stay behind this one
+                    rest.append(m)
+                    if not big and tokens + size > self.small_tokens:
+                        break  # full: the rest wait, in the order they came
+                    continue
                 try:
                     handle = m.learner()
-                except Exception as e:  # noqa: BLE001 - its model left while it waited: refused alone
+                except Exception as e:  # noqa: BLE001 - its model left (or its learner died) while it waited: alone
                     m.answer.set_exception(e)
+                    taken.add(client)
                     continue
                 members.append(m)
-                tokens += m.call.tokens()
+                tokens += size
+                taken.add(client)
+                if big:
+                    break
+            rest.extend(self.waiting)
+            self.waiting = rest
             if members:
                 self.on_learner += 1
                 self.sent["calls"] += 1
@@ -129,12 +165,23 @@ class LearnerCalls:
         for m, out in zip(members, outs):
             self.followers.finished(*m.call.client())
             self.expected.append(m.call.client())
-            if not m.answer.done():
-                m.answer.set_result(out)
+            _settle(m.answer, out)
         self._kick()
 
+    @staticmethod
+    async def _alone(ref: Any, answer: asyncio.Future) -> None:
+        try:
+            out = (await ref)[0]
+        except Exception as e:  # noqa: BLE001 - the call as a whole (its learner died)
+            out = e
+        _settle(answer, out)
 
-def _answer(out: Any) -> Any:
+
+def _settle(answer: asyncio.Future, out: Any) -> None:
+    """``answer`` given ``out`` (an exception: raised by it), unless its request was cancelled."""
+    if answer.done():
+        return
     if isinstance(out, BaseException):
-        raise out
-    return out
+        answer.set_exception(out)
+    else:
+        answer.set_result(out)

@@ -124,6 +124,10 @@ class TinkerService:
         names = sorted(self.learners)
         return dict(zip(names, await asyncio.gather(*[self.learners[n].usage.remote() for n in names])))
 
+    async def training_calls(self) -> dict[str, Any]:  # per base: learner calls and requests; runs sent ahead
+        t = self.training
+        return {"sent": {base: dict(c.sent) for base, c in t.calls.items()}, "ahead": t.order.sent_ahead}
+
     async def sample_engines(self) -> dict[str, Any]:  # prompts per engine; why a vLLM engine is not used
         return {**self.batcher.prompts, "down": dict(self.engines.down), "cancelled": dict(self.batcher.cancelled),
                 "inflight_versions": {k: dict(v) for k, v in self.batcher.versions.items()}}

@@ -18,12 +18,12 @@ from dataclasses import asdict
 from typing import Any, Awaitable, Callable, Optional
 
 from otray.records import JobState
-from otray.tinker.learner.calls import LearnerCall
 from otray.tinker.learner.specs import AdamStep, AdapterSpec
 from otray.tinker.service import external as X
 from otray.tinker.service import runs as R
 from otray.tinker.service.catalog import Catalog
 from otray.tinker.service.futures import Futures, OrderedExecutor, Outcome
+from otray.tinker.service.handover import Handover
 from otray.tinker.service.healing import Healing, Pass, Step
 from otray.tinker.service.leases import LeaseEnded, Leases, LeaseSpec
 from otray.tinker.service.learner_calls import LearnerCalls
@@ -88,6 +88,8 @@ class Training:
         self.holding: dict[str, tuple[str, int]] = {}  # model id -> (owner, LoRA rank): live or being made (quotas)
         # each base model's training calls, small ones of many clients sent as one (scheduling.coalesce_tokens)
         self.calls = {base: LearnerCalls(coalesce_tokens, follow_s=follow_s) for base in learners}
+        # training calls handed to the learner in order, several on their way, sent again in order after a death
+        self.handover = Handover(self.healing, self.calls, self.learner_of, self.live.get)
 
     # ------------------------------------------------------------------ live models
 
@@ -171,15 +173,13 @@ class Training:
         return await self.healing.call(self.live.get(model_id, ""), lambda: send(self.learner_of(model_id)),
                                        lambda: model_id in self.live)  # learner_of raises if the model left
 
-    async def _call(self, model_id: str, call: LearnerCall, check: asyncio.Future) -> Any:
-        """A training request's learner call (:mod:`otray.tinker.service.learner_calls`: a small one goes with
-        other clients' as one): :meth:`_send`'s, the model still live when it reaches the learner's ``LearnerCalls``."""
-        return await self._send(model_id, lambda _: self.calls[self.live[model_id]].send(
-            call, lambda: self.learner_of(model_id)), check)
+    def logged(self, call: Pass | Step) -> tuple[Pass | Step, int]:
+        """``call`` as a model's replay log would record it, with its size (none while healing is off)."""
+        return call, self.healing.size(call) if self.healing.on else 0
 
-    async def _ran(self, owner: str, model_id: str, call: Pass | Step) -> None:
+    async def _ran(self, owner: str, model_id: str, logged: tuple[Pass | Step, int]) -> None:
         """A training call done: in the model's replay log; past the log's bound, a restore point saved."""
-        if self.healing.ran(model_id, call):
+        if self.healing.ran(model_id, *logged):
             await self.healing.snapshot(model_id, lambda where: self._send(
                 model_id, lambda learner: learner.save.remote(owner, model_id, where, True)))
 
