@@ -91,3 +91,21 @@ def test_usage_counts_while_merges_rename_their_directories_beside_it(tmp_path):
         stop.set()
         thread.join()
     assert walks > 10
+
+
+def test_a_runs_last_request_is_written_at_most_once_a_second_and_read_exact(tmp_path, monkeypatch):
+    """``Store.touch`` (every training request) writes the run's ``last_request`` to SQLite at most every
+    ``TOUCH_WRITE_S`` (each write is a transaction on the service's event loop); the run read back still has the
+    latest request's time."""
+    import otray.tinker.service.store as store_module
+
+    clock = [1000.0]
+    monkeypatch.setattr(store_module.time, "time", lambda: clock[0])
+    store = Store(tmp_path / "store")
+    store.add_run("run1", "carol", "base", {"rank": 4}, None)
+    written = lambda: store.db.execute("SELECT last_request FROM runs WHERE model_id = 'run1'").fetchone()[0]  # noqa: E731
+    for t, on_disk in ((1001.0, 1001.0), (1001.5, 1001.0), (1001.9, 1001.0), (1002.2, 1002.2)):
+        clock[0] = t
+        store.touch("run1")
+        assert written() == on_disk and store.run("run1").last_request == t
+    assert store.touched == {} and store_module.TOUCH_WRITE_S == 1.0
