@@ -104,8 +104,9 @@ test-fast: $(STAMP) browser sandbox
 # has 15 minutes, 10 a call; session 38's H200 timed each part). `gpu-check` (~6.5 min): the GPU tests (~2 min:
 # the compiled sampler on CUDA graphs and cuda_ipc between actors among them) and otray against TRL
 # (benchmarks/gpu.py: TRL ~90 s, the compiled colocated row ~100 s, the split row; it saves after every run).
-# `gpu-check-tinker` (~5.5 min): shared LoRA passes (and with wait_for_followers) against a pass per user and the
-# learner's fair shares (issue 53),
+# `gpu-check-tinker` (~5.5 min): shared LoRA passes (and bucketed ones) against a pass per user, clients sending
+# their next step ahead through the service's hand-over (tinker-cookbook's loop), and the learner's fair shares
+# (issue 53),
 # and a short GPU job through the ResourceManager (`otray train`). Each part has a time cap, so a hang in one still
 # leaves the others' results; benchmarks/gpu_report.py gathers what is there into gpu_report.json.
 # TRL and Ray come from the carried wheels (NOTES.md, "GPU check").
@@ -123,7 +124,7 @@ gpu-check:
 gpu-check-tinker:
 	mkdir -p $(GPU_OUT)
 	timeout -k 5 200 $(PY) benchmarks/tinker_shared_passes.py --gpu --shape 0.5b --parts kernels,throughput --seconds 4 \
-	    --users 1,8,16 --modes own,shared,graphs --warmup 1 --out $(GPU_OUT)/tinker_shared_passes.json > $(GPU_OUT)/tinker_shared_passes.log 2>&1; \
+	    --users 1,8,16 --modes own,shared,graphs --client service-ahead --warmup 1 --out $(GPU_OUT)/tinker_shared_passes.json > $(GPU_OUT)/tinker_shared_passes.log 2>&1; \
 	  status=$$?; grep -a "N=\|learners\|Error" $(GPU_OUT)/tinker_shared_passes.log; \
 	  timeout -k 5 110 $(PY) benchmarks/learner_fairness.py --gpu --shape 0.5b --policies fair --slice-tokens 2048 \
 	    --seconds 4 --warmup 2 --out $(GPU_OUT)/learner_fairness.json > $(GPU_OUT)/learner_fairness.log 2>&1 \
