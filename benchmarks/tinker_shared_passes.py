@@ -73,7 +73,7 @@ def relay_class() -> type:
     class Relay:
         """A training client's pair on its way to the learner as the TinkerService sends it: a client's calls handed
         over in order, the next while up to ``ahead`` - 1 before it are unanswered (the service's ``OrderedExecutor``
-        and ``Handover``, ``futures.AHEAD``; 1: the next when the last is answered, as before session 72),
+        and ``Handover``, ``scheduling.calls_ahead``; 1: the next when the last is answered, as before session 72),
         through :class:`~otray.tinker.service.learner_calls.LearnerCalls` (small calls of several clients as one
         learner call)."""
 
@@ -118,7 +118,7 @@ def learner_rates(args, path: str, done_row: Callable[[dict[str, Any]], None]) -
              "pairs_apart": (passes, False, 0, 1),  # shared, a train_step's two parts two turns (before session 70)
              "own_apart": (0, False, 0, 1),  # own, a train_step's two parts two turns (before session 70)
              "shared_one": (passes, False, 0, 1)}  # shared, --client service*: a client's next call sent when its
-    # last is answered (before session 72; the others: while it is on the learner, futures.AHEAD)
+    # last is answered (before session 72; the others: while it is on the learner, scheduling.calls_ahead)
     modes = {m: known[m] for m in args.modes.split(",")}
     # --client service: the calls each mode's service would coalesce (own: none, as before shared passes)
     coalesce = {m: 0 if m.startswith("own") or m == "shared_alone" else TinkerScheduling().coalesce_tokens for m in modes}
@@ -156,10 +156,8 @@ def learner_rates(args, path: str, done_row: Callable[[dict[str, Any]], None]) -
             side_tokens=side, num_threads=None if args.gpu else (1 if side else cpus), graph_passes=mode == "graphs")
         ray.get([learners[mode].create.remote(f"u{i}", f"u{i}", AdapterSpec(args.rank, i))
                  for i in range(max(users_list))])
-    from otray.tinker.service.futures import AHEAD
-
     relays = {mode: ray.remote(Relay).options(num_cpus=0).remote(learners[mode], coalesce[mode],
-                                                                  1 if mode == "shared_one" else AHEAD)
+                                                                  1 if mode == "shared_one" else TinkerScheduling().calls_ahead)
               for mode in modes} \
         if args.client.startswith("service") else {}
 
@@ -425,11 +423,16 @@ def sdk_rates(args, path: str) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="otray-sdk-rates-"))
     key = alice_key(tmp)
     data = [datum(load_tokenizer(path).encode(TEXT))]
-    out: dict[str, Any] = {"users": args.sdk_users, "uncoalesced": [], "coalesced": []}
-    kinds = [("uncoalesced", 0), ("coalesced", TinkerScheduling().coalesce_tokens)]
-    for r in range(args.sdk_rounds):  # alternating (u c, c u, ...): the machine's drift hits both
-        for label, tokens in kinds if r % 2 == 0 else kinds[::-1]:
-            run(load_tinker({"port": PORT, "storage": str(tmp / f"{label}-{r}"), "scheduling": {"coalesce_tokens": tokens},
+    if args.sdk_compare == "ahead":  # clients sending ahead, the service handing calls over ahead or not
+        kinds = [("one_at_a_time", {"calls_ahead": 1}), ("ahead", {"calls_ahead": TinkerScheduling().calls_ahead})]
+        stepper = sdk_ahead_step
+    else:
+        kinds = [("uncoalesced", {"coalesce_tokens": 0}), ("coalesced", {})]
+        stepper = sdk_step
+    out: dict[str, Any] = {"users": args.sdk_users, "compare": args.sdk_compare, **{label: [] for label, _ in kinds}}
+    for r in range(args.sdk_rounds):  # alternating (a b, b a, ...): the machine's drift hits both
+        for label, scheduling in kinds if r % 2 == 0 else kinds[::-1]:
+            run(load_tinker({"port": PORT, "storage": str(tmp / f"{label}-{r}"), "scheduling": scheduling,
                              "models": [{"name": "tiny", "path": path, "learner_cpus": 1, "num_threads": 1,
                                          "sampler": {"engine": "learner"}}]}))
             service = tinker.ServiceClient(base_url=f"http://127.0.0.1:{PORT}", api_key=key)
@@ -440,7 +443,7 @@ def sdk_rates(args, path: str) -> dict[str, Any]:
             actor = ray.get_actor(NAME, namespace=NAMESPACE)
             before = ray.get(actor.learner_use.remote())["tiny"]["batched"]
             stop = threading.Event()
-            threads = [Stepper(sdk_step(c, data), stop) for c in clients]
+            threads = [Stepper(stepper(c, data), stop) for c in clients]
             window = run_window(threads, stop, args)
             after = ray.get(actor.learner_use.remote())["tiny"]["batched"]
             done = sum(1 for t in threads for s in t.steps if window.start <= s[0] + s[1] < window.end)
@@ -452,9 +455,27 @@ def sdk_rates(args, path: str) -> dict[str, Any]:
                   f"{got['requests_per_learner_call'] or 0:.1f} requests a learner call", flush=True)
             service.close("success").result()
             end_service()
-    rate = {k: statistics.median(g["datums_per_s"] for g in out[k]) for k in ("uncoalesced", "coalesced")}
-    out["coalesced_over_uncoalesced_median"] = rate["coalesced"] / rate["uncoalesced"]
+    (a, _), (b, _) = kinds
+    rate = {k: statistics.median(g["datums_per_s"] for g in out[k]) for k in (a, b)}
+    out[f"{b}_over_{a}_median"] = rate[b] / rate[a]
+    print(f"SDK, {args.sdk_users} clients: {b} over {a} {rate[b] / rate[a]:.2f}x (medians)", flush=True)
     return out
+
+
+def sdk_ahead_step(client: Any, data: list[Any]) -> Callable[[], None]:
+    """A tinker SDK client's step as tinker-cookbook's loop sends it (submit ahead): the next step's forward_backward
+    and optim_step sent before this one's results are awaited."""
+    from tinker import types
+
+    pending: list[tuple[Any, Any]] = []
+
+    def step() -> None:
+        pending.append((client.forward_backward(data, "cross_entropy"),
+                        client.optim_step(types.AdamParams(learning_rate=1e-5))))
+        if len(pending) > 1:
+            [f.result() for f in pending.pop(0)]
+
+    return step
 
 
 def end_service() -> None:
@@ -484,6 +505,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--tenants", type=int, default=5)
     ap.add_argument("--sdk-users", type=int, default=8, help="the clients of the sdk part")
     ap.add_argument("--sdk-rounds", type=int, default=2, help="the sdk part's alternations of its two services")
+    ap.add_argument("--sdk-compare", choices=("coalesce", "ahead"), default="coalesce",
+                    help="the sdk part's two services: coalescing small calls or not (clients awaiting each step), or "
+                         "handing a model's next call over while its last is on the learner or not "
+                         "(scheduling.calls_ahead 2 / 1; clients sending their next step ahead)")
     ap.add_argument("--rank", type=int, default=32, help="the LoRA rank of the throughput and kernels parts (the SDK's default: 32)")
     ap.add_argument("--users", default=",".join(map(str, USERS)), help="the N of the throughput part")
     ap.add_argument("--parts", default="throughput,tenant,kernels")

@@ -140,6 +140,11 @@ class TinkerScheduling:
     # of any clients of one base model, while two such are on its learner, together as one learner call of at most
     # this many tokens (otray/tinker/service/learner_calls.py): a Ray call costs the learner ~2 ms of its GIL. 0: off.
     coalesce_tokens: int = 512
+    # A model's training calls (forward_backward, optim_step) on their way to its learner and not answered yet, at
+    # most: with 2 the next goes while the last is on the learner, so a client that sends its next step before
+    # awaiting this one has it there when this one ends (otray/tinker/service/handover.py). 1: each when the last
+    # is answered (before session 72).
+    calls_ahead: int = 2
     users: dict[str, UserShare] = field(default_factory=dict)  # default: weight 1, priority 0
 
 

@@ -168,8 +168,6 @@ def test_a_training_call_goes_while_the_one_before_is_unanswered_and_answers_sta
     """Runs that may go ahead (training calls) are sent up to AHEAD unanswered; each is answered only after the one
     before it; a run that may not follow (a restore point is due) and any other request wait until those before
     them are answered."""
-    from otray.tinker.service.futures import AHEAD
-
     async def main():
         futures, order = executor(30)
         log: list = []
@@ -180,7 +178,7 @@ def test_a_training_call_goes_while_the_one_before_is_unanswered_and_answers_sta
         ids += [order.submit("m", 4, "alice", held), order.submit("m", 5, "alice", recorder(ran, 5))]
         done = lambda k: futures.items[ids[k - 1]].done.is_set()  # noqa: E731
         await ticks()
-        assert AHEAD == 2 and log == [("sent", 1, ()), ("sent", 2, (1,))]  # 3 waits: two are unanswered
+        assert order.ahead == 2 and log == [("sent", 1, ()), ("sent", 2, (1,))]  # 3 waits: two are unanswered
         runs[1].gate.set()
         await ticks()
         assert done(1) and not done(2) and log[2:] == [("sent", 3, (2,))]
@@ -228,3 +226,29 @@ def test_a_forward_backward_sent_ahead_waits_for_its_optim_step_to_go_as_one():
         later.gate.set()
         assert [(await futures.wait(r, "alice", 5)).body["seq"] for r in ids] == [4, 5]
     asyncio.run(main())
+
+
+def test_calls_ahead_one_sends_each_run_when_the_last_is_answered_and_zero_is_refused():
+    """``scheduling.calls_ahead: 1`` is honoured (each training call waits for the last one's answer) and a value
+    below 1 is refused by name."""
+    from otray.tinker.config import load_tinker
+    from otray.types import ConfigError
+
+    async def main():
+        futures = Futures(60)
+        order = OrderedExecutor(futures, gap_timeout_s=30, ahead=1)
+        order.start("m")
+        log: list = []
+        runs = [Sender(log, 1), Sender(log, 2)]
+        ids = [order.submit("m", s, "alice", run) for s, run in ((1, runs[0]), (2, runs[1]))]
+        await ticks()
+        assert log == [("sent", 1, ())]
+        runs[0].gate.set()
+        await ticks()
+        assert log[1:] == [("sent", 2, ())]
+        runs[1].gate.set()
+        assert [(await futures.wait(r, "alice", 5)).body["seq"] for r in ids] == [1, 2] and order.sent_ahead == 0
+    asyncio.run(main())
+    assert load_tinker({"scheduling": {"calls_ahead": 1}}).scheduling.calls_ahead == 1
+    with pytest.raises(ConfigError, match="scheduling.calls_ahead"):
+        load_tinker({"scheduling": {"calls_ahead": 0}})

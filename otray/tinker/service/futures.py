@@ -13,7 +13,7 @@ how it applies each model's calls in ``seq_id`` order.
   queued after it (``with_next``: a forward_backward and its optim_step,
   :mod:`otray.tinker.service.train_runs`) runs with it as one call, each still answered alone.
   A training call (an :class:`Ahead` run) is sent while the one before it is still on the learner,
-  up to ``AHEAD`` unanswered (:mod:`otray.tinker.service.handover`); answers are still given in order,
+  up to ``ahead`` unanswered (``scheduling.calls_ahead``, :mod:`otray.tinker.service.handover`); answers are still given in order,
   and any other request waits until those before it are answered.
 
 Runs in the TinkerService actor."""
@@ -28,8 +28,6 @@ from typing import Any, Awaitable, Callable, Optional, Protocol, Sequence
 
 from otray.tinker.service.timeline import Timeline
 from otray.tinker.errors import UserError
-
-AHEAD = 2  # a model's runs sent and not answered yet, at most: the one on the learner and the next behind it
 
 
 @dataclass
@@ -157,9 +155,13 @@ class _Queue:
 
 
 class OrderedExecutor:
-    def __init__(self, futures: Futures, gap_timeout_s: float):
+    """Each model's requests in ``seq_id`` order (``ahead``: its :class:`Ahead` runs sent and not answered yet, at
+    most; 1: each run when the last is answered)."""
+
+    def __init__(self, futures: Futures, gap_timeout_s: float, ahead: int = 2):
         self.futures = futures
         self.gap_timeout_s = gap_timeout_s
+        self.ahead = ahead
         self.queues: dict[str, _Queue] = {}
         self.sent_ahead = 0  # runs sent while one before them was unanswered, since the start
 
@@ -241,13 +243,13 @@ class OrderedExecutor:
             q.running = False
 
     async def _room(self, q: _Queue, run: Any) -> None:
-        """Wait until ``run`` may go: the runs sent and not answered yet are fewer than ``AHEAD``, and ``run`` is one
+        """Wait until ``run`` may go: the runs sent and not answered yet are fewer than ``ahead``, and ``run`` is one
         that may be sent ahead of them (:class:`Ahead`), else there are none."""
         while q.ahead:
             oldest = q.ahead[0][1]
             if oldest.done():
                 q.ahead.popleft()
-            elif not hasattr(run, "send") or len(q.ahead) >= AHEAD or not run.may_follow([r for r, _ in q.ahead]):
+            elif not hasattr(run, "send") or len(q.ahead) >= self.ahead or not run.may_follow([r for r, _ in q.ahead]):
                 await asyncio.wait([oldest])
             elif getattr(run, "leads", False) and q.next_seq + 1 not in q.pending:
                 # a forward_backward whose optim_step may be on its way: the two go as one if it comes before the

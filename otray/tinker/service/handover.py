@@ -5,7 +5,7 @@ The :class:`~otray.tinker.service.futures.OrderedExecutor` runs a model's reques
 training call (forward_backward, optim_step, or both as one) need not wait for the answer of the one before it:
 the learner's queue runs a client's calls in the order they came, and so does
 :class:`~otray.tinker.service.learner_calls.LearnerCalls` on the way, so the next is handed over while the last
-is on the learner (up to ``futures.AHEAD`` unanswered). A client that sends its next step before awaiting this one
+is on the learner (up to ``scheduling.calls_ahead`` unanswered). A client that sends its next step before awaiting this one
 (tinker-cookbook's loop) then has it on the learner when this one ends, instead of one round trip later, when
 the answer has reached the service (17% of the shared learner's time idle with 8 such clients, NOTES issue 53).
 The answers are still read, recorded and given in order.

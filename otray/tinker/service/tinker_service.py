@@ -99,7 +99,7 @@ class TinkerService:
                                  self.cfg.gap_timeout_s, lambda owner, m: self.limits.of(self.catalog.run(owner, m).base_model),
                                  lambda user: quota_of(self.cfg, user), self.recordings,
                                  int(self.cfg.healing_replay_mb * 2**20), self.cfg.scheduling.coalesce_tokens,
-                                 self.cfg.scheduling.follow_ms / 1000)
+                                 self.cfg.scheduling.follow_ms / 1000, self.cfg.scheduling.calls_ahead)
         self.sessions = Sessions(self.store, self.cfg.session_timeout_s, self._session_closed)
         self.losses = CustomLosses(self.store, self.futures, self.sessions, self.cfg.custom_loss_server_side,
                                    self.cfg.custom_losses, self.training.storage.room)

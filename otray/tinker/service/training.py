@@ -72,7 +72,8 @@ class Training:
 
     def __init__(self, learners: dict[str, Any], store: Store, catalog: Catalog, futures: Futures,
                  leases: Leases, gap_timeout_s: float, limits: Callable[[str, str], Any], quotas: Callable[[str], Any],
-                 recordings: Recordings, replay_bytes: int, coalesce_tokens: int = 0, follow_s: float = 0.05):
+                 recordings: Recordings, replay_bytes: int, coalesce_tokens: int = 0, follow_s: float = 0.05,
+                 calls_ahead: int = 2):
         self.healing = Healing(  # what rebuilds each live model when its learner dies (healing_replay_mb)
             learners, store.root, replay_bytes, leases.recovered, lambda m, why: self.unload(m, why, JobState.FAILED),
             lambda base: [m for m, b in self.live.items() if b == base])
@@ -80,7 +81,7 @@ class Training:
         self.storage = StorageLedger(store, quotas)  # storage quotas, with what saves and merges in flight reserved
         self.recordings = recordings  # sampled sequences' stability info, for stable_reinforce
         self.quotas = quotas  # user -> their TinkerQuota
-        self.order = OrderedExecutor(futures, gap_timeout_s)
+        self.order = OrderedExecutor(futures, gap_timeout_s, calls_ahead)  # a model's requests in order
         self.limits = limits  # (owner, model id) -> the model's ModelLimits (vocabulary, image inputs)
         self.live: dict[str, str] = {}  # model id -> base model, for adapters on a learner now
         self.ended: dict[str, str] = {}  # model id -> why it is no longer live (for the error message)
