@@ -13,8 +13,8 @@ how it applies each model's calls in ``seq_id`` order.
   queued after it (``with_next``: a forward_backward and its optim_step,
   :mod:`otray.tinker.service.train_runs`) runs with it as one call, each still answered alone.
   A training call (an :class:`Ahead` run) is sent while the one before it is still on the learner,
-  up to ``ahead`` unanswered (``scheduling.calls_ahead``, :mod:`otray.tinker.service.handover`); answers are still given in order,
-  and any other request waits until those before it are answered.
+  up to ``ahead`` unanswered (``scheduling.calls_ahead``, :mod:`otray.tinker.service.handover`);
+  answers are still given in order, and any other request waits until those before it are answered.
 
 Runs in the TinkerService actor."""
 

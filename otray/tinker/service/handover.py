@@ -5,10 +5,10 @@ The :class:`~otray.tinker.service.futures.OrderedExecutor` runs a model's reques
 training call (forward_backward, optim_step, or both as one) need not wait for the answer of the one before it:
 the learner's queue runs a client's calls in the order they came, and so does
 :class:`~otray.tinker.service.learner_calls.LearnerCalls` on the way, so the next is handed over while the last
-is on the learner (up to ``scheduling.calls_ahead`` unanswered). A client that sends its next step before awaiting this one
-(tinker-cookbook's loop) then has it on the learner when this one ends, instead of one round trip later, when
-the answer has reached the service (17% of the shared learner's time idle with 8 such clients, NOTES issue 53).
-The answers are still read, recorded and given in order.
+is on the learner (up to ``scheduling.calls_ahead`` unanswered). A client that sends its next step before
+awaiting this one (tinker-cookbook's loop) then has it on the learner when this one ends, instead of one round
+trip later, when the answer has reached the service (17% of the shared learner's time idle with 8 such clients,
+NOTES issue 53). The answers are still read, recorded and given in order.
 
 Two things the learner's death must not break, with calls on their way:
 
@@ -89,7 +89,8 @@ class Handover:
             try:
                 return await sent.answer
             except Exception as e:  # noqa: BLE001
-                if tries == RESENDS or not self.healing.on or not learner_lost(e) or self.base_of(sent.model_id) is None:
+                lost = self.healing.on and learner_lost(e) and self.base_of(sent.model_id) is not None
+                if tries == RESENDS or not lost:
                     raise
             await self.healing.heal(sent.base, sent.seen)
             await self.healing.ready(sent.base)
