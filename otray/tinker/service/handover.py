@@ -35,9 +35,6 @@ from otray.tinker.learner.calls import LearnerCall
 from otray.tinker.service.healing import Healing, Pass, Step, learner_lost
 from otray.tinker.service.learner_calls import LearnerCalls
 
-RESENDS = 2  # a lost call is sent again at most this often (a learner that keeps dying ends the request)
-
-
 @dataclass
 class Sent:
     """A training call of ``model_id`` handed to the learner of ``base``; ``seen``: that learner's deaths known
@@ -83,21 +80,23 @@ class Handover:
 
     async def answer(self, sent: Sent) -> Any:
         """``sent``'s answer; if its learner died under it (or before it left), sent again once its model is
-        rebuilt (:meth:`Healing.heal`): the caller reads the answers of a model's calls in order, so the calls
-        lost with a learner go again in the order they were sent."""
-        for tries in range(RESENDS + 1):
-            try:
-                return await sent.answer
-            except Exception as e:  # noqa: BLE001
-                lost = self.healing.on and learner_lost(e) and self.base_of(sent.model_id) is not None
-                if tries == RESENDS or not lost:
-                    raise
-            await self.healing.heal(sent.base, sent.seen)
-            await self.healing.ready(sent.base)
-            self.learner_of(sent.model_id)  # not rebuilt: ended with the reason, which this raises
-            sent.seen = self.healing.deaths.get(sent.base, 0)
-            sent.answer = self.calls[sent.base].submit(sent.call, lambda: self._learner(sent))
-        raise AssertionError("unreachable")
+        rebuilt, as :meth:`Healing.call` sends any call: the caller reads the answers of a model's calls in order,
+        so the calls lost with a learner go again in the order they were sent."""
+        try:
+            return await sent.answer
+        except Exception as e:  # noqa: BLE001
+            if not (self.healing.on and learner_lost(e) and self.base_of(sent.model_id) is not None):
+                raise
+        await self.healing.heal(sent.base, sent.seen)
+        return await self.healing.call(sent.base, lambda: self._again(sent),
+                                       lambda: self.base_of(sent.model_id) is not None)
+
+    def _again(self, sent: Sent) -> asyncio.Future:
+        """``sent`` handed over once more, to the learner as it is now (the model rebuilt)."""
+        self.learner_of(sent.model_id)  # not rebuilt: ended with the reason, which this raises
+        sent.seen = self.healing.deaths.get(sent.base, 0)
+        sent.answer = self.calls[sent.base].submit(sent.call, lambda: self._learner(sent))
+        return sent.answer
 
     def _learner(self, sent: Sent) -> Any:
         """The learner ``sent`` goes to now (LearnerCalls asks as it sends it); refused as lost if the learner died
