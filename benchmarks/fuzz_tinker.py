@@ -90,7 +90,7 @@ def start(port: int, tmp: Path) -> tuple[Made, Any]:
                      "models": [{"name": BASE, "path": "tiny", "sampler": {"engine": "learner"}}]}))
     url = f"http://127.0.0.1:{port}"
     sc = tinker.ServiceClient(base_url=url, api_key=tinker_key(alice))
-    tc = sc.create_lora_training_client(base_model=BASE, rank=2)
+    tc = sc.create_lora_training_client(base_model=BASE, rank=2).result()
     path = tc.save_weights_for_sampler(name="fuzz").result().path
     sampler = sc.create_sampling_client(model_path=path).result()
     made = Made(url, tinker_key(alice), tinker_key(bob), sc.holder.get_session_id(), tc.model_id, path,

@@ -136,7 +136,7 @@ def test_models_loaded_from_a_checkpoint_since_overwritten_and_deleted_are_rebui
     train(writer), train(tc)
     path = writer.save_state("source").result().path
     tc.load_state_with_optimizer(path).result()
-    loaded = sc.create_training_client_from_state_with_optimizer(path)
+    loaded = sc.create_training_client_from_state_with_optimizer(path).result()
     before = logprobs(loaded)
     train(writer)
     writer.save_state("source", overwrite=True).result()  # the owner writes the checkpoint again ...
