@@ -255,6 +255,7 @@ def spread(rows: dict[str, Any], modes: list[str]) -> dict[str, Any]:
     drifts by 20-40% within minutes, so one rotation's ratio is one draw."""
     ratios: dict[str, dict[str, list[float]]] = {}
     pooled: dict[str, dict[str, list[float]]] = {}  # N -> mode -> [its datums/s, own's], summed over rotations
+    rates: dict[str, dict[str, list[float]]] = {}  # N -> mode (own too) -> its datums/s, one a rotation
     for key, row in rows.items():
         for mode in modes:
             if row.get(f"{mode}_over_own") is not None:
@@ -263,13 +264,20 @@ def spread(rows: dict[str, Any], modes: list[str]) -> dict[str, Any]:
                 total = pooled.setdefault(n, {}).setdefault(mode, [0.0, 0.0])
                 total[0] += row[mode]["datums_per_s"]
                 total[1] += row["own"]["datums_per_s"]
+        if "own" in row:
+            for mode in ("own", *modes):
+                rates.setdefault(key.split("#")[0], {}).setdefault(mode, []).append(row[mode]["datums_per_s"])
     out: dict[str, Any] = {}
     for n, by_mode in ratios.items():
         out[n] = {m: {"median": statistics.median(v), "min": min(v), "max": max(v), "rotations": len(v),
-                      "pooled": pooled[n][m][0] / pooled[n][m][1]} for m, v in by_mode.items()}
+                      "pooled": pooled[n][m][0] / pooled[n][m][1],
+                      "datums_per_s_median": statistics.median(rates[n][m])} for m, v in by_mode.items()}
+        # the machine's phase moves the ratio (a slow phase raises it: NOTES "Issue 53"), so the rates go beside it
+        out[n]["own_datums_per_s_median"] = statistics.median(rates[n]["own"])
         print(f"N={n:>2} over {len(next(iter(by_mode.values())))} rotations: " + "; ".join(
-            f"{m} {r['median']:.2f}x median ({r['min']:.2f}-{r['max']:.2f}), {r['pooled']:.2f}x pooled"
-            for m, r in out[n].items()), flush=True)
+            f"{m} {r['median']:.2f}x median ({r['min']:.2f}-{r['max']:.2f}), {r['pooled']:.2f}x pooled, "
+            f"{r['datums_per_s_median']:.1f} datums/s" for m, r in out[n].items() if isinstance(r, dict))
+              + f"; own {out[n]['own_datums_per_s_median']:.1f} datums/s (medians)", flush=True)
     return out
 
 
@@ -502,7 +510,7 @@ def end_service() -> None:
 
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--shape", default="tiny", help="a tiny model shape: tiny, 100m, 0.5b, 1.5b")
+    ap.add_argument("--shape", default="tiny", help="a tiny model shape: tiny, 4m, 100m, 0.5b, 1.5b")
     ap.add_argument("--gpu", action="store_true", help="the learner on a GPU")
     ap.add_argument("--seconds", type=float, default=20.0)
     ap.add_argument("--warmup", type=float, default=3.0)
