@@ -251,8 +251,9 @@ def learner_rates(args, path: str, done_row: Callable[[dict[str, Any]], None]) -
 
 def spread(rows: dict[str, Any], modes: list[str]) -> dict[str, Any]:
     """Per N and mode: the median, least and greatest of its ratios to own over the rotations that measured it,
-    and the pooled ratio (its datums over own's, all rotations' windows together) (printed too): the machine
-    drifts by 20-40% within minutes, so one rotation's ratio is one draw."""
+    the pooled ratio (its datums over own's, all rotations' windows together) and its median datums/s, with own's
+    median datums/s (``own_datums_per_s_median``) (printed too): the machine drifts by 20-40% within minutes, so
+    one rotation's ratio is one draw."""
     ratios: dict[str, dict[str, list[float]]] = {}
     pooled: dict[str, dict[str, list[float]]] = {}  # N -> mode -> [its datums/s, own's], summed over rotations
     rates: dict[str, dict[str, list[float]]] = {}  # N -> mode (own too) -> its datums/s, one a rotation
