@@ -7,6 +7,7 @@ import asyncio
 
 import pytest
 
+from otray.tinker.config import TinkerScheduling, load_tinker
 from otray.tinker.service.futures import Futures, OrderedExecutor, Outcome
 from otray.tinker.errors import UserError
 
@@ -19,9 +20,9 @@ def recorder(ran: list[int], seq: int):
 
 
 def executor(gap_timeout_s: float = 30) -> tuple[Futures, OrderedExecutor]:
-    """A model "m"'s request order over fresh futures."""
+    """A model "m"'s request order over fresh futures, with the config's default ``scheduling.calls_ahead``."""
     futures = Futures(60)
-    order = OrderedExecutor(futures, gap_timeout_s=gap_timeout_s)
+    order = OrderedExecutor(futures, gap_timeout_s=gap_timeout_s, ahead=TinkerScheduling().calls_ahead)
     order.start("m")
     return futures, order
 
@@ -165,7 +166,7 @@ async def ticks(n: int = 20) -> None:
 
 
 def test_a_training_call_goes_while_the_one_before_is_unanswered_and_answers_stay_in_order():
-    """Runs that may go ahead (training calls) are sent up to AHEAD unanswered; each is answered only after the one
+    """Runs that may go ahead (training calls) are sent up to ``ahead`` unanswered; each is answered only after the one
     before it; a run that may not follow (a restore point is due) and any other request wait until those before
     them are answered."""
     async def main():
@@ -231,7 +232,6 @@ def test_a_forward_backward_sent_ahead_waits_for_its_optim_step_to_go_as_one():
 def test_calls_ahead_one_sends_each_run_when_the_last_is_answered_and_zero_is_refused():
     """``scheduling.calls_ahead: 1`` is honoured (each training call waits for the last one's answer) and a value
     below 1 is refused by name."""
-    from otray.tinker.config import load_tinker
     from otray.types import ConfigError
 
     async def main():

@@ -158,7 +158,7 @@ class OrderedExecutor:
     """Each model's requests in ``seq_id`` order (``ahead``: its :class:`Ahead` runs sent and not answered yet, at
     most; 1: each run when the last is answered)."""
 
-    def __init__(self, futures: Futures, gap_timeout_s: float, ahead: int = 2):
+    def __init__(self, futures: Futures, gap_timeout_s: float, ahead: int):
         self.futures = futures
         self.gap_timeout_s = gap_timeout_s
         self.ahead = ahead

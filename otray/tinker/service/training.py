@@ -72,8 +72,7 @@ class Training:
 
     def __init__(self, learners: dict[str, Any], store: Store, catalog: Catalog, futures: Futures,
                  leases: Leases, gap_timeout_s: float, limits: Callable[[str, str], Any], quotas: Callable[[str], Any],
-                 recordings: Recordings, replay_bytes: int, coalesce_tokens: int = 0, follow_s: float = 0.05,
-                 calls_ahead: int = 2):
+                 recordings: Recordings, replay_bytes: int, coalesce_tokens: int, follow_s: float, calls_ahead: int):
         self.healing = Healing(  # what rebuilds each live model when its learner dies (healing_replay_mb)
             learners, store.root, replay_bytes, leases.recovered, lambda m, why: self.unload(m, why, JobState.FAILED),
             lambda base: [m for m, b in self.live.items() if b == base])
