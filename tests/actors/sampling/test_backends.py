@@ -192,7 +192,7 @@ def test_chosen_logprobs_hold_one_step_and_equal_the_raw_log_softmax():
     scores before temperature/top-k/top-p), holding one step's log-softmax, never every step's logits."""
     import torch
 
-    from otray.actors.sampling.backends.hf import ChosenLogprobs
+    from otray.actors.sampling.backends.hf_logits import ChosenLogprobs
 
     torch.manual_seed(0)
     steps = [torch.randn(3, 11) for _ in range(4)]

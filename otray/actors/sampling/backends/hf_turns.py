@@ -1,0 +1,237 @@
+"""One HF ``generate`` call run in turns: :class:`Turns` decodes a call's batches a piece at a time and keeps
+what a later piece needs (the sequences so far, their KV cache, the logprobs recorded, which rows ended, a seeded
+call's random stream), so that its owner can do other work between the pieces: the Tinker learner runs other
+users' steps there (:class:`~otray.tinker.learner.learner_sampling.LearnerSampling`).
+
+A piece is one ``generate`` over the batch's sequences so far with their cache: transformers feeds only the
+tokens the cache lacks (the last one chosen), so each decode step computes what it would in one long call, and
+the samples, logprobs and finish reasons equal an uncut call's (tests/actors/sampling/test_hf_turns.py). Rows
+that ended in an earlier piece stay ended (:class:`Ended`); the one token they are given at the next piece's
+first step (transformers starts each call with every row open) is cut as their padding would be. A call with
+images, or on the compiled sampler, runs each batch whole in one turn.
+
+Runs wherever its :class:`~otray.actors.sampling.backends.hf.HFBackend` runs (a rollout worker, the Tinker
+learner)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from otray.actors.sampling.backends.base import apply_stop_strings, check_prompt_lengths, effective_params
+from otray.actors.sampling.backends.hf_logits import ChosenLogprobs, StopWhen, processors
+from otray.types import FinishReason, Sample, SamplingParams
+from otray.vision import Image
+from otray.vlm import unsampled_ids, vision_inputs
+
+
+class Ended:
+    """A stopping criterion: every row that reached an end-of-sequence id or a stop string (``strings``:
+    transformers' own criterion for them, or None), kept across the pieces of a call (``rows``): a row ended in
+    an earlier piece ends again at the next piece's first step."""
+
+    def __init__(self, eos: list[int], strings: Any, rows: int, device: torch.device):
+        self.eos = torch.tensor(eos, device=device)
+        self.strings = strings
+        self.rows = torch.zeros(rows, dtype=torch.bool, device=device)
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        now = torch.isin(input_ids[:, -1], self.eos) | self.rows
+        if self.strings is not None:
+            now = now | self.strings(input_ids, scores, **kwargs)
+        self.rows = now
+        return now
+
+
+class Deadline:
+    """A stopping criterion that ends a piece at its first decode step past ``at`` (``time.perf_counter``'s):
+    every row stops there for now (:class:`Ended` keeps which rows really ended)."""
+
+    def __init__(self, at: float):
+        self.at = at
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **_: Any) -> torch.Tensor:
+        return torch.full((input_ids.shape[0],), time.perf_counter() >= self.at, dtype=torch.bool,
+                          device=input_ids.device)
+
+
+@dataclass
+class _Batch:
+    """One batch's generation so far: its rows' prompts, the sequences (left-padded prompts, then the tokens
+    chosen), their attention mask, the cache, the logprobs recorder, which rows ended, how many tokens each row
+    was given (``made``) of its ``budget``."""
+
+    rows: list[list[int]]
+    pictures: list[Sequence[Image]]
+    ids: torch.Tensor
+    attn: torch.Tensor
+    budget: int
+    recorder: ChosenLogprobs
+    ended: Ended
+    cache: Any = None
+    made: int = 0
+
+    @property
+    def width(self) -> int:
+        return self.ids.shape[1] - self.made
+
+
+class Turns:
+    """``n`` samples of each of ``prompts`` (as ``backend``'s, an :class:`~otray.actors.sampling.backends.hf.HFBackend`,
+    :meth:`~otray.actors.sampling.backends.hf.HFBackend.generate`), decoded a turn at a time: a
+    :meth:`turn` ends at its first decode step past ``turn_s`` seconds (at least one step; None: a batch whole).
+    ``stop``: asked before each turn and between tokens; True ends the call, every sample cut where it was."""
+
+    def __init__(self, backend: Any, prompts: list[list[int]], params: SamplingParams, n: int,
+                 images: Optional[list[Sequence[Image]]] = None, stop: Optional[Callable[[], bool]] = None,
+                 turn_s: Optional[float] = None):
+        check_prompt_lengths(prompts, backend.max_model_len)
+        self.backend, self.n, self.stop, self.turn_s = backend, n, stop, turn_s
+        self.params = effective_params(params, backend.stop_token_ids)
+        self.prompts = len(prompts)
+        self.rows = [p for p in prompts for _ in range(n)]
+        self.pictures = [im for im in (images or [()] * len(prompts)) for _ in range(n)]
+        if any(self.pictures):
+            vision = vision_inputs(backend.model)
+            for p, im in zip(prompts, images or []):
+                vision.check_tokens(p, im)
+        self.samples: list[Sample] = []
+        self.batch: Optional[_Batch] = None
+        self.stream: Optional[tuple[torch.Tensor, ...]] = None  # a seeded call's random state while it waits
+
+    @property
+    def done(self) -> bool:
+        return len(self.samples) == len(self.rows)
+
+    def result(self) -> list[list[Sample]]:
+        """Each prompt's samples (once :attr:`done`)."""
+        return [self.samples[i * self.n:(i + 1) * self.n] for i in range(self.prompts)]
+
+    def turn(self) -> bool:
+        """Decode the next piece (starting the next batch when none is under way); True once every batch is done."""
+        if self.done:
+            return True
+        deadline = None if self.turn_s is None else time.perf_counter() + self.turn_s
+        seeded = self.params.seed is not None
+        outside = _rng_state(self.backend.model.device) if seeded else None  # the process's random state
+        if seeded and self.stream is None:  # a call's first turn seeds the process's stream, as an uncut call does
+            torch.manual_seed(self.params.seed)
+        elif seeded:  # later ones resume the call's own
+            _set_rng_state(self.stream, self.backend.model.device)
+        with torch.inference_mode():
+            self._piece(deadline)
+        if seeded and not self.done:  # waiting: its stream kept apart, the process's as it was before the turn
+            self.stream = _rng_state(self.backend.model.device)
+            _set_rng_state(outside, self.backend.model.device)
+        return self.done
+
+    def _piece(self, deadline: Optional[float]) -> None:
+        b = self.backend
+        start = len(self.samples)
+        rows, pictures = self.rows[start:start + b.max_batch], self.pictures[start:start + b.max_batch]
+        if self.stop is not None and self.stop():
+            cut = [self._samples(self.batch)] if self.batch is not None else []
+            self.batch = None
+            self.samples.extend(s for part in cut for s in part)
+            self.samples.extend(Sample([], [], FinishReason.LENGTH) for _ in range(len(self.rows) - len(self.samples)))
+        elif b.compiled is not None and not any(pictures):
+            self.samples.extend(apply_stop_strings(s, b._decode, self.params.stop)
+                                for s in b.compiled.sample(rows, self.params, b._decode, self.stop))
+        else:
+            batch = self.batch or self._begin(rows, pictures)
+            if batch.made < batch.budget:
+                self._decode(batch, None if any(pictures) else deadline)
+            if batch.made >= batch.budget or bool(batch.ended.rows.all()) or (self.stop is not None and self.stop()):
+                self.batch = None
+                self.samples.extend(self._samples(batch))
+            else:
+                self.batch = batch
+
+    def _begin(self, rows: list[list[int]], pictures: list[Sequence[Image]]) -> _Batch:
+        b = self.backend
+        width = max(len(r) for r in rows)
+        ids = torch.full((len(rows), width), b.pad_id, dtype=torch.long)
+        attn = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, r in enumerate(rows):
+            ids[i, width - len(r):] = torch.tensor(r)
+            attn[i, width - len(r):] = 1
+        device = b.model.device
+        if device.type != "cpu":
+            ids, attn = ids.to(device), attn.to(device)
+        budget = min(self.params.max_tokens, b.max_model_len - min(len(r) for r in rows))
+        strings = None
+        if self.params.stop:  # end rows early at a stop string (the exact cut is made in _samples)
+            from transformers import StopStringCriteria
+
+            strings = StopStringCriteria(b.tokenizer, list(self.params.stop))
+        eos = list(self.params.stop_token_ids or b.stop_token_ids)
+        return _Batch(rows, pictures, ids, attn, budget, ChosenLogprobs(), Ended(eos, strings, len(rows), device))
+
+    def _decode(self, batch: _Batch, deadline: Optional[float]) -> None:
+        """``batch``'s next decode steps: to its budget, or to the first step past ``deadline``, every row's end or
+        the call's stop."""
+        from transformers import StoppingCriteriaList
+
+        b, params = self.backend, self.params
+        # the model's own generation defaults (a hub model's temperature, top_k, repetition penalty) are
+        # overridden: what shapes sampling is ``processors``', after the raw logprobs are recorded
+        sampling = {"do_sample": False, "repetition_penalty": 1.0} if params.greedy else {
+            "do_sample": True, "temperature": 1.0, "top_p": 1.0, "top_k": 0, "repetition_penalty": 1.0}
+        criteria = [batch.ended] + ([StopWhen(self.stop)] if self.stop is not None else []) + (
+            [Deadline(deadline)] if deadline is not None else [])
+        eos = list(params.stop_token_ids or b.stop_token_ids)
+        images = [im for row in batch.pictures for im in row]
+        if images:
+            sampling.update(vision_inputs(b.model).model_kwargs(batch.ids, batch.pictures))
+        width = batch.width
+        with b.packed.active(b.model) if b.packed else nullcontext(), \
+                b.features.serving(b.model, images) if images else nullcontext():
+            out = b.model.generate(
+                input_ids=batch.ids, attention_mask=batch.attn, max_new_tokens=batch.budget - batch.made, eos_token_id=eos,
+                pad_token_id=b.pad_id, past_key_values=batch.cache, stopping_criteria=StoppingCriteriaList(criteria),
+                logits_processor=processors(params, batch.recorder, width, batch.budget if params.ignore_eos else 0,
+                                            eos, unsampled_ids(b.model.config), str(b.model.device)),
+                return_dict_in_generate=True, **sampling)
+        grown = out.sequences.shape[1] - batch.ids.shape[1]
+        batch.ids, batch.cache, batch.made = out.sequences, out.past_key_values, batch.made + grown
+        batch.attn = torch.cat([batch.attn, batch.attn.new_ones((batch.attn.shape[0], grown))], dim=1)
+
+    def _samples(self, batch: _Batch) -> list[Sample]:
+        """The batch's samples: each row's tokens up to its end (a stop id, its limit, a stop string)."""
+        params, b = self.params, self.backend
+        new = batch.ids[:, batch.width:]
+        chosen = batch.recorder.finish(new).cpu()
+        new = new.cpu()  # one host copy of each
+        stops = set(params.stop_token_ids)
+        result = []
+        for i, r in enumerate(batch.rows):
+            limit = min(params.max_tokens, b.max_model_len - len(r))
+            toks, lps, reason = [], [], FinishReason.LENGTH
+            for t, lp in zip(new[i].tolist(), chosen[i].tolist()):
+                if len(toks) >= limit:
+                    break
+                toks.append(t)
+                lps.append(lp)
+                if t in stops:
+                    reason = FinishReason.STOP
+                    break
+            result.append(apply_stop_strings(Sample(toks, lps, reason), b._decode, params.stop))
+        return result
+
+
+def _rng_state(device: torch.device) -> tuple[torch.Tensor, ...]:
+    """The process's random state: the CPU's, and the device's where it is a GPU (sampling draws there)."""
+    if device.type == "cuda":
+        return torch.get_rng_state(), torch.cuda.get_rng_state(device)
+    return (torch.get_rng_state(),)
+
+
+def _set_rng_state(state: tuple[torch.Tensor, ...], device: torch.device) -> None:
+    torch.set_rng_state(state[0])
+    if len(state) > 1:
+        torch.cuda.set_rng_state(state[1], device)
