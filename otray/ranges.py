@@ -75,7 +75,7 @@ TINKER_RANGES: dict[str, tuple[Any, Any]] = {  # ``otray tinker`` (otray.tinker.
     "custom_losses.max_nodes": (1, 100_000), "custom_losses.max_graph_bytes": (1, None),
     "custom_losses.max_literal_numbers": (0, None), "custom_losses.max_losses": (0, None),
     "custom_losses.max_call_s": (GT(0), None),
-    "scheduling.slice_tokens": (1, None), "scheduling.pass_tokens": (0, None), "scheduling.side_tokens": (0, None),
+    "scheduling.slice_tokens": (1, None), "scheduling.sample_turn_ms": (0, None), "scheduling.pass_tokens": (0, None), "scheduling.side_tokens": (0, None),
     "scheduling.coalesce_tokens": (0, None), "scheduling.follow_ms": (0, 10_000), "scheduling.calls_ahead": (1, 64),
     "scheduling.users.*.weight": (GT(0), 1e6), "scheduling.users.*.priority": (-1000, 1000),
     "models.*.learner_cpus": (GT(0), None), "models.*.max_rank": (1, None), "models.*.lora_alpha": (GT(0), None),

@@ -194,6 +194,34 @@ def test_a_failing_step_ends_its_job_with_the_error_and_the_queue_goes_on():
     assert asyncio.run(main()) == ["bad", "bob", "bob"]
 
 
+def test_a_step_that_asks_again_takes_more_turns_and_others_run_between():
+    """alice's one step (a sampling call in turns) answers AGAIN four times, then its result: it runs five
+    turns, bob's steps sent meanwhile run between them (each waits for one of her turns, not her call), each
+    of her turns is charged and counted, and her call's result is the last turn's."""
+    from otray.tinker.learner.fair_jobs import AGAIN
+
+    async def main() -> tuple[list[str], object, FairQueue]:
+        queue, ran, left = FairQueue(), [], [4]
+
+        async def sampling() -> object:
+            ran.append("alice")
+            await asyncio.sleep(0.02)
+            left[0] -= 1
+            return AGAIN if left[0] >= 0 else "samples"
+
+        alice = asyncio.ensure_future(queue.run("alice", "s", [sampling]))
+        await asyncio.sleep(0.005)  # her first turn is on the learner
+        bobs = [await queue.run("bob", "b", [step(ran, "bob", 0.02)]) for _ in range(3)]
+        return ran, (await alice, bobs), queue
+
+    ran, (result, bobs), queue = asyncio.run(main())
+    assert result == ["samples"] and bobs == [["bob"]] * 3
+    last_bob = len(ran) - 1 - ran[::-1].index("bob")
+    assert ran.count("alice") == 5 and ran[1] == "bob"  # bob's first step after her first turn
+    assert ("alice", "alice") not in zip(ran[:last_bob], ran[1:last_bob])  # while he waits: one turn of hers at a time
+    assert queue.steps["alice"] == 5 and queue.used["alice"] == pytest.approx(0.1, abs=0.05)
+
+
 def test_a_job_that_fails_early_is_charged_the_steps_it_will_not_run():
     """eve sends 4-step jobs whose first step fails and sends the next at once; bob is busy with steps of the
     same length. eve is charged the three steps she asked for and did not run, so bob runs about four steps

@@ -50,6 +50,50 @@ def test_sampler_checkpoints_sample_what_was_saved_in_them(tiny_path, tokenizer,
     assert np.allclose(sampled(tmp_path / "b-now"), live("b"), atol=1e-5)
 
 
+def test_a_sampling_call_in_turns_decodes_with_its_first_turns_weights(tiny_path, tokenizer, tmp_path):
+    """A sampling call run in turns (the SharedLearner's ``slice_tokens``) with, between its turns, training of the
+    adapter it samples a checkpoint of, a save over that checkpoint, more checkpoints sampled than the learner keeps
+    loaded and unseeded sampling: its samples, logprobs and prompt logprobs (a checkpoint's job and a base job with
+    every adapter off) equal the same call's uncut before any of that, and nothing stays held after it."""
+    learner = AdapterLearner(tiny_path)
+    learner.create("a", AdapterSpec(8, 0))
+    text = tokenizer.encode("What is 12 + 30? The answer is 42.")
+    n = len(text) - 1
+    datum = Datum(text[:-1], text[1:], [1.0] * n, [0.0] * n, [0.0] * n, [1.0] * n)
+
+    def train() -> None:
+        learner.forward_backward("a", [datum], "cross_entropy")
+        learner.optim_step("a", AdamStep(learning_rate=0.05))
+
+    train()
+    where = str(tmp_path / "ckpt")
+    learner.save("a", where, optimizer=False)
+    prompts = [tokenizer.encode("12 plus 30 is"), tokenizer.encode("the answer is")]
+    jobs = [SampleJob(where, prompts, SamplingParams(max_tokens=16, seed=7), 2, Scoring(True)),
+            SampleJob(None, prompts, SamplingParams(max_tokens=16, seed=8), 1)]
+    whole = learner.sample(jobs)
+    run = learner.sample_run(jobs, turn_s=0.0)  # one decode step a turn
+    turns = 0
+    while not run.turn():
+        turns += 1
+        train()
+        learner.save("a", where, optimizer=False)  # over the call's checkpoint: a new version
+        other = str(tmp_path / f"other{turns}")
+        learner.save("a", other, optimizer=False)
+        learner.sample([SampleJob(other, prompts[:1], SamplingParams(max_tokens=2), 1)])  # unseeded, fills the cache
+
+    def flat(outs) -> list:
+        return [(s.token_ids, s.logprobs, o.prompt_logprobs) for job in outs for o in job for s in o.samples]
+
+    assert turns >= 10 and flat(run.outs) == flat(whole)
+    fresh = AdapterLearner(tiny_path).sample(jobs[1:])  # every adapter was off for the base job: no "a" in it
+    for (tokens, logprobs, _), (want, want_logprobs, _) in zip(flat(fresh), flat(whole[1:])):
+        assert tokens == want and np.allclose(logprobs, want_logprobs, atol=1e-5)
+    assert not learner.sampling.slots.held
+    now = learner.sample(jobs[:1])[0][0].prompt_logprobs  # the checkpoint, saved over, samples its newer weights
+    assert not np.allclose(now[1:], whole[0][0].prompt_logprobs[1:], atol=1e-3)
+
+
 def test_a_client_made_after_every_other_one_left_trains(tiny_path):
     """Every adapter dropped (the last session closed), a new client's first pass used to fail with
     KeyError for the deleted adapter's name (PEFT's own record of the active adapter); now it runs and

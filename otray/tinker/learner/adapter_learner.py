@@ -32,7 +32,7 @@ import torch
 from otray.tinker.errors import AdapterGone
 from otray.tinker.learner.adapter_switch import AdapterSwitch
 from otray.tinker.learner.loss_graph import LossGraph
-from otray.tinker.learner.learner_sampling import LearnerSampling
+from otray.tinker.learner.learner_sampling import LearnerSampling, SampleRun
 from otray.tinker.learner.loss_run import add_sums
 from otray.tinker.learner.adapter_steps import Answer, AdapterSteps
 from otray.tinker.learner.lane_gate import LaneGate
@@ -271,3 +271,9 @@ class AdapterLearner:
     def sample(self, jobs: list[SampleJob], stop: Optional[Callable[[], bool]] = None) -> list[list[SampleOut]]:
         """Each job's prompts sampled on this model (:meth:`LearnerSampling.sample`)."""
         return self.sampling.sample(jobs, stop)
+
+    def sample_run(self, jobs: list[SampleJob], stop: Optional[Callable[[], bool]] = None,
+                   turn_s: Optional[float] = None) -> SampleRun:
+        """:meth:`sample`'s call, run a turn at a time, each up to its first decode step past ``turn_s`` seconds
+        (:class:`SampleRun`)."""
+        return self.sampling.run(jobs, stop, turn_s)

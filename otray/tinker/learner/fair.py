@@ -8,7 +8,9 @@ start-time fair queueing over users:
 
 - a *job* is one call of one client (a training client's adapter, or a user's sampling): a list of
   steps run in order, each one turn on the learner (a forward_backward is one step per slice of
-  at most ``slice_tokens`` tokens, so a small step waits for one slice of another's work, not all);
+  at most ``slice_tokens`` tokens, so a small step waits for one slice of another's work, not all;
+  a step may answer :data:`~otray.tinker.learner.fair_jobs.AGAIN` to run once more in the job's next turn: a
+  sampling call is decoded so, a turn at a time);
 - a client's jobs run in the order they came (the service sends a model's requests in ``seq_id``
   order); its next job is ready the moment the previous one ends, so a pipelined ``optim_step``
   keeps the turn its ``forward_backward`` had, and a client whose next job usually comes within

@@ -24,6 +24,14 @@ class Packable:
     work: Any
 
 
+class Again:
+    """A step's outcome that asks for another turn: the step stays first in its job and runs again in the job's
+    next turn, each turn charged as any step (a learner sampling call decoded in turns)."""
+
+
+AGAIN = Again()
+
+
 @dataclass
 class Job:
     """One call of one client: its steps, run in order, each a turn on the learner."""
@@ -36,7 +44,9 @@ class Job:
 
     def took(self, outcome: Any) -> list[Union[Step, Packable]]:
         """Its step ran and gave ``outcome`` (a result or an exception); returns the steps an exception left
-        unrun (the job ends with it)."""
+        unrun (the job ends with it). An :class:`Again` leaves the step to run once more."""
+        if isinstance(outcome, Again):
+            return []
         if self.steps:  # not withdrawn meanwhile
             self.steps.popleft()
         if not isinstance(outcome, BaseException):

@@ -39,6 +39,7 @@ class SamplingHost(Protocol):
     tokenizer: Any
     max_model_len: int
     device: str
+    switch: Any  # its AdapterSwitch (every adapter off: ``switch.off(model)``)
 
     def use(self, adapter: Optional[str]) -> None: ...  # make it the only active adapter
 
@@ -57,8 +58,8 @@ class LearnerSampling:
         self.slots = SamplerSlots(size)
 
     def holds(self, name: str) -> bool:
-        """``name`` is an adapter this holds a sampler checkpoint in."""
-        return name in self.slots.names()
+        """``name`` is an adapter this holds a sampler checkpoint in (or a sampling call in turns still uses)."""
+        return name in self.slots.names() or name in self.slots.held
 
     def adapter_for(self, path: str) -> str:
         """The adapter name of sampler checkpoint ``path``, loading it on first use (into a spare adapter of
@@ -86,30 +87,81 @@ class LearnerSampling:
         """Each job's prompts, ``n`` samples each (one generate call per job); per prompt a
         :class:`SampleOut`. ``stop`` (asked between tokens): True ends the call early, its samples cut
         where they were and no prompt scored (its caller abandoned it: the learner is free again)."""
-        return [self._one(job, stop) for job in jobs]
+        run = self.run(jobs, stop)
+        while not run.turn():
+            pass
+        return run.outs
 
-    def _one(self, job: SampleJob, stop: Optional[Callable[[], bool]]) -> list[SampleOut]:
-        learner = self.learner
-        version = None
-        if job.adapter is not None:  # loaded outside inference mode: its tensors must stay usable by autograd
-            name = self.adapter_for(job.adapter)
-            learner.use(name)
-            version = self.slots.versions.get(name)
-        # with no adapter left (the last client dropped its own) the PEFT wrapper still names the deleted one
-        # active and fails with a KeyError: the base model itself then (its LoRA layers hold nothing)
-        held = learner.model is not None and bool(learner.model.peft_config)
-        model = learner.model if held else learner.base
-        off = learner.model.disable_adapter() if (job.adapter is None and held) else nullcontext()
-        learner.eval_mode(model)
-        with off, torch.inference_mode():
-            backend = HFBackend.on_model(model, learner.tokenizer, max_model_len=learner.max_model_len,
-                                         packed_linears=False)
-            pictures = {"images": job.images} if job.images else {}
-            samples = (backend.generate(job.prompts, job.params, job.n, **pictures, stop=stop)
-                       if job.params.max_tokens > 0 else [[]] * len(job.prompts))
-            outs = [SampleOut(s, version=version) for s in samples]
-            if (job.scoring != Scoring() or job.targets) and not (stop is not None and stop()):
-                for i, out in enumerate(outs):
-                    out.scores = scores_of(model, job, i, [s.token_ids for s in out.samples], learner.device)
-                    out.prompt_logprobs = out.scores.logprobs
-        return outs
+    def run(self, jobs: list[SampleJob], stop: Optional[Callable[[], bool]] = None,
+            turn_s: Optional[float] = None) -> "SampleRun":
+        """:meth:`sample`'s call, to be run a turn at a time (:class:`SampleRun`)."""
+        return SampleRun(self, jobs, stop, turn_s)
+
+
+class SampleRun:
+    """A learner sampling call in turns: each :meth:`turn` decodes its jobs, in order, up to the first decode step
+    past ``turn_s`` seconds (None: a job's batch whole), so the learner's fair queue can run other users' steps
+    between turns (``scheduling.sample_turn_ms``). Each turn sets the model up again (the sampler adapter active, or
+    every adapter off; eval mode), since training calls run between turns; the sampler checkpoint's adapter is
+    held (:meth:`SamplerSlots.hold`) while its job runs, so every turn decodes with the weights its first had.
+    A job's samples equal an uncut call's (:class:`~otray.actors.sampling.backends.hf_turns.Turns`)."""
+
+    def __init__(self, sampling: LearnerSampling, jobs: list[SampleJob], stop: Optional[Callable[[], bool]],
+                 turn_s: Optional[float]):
+        self.sampling, self.jobs, self.stop, self.turn_s = sampling, jobs, stop, turn_s
+        self.outs: list[list[SampleOut]] = []  # each finished job's
+        self.calls: Optional[Any] = None  # the job under way's generate call (Turns)
+        self.adapter: Optional[str] = None  # the adapter it holds
+        self.version: Optional[int] = None
+
+    def turn(self) -> bool:
+        """The next piece of the call (a job's first turn loads its sampler checkpoint; its last scores its prompts
+        when asked); True once every job is answered."""
+        if len(self.outs) == len(self.jobs):
+            return True
+        job = self.jobs[len(self.outs)]
+        learner, slots = self.sampling.learner, self.sampling.slots
+        if self.calls is None and job.adapter is not None:  # loaded outside inference mode: autograd may use it
+            self.adapter = self.sampling.adapter_for(job.adapter)
+            slots.hold(self.adapter)
+            self.version = slots.versions.get(self.adapter)
+        try:
+            if self.adapter is not None:
+                learner.use(self.adapter)
+            # with no adapter left (the last client dropped its own) the PEFT wrapper still names the deleted one
+            # active and fails with a KeyError: the base model itself then (its LoRA layers hold nothing)
+            held = learner.model is not None and bool(learner.model.peft_config)
+            model = learner.model if held else learner.base
+            off = learner.switch.off(learner.model) if (job.adapter is None and held) else nullcontext()
+            learner.eval_mode(model)
+            with off:
+                if self.calls is None:
+                    backend = HFBackend.on_model(model, learner.tokenizer, max_model_len=learner.max_model_len,
+                                                 packed_linears=False)
+                    pictures = {"images": job.images} if job.images else {}
+                    self.calls = backend.turns(job.prompts, job.params, job.n, **pictures, stop=self.stop,
+                                               turn_s=self.turn_s)
+                if not self.calls.turn():
+                    return False
+                outs = [SampleOut(s, version=self.version) for s in self.calls.result()]
+                if (job.scoring != Scoring() or job.targets) and not (self.stop is not None and self.stop()):
+                    with torch.inference_mode():
+                        for i, out in enumerate(outs):
+                            out.scores = scores_of(model, job, i, [s.token_ids for s in out.samples], learner.device)
+                            out.prompt_logprobs = out.scores.logprobs
+        except BaseException:
+            self._release()
+            raise
+        self._release()
+        self.outs.append(outs)
+        return len(self.outs) == len(self.jobs)
+
+    def close(self) -> None:
+        """The call ends unfinished (its job failed in the queue): the adapter it held is free."""
+        self._release()
+
+    def _release(self) -> None:
+        """The job under way ends: its adapter is no longer held."""
+        if self.adapter is not None:
+            self.sampling.slots.release(self.adapter)
+        self.calls, self.adapter, self.version = None, None, None

@@ -4,7 +4,10 @@ The :class:`~otray.tinker.learner.adapter_learner.AdapterLearner` samples a samp
 directory) by loading it into an adapter of its model. :class:`SamplerSlots` keeps the bookkeeping: at most
 ``size`` directories loaded (least recently used given up first), adapters no directory uses kept as spares
 and refilled for a directory of the same shape (making an adapter costs ~6x loading weights into one), each
-loaded directory's weights version (an inflight target's).
+loaded directory's weights version (an inflight target's). An adapter a sampling call in turns is using is *held*
+(:meth:`hold`): never given up, refilled or deleted until the call ends, so its later turns decode with the
+weights its first had (a directory saved over meanwhile is loaded into another adapter); while calls hold them,
+more than ``size`` directories may stay loaded.
 :class:`~otray.tinker.learner.learner_sampling.LearnerSampling` does the model's side.
 
 Runs in the SharedLearner actor of one base model."""
@@ -26,6 +29,7 @@ class SamplerSlots:
         self.specs: dict[str, Any] = {}  # sampler adapter name -> its AdapterSpec
         self.spare: list[str] = []  # sampler adapters no dir uses now
         self.versions: dict[str, Optional[int]] = {}  # sampler adapter name -> its weights' version
+        self.held: dict[str, int] = {}  # sampler adapter name -> the sampling calls using it now
 
     def names(self) -> set[str]:
         return set(self.dirs.values())
@@ -42,18 +46,31 @@ class SamplerSlots:
         if path in self.dirs:
             self.spare.append(self.dirs.pop(path))
 
+    def hold(self, name: str) -> None:
+        """A sampling call uses adapter ``name`` until its :meth:`release`."""
+        self.held[name] = self.held.get(name, 0) + 1
+
+    def release(self, name: str) -> None:
+        self.held[name] -= 1
+        if not self.held[name]:
+            del self.held[name]
+
     def place(self, spec: Any) -> tuple[Optional[str], list[str]]:
         """Room for a ``spec``-shaped directory: (a spare adapter of its shape to refill, or None for a new
-        one; the spare adapters to delete first)."""
+        one; the spare adapters to delete first). Held adapters stay."""
         if len(self.dirs) >= self.size:
-            self.spare.append(self.dirs.popitem(last=False)[1])
-        for name in self.spare:
+            unheld = [path for path, name in self.dirs.items() if name not in self.held]  # least recent first
+            if unheld:
+                self.spare.append(self.dirs.pop(unheld[0]))
+        free = [name for name in self.spare if name not in self.held]
+        for name in free:
             if _shape(self.specs[name]) == _shape(spec):
                 self.spare.remove(name)
                 return name, []
         gone = []
-        while self.spare and len(self.spare) + len(self.dirs) >= self.size:
-            gone.append(self.spare.pop(0))
+        while free and len(self.spare) + len(self.dirs) >= self.size:
+            gone.append(free.pop(0))
+            self.spare.remove(gone[-1])
             del self.specs[gone[-1]]
         return None, gone
 

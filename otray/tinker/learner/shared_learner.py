@@ -5,7 +5,8 @@ Every call names the user it is for. Calls reach the actor at once (it is an asy
 in its :class:`~otray.tinker.learner.fair.FairQueue`; the step whose turn it is runs on the learner's one
 compute thread. A ``forward_backward`` takes a turn per slice of at most ``slice_tokens`` tokens
 (losses are sums over tokens, so the slices' gradients add up to the whole call's), and the
-slices' outputs are joined, so callers see one call.
+slices' outputs are joined, so callers see one call. A ``sample`` takes a turn per ``sample_turn_s`` of decoding,
+each going on from the last one's KV cache, so callers see one call there too.
 
 Slices of different clients share a pass (``pass_tokens``): the queue packs the next slices of
 several clients, in fair order, into one call of :meth:`AdapterLearner.forward_many`, where each row
@@ -34,6 +35,7 @@ from otray.tinker.config import Share
 from otray.tinker.errors import UserError
 from otray.tinker.learner.calls import LearnerCall, PairCall, PassCall
 from otray.tinker.learner.fair import FairQueue, Packable, slices
+from otray.tinker.learner.fair_jobs import AGAIN
 from otray.tinker.learner.specs import AdamStep, AdapterSpec
 from otray.tinker.learner.sample_jobs import SampleJob, SampleOut
 from otray.tinker.learner.passes import PassNotRun, PassRequest, PassResult, TrainStepResult
@@ -84,13 +86,14 @@ class SharedLearner:
     ``pass_tokens``: slices of several clients share a pass up to this many tokens, 0: never;
     ``wait_for_followers``: optimizer steps first and shared calls wait for their clients' next jobs,
     :mod:`otray.tinker.learner.fair`'s "Cohorts"; ``side_tokens``: small steps of other clients, up to this many
-    tokens a call, run on a second compute thread beside a pass, 0: never, the fair queue's "side lane")."""
+    tokens a call, run on a second compute thread beside a pass, 0: never, the fair queue's "side lane";
+    ``sample_turn_s``: a sampling call's turns end at their first decode step past it, 0: calls whole)."""
 
     pair_turns = True  # a one-slice train_step is one turn of the queue (False: two, as before; a benchmark's mode)
 
     def __init__(self, model_path: str, *, policy: str = "fair", slice_tokens: int = 0, follow_s: float = 0.05,
                  shares: Optional[dict[str, Share]] = None, pass_tokens: int = 0, wait_for_followers: bool = False,
-                 side_tokens: int = 0, **learner: Any):
+                 side_tokens: int = 0, sample_turn_s: float = 0.0, **learner: Any):
         # imported here, in the actor: the TinkerService that creates it then does without torch
         from otray.tinker.learner.adapter_learner import AdapterLearner
 
@@ -105,6 +108,7 @@ class SharedLearner:
         if self.side_pool is not None:  # the main lane's thread waits while a side call runs (LaneGate)
             self.pool.submit(self.learner.gate.bind_main).result()
         self.slice_tokens = slice_tokens if policy == "fair" else 0
+        self.sample_turn_s = sample_turn_s if policy == "fair" and sample_turn_s > 0 else None  # None: calls whole
         self.sampling: dict[str, bool] = {}  # named sampling calls queued or running -> abandoned (abort_sample)
         self.aborted = 0  # sampling calls ended early (abort_sample)
         self.train_steps = 0  # train_step calls (a forward_backward and its optim_step in one)
@@ -305,16 +309,23 @@ class SharedLearner:
         return await self._one(user, adapter, self.learner.load, adapter, path, optimizer, create)
 
     async def sample(self, jobs: list[SampleJob], user: str = "", call: str = "") -> list[list[SampleOut]]:
-        """As :meth:`AdapterLearner.sample`, in ``user``'s turn (one step per call). ``call``: the caller's
-        name for it, which :meth:`abort_sample` takes."""
-        if not call:
-            return await self._one(user, f"sampling:{user}", self.learner.sample, jobs)
-        self.sampling[call] = False
+        """As :meth:`AdapterLearner.sample`, in ``user``'s turns: a turn decodes up to its first step past
+        ``sample_turn_s`` (0, and the fifo policy: the call whole), so another user's step waits for one turn of a
+        long sampling call, not all of it (:class:`~otray.tinker.learner.learner_sampling.SampleRun`; each turn charged
+        as a step). ``call``: the caller's name for it, which :meth:`abort_sample` takes."""
+        stop = None
+        if call:
+            self.sampling[call] = False
+            stop = lambda: self.sampling.get(call, False)  # noqa: E731
+        run = self.learner.sample_run(jobs, stop, self.sample_turn_s)
+        loop = asyncio.get_running_loop()
+        turn = lambda: run.outs if run.turn() else AGAIN  # noqa: E731
         try:
-            return await self._one(user, f"sampling:{user}", self.learner.sample, jobs,
-                                   lambda: self.sampling.get(call, False))
+            return (await self.queue.run(user, f"sampling:{user}", [lambda: loop.run_in_executor(self.pool, turn)]))[0]
         finally:
-            self.aborted += self.sampling.pop(call)
+            await loop.run_in_executor(self.pool, run.close)  # (after a turn that failed: nothing left to free)
+            if call:
+                self.aborted += self.sampling.pop(call)
 
     def abort_sample(self, call: str) -> bool:
         """End sampling call ``call`` early: every request in it was abandoned (``cancel_future``). Running,

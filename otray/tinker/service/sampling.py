@@ -7,8 +7,9 @@ in a second call (benchmarks/tinker_api.py, RL step).
 
 On the learner each user's requests are calls of their own, one at a time per user, in that user's
 turn (:class:`~otray.tinker.learner.shared_learner.SharedLearner`, with the training calls); the batcher
-does not wait for them, so one user's long sampling call delays another's requests by about one
-call, not all of it, and cannot fail them. The vLLM engine takes every user's requests of a batch
+does not wait for them, and the learner decodes a call in turns of about ``scheduling.sample_turn_ms``
+(:class:`~otray.tinker.learner.learner_sampling.SampleRun`), so one user's long sampling call delays another's
+requests (and training steps) by about one turn, not all of it, and cannot fail them. The vLLM engine takes every user's requests of a batch
 together (its own scheduler interleaves them token by token); the next batch for it waits for that
 call, so a batch for it holds at most ``sample_call_max_samples`` samples, taken in turns over the users
 waiting (:func:`fair_cut`): a request waits for at most one call of another user's flood.

@@ -66,7 +66,7 @@ def start_learners(cfg: TinkerConfig, paths: dict[str, str]) -> dict[str, Any]:
         learners[m.name] = remote.remote(paths[m.name], num_threads=threads, max_model_len=m.max_context_length,
                                          dtype=m.dtype, graph_passes=m.graph_passes, policy=fair.policy, slice_tokens=fair.slice_tokens,
                                          pass_tokens=fair.pass_tokens, wait_for_followers=fair.wait_for_followers,
-                                         side_tokens=fair.side_tokens,
+                                         side_tokens=fair.side_tokens, sample_turn_s=fair.sample_turn_ms / 1000,
                                          follow_s=fair.follow_ms / 1000, shares=shares_of(cfg))
     return learners
 
