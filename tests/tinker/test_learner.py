@@ -94,6 +94,42 @@ def test_a_sampling_call_in_turns_decodes_with_its_first_turns_weights(tiny_path
     assert not np.allclose(now[1:], whole[0][0].prompt_logprobs[1:], atol=1e-3)
 
 
+def test_a_training_step_waits_for_one_turn_of_a_long_sampling_call_not_all_of_it(tiny_path):
+    """Through the SharedLearner: bob's one-datum forward_backward, sent while alice's 48-token sampling call is on
+    the learner, is answered before her call (it ran between her turns); her call took many turns, each charged to
+    her, and gave what the same call gives whole (the fifo policy: no turns)."""
+    import asyncio
+
+    from otray.tinker.learner.shared_learner import SharedLearner
+
+    job = SampleJob(None, [[5, 6, 7, 8]], SamplingParams(max_tokens=48, seed=4, ignore_eos=True), 4)
+    d = Datum([1, 2, 3], [2, 3, 4], [1.0] * 3, [0.0] * 3, [0.0] * 3, [1.0] * 3)
+
+    async def scenario(policy: str) -> tuple[list, list[str], dict]:
+        shared = SharedLearner(tiny_path, policy=policy, sample_turn_s=1e-6)  # one decode step a turn
+        await shared.create("bob", "b", AdapterSpec(4, seed=0))
+        ended: list[str] = []
+
+        async def alice() -> list:
+            out = await shared.sample([job], "alice")
+            ended.append("alice")
+            return out
+
+        async def bob() -> None:
+            await asyncio.sleep(0.05)  # her call is under way
+            await shared.forward_backward("bob", "b", [d], "cross_entropy")
+            ended.append("bob")
+
+        samples, _ = await asyncio.gather(alice(), bob())
+        return samples, ended, shared.usage()
+
+    fair, order, usage = asyncio.run(scenario("fair"))
+    whole, fifo_order, _ = asyncio.run(scenario("fifo"))
+    assert order == ["bob", "alice"] and fifo_order == ["alice", "bob"]
+    assert usage["steps"]["alice"] >= 10 and usage["seconds"]["alice"] > 0
+    assert [s.token_ids for s in fair[0][0].samples] == [s.token_ids for s in whole[0][0].samples]
+
+
 def test_a_client_made_after_every_other_one_left_trains(tiny_path):
     """Every adapter dropped (the last session closed), a new client's first pass used to fail with
     KeyError for the deleted adapter's name (PEFT's own record of the active adapter); now it runs and
