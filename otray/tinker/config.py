@@ -118,8 +118,8 @@ class TinkerScheduling:
     ``fair``: the learner runs one step at a time, the next chosen by start-time fair queueing over
     users (learner seconds used / weight; priorities first); a forward_backward is one step per
     slice of at most ``slice_tokens`` tokens, and a learner sampling call is decoded in turns of about
-    ``sample_turn_ms``, so a small step waits for about one slice or turn of another user's work. Slices of several clients (any users of one priority) share a pass of at most
-    ``pass_tokens`` tokens, each row through its own adapter, charged by tokens: a small step rides in
+    ``sample_turn_ms``, so a small step waits for about one slice or turn of another user's work. Slices of
+    several clients (any users of one priority) share a pass of at most ``pass_tokens`` tokens, each row through its own adapter, charged by tokens: a small step rides in
     the next pass (0: every slice a pass of its own) and waits, briefly, for the due steps of clients that
     loop alike (no cohorts); ``wait_for_followers`` also waits for every looping client of a call. ``fifo``: calls whole, in arrival order (no isolation: the baseline
     ``benchmarks/tinker_fairness.py`` measures)."""
@@ -127,11 +127,11 @@ class TinkerScheduling:
     policy: str = "fair"  # fair | fifo
     slice_tokens: int = 2048  # about what the learner passes in a small step's time (docs/notes/tinker.md)
     pass_tokens: int = 2560  # one shared call's tokens: a slice plus room for small riders (0: none share)
-    # A sampling call on the learner (no vLLM sampler) yields the learner at its first decode step past this, and
-    # goes on in its next turn from its KV cache (otray/actors/sampling/backends/hf_turns.py): another user's step
-    # waits for one turn, not the call (a decode step costs its rows little: a token budget would make a few rows'
-    # turns long). Each turn costs ~6 ms of setup on the CPU. 0: calls whole.
-    sample_turn_ms: float = 100.0
+    # A sampling call on the learner (no vLLM sampler) yields the learner at its first decode step past this while
+    # other work waits, and goes on in its next turn from its KV cache (otray/actors/sampling/backends/hf_turns.py):
+    # another user's step waits for one turn, not the call (a decode step costs its rows little: a token budget
+    # would make a few rows' turns long). A cut costs the call ~2 ms on the CPU; alone it is never cut. 0: whole.
+    sample_turn_ms: float = 50.0
     follow_ms: float = 50.0  # a turn kept this long for a forward_backward's optim_step (if that user is owed it)
     # With shared passes: optimizer steps first, and a shared call waits up to follow_ms for all its clients that
     # come back that fast (fair.py, "Cohorts"; like-sized due riders are waited for without it). Off by default:

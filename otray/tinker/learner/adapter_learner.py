@@ -273,7 +273,7 @@ class AdapterLearner:
         return self.sampling.sample(jobs, stop)
 
     def sample_run(self, jobs: list[SampleJob], stop: Optional[Callable[[], bool]] = None,
-                   turn_s: Optional[float] = None) -> SampleRun:
-        """:meth:`sample`'s call, run a turn at a time, each up to its first decode step past ``turn_s`` seconds
-        (:class:`SampleRun`)."""
-        return self.sampling.run(jobs, stop, turn_s)
+                   turn_s: Optional[float] = None, wanted: Optional[Callable[[], bool]] = None) -> SampleRun:
+        """:meth:`sample`'s call, run a turn at a time, each up to its first decode step past ``turn_s`` seconds at
+        which ``wanted()`` says True (:class:`SampleRun`)."""
+        return self.sampling.run(jobs, stop, turn_s, wanted)

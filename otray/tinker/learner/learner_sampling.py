@@ -40,6 +40,7 @@ class SamplingHost(Protocol):
     max_model_len: int
     device: str
     switch: Any  # its AdapterSwitch (every adapter off: ``switch.off(model)``)
+    training: bool  # its model in train mode (a training call ran since the last :meth:`eval_mode`)
 
     def use(self, adapter: Optional[str]) -> None: ...  # make it the only active adapter
 
@@ -93,22 +94,24 @@ class LearnerSampling:
         return run.outs
 
     def run(self, jobs: list[SampleJob], stop: Optional[Callable[[], bool]] = None,
-            turn_s: Optional[float] = None) -> "SampleRun":
+            turn_s: Optional[float] = None, wanted: Optional[Callable[[], bool]] = None) -> "SampleRun":
         """:meth:`sample`'s call, to be run a turn at a time (:class:`SampleRun`)."""
-        return SampleRun(self, jobs, stop, turn_s)
+        return SampleRun(self, jobs, stop, turn_s, wanted)
 
 
 class SampleRun:
     """A learner sampling call in turns: each :meth:`turn` decodes its jobs, in order, up to the first decode step
-    past ``turn_s`` seconds (None: a job's batch whole), so the learner's fair queue can run other users' steps
-    between turns (``scheduling.sample_turn_ms``). Each turn sets the model up again (the sampler adapter active, or
-    every adapter off; eval mode), since training calls run between turns; the sampler checkpoint's adapter is
-    held (:meth:`SamplerSlots.hold`) while its job runs, so every turn decodes with the weights its first had.
+    past ``turn_s`` seconds (None: a job's batch whole) at which ``wanted()`` says True (other work waits; None:
+    always), so the learner's fair queue can run other users' steps between turns (``scheduling.sample_turn_ms``)
+    and a call alone on the learner goes on in one turn. Each turn sets the model up again (the sampler adapter
+    active, or every adapter off; eval mode after a training call), since training calls run between turns; the
+    sampler checkpoint's adapter is held (:meth:`SamplerSlots.hold`) while its job runs, so every turn decodes
+    with the weights its first had.
     A job's samples equal an uncut call's (:class:`~otray.actors.sampling.backends.hf_turns.Turns`)."""
 
     def __init__(self, sampling: LearnerSampling, jobs: list[SampleJob], stop: Optional[Callable[[], bool]],
-                 turn_s: Optional[float]):
-        self.sampling, self.jobs, self.stop, self.turn_s = sampling, jobs, stop, turn_s
+                 turn_s: Optional[float], wanted: Optional[Callable[[], bool]] = None):
+        self.sampling, self.jobs, self.stop, self.turn_s, self.wanted = sampling, jobs, stop, turn_s, wanted
         self.outs: list[list[SampleOut]] = []  # each finished job's
         self.calls: Optional[Any] = None  # the job under way's generate call (Turns)
         self.adapter: Optional[str] = None  # the adapter it holds
@@ -133,14 +136,15 @@ class SampleRun:
             held = learner.model is not None and bool(learner.model.peft_config)
             model = learner.model if held else learner.base
             off = learner.switch.off(learner.model) if (job.adapter is None and held) else nullcontext()
-            learner.eval_mode(model)
+            if self.calls is None or learner.training:  # (model.eval() walks every module: ~2.6 ms a turn)
+                learner.eval_mode(model)
             with off:
                 if self.calls is None:
                     backend = HFBackend.on_model(model, learner.tokenizer, max_model_len=learner.max_model_len,
                                                  packed_linears=False)
                     pictures = {"images": job.images} if job.images else {}
                     self.calls = backend.turns(job.prompts, job.params, job.n, **pictures, stop=self.stop,
-                                               turn_s=self.turn_s)
+                                               turn_s=self.turn_s, wanted=self.wanted)
                 if not self.calls.turn():
                     return False
                 outs = [SampleOut(s, version=self.version) for s in self.calls.result()]

@@ -93,3 +93,14 @@ def test_a_turn_ends_at_its_first_step_past_its_time(backend):
     while not call.turn():
         pass
     assert flat(call.result()) == flat(whole)
+
+
+def test_a_turn_past_its_time_goes_on_while_nothing_else_wants_the_device(backend):
+    """``wanted()`` False: a turn of no time decodes on to the batch's end; once it says True, turns of one step."""
+    params = SamplingParams(max_tokens=12, seed=2, ignore_eos=True)
+    wanted = [False]
+    call = backend.turns(prompts(backend)[:2], params, 1, turn_s=0.0, wanted=lambda: wanted[0])
+    assert call.turn()  # one batch (2 rows): done in one turn
+    call = backend.turns(prompts(backend)[:2], params, 1, turn_s=0.0, wanted=lambda: wanted[0])
+    wanted[0] = True
+    assert not call.turn() and call.batch.made == 1

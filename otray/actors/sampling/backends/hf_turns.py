@@ -49,15 +49,16 @@ class Ended:
 
 
 class Deadline:
-    """A stopping criterion that ends a piece at its first decode step past ``at`` (``time.perf_counter``'s):
-    every row stops there for now (:class:`Ended` keeps which rows really ended)."""
+    """A stopping criterion that ends a piece at its first decode step past ``at`` (``time.perf_counter``'s) at
+    which ``wanted()`` says True (None: at once): every row stops there for now (:class:`Ended` keeps which rows
+    really ended)."""
 
-    def __init__(self, at: float):
-        self.at = at
+    def __init__(self, at: float, wanted: Optional[Callable[[], bool]] = None):
+        self.at, self.wanted = at, wanted
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **_: Any) -> torch.Tensor:
-        return torch.full((input_ids.shape[0],), time.perf_counter() >= self.at, dtype=torch.bool,
-                          device=input_ids.device)
+        due = time.perf_counter() >= self.at and (self.wanted is None or self.wanted())
+        return torch.full((input_ids.shape[0],), due, dtype=torch.bool, device=input_ids.device)
 
 
 @dataclass
@@ -84,14 +85,15 @@ class _Batch:
 class Turns:
     """``n`` samples of each of ``prompts`` (as ``backend``'s, an :class:`~otray.actors.sampling.backends.hf.HFBackend`,
     :meth:`~otray.actors.sampling.backends.hf.HFBackend.generate`), decoded a turn at a time: a
-    :meth:`turn` ends at its first decode step past ``turn_s`` seconds (at least one step; None: a batch whole).
+    :meth:`turn` ends at its first decode step past ``turn_s`` seconds (at least one step; None: a batch whole)
+    at which ``wanted()`` says True (something else waits for the device; None: always).
     ``stop``: asked before each turn and between tokens; True ends the call, every sample cut where it was."""
 
     def __init__(self, backend: Any, prompts: list[list[int]], params: SamplingParams, n: int,
                  images: Optional[list[Sequence[Image]]] = None, stop: Optional[Callable[[], bool]] = None,
-                 turn_s: Optional[float] = None):
+                 turn_s: Optional[float] = None, wanted: Optional[Callable[[], bool]] = None):
         check_prompt_lengths(prompts, backend.max_model_len)
-        self.backend, self.n, self.stop, self.turn_s = backend, n, stop, turn_s
+        self.backend, self.n, self.stop, self.turn_s, self.wanted = backend, n, stop, turn_s, wanted
         self.params = effective_params(params, backend.stop_token_ids)
         self.prompts = len(prompts)
         self.rows = [p for p in prompts for _ in range(n)]
@@ -175,28 +177,28 @@ class Turns:
     def _decode(self, batch: _Batch, deadline: Optional[float]) -> None:
         """``batch``'s next decode steps: to its budget, or to the first step past ``deadline``, every row's end or
         the call's stop."""
-        from transformers import StoppingCriteriaList
+        from transformers import GenerationConfig, StoppingCriteriaList
 
         b, params = self.backend, self.params
         # the model's own generation defaults (a hub model's temperature, top_k, repetition penalty) are
         # overridden: what shapes sampling is ``processors``', after the raw logprobs are recorded
         sampling = {"do_sample": False, "repetition_penalty": 1.0} if params.greedy else {
             "do_sample": True, "temperature": 1.0, "top_p": 1.0, "top_k": 0, "repetition_penalty": 1.0}
-        criteria = [batch.ended] + ([StopWhen(self.stop)] if self.stop is not None else []) + (
-            [Deadline(deadline)] if deadline is not None else [])
         eos = list(params.stop_token_ids or b.stop_token_ids)
+        # a config of its own: without one, transformers rebuilds the model's config to check it (~2 ms a call)
+        config = GenerationConfig(max_new_tokens=batch.budget - batch.made, eos_token_id=eos, pad_token_id=b.pad_id,
+                                  return_dict_in_generate=True, **sampling)
+        criteria = [batch.ended] + ([StopWhen(self.stop)] if self.stop is not None else []) + (
+            [Deadline(deadline, self.wanted)] if deadline is not None else [])
         images = [im for row in batch.pictures for im in row]
-        if images:
-            sampling.update(vision_inputs(b.model).model_kwargs(batch.ids, batch.pictures))
-        width = batch.width
+        inputs = vision_inputs(b.model).model_kwargs(batch.ids, batch.pictures) if images else {}
         with b.packed.active(b.model) if b.packed else nullcontext(), \
                 b.features.serving(b.model, images) if images else nullcontext():
             out = b.model.generate(
-                input_ids=batch.ids, attention_mask=batch.attn, max_new_tokens=batch.budget - batch.made, eos_token_id=eos,
-                pad_token_id=b.pad_id, past_key_values=batch.cache, stopping_criteria=StoppingCriteriaList(criteria),
-                logits_processor=processors(params, batch.recorder, width, batch.budget if params.ignore_eos else 0,
-                                            eos, unsampled_ids(b.model.config), str(b.model.device)),
-                return_dict_in_generate=True, **sampling)
+                input_ids=batch.ids, attention_mask=batch.attn, generation_config=config, past_key_values=batch.cache,
+                stopping_criteria=StoppingCriteriaList(criteria),
+                logits_processor=processors(params, batch.recorder, batch.width, batch.budget if params.ignore_eos else 0,
+                                            eos, unsampled_ids(b.model.config), str(b.model.device)), **inputs)
         grown = out.sequences.shape[1] - batch.ids.shape[1]
         batch.ids, batch.cache, batch.made = out.sequences, out.past_key_values, batch.made + grown
         batch.attn = torch.cat([batch.attn, batch.attn.new_ones((batch.attn.shape[0], grown))], dim=1)
