@@ -106,8 +106,8 @@ class SampleRun:
     and a call alone on the learner goes on in one turn. Each turn sets the model up again (the sampler adapter
     active, or every adapter off; eval mode after a training call), since training calls run between turns; the
     sampler checkpoint's adapter is held (:meth:`SamplerSlots.hold`) while its job runs, so every turn decodes
-    with the weights its first had.
-    A job's samples equal an uncut call's (:class:`~otray.actors.sampling.backends.hf_turns.Turns`)."""
+    with the weights its first had. A job's samples equal an uncut call's
+    (:class:`~otray.actors.sampling.backends.hf_turns.Turns`)."""
 
     def __init__(self, sampling: LearnerSampling, jobs: list[SampleJob], stop: Optional[Callable[[], bool]],
                  turn_s: Optional[float], wanted: Optional[Callable[[], bool]] = None):
