@@ -94,6 +94,14 @@ def test_a_sampling_call_in_turns_decodes_with_its_first_turns_weights(tiny_path
     assert not np.allclose(now[1:], whole[0][0].prompt_logprobs[1:], atol=1e-3)
 
 
+def test_a_sampling_call_without_turns_is_one_turn_over_many_batches(tiny_path):
+    """``turn_s`` None (``sample_turn_ms: 0``, the fifo policy): 300 samples, two batches of the backend's 256 rows,
+    in one turn."""
+    learner = AdapterLearner(tiny_path)
+    run = learner.sample_run([SampleJob(None, [[5, 6, 7]], SamplingParams(max_tokens=1), 300)])
+    assert run.turn() and len(run.outs[0][0].samples) == 300
+
+
 def test_a_training_step_waits_for_one_turn_of_a_long_sampling_call_not_all_of_it(tiny_path):
     """Through the SharedLearner: bob's one-datum forward_backward, sent while alice's 48-token sampling call is on
     the learner, is answered before her call (it ran between her turns); her call took more than one turn, each

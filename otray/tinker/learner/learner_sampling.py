@@ -145,7 +145,10 @@ class SampleRun:
                     pictures = {"images": job.images} if job.images else {}
                     self.calls = backend.turns(job.prompts, job.params, job.n, **pictures, stop=self.stop,
                                                turn_s=self.turn_s, wanted=self.wanted)
-                if not self.calls.turn():
+                done = self.calls.turn()
+                while not done and self.turn_s is None:  # whole calls: every batch in this turn
+                    done = self.calls.turn()
+                if not done:
                     return False
                 outs = [SampleOut(s, version=self.version) for s in self.calls.result()]
                 if (job.scoring != Scoring() or job.targets) and not (self.stop is not None and self.stop()):
