@@ -163,6 +163,11 @@ class SampleRun:
         self.outs.append(outs)
         return len(self.outs) == len(self.jobs)
 
+    @property
+    def holding(self) -> bool:
+        """A job is under way, its sampler adapter held (:meth:`close` frees it)."""
+        return self.adapter is not None
+
     def close(self) -> None:
         """The call ends unfinished (its job failed in the queue): the adapter it held is free."""
         self._release()

@@ -324,7 +324,10 @@ class SharedLearner:
         try:
             return (await self.queue.run(user, f"sampling:{user}", [lambda: loop.run_in_executor(self.pool, turn)]))[0]
         finally:
-            await loop.run_in_executor(self.pool, run.close)  # (after a turn that failed: nothing left to free)
+            if run.holding:  # its job failed in the queue between turns (a done or failed turn freed it): free it
+                # on the compute thread, after any turn of it there (an answered call does not wait behind the
+                # next step the queue already sent there)
+                await loop.run_in_executor(self.pool, run.close)
             if call:
                 self.aborted += self.sampling.pop(call)
 
