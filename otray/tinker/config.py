@@ -128,9 +128,9 @@ class TinkerScheduling:
     slice_tokens: int = 2048  # about what the learner passes in a small step's time (docs/notes/tinker.md)
     pass_tokens: int = 2560  # one shared call's tokens: a slice plus room for small riders (0: none share)
     # A sampling call on the learner (no vLLM sampler) yields the learner at its first decode step past this while
-    # other work waits, and goes on in its next turn from its KV cache (otray/actors/sampling/backends/hf_turns.py):
-    # another user's step waits for one turn, not the call (a decode step costs its rows little: a token budget
-    # would make a few rows' turns long). A cut costs the call ~2 ms on the CPU; alone it is never cut. 0: whole.
+    # another user's work waits, and goes on in its next turn from its KV cache (backends/hf_turns.py): another
+    # user's step waits for one turn, not the call (a decode step costs its rows little: a token budget would make a
+    # few rows' turns long). A cut costs the call ~1.5 ms on the CPU; alone it is never cut. 0: calls whole.
     sample_turn_ms: float = 50.0
     follow_ms: float = 50.0  # a turn kept this long for a forward_backward's optim_step (if that user is owed it)
     # With shared passes: optimizer steps first, and a shared call waits up to follow_ms for all its clients that

@@ -92,8 +92,18 @@ class FairQueue:
         self.arrivals = itertools.count()
         self.busy = False
         self.pending = 0  # jobs not finished
+        self.pending_by: dict[str, int] = {}  # of them, each user's
         self.used: dict[str, float] = {}  # learner seconds per user
         self.steps: dict[str, int] = {}  # steps run per user
+
+    def others_wait(self, user: str) -> bool:
+        """A job of a user other than ``user`` is not finished (two counts: safe to ask from another thread)."""
+        return self.pending > self.pending_by.get(user, 0)
+
+    def _done_by(self, user: str, jobs: int) -> None:
+        self.pending_by[user] -= jobs
+        if not self.pending_by[user]:
+            del self.pending_by[user]
 
     def share(self, user: str) -> Share:
         return self.shares.get(user, Share())
@@ -106,6 +116,7 @@ class FairQueue:
         self.users.setdefault(user, User()).clients.setdefault(client, deque()).append(job)
         self.followers.arrived(user, client, head(steps))  # also wakes a held turn (Followers.wait)
         self.pending += 1
+        self.pending_by[user] = self.pending_by.get(user, 0) + 1
         if not self.busy:
             self.busy = True
             asyncio.get_running_loop().create_task(self._drain())
@@ -216,6 +227,7 @@ class FairQueue:
                     j.fail(error)
         self.users.clear()
         self.pending = 0
+        self.pending_by.clear()
         self.running.clear()
 
     def _riders(self, first: Member) -> list[Member]:
@@ -252,6 +264,7 @@ class FairQueue:
             j.fail(error)  # the running one: its step on the learner is its last
         gone = len(jobs) - len(kept)
         self.pending -= gone
+        self._done_by(user, gone)
         if kept:
             u.clients[client] = kept
         else:
@@ -266,6 +279,7 @@ class FairQueue:
         if not job.steps:
             jobs.popleft()
             self.pending -= 1
+            self._done_by(name, 1)
             self.followers.finished(name, client)
             if not job.done.done():
                 job.done.set_result(job.results)

@@ -310,15 +310,16 @@ class SharedLearner:
 
     async def sample(self, jobs: list[SampleJob], user: str = "", call: str = "") -> list[list[SampleOut]]:
         """As :meth:`AdapterLearner.sample`, in ``user``'s turns: a turn decodes up to its first step past
-        ``sample_turn_s`` at which other work waits (0, and the fifo policy: the call whole), so another user's step
-        waits for one turn of a long sampling call, not all of it, and a call alone runs in one turn (:class:`~otray.tinker.learner.learner_sampling.SampleRun`; each turn charged
+        ``sample_turn_s`` at which another user's work waits (0, and the fifo policy: the call whole), so another
+        user's step waits for one turn of a long sampling call, not all of it, and a call alone runs in one turn (:class:`~otray.tinker.learner.learner_sampling.SampleRun`; each turn charged
         as a step). ``call``: the caller's name for it, which :meth:`abort_sample` takes."""
         stop = None
         if call:
             self.sampling[call] = False
             stop = lambda: self.sampling.get(call, False)  # noqa: E731
-        # a turn ends past its time only while another job waits (read from the compute thread: a count)
-        run = self.learner.sample_run(jobs, stop, self.sample_turn_s, lambda: self.queue.pending > 1)
+        # a turn ends past its time only while another user's job waits (her own clients take turns between calls:
+        # cutting hers for each other cost her the cuts and a user stepping beside her a turn's length a step)
+        run = self.learner.sample_run(jobs, stop, self.sample_turn_s, lambda: self.queue.others_wait(user))
         loop = asyncio.get_running_loop()
         turn = lambda: run.outs if run.turn() else AGAIN  # noqa: E731
         try:
