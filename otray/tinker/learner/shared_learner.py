@@ -311,8 +311,9 @@ class SharedLearner:
     async def sample(self, jobs: list[SampleJob], user: str = "", call: str = "") -> list[list[SampleOut]]:
         """As :meth:`AdapterLearner.sample`, in ``user``'s turns: a turn decodes up to its first step past
         ``sample_turn_s`` at which another user's work waits (0, and the fifo policy: the call whole), so another
-        user's step waits for one turn of a long sampling call, not all of it, and a call alone runs in one turn (:class:`~otray.tinker.learner.learner_sampling.SampleRun`; each turn charged
-        as a step). ``call``: the caller's name for it, which :meth:`abort_sample` takes."""
+        user's step waits for one turn of a long sampling call, not all of it, and a call alone runs in one turn
+        (:class:`~otray.tinker.learner.learner_sampling.SampleRun`; each turn charged as a step). ``call``: the
+        caller's name for it, which :meth:`abort_sample` takes."""
         stop = None
         if call:
             self.sampling[call] = False
@@ -320,15 +321,14 @@ class SharedLearner:
         # a turn ends past its time only while another user's job waits (her own clients take turns between calls:
         # cutting hers for each other cost her the cuts and a user stepping beside her a turn's length a step)
         run = self.learner.sample_run(jobs, stop, self.sample_turn_s, lambda: self.queue.others_wait(user))
-        loop = asyncio.get_running_loop()
         turn = lambda: run.outs if run.turn() else AGAIN  # noqa: E731
         try:
-            return (await self.queue.run(user, f"sampling:{user}", [lambda: loop.run_in_executor(self.pool, turn)]))[0]
+            return (await self.queue.run(user, f"sampling:{user}", [self._step(turn)]))[0]
         finally:
             if run.holding:  # its job failed in the queue between turns (a done or failed turn freed it): free it
                 # on the compute thread, after any turn of it there (an answered call does not wait behind the
                 # next step the queue already sent there)
-                await loop.run_in_executor(self.pool, run.close)
+                await self._step(run.close)()
             if call:
                 self.aborted += self.sampling.pop(call)
 
