@@ -96,7 +96,7 @@ def main() -> None:
     from otray.actors.sampling.backends.hf import HFBackend
     from otray.models import chat_prompt_ids, load_tokenizer, resolve_model_path
     from otray.serve.app import run
-    from otray.serve.model_server import Loaded
+    from otray.serve.batching import Loaded
     from otray.types import SamplingParams
 
     tiny = resolve_model_path("tiny")

@@ -18,19 +18,19 @@ reasons are settled here, so streamed and complete answers agree.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
-import shutil
 import tempfile
-import threading
 from concurrent.futures import ThreadPoolExecutor
-from collections import deque
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from otray.serve.batching import Adapter, Loaded
 from otray.serve.config import ServeModel
 from otray.serve.openai_api import APIError, Choice, apply_stop
+from otray.serve.streams import Sofar
 from otray.types import FinishReason, SamplingParams
 
 
@@ -43,181 +43,6 @@ class Job:
     n: int
     stop: list[str]
     images: tuple[Any, ...] = ()  # the prompt's images (``otray.vision.Image``), whose tokens it holds
-
-
-class Loaded:
-    """A model ready to generate, with dynamic batching.
-
-    Concurrent requests are queued; one thread at a time runs the backend, taking every
-    queued request whose sampling settings and ``n`` equal the first one's (up to
-    ``max_batch`` prompts; requests for several adapters of a vLLM base share a call, the
-    base's own requests go in calls of their own) into one ``generate`` call, so 8 concurrent chats cost about
-    one batched generate instead of 8 in a row. Requests with a ``seed`` run alone: their
-    samples must not depend on which other requests shared the batch.
-
-    ``batch_wait_ms``: before a call, wait up to this long until as many prompts are queued
-    as were in the system (in the call + queued) when the last 8 calls ended. Clients whose
-    answers just went out are on their way back; without waiting for them, 8 steady clients
-    settle into alternating calls of 7 and 1 (or 4 and 4), halving throughput. A lone
-    client never waits (its load is 1).
-    """
-
-    def __init__(self, backend: Any, name: str, cleanup: str | None = None, max_batch: int = 32,
-                 batch_wait_ms: float = 0.0):
-        self.backend, self.name, self.cleanup, self.max_batch = backend, name, cleanup, max(1, max_batch)
-        self.batch_wait_s = batch_wait_ms / 1000
-        self.lock = threading.Lock()  # held by the thread running the backend
-        self.queue: list[_Pending] = []
-        self.queue_lock = threading.Lock()
-        self.arrived = threading.Condition(self.queue_lock)  # notified when a request joins the queue
-        self.batches: deque[int] = deque(maxlen=1000)  # prompts per backend call, latest last (for info and tests)
-        # prompts in the system when each recent call ended (its own + those queued meanwhile): the load
-        # that batch_wait_ms waits to gather, since closed-loop clients come back after their answer
-        self.load: deque[int] = deque(maxlen=8)
-        self.calls = 0  # backend calls so far
-        self.retired: list[tuple[Any, str]] = []  # (adapter handle, its files): dropped before the next call
-
-    def add_adapter(self, name: str, path: str) -> Any:
-        with self.lock:  # the engine is not thread-safe: never while a batch runs
-            return self.backend.add_adapter(name, path)
-
-    def retire(self, adapter: Any, files: str) -> None:
-        """Drop an adapter from the engine before the next call (not now: the caller may be the GC,
-        running inside a batch that holds the lock)."""
-        with self.queue_lock:
-            self.retired.append((adapter, files))
-
-    def _drop_retired(self) -> None:
-        with self.queue_lock:
-            retired, self.retired = self.retired, []
-        for adapter, files in retired:
-            try:
-                self.backend.remove_adapter(adapter)
-            except Exception:  # noqa: BLE001 - the engine may be gone already
-                pass
-            shutil.rmtree(files, ignore_errors=True)
-
-    def generate(self, prompts: list[list[int]], params: SamplingParams, n: int,
-                 adapter: Any = None, images: list[tuple[Any, ...]] | None = None) -> list[list[Any]]:
-        """``adapter``: a handle from the backend's ``add_adapter`` (vLLM), or None for the base weights;
-        ``images``: each prompt's images (a vision-language model)."""
-        mine = _Pending(prompts, params, n, adapter, images or [()] * len(prompts))
-        with self.arrived:
-            self.queue.append(mine)
-            self.arrived.notify_all()
-        while not mine.done.is_set():
-            with self.lock:  # whoever holds the lock serves a batch: maybe ours, maybe others'
-                if mine.done.is_set():
-                    break
-                self._run_batch()
-        if mine.error is not None:
-            raise mine.error
-        return mine.results
-
-    def _run_batch(self) -> None:
-        if self.retired:
-            self._drop_retired()
-        with self.arrived:
-            if self.batch_wait_s:  # let requests on their way join: as many as recent load, or time's up
-                want = min(self.max_batch, max(self.load, default=1))
-                self.arrived.wait_for(lambda: sum(len(p.prompts) for p in self.queue) >= want, self.batch_wait_s)
-            if not self.queue:
-                return
-            first, size, batch = self.queue[0], 0, []
-            for p in list(self.queue):
-                # base-only and adapter prompts never share a call: on vLLM's CPU build (0.32) a prompt
-                # without an adapter came out wrong when batched with adapter prompts (adapters mix fine)
-                same = (p.params == first.params and p.n == first.n and first.params.seed is None
-                        and (p.adapter is None) == (first.adapter is None))
-                if p is first or (same and size + len(p.prompts) <= self.max_batch):
-                    batch.append(p)
-                    size += len(p.prompts)
-                    self.queue.remove(p)
-                    if first.params.seed is not None:
-                        break
-        self.batches.append(size)
-        self.calls += 1
-        try:
-            prompts = [x for p in batch for x in p.prompts]
-            extra = _images([im for p in batch for im in p.images])
-            if any(p.adapter is not None for p in batch):  # one engine call, an adapter per prompt
-                out = self.backend.generate(prompts, first.params, first.n,
-                                            adapters=[p.adapter for p in batch for _ in p.prompts], **extra)
-            else:
-                out = self.backend.generate(prompts, first.params, first.n, **extra)
-            at = 0
-            for p in batch:
-                p.results, at = out[at:at + len(p.prompts)], at + len(p.prompts)
-        except BaseException as e:  # noqa: BLE001 - a failed batch fails each of its requests
-            for p in batch:
-                p.error = e if len(batch) == 1 else _alone(self.backend, p, e)
-        finally:
-            with self.queue_lock:
-                self.load.append(size + sum(len(p.prompts) for p in self.queue))
-            for p in batch:
-                p.done.set()
-
-    def __del__(self) -> None:  # evicted by Serve's multiplexing (LRU): free the files too
-        if self.cleanup:
-            shutil.rmtree(self.cleanup, ignore_errors=True)
-        stop = getattr(self.backend, "shutdown", None)
-        if stop is not None:
-            try:
-                stop()
-            except Exception:  # noqa: BLE001 - best effort on the way out
-                pass
-
-
-@dataclass
-class _Pending:
-    prompts: list[list[int]]
-    params: SamplingParams
-    n: int
-    adapter: Any = None
-    images: list[tuple[Any, ...]] = field(default_factory=list)  # per prompt
-    results: list[list[Any]] | None = None
-    error: BaseException | None = None
-    done: threading.Event = field(default_factory=threading.Event)
-
-
-def _alone(backend: Any, p: _Pending, batch_error: BaseException) -> BaseException | None:
-    """A batch failed (say one prompt was too long): rerun this request by itself, so one
-    bad request cannot fail the others; returns its own error, or None with results set."""
-    try:
-        extra = {} if p.adapter is None else {"adapters": [p.adapter] * len(p.prompts)}
-        extra.update(_images(p.images))
-        p.results = backend.generate(p.prompts, p.params, p.n, **extra)
-        return None
-    except BaseException as e:  # noqa: BLE001
-        return e
-
-
-def _images(per_prompt: list[tuple[Any, ...]]) -> dict[str, Any]:
-    """The ``images=`` argument of a backend call, only when a prompt has any (text backends take none)."""
-    return {"images": per_prompt} if any(per_prompt) else {}
-
-
-class Adapter:
-    """A LoRA checkpoint served on the base model's vLLM engine: generation goes through the
-    base's batcher (``Loaded``) with this adapter named per prompt, so requests for several
-    adapters share engine calls. Dropping it (Serve's LRU eviction) removes
-    the adapter from the engine and deletes its files."""
-
-    def __init__(self, base: Loaded, name: str, path: str, cleanup: str):
-        self.base, self.name, self.cleanup = base, name, cleanup
-        self.handle = base.add_adapter(name, path)
-        self.backend = base.backend  # for max_model_len / name, as a Loaded offers
-        self.removed = False
-
-    def generate(self, prompts: list[list[int]], params: SamplingParams, n: int,
-                 images: list[tuple[Any, ...]] | None = None) -> list[list[Any]]:
-        return self.base.generate(prompts, params, n, adapter=self.handle, images=images)
-
-    def __del__(self) -> None:  # Serve calls it on eviction, and the GC again later: once is enough
-        if getattr(self, "removed", True):
-            return
-        self.removed = True
-        self.base.retire(self.handle, self.cleanup)
 
 
 @dataclass
@@ -341,35 +166,74 @@ class ModelServer:
         return out
 
     async def stream(self, model: Loaded | Adapter, job: Job) -> AsyncIterator[tuple[int, str, str | None, int]]:
-        """Yield ``(choice index, new text, finish_reason or None, tokens so far)`` as tokens arrive:
-        all choices advance together, ``stream_chunk_tokens`` tokens per backend call."""
-        ids: list[list[int]] = [[] for _ in range(job.n)]
-        sent, done = [0] * job.n, [None] * job.n
+        """Yield ``(choice index, new text, finish_reason or None, tokens so far)`` as tokens arrive, all choices
+        advancing together ``stream_chunk_tokens`` tokens at a time. On an HF model without images the answer is
+        decoded in turns (:mod:`otray.serve.streams`: no token computed twice, concurrent streams with equal
+        settings decoded together, a seeded answer equal to its complete one); otherwise (vLLM, images, the
+        compiled sampler) each chunk is a backend call of its own over the prompt and the tokens so far."""
+        done: list[str | None] = [None] * job.n
+        sent = [0] * job.n
         hold = max((len(s) for s in job.stop), default=1) - 1  # a stop string may still be forming
+        turns = isinstance(model, Loaded) and model.streams is not None and not job.images
+        rounds = self._turn_rounds(model, job) if turns else self._chunk_rounds(model, job, done)
+        async with contextlib.aclosing(rounds) as each:
+            async for sofar in each:
+                for i, (ids, finish) in enumerate(sofar):
+                    if done[i] is not None:
+                        continue
+                    stopped = finish is FinishReason.STOP  # its last token is the stop id
+                    text, reason = self._decode(ids, FinishReason.STOP if stopped else FinishReason.LENGTH, job.stop)
+                    if stopped or reason == "stop" or finish is FinishReason.STOP_STRING:
+                        done[i] = "stop"
+                    elif finish is not None or len(ids) >= job.params.max_tokens:
+                        done[i] = "length"
+                    safe = text if done[i] else text[:max(sent[i], len(text) - hold)]
+                    if not done[i] and safe.endswith("\ufffd"):  # half a multi-byte character
+                        safe = safe[:-1]
+                    if len(safe) > sent[i] or done[i]:
+                        yield i, safe[sent[i]:], done[i], len(ids)
+                        sent[i] = len(safe)
+                if all(d is not None for d in done):
+                    return
+
+    async def _turn_rounds(self, model: Loaded, job: Job) -> AsyncIterator[list[Sofar]]:
+        """Each choice's tokens so far after each turn of the stream's group (its stop strings end its rows)."""
+        stream = model.streams.open(job.prompt_ids, replace(job.params, stop=tuple(job.stop)), job.n, self.chunk)
+        seen = 0
+        try:
+            while True:
+                seen, sofar, finished = await self.in_thread(model.streams.next, stream, seen)
+                yield sofar
+                if finished:
+                    return
+        finally:
+            model.streams.close(stream)
+
+    async def _chunk_rounds(self, model: Loaded | Adapter, job: Job, done: list[str | None]
+                            ) -> AsyncIterator[list[Sofar]]:
+        """Each choice's tokens so far after each chunk: a backend call over the prompt and the tokens so far of
+        every choice not ``done`` (the stream's own record), its seed advanced per call."""
+        ids: list[list[int]] = [[] for _ in range(job.n)]
         calls = 0
-        while any(d is None for d in done):
+        while True:
             live = [i for i in range(job.n) if done[i] is None]
+            if not live:
+                return
             budget = min(self.chunk, *(job.params.max_tokens - len(ids[i]) for i in live))
             seed = None if job.params.seed is None else job.params.seed + calls
             params = replace(job.params, max_tokens=budget, seed=seed)
             results = await self.in_thread(functools.partial(model.generate, images=[job.images] * len(live)),
                                            [job.prompt_ids + ids[i] for i in live], params, 1)
             calls += 1
+            finish: list[FinishReason | None] = [None] * job.n
             for i, res in zip(live, results):
                 sample = res[0]
                 ids[i].extend(sample.token_ids)
-                stopped = sample.finish_reason is FinishReason.STOP
-                text, reason = self._decode(ids[i], FinishReason.STOP if stopped else FinishReason.LENGTH, job.stop)
-                if stopped or reason == "stop":
-                    done[i] = "stop"
-                elif len(ids[i]) >= job.params.max_tokens or not sample.token_ids:
-                    done[i] = "length"
-                safe = text if done[i] else text[:max(sent[i], len(text) - hold)]
-                if not done[i] and safe.endswith("\ufffd"):  # half a multi-byte character
-                    safe = safe[:-1]
-                if len(safe) > sent[i] or done[i]:
-                    yield i, safe[sent[i]:], done[i], len(ids[i])
-                    sent[i] = len(safe)
+                if sample.finish_reason is FinishReason.STOP:
+                    finish[i] = FinishReason.STOP
+                elif not sample.token_ids:  # the context is full
+                    finish[i] = FinishReason.LENGTH
+            yield [(ids[i], finish[i]) for i in range(job.n)]
 
 
 def serve_class(max_loaded: int) -> type:

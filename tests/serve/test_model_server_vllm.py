@@ -62,7 +62,7 @@ def server(tiny_path):
 
 def test_adapters_on_one_engine_match_merged_weights_and_share_batches(server, tiny_path, tokenizer, tmp_path):
     from otray.models import chat_prompt_ids
-    from otray.serve.model_server import Adapter
+    from otray.serve.batching import Adapter
     from otray.types import SamplingParams
 
     prompts = [chat_prompt_ids(tokenizer, [{"role": "user", "content": q}]) for q in QUESTIONS]
@@ -110,7 +110,7 @@ def test_adapters_on_one_engine_match_merged_weights_and_share_batches(server, t
 
 def test_an_adapter_above_the_engine_rank_is_merged_instead(server, tiny_path, tokenizer, tmp_path):
     from otray.models import chat_prompt_ids
-    from otray.serve.model_server import Loaded
+    from otray.serve.batching import Loaded
     from otray.types import SamplingParams
 
     prompts = [chat_prompt_ids(tokenizer, [{"role": "user", "content": QUESTIONS[0]}])]

@@ -73,7 +73,7 @@ def test_dynamic_batching_shares_calls_and_keeps_answers(tiny_path, tokenizer):
 
     from otray.actors.sampling.backends.hf import HFBackend
     from otray.models import chat_prompt_ids
-    from otray.serve.model_server import Loaded
+    from otray.serve.batching import Loaded
     from otray.types import SamplingParams
 
     backend = HFBackend(tiny_path, max_model_len=128)
@@ -124,7 +124,7 @@ def test_batch_wait_gathers_the_recent_load_and_a_lone_client_does_not_wait(tiny
 
     from otray.actors.sampling.backends.hf import HFBackend
     from otray.models import chat_prompt_ids
-    from otray.serve.model_server import Loaded
+    from otray.serve.batching import Loaded
     from otray.types import SamplingParams
 
     greedy = SamplingParams(max_tokens=4, temperature=0.0)

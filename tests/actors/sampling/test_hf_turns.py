@@ -104,3 +104,33 @@ def test_a_turn_past_its_time_goes_on_while_nothing_else_wants_the_device(backen
     call = backend.turns(prompts(backend)[:2], params, 1, turn_s=0.0, wanted=lambda: wanted[0])
     wanted[0] = True
     assert not call.turn() and call.batch.made == 1
+
+
+@pytest.mark.parametrize("ending", ["stop id", "stop string"])
+def test_turns_of_a_few_tokens_show_each_sample_so_far(backend, ending):
+    """``turn_tokens`` 3: each turn adds at most 3 tokens to a row; :meth:`Turns.sofar` after every turn is each
+    row's sample so far (a prefix of the final one), its finish reason set once the row ended, and after the last
+    turn the result itself (two batches: the rows of the second have no tokens until the first ended)."""
+    params = SamplingParams(max_tokens=20, seed=5)
+    first = backend.generate(prompts(backend), params, 2)[0][0].token_ids
+    params = (dataclasses.replace(params, stop_token_ids=(first[4],)) if ending == "stop id"
+              else dataclasses.replace(params, stop=(backend.tokenizer.decode(first[3:5]),)))
+    whole = [s for per_prompt in backend.generate(prompts(backend), params, 2) for s in per_prompt]
+    call = backend.turns(prompts(backend), params, 2, turn_tokens=3)
+    before = [[] for _ in whole]
+    seen_end = set()
+    while not call.turn():
+        now = call.sofar()
+        for i, ((toks, reason), final) in enumerate(zip(now, whole)):
+            assert len(toks) - len(before[i]) <= 3 and toks[:len(before[i])] == before[i]
+            assert final.token_ids[:len(toks)] == toks
+            if reason is not None:
+                assert (toks, reason) == (final.token_ids, final.finish_reason)
+                seen_end.add(reason)
+            before[i] = toks
+        if any(toks for toks, _ in now[5:]):  # the second batch (5 rows a batch) begins after the first ended
+            assert all(reason is not None for _, reason in now[:5])
+        else:
+            assert all(reason is None for _, reason in now[5:])
+    assert call.sofar() == [(s.token_ids, s.finish_reason) for s in whole]
+    assert (FinishReason.STOP if ending == "stop id" else FinishReason.STOP_STRING) in seen_end  # seen mid-call

@@ -117,11 +117,12 @@ class HFBackend:
 
     def turns(self, prompts: list[list[int]], params: SamplingParams, n: int,
               images: list[Sequence[Image]] | None = None, stop: Callable[[], bool] | None = None,
-              turn_s: float | None = None, wanted: Callable[[], bool] | None = None) -> Turns:
+              turn_s: float | None = None, wanted: Callable[[], bool] | None = None,
+              turn_tokens: int | None = None) -> Turns:
         """:meth:`generate`'s call to be run a turn at a time (:class:`~otray.actors.sampling.backends.hf_turns.Turns`:
-        a turn ends at its first decode step past ``turn_s`` seconds at which ``wanted()`` says True; None: a batch
-        a turn), its samples equal to an uncut call's."""
-        return Turns(self, prompts, params, n, images, stop, turn_s, wanted)
+        a turn ends at its first decode step past ``turn_s`` seconds at which ``wanted()`` says True, or after
+        ``turn_tokens`` decode steps; None for both: a batch a turn), its samples equal to an uncut call's."""
+        return Turns(self, prompts, params, n, images, stop, turn_s, wanted, turn_tokens)
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False)

@@ -1,7 +1,9 @@
 """One HF ``generate`` call run in turns: :class:`Turns` decodes a call's batches a piece at a time and keeps
 what a later piece needs (the sequences so far, their KV cache, the logprobs recorded, which rows ended, a seeded
 call's random stream), so that its owner can do other work between the pieces: the Tinker learner runs other
-users' steps there (:class:`~otray.tinker.learner.learner_sampling.LearnerSampling`).
+users' steps there (:class:`~otray.tinker.learner.learner_sampling.LearnerSampling`), and ``otray serve`` sends
+each piece's new text of a streamed answer (:class:`~otray.serve.model_server.Loaded`'s streams), where the
+call's tokens so far are :meth:`Turns.sofar`.
 
 A piece is one ``generate`` over the batch's sequences so far with their cache: transformers feeds only the
 tokens the cache lacks (the last one chosen), so each decode step computes what it would in one long call, and
@@ -23,7 +25,8 @@ from typing import Any, Optional
 
 import torch
 
-from otray.actors.sampling.backends.base import apply_stop_strings, check_prompt_lengths, effective_params
+from otray.actors.sampling.backends.base import (apply_stop_strings, check_prompt_lengths, effective_params,
+                                                 stop_string_end)
 from otray.actors.sampling.backends.hf_logits import ChosenLogprobs, StopWhen, processors
 from otray.types import FinishReason, Sample, SamplingParams
 from otray.vision import Image
@@ -86,14 +89,19 @@ class Turns:
     """``n`` samples of each of ``prompts`` (as ``backend``'s, an :class:`~otray.actors.sampling.backends.hf.HFBackend`,
     :meth:`~otray.actors.sampling.backends.hf.HFBackend.generate`), decoded a turn at a time: a
     :meth:`turn` ends at its first decode step past ``turn_s`` seconds (at least one step; None: a batch whole)
-    at which ``wanted()`` says True (something else waits for the device; None: always).
+    at which ``wanted()`` says True (something else waits for the device; None: always), or after
+    ``turn_tokens`` decode steps (None: no bound).
     ``stop``: asked before each turn and between tokens; True ends the call, every sample cut where it was."""
 
     def __init__(self, backend: Any, prompts: list[list[int]], params: SamplingParams, n: int,
                  images: Optional[list[Sequence[Image]]] = None, stop: Optional[Callable[[], bool]] = None,
-                 turn_s: Optional[float] = None, wanted: Optional[Callable[[], bool]] = None):
+                 turn_s: Optional[float] = None, wanted: Optional[Callable[[], bool]] = None,
+                 turn_tokens: Optional[int] = None):
         check_prompt_lengths(prompts, backend.max_model_len)
+        if turn_tokens is not None and turn_tokens < 1:
+            raise ValueError(f"turn_tokens must be at least 1 (a decode step a turn), got {turn_tokens}")
         self.backend, self.n, self.stop, self.turn_s, self.wanted = backend, n, stop, turn_s, wanted
+        self.turn_tokens = turn_tokens
         self.params = effective_params(params, backend.stop_token_ids)
         self.prompts = len(prompts)
         self.rows = [p for p in prompts for _ in range(n)]
@@ -113,6 +121,28 @@ class Turns:
     def result(self) -> list[list[Sample]]:
         """Each prompt's samples (once :attr:`done`)."""
         return [self.samples[i * self.n:(i + 1) * self.n] for i in range(self.prompts)]
+
+    def sofar(self) -> list[tuple[list[int], Optional[FinishReason]]]:
+        """Every row's tokens so far (row ``i * n + j``: prompt ``i``'s sample ``j``) and its finish reason, None
+        while it runs (a row of the batch under way that reached its token limit too, until the batch ends): a
+        finished row's sample as :meth:`result` will give it; a row of the batch under way up to the stop id that
+        ended it (``STOP``), or cut after the token that completed a stop string (``STOP_STRING``); a row of a
+        batch not begun yet has no tokens."""
+        out: list[tuple[list[int], Optional[FinishReason]]] = [(s.token_ids, s.finish_reason) for s in self.samples]
+        batch = self.batch
+        if batch is not None:
+            stops, strings = set(self.params.stop_token_ids), self.params.stop
+            for row, toks in zip(batch.rows, batch.ids[:, batch.width:].cpu().tolist()):
+                toks = toks[:min(self.params.max_tokens, self.backend.max_model_len - len(row))]
+                end = next((k + 1 for k, t in enumerate(toks) if t in stops), None)
+                cut = stop_string_end(self.backend._decode, toks[:end], strings) if strings else None
+                if cut is not None:
+                    out.append((toks[:cut], FinishReason.STOP_STRING))
+                elif end is not None:
+                    out.append((toks[:end], FinishReason.STOP))
+                else:
+                    out.append((toks, None))
+        return out + [([], None)] * (len(self.rows) - len(out))
 
     def turn(self) -> bool:
         """Decode the next piece (starting the next batch when none is under way); True once every batch is done."""
@@ -186,7 +216,9 @@ class Turns:
             "do_sample": True, "temperature": 1.0, "top_p": 1.0, "top_k": 0, "repetition_penalty": 1.0}
         eos = list(params.stop_token_ids or b.stop_token_ids)
         # a config of its own: without one, transformers rebuilds the model's config to check it (~2 ms a call)
-        config = GenerationConfig(max_new_tokens=batch.budget - batch.made, eos_token_id=eos, pad_token_id=b.pad_id,
+        steps = batch.budget - batch.made if self.turn_tokens is None else min(batch.budget - batch.made,
+                                                                               self.turn_tokens)
+        config = GenerationConfig(max_new_tokens=steps, eos_token_id=eos, pad_token_id=b.pad_id,
                                   return_dict_in_generate=True, **sampling)
         criteria = [batch.ended] + ([StopWhen(self.stop)] if self.stop is not None else []) + (
             [Deadline(deadline, self.wanted)] if deadline is not None else [])

@@ -1,0 +1,96 @@
+"""Streamed answers against complete ones on a serving replica (tiny model, HF backend, in-process ModelServer).
+
+Three ways to the same answers, side by side, alternating per round:
+
+- ``complete``: ``ModelServer.complete`` (one batched generate call per group of concurrent requests);
+- ``turns``: ``ModelServer.stream`` as built, each answer decoded in turns of ``--chunk`` tokens from its KV
+  cache, concurrent streams with equal settings decoded together (otray/serve/streams.py);
+- ``chunks``: ``ModelServer.stream`` the way before turns (still the way of vLLM models, images and the compiled
+  sampler): a backend call per chunk over the prompt and every token so far.
+
+Each client sends one sampled request (``ignore_eos``: every answer ``max_tokens`` long); reported per
+``max_tokens`` and concurrency: the median seconds until every client has its whole answer, and each streaming
+way over ``complete``. Saves ``benchmarks/results/serve_stream.json``.
+
+    python benchmarks/serve_stream.py [--tokens 64,256] [--clients 1,8] [--rounds 3] [--chunk 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.results_io import machine, save  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", default="64,256", help="max_tokens of each answer")
+    ap.add_argument("--clients", default="1,8", help="concurrent requests")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--chunk", type=int, default=4, help="stream_chunk_tokens")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "serve_stream.json"))
+    args = ap.parse_args()
+
+    import torch
+
+    torch.set_num_threads(1)
+    from otray.models import chat_prompt_ids
+    from otray.serve.config import ServeModel
+    from otray.serve.model_server import Job, ModelServer
+    from otray.types import SamplingParams
+
+    server = ModelServer(ServeModel(num_threads=1), str(ROOT / ".cache" / "models"), stream_chunk_tokens=args.chunk)
+    turns = server.base.streams
+    prompt = chat_prompt_ids(server.tokenizer, [{"role": "user", "content": "What is 12+30? Explain it step by step."}])
+
+    async def one(way: str, tokens: int) -> int:
+        job = Job(prompt, SamplingParams(max_tokens=tokens, temperature=1.0, ignore_eos=True), 1, [])
+        if way == "complete":
+            return (await server.in_thread(server.complete, server.base, job))[0].completion_tokens
+        server.base.streams = turns if way == "turns" else None
+        got = 0
+        async for _, _, _, so_far in server.stream(server.base, job):
+            got = so_far
+        return got
+
+    async def timed(way: str, tokens: int, clients: int) -> float:
+        t0 = time.perf_counter()
+        got = await asyncio.gather(*[one(way, tokens) for _ in range(clients)])
+        assert got == [tokens] * clients, f"{way}: answers of {got} tokens, not {tokens}"
+        return time.perf_counter() - t0
+
+    async def run() -> dict:
+        rows = {}
+        for tokens in map(int, args.tokens.split(",")):
+            for clients in map(int, args.clients.split(",")):
+                await timed("complete", tokens, clients)  # warm
+                seconds: dict[str, list[float]] = {"complete": [], "turns": [], "chunks": []}
+                for _ in range(args.rounds):
+                    for way in seconds:
+                        seconds[way].append(await timed(way, tokens, clients))
+                med = {way: statistics.median(v) for way, v in seconds.items()}
+                row = {"seconds": seconds, "median_s": med, "turns_over_complete": med["turns"] / med["complete"],
+                       "chunks_over_complete": med["chunks"] / med["complete"],
+                       "chunks_over_turns": med["chunks"] / med["turns"]}
+                rows[f"{tokens}x{clients}"] = row
+                print(f"max_tokens {tokens:4}, {clients} client(s): complete {med['complete']:.3f} s, streamed in "
+                      f"turns {med['turns']:.3f} s ({row['turns_over_complete']:.2f}x), in chunks "
+                      f"{med['chunks']:.3f} s ({row['chunks_over_complete']:.2f}x); turns "
+                      f"{row['chunks_over_turns']:.2f}x faster than chunks", flush=True)
+        return rows
+
+    rows = asyncio.run(run())
+    server.base.streams = turns
+    save({"machine": machine(), "chunk": args.chunk, "rounds": args.rounds, "rows": rows}, args.out)
+
+
+if __name__ == "__main__":
+    main()
