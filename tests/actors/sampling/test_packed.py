@@ -103,3 +103,20 @@ def test_lora_wrapped_siblings_fall_back_to_packing_one_by_one(tiny_path):
     want, got = plain.generate(PROMPTS, SAMPLED, 2), fast.generate(PROMPTS, SAMPLED, 2)
     for a, b in zip(sum(want, []), sum(got, [])):
         assert a.token_ids == b.token_ids and a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+
+
+def test_a_plan_is_kept_until_a_module_is_swapped(tiny_path):
+    """The layers to pack are found once per model (kept while its modules stay), found again when a module is
+    swapped in: the new layer is packed, the one it replaced is no longer touched."""
+    backend = HFBackend(tiny_path)
+    model, mlp = backend.model, backend.model.model.layers[0].mlp
+    with backend.packed.active(model):
+        pass
+    kept = backend.packed.plans[model]
+    with backend.packed.active(model):
+        assert backend.packed.plans[model] is kept
+    old = mlp.down_proj
+    mlp.down_proj = torch.nn.Linear(old.in_features, old.out_features, bias=False)
+    with backend.packed.active(model):
+        assert "forward" in mlp.down_proj.__dict__ and "forward" not in old.__dict__
+    assert backend.packed.plans[model] is not kept
