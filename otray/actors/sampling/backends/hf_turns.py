@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Protocol
 
 import torch
 
@@ -31,6 +31,24 @@ from otray.actors.sampling.backends.hf_logits import ChosenLogprobs, StopWhen, p
 from otray.types import FinishReason, Sample, SamplingParams
 from otray.vision import Image
 from otray.vlm import unsampled_ids, vision_inputs
+
+
+class TurnsBackend(Protocol):
+    """What :class:`Turns` reads of its backend (an :class:`~otray.actors.sampling.backends.hf.HFBackend`, which
+    imports this module: typed here by shape, not by class): the model and its tokenizer, its limits and ids, its
+    compiled sampler (None: eager), packed linears and vision feature cache, and its token decoder."""
+
+    model: Any
+    tokenizer: Any
+    max_model_len: int
+    max_batch: int
+    stop_token_ids: list[int]
+    pad_id: int
+    compiled: Any
+    packed: Any
+    features: Any
+
+    def _decode(self, ids: list[int]) -> str: ...
 
 
 class Ended:
@@ -93,7 +111,7 @@ class Turns:
     ``turn_tokens`` decode steps (None: no bound).
     ``stop``: asked before each turn and between tokens; True ends the call, every sample cut where it was."""
 
-    def __init__(self, backend: Any, prompts: list[list[int]], params: SamplingParams, n: int,
+    def __init__(self, backend: TurnsBackend, prompts: list[list[int]], params: SamplingParams, n: int,
                  images: Optional[list[Sequence[Image]]] = None, stop: Optional[Callable[[], bool]] = None,
                  turn_s: Optional[float] = None, wanted: Optional[Callable[[], bool]] = None,
                  turn_tokens: Optional[int] = None):
