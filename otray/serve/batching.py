@@ -31,6 +31,9 @@ class Loaded:
     answers just went out are on their way back; without waiting for them, 8 steady clients
     settle into alternating calls of 7 and 1 (or 4 and 4), halving throughput. A lone
     client never waits (its load is 1).
+
+    ``streams``: on an HF backend (not compiled), streamed requests decoded in turns
+    (:class:`~otray.serve.streams.StreamTurns`), which take the same lock as the calls, between them.
     """
 
     def __init__(self, backend: Any, name: str, cleanup: str | None = None, max_batch: int = 32,

@@ -2,7 +2,7 @@
 what a later piece needs (the sequences so far, their KV cache, the logprobs recorded, which rows ended, a seeded
 call's random stream), so that its owner can do other work between the pieces: the Tinker learner runs other
 users' steps there (:class:`~otray.tinker.learner.learner_sampling.LearnerSampling`), and ``otray serve`` sends
-each piece's new text of a streamed answer (:class:`~otray.serve.model_server.Loaded`'s streams), where the
+each piece's new text of a streamed answer (:class:`~otray.serve.streams.StreamTurns`), where the
 call's tokens so far are :meth:`Turns.sofar`.
 
 A piece is one ``generate`` over the batch's sequences so far with their cache: transformers feeds only the
