@@ -6,7 +6,7 @@ Streamed requests with equal sampling settings and ``n`` that wait together form
 all their prompts, whose turns any member's reader runs, once per turn (a reader that finds a turn newer than
 what it has read takes it without running another). Before a group forms, its first reader waits up to
 ``batch_wait_ms`` for as many prompts as were streaming when the last groups ended, as the complete answers'
-batcher (:class:`~otray.serve.model_server.Loaded`) waits for its calls: closed-loop clients come back
+batcher (:class:`~otray.serve.batching.Loaded`) waits for its calls: closed-loop clients come back
 together. A seeded request streams alone, its samples equal to its complete answer's. Turns and the batcher's
 calls take the model's one lock in turn, so complete answers run between a stream's turns.
 
