@@ -88,6 +88,28 @@ def test_openai_client_chat_completions_and_streaming(served):
     assert "".join(c.choices[0].text for c in text_stream) == greedy.choices[0].text
 
 
+def test_concurrent_streams_and_a_trained_checkpoint_stream_their_complete_answers(served):
+    """Four clients stream greedy chats at once (the replica decodes them in turns, together where they wait
+    together) and one streams the trained checkpoint: each streamed text is that model's complete answer."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    client = _client(served["alice"])
+    asks = [("tiny", f"What is {i}+{i * 5}?") for i in range(4)] + [(f"job-{served['job']}", "What is 7+8?")]
+
+    def chat(model, text, stream):
+        got = client.chat.completions.create(model=model, messages=[{"role": "user", "content": text}],
+                                             max_tokens=24, temperature=0, stream=stream)
+        if not stream:
+            return got.choices[0].message.content, got.choices[0].finish_reason
+        chunks = [c for c in got if c.choices]
+        return "".join(c.choices[0].delta.content or "" for c in chunks), chunks[-1].choices[0].finish_reason
+
+    whole = [chat(model, text, False) for model, text in asks]
+    with ThreadPoolExecutor(len(asks)) as pool:
+        streamed = list(pool.map(lambda a: chat(*a, True), asks))
+    assert streamed == whole
+
+
 def test_a_trained_checkpoint_answers_differently_from_the_base(served):
     client = _client(served["alice"])
     messages = [{"role": "user", "content": "What is 23+45?"}]
