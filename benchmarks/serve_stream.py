@@ -10,7 +10,7 @@ Three ways to the same answers, side by side, alternating per round:
 
 Each client sends one sampled request (``ignore_eos``: every answer ``max_tokens`` long); reported per
 ``max_tokens`` and concurrency: the median seconds until every client has its whole answer, and each streaming
-way over ``complete``. Saves ``benchmarks/results/serve_stream.json``. ``--backend vllm``: complete and chunks
+way over ``complete``, and the clients' median seconds to their first text. Saves ``benchmarks/results/serve_stream.json``. ``--backend vllm``: complete and chunks
 only (a vLLM model streams in chunks; its prefix cache holds the prompt and the tokens so far).
 
     python benchmarks/serve_stream.py [--tokens 64,256] [--clients 1,8] [--rounds 3] [--chunk 4] [--backend hf|vllm]
@@ -61,40 +61,55 @@ def main() -> None:
     ways = ("complete", "turns", "chunks") if turns is not None else ("complete", "chunks")
     prompt = chat_prompt_ids(server.tokenizer, [{"role": "user", "content": "What is 12+30? Explain it step by step."}])
 
-    async def one(way: str, tokens: int) -> int:
+    async def one(way: str, tokens: int) -> tuple[int, float]:
+        """The answer's tokens, and the seconds to its first text (a complete answer's: to the answer)."""
         job = Job(prompt, SamplingParams(max_tokens=tokens, temperature=1.0, ignore_eos=True), 1, [])
+        t0 = time.perf_counter()
         if way == "complete":
-            return (await server.in_thread(server.complete, server.base, job))[0].completion_tokens
+            got = (await server.in_thread(server.complete, server.base, job))[0].completion_tokens
+            return got, time.perf_counter() - t0
         server.base.streams = turns if way == "turns" else None
-        got = 0
+        got, first = 0, None
         async for _, _, _, so_far in server.stream(server.base, job):
-            got = so_far
-        return got
+            got, first = so_far, first if first is not None else time.perf_counter() - t0
+        return got, first
 
-    async def timed(way: str, tokens: int, clients: int) -> float:
+    async def timed(way: str, tokens: int, clients: int) -> tuple[float, float]:
+        """Seconds until every client has its whole answer, and the clients' median seconds to their first text."""
         t0 = time.perf_counter()
         got = await asyncio.gather(*[one(way, tokens) for _ in range(clients)])
-        assert got == [tokens] * clients, f"{way}: answers of {got} tokens, not {tokens}"
-        return time.perf_counter() - t0
+        assert [n for n, _ in got] == [tokens] * clients, f"{way}: answers of {got} tokens, not {tokens}"
+        return time.perf_counter() - t0, statistics.median(f for _, f in got)
 
     async def run() -> dict:
         rows = {}
         for tokens in map(int, args.tokens.split(",")):
             for clients in map(int, args.clients.split(",")):
+                # each cell starts without the last cell's load (the batcher and the streams would wait up to
+                # batch_wait_ms for that many requests until eight calls or groups had run with fewer)
+                server.base.load.clear()
+                if turns is not None:
+                    turns.load.clear()
                 await timed("complete", tokens, clients)  # warm
                 seconds: dict[str, list[float]] = {way: [] for way in ways}
+                firsts: dict[str, list[float]] = {way: [] for way in ways}
                 for _ in range(args.rounds):
                     for way in seconds:
-                        seconds[way].append(await timed(way, tokens, clients))
+                        whole, first = await timed(way, tokens, clients)
+                        seconds[way].append(whole)
+                        firsts[way].append(first)
                 med = {way: statistics.median(v) for way, v in seconds.items()}
-                row = {"seconds": seconds, "median_s": med, "chunks_over_complete": med["chunks"] / med["complete"]}
+                first = {way: statistics.median(v) for way, v in firsts.items()}
+                row = {"seconds": seconds, "median_s": med, "first_text_s": first,
+                       "chunks_over_complete": med["chunks"] / med["complete"]}
                 line = (f"max_tokens {tokens:4}, {clients} client(s): complete {med['complete']:.3f} s, streamed in "
-                        f"chunks {med['chunks']:.3f} s ({row['chunks_over_complete']:.2f}x)")
+                        f"chunks {med['chunks']:.3f} s ({row['chunks_over_complete']:.2f}x, first text after "
+                        f"{first['chunks'] * 1e3:.0f} ms)")
                 if "turns" in med:
                     row.update(turns_over_complete=med["turns"] / med["complete"],
                                chunks_over_turns=med["chunks"] / med["turns"])
-                    line += (f", in turns {med['turns']:.3f} s ({row['turns_over_complete']:.2f}x): turns "
-                             f"{row['chunks_over_turns']:.2f}x faster than chunks")
+                    line += (f", in turns {med['turns']:.3f} s ({row['turns_over_complete']:.2f}x, first text after "
+                             f"{first['turns'] * 1e3:.0f} ms): turns {row['chunks_over_turns']:.2f}x faster than chunks")
                 rows[f"{tokens}x{clients}"] = row
                 print(line, flush=True)
         return rows
