@@ -36,7 +36,6 @@ class Stream:
     chunk: int
     group: Optional["_Group"] = None
     first: int = 0
-    closed: bool = False
 
 
 @dataclass(eq=False)
@@ -93,7 +92,6 @@ class StreamTurns:
     def close(self, stream: Stream) -> None:
         """The stream's reader is done: a stream still queued leaves the queue; a group's rows of it are decoded
         with the others until the group ends (the group goes with its last reader)."""
-        stream.closed = True
         with self.arrived:
             if stream in self.queue:
                 self.queue.remove(stream)
@@ -112,11 +110,20 @@ class StreamTurns:
             for s in members:
                 if s in self.queue:
                     self.queue.remove(s)
-        group = _Group(None, members)
+        self._start(members)
+
+    def _start(self, members: list[Stream]) -> None:
+        """``members``' call; one that cannot start (a prompt past the context) starts each member alone, so one
+        bad request fails only its own reader."""
+        group, first = _Group(None, members), members[0]
         for i, s in enumerate(members):
-            s.group, s.first = group, i * stream.n
+            s.group, s.first = group, i * first.n
         try:
-            group.turns = self.backend.turns([s.prompt for s in members], stream.params, stream.n,
-                                             turn_tokens=stream.chunk)
-        except BaseException as e:  # noqa: BLE001 - e.g. a prompt past the context: its readers get the error
-            group.error, group.finished = e, True
+            group.turns = self.backend.turns([s.prompt for s in members], first.params, first.n,
+                                             turn_tokens=first.chunk)
+        except BaseException as e:  # noqa: BLE001 - its readers get the error
+            if len(members) > 1:
+                for s in members:
+                    self._start([s])
+            else:
+                group.error, group.finished = e, True

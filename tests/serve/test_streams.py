@@ -120,6 +120,20 @@ def test_a_reader_that_leaves_does_not_stop_the_others(server):
     assert gone not in turns.queue
 
 
+def test_a_prompt_that_cannot_start_fails_only_its_own_reader(server):
+    """A stream whose prompt is past the context queued with a good one: the good one streams its answer, the
+    bad one's reader gets the error that names the limit."""
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    turns = server.base.streams
+    good, bad = turns.open(ask(server, 1), greedy, 1, 4), turns.open([5] * 300, greedy, 1, 4)
+    seen, finished = 0, False
+    while not finished:
+        seen, sofar, finished = turns.next(good, seen)
+    assert len(sofar[0][0]) == 8 and bad.group is not good.group
+    with pytest.raises(ValueError, match="256"):
+        turns.next(bad, 0)
+
+
 def test_the_chunked_way_streams_the_complete_answer_too(server):
     """Without turns (vLLM, images, the compiled sampler), a chunk a call: greedy text with a stop string equal
     to the complete answer."""
