@@ -61,7 +61,9 @@ class ServeConfig:
     # fetch chat requests' http(s) image URLs (else a 400 asks for a data URL): an admin's choice, since the
     # server then makes requests where a client points it
     fetch_image_urls: bool = False
-    stream_chunk_tokens: int = 4  # tokens generated per streamed step
+    # tokens a streamed answer grows by per step: a turn from its KV cache on an HF model (serve/streams.py), a
+    # backend call over the prompt and the tokens so far on vLLM, with images or on the compiled sampler
+    stream_chunk_tokens: int = 4
     max_ongoing_requests: int = 256  # requests the Gateway holds at once (Serve's default, 5, would cap batching)
     cache_dir: str = ".cache/models"
     # split: a Gateway deployment calling one ModelServer deployment per base model; single:
