@@ -87,9 +87,9 @@ def main() -> None:
             for clients in map(int, args.clients.split(",")):
                 # each cell starts without the last cell's load (the batcher and the streams would wait up to
                 # batch_wait_ms for that many requests until eight calls or groups had run with fewer)
-                server.base.load.clear()
+                server.base.load.ends.clear()
                 if turns is not None:
-                    turns.load.clear()
+                    turns.load.ends.clear()
                 await timed("complete", tokens, clients)  # warm
                 seconds: dict[str, list[float]] = {way: [] for way in ways}
                 firsts: dict[str, list[float]] = {way: [] for way in ways}

@@ -12,6 +12,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from otray.serve.recent_load import RecentLoad
 from otray.serve.streams import StreamTurns
 from otray.types import SamplingParams
 
@@ -45,9 +46,7 @@ class Loaded:
         self.queue_lock = threading.Lock()
         self.arrived = threading.Condition(self.queue_lock)  # notified when a request joins the queue
         self.batches: deque[int] = deque(maxlen=1000)  # prompts per backend call, latest last (for info and tests)
-        # prompts in the system when each recent call ended (its own + those queued meanwhile): the load
-        # that batch_wait_ms waits to gather, since closed-loop clients come back after their answer
-        self.load: deque[int] = deque(maxlen=8)
+        self.load = RecentLoad(self.batch_wait_s, self.max_batch)  # prompts: what batch_wait_ms waits to gather
         self.calls = 0  # backend calls so far
         self.retired: list[tuple[Any, str]] = []  # (adapter handle, its files): dropped before the next call
         # streamed answers decoded in turns between the calls (an HF backend's ``turns``; the compiled sampler
@@ -96,9 +95,7 @@ class Loaded:
         if self.retired:
             self._drop_retired()
         with self.arrived:
-            if self.batch_wait_s:  # let requests on their way join: as many as recent load, or time's up
-                want = min(self.max_batch, max(self.load, default=1))
-                self.arrived.wait_for(lambda: sum(len(p.prompts) for p in self.queue) >= want, self.batch_wait_s)
+            self.load.gather(self.arrived, lambda: sum(len(p.prompts) for p in self.queue))  # those on their way
             if not self.queue:
                 return
             first, size, batch = self.queue[0], 0, []
@@ -131,7 +128,7 @@ class Loaded:
                 p.error = e if len(batch) == 1 else _alone(self.backend, p, e)
         finally:
             with self.queue_lock:
-                self.load.append(size + sum(len(p.prompts) for p in self.queue))
+                self.load.ended(size + sum(len(p.prompts) for p in self.queue))
             for p in batch:
                 p.done.set()
 

@@ -16,10 +16,10 @@ threads."""
 from __future__ import annotations
 
 import threading
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from otray.serve.recent_load import RecentLoad
 from otray.types import FinishReason, SamplingParams
 
 Sofar = tuple[list[int], Optional[FinishReason]]  # a sample's tokens so far, and its finish reason once it ended
@@ -56,10 +56,10 @@ class StreamTurns:
     a generate thread: it blocks), :meth:`close` it when its reader is done (or gone)."""
 
     def __init__(self, backend: Any, lock: threading.Lock, max_batch: int, batch_wait_s: float):
-        self.backend, self.lock, self.max_batch, self.batch_wait_s = backend, lock, max(1, max_batch), batch_wait_s
+        self.backend, self.lock, self.max_batch = backend, lock, max(1, max_batch)
         self.queue: list[Stream] = []
         self.arrived = threading.Condition()
-        self.load: deque[int] = deque(maxlen=8)  # prompts streaming when each recent group ended (its + queued)
+        self.load = RecentLoad(batch_wait_s, self.max_batch)  # streams: what a group waits to gather
 
     def open(self, prompt: list[int], params: SamplingParams, n: int, chunk: int) -> Stream:
         stream = Stream(prompt, params, n, max(1, chunk))
@@ -84,7 +84,7 @@ class StreamTurns:
                 group.version += 1
                 if group.finished:
                     with self.arrived:
-                        self.load.append(len(group.members) + len(self.queue))
+                        self.load.ended(len(group.members) + len(self.queue))
             if group.error is not None:
                 raise group.error
             return group.version, group.sofar[stream.first:stream.first + stream.n], group.finished
@@ -100,9 +100,8 @@ class StreamTurns:
         """A group for ``stream`` (called under the model's lock): the queued streams that may share its call,
         after waiting up to ``batch_wait_s`` for the recent load."""
         with self.arrived:
-            if self.batch_wait_s and stream.params.seed is None:
-                want = min(self.max_batch, max(self.load, default=1))
-                self.arrived.wait_for(lambda: len(self.queue) >= want, self.batch_wait_s)
+            if stream.params.seed is None:  # (a seeded stream starts alone at once)
+                self.load.gather(self.arrived, lambda: len(self.queue))
             members = [stream]
             if stream.params.seed is None:  # a seeded stream alone: its samples must not depend on others
                 members += [s for s in self.queue if s is not stream and s.params == stream.params
