@@ -1,17 +1,21 @@
-"""Streamed answers against complete ones on a serving replica (tiny model, HF backend, in-process ModelServer).
+"""Streamed answers against complete ones on a serving replica (tiny model, in-process ModelServer).
 
-Three ways to the same answers, side by side, alternating per round:
+Ways to the same answers, side by side, alternating per round:
 
-- ``complete``: ``ModelServer.complete`` (one batched generate call per group of concurrent requests);
-- ``turns``: ``ModelServer.stream`` as built, each answer decoded in turns of ``--chunk`` tokens from its KV
-  cache, concurrent streams with equal settings decoded together (otray/serve/streams.py);
-- ``chunks``: ``ModelServer.stream`` the way before turns (still the way of vLLM models, images and the compiled
-  sampler): a backend call per chunk over the prompt and every token so far.
+- ``complete``: ``ModelServer.complete`` as built: on HF one batched generate call per group of concurrent
+  requests; on vLLM requests of the engine loop (otray/serve/engine_loop.py: continuous batching);
+- ``turns``: ``ModelServer.stream`` as built: on HF each answer decoded in turns of ``--chunk`` tokens from its KV
+  cache, concurrent streams with equal settings decoded together (otray/serve/streams.py); on vLLM a request of
+  the engine loop, read as the engine's steps make its tokens;
+- ``chunks``: ``ModelServer.stream`` the way before either (still the way of images on HF and the compiled
+  sampler): a backend call per chunk over the prompt and every token so far (on vLLM through ``LLM.generate``,
+  its prefix cache holding the prompt and the tokens so far);
+- ``calls`` (vLLM only): complete answers the way before the engine loop: the batcher's ``LLM.generate`` calls.
 
 Each client sends one sampled request (``ignore_eos``: every answer ``max_tokens`` long); reported per
 ``max_tokens`` and concurrency: the median seconds until every client has its whole answer, and each streaming
-way over ``complete``, and the clients' median seconds to their first text. Saves ``benchmarks/results/serve_stream.json``. ``--backend vllm``: complete and chunks
-only (a vLLM model streams in chunks; its prefix cache holds the prompt and the tokens so far).
+way over ``complete``, and the clients' median seconds to their first text. Saves
+``benchmarks/results/serve_stream.json`` (``--backend vllm``: ``serve_stream_vllm.json``).
 
     python benchmarks/serve_stream.py [--tokens 64,256] [--clients 1,8] [--rounds 3] [--chunk 4] [--backend hf|vllm]
 """
@@ -38,9 +42,8 @@ def main() -> None:
     ap.add_argument("--clients", default="1,8", help="concurrent requests")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--chunk", type=int, default=4, help="stream_chunk_tokens")
-    ap.add_argument("--backend", choices=("hf", "vllm"), default="hf",
-                    help="the replica's backend (vllm: its streams are chunks only, their prompts in its prefix cache)")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "serve_stream.json"))
+    ap.add_argument("--backend", choices=("hf", "vllm"), default="hf", help="the replica's backend")
+    ap.add_argument("--out", default=None, help="default benchmarks/results/serve_stream[_vllm].json")
     args = ap.parse_args()
 
     import torch
@@ -57,18 +60,24 @@ def main() -> None:
     server = ModelServer(ServeModel(num_threads=1 if args.backend == "hf" else None, backend=args.backend,
                                     max_model_len=512),
                          str(ROOT / ".cache" / "models"), stream_chunk_tokens=args.chunk)
-    turns = server.base.streams
-    ways = ("complete", "turns", "chunks") if turns is not None else ("complete", "chunks")
+    turns, engine = server.base.streams, server.base.engine
+    ways = ("complete", "turns", "chunks") + (("calls",) if engine is not None else ())
+
+    def take(way: str) -> None:
+        """The replica's model as ``way`` runs it (an idle engine loop may be set aside and back)."""
+        before = way in ("chunks", "calls")  # the ways before the engine loop: calls of LLM.generate
+        server.base.engine = None if before else engine
+        server.base.streams = turns if way in ("turns", "complete") else None
     prompt = chat_prompt_ids(server.tokenizer, [{"role": "user", "content": "What is 12+30? Explain it step by step."}])
 
     async def one(way: str, tokens: int) -> tuple[int, float]:
         """The answer's tokens, and the seconds to its first text (a complete answer's: to the answer)."""
         job = Job(prompt, SamplingParams(max_tokens=tokens, temperature=1.0, ignore_eos=True), 1, [])
         t0 = time.perf_counter()
-        if way == "complete":
+        take(way)
+        if way in ("complete", "calls"):
             got = (await server.in_thread(server.complete, server.base, job))[0].completion_tokens
             return got, time.perf_counter() - t0
-        server.base.streams = turns if way == "turns" else None
         got, first = 0, None
         async for _, _, _, so_far in server.stream(server.base, job):
             got, first = so_far, first if first is not None else time.perf_counter() - t0
@@ -105,19 +114,23 @@ def main() -> None:
                 line = (f"max_tokens {tokens:4}, {clients} client(s): complete {med['complete']:.3f} s, streamed in "
                         f"chunks {med['chunks']:.3f} s ({row['chunks_over_complete']:.2f}x, first text after "
                         f"{first['chunks'] * 1e3:.0f} ms)")
-                if "turns" in med:
-                    row.update(turns_over_complete=med["turns"] / med["complete"],
-                               chunks_over_turns=med["chunks"] / med["turns"])
-                    line += (f", in turns {med['turns']:.3f} s ({row['turns_over_complete']:.2f}x, first text after "
-                             f"{first['turns'] * 1e3:.0f} ms): turns {row['chunks_over_turns']:.2f}x faster than chunks")
+                row.update(turns_over_complete=med["turns"] / med["complete"],
+                           chunks_over_turns=med["chunks"] / med["turns"])
+                line += (f", in turns {med['turns']:.3f} s ({row['turns_over_complete']:.2f}x, first text after "
+                         f"{first['turns'] * 1e3:.0f} ms): turns {row['chunks_over_turns']:.2f}x faster than chunks")
+                if "calls" in med:
+                    row["calls_over_complete"] = med["calls"] / med["complete"]
+                    line += (f"; complete answers by LLM.generate calls {med['calls']:.3f} s "
+                             f"({row['calls_over_complete']:.2f}x the engine loop's)")
                 rows[f"{tokens}x{clients}"] = row
                 print(line, flush=True)
         return rows
 
     rows = asyncio.run(run())
-    server.base.streams = turns
+    take("complete")
+    out = args.out or str(ROOT / "benchmarks" / "results" / f"serve_stream{'_vllm' if engine is not None else ''}.json")
     save({"machine": machine(), "backend": args.backend, "chunk": args.chunk, "rounds": args.rounds, "rows": rows},
-         args.out)
+         out)
 
 
 if __name__ == "__main__":

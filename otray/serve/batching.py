@@ -1,5 +1,6 @@
 """Loaded: one model ready to generate, with the dynamic batching of its complete answers (and, on an HF
-model, its streams: :mod:`otray.serve.streams`); Adapter: a LoRA checkpoint served on a vLLM base's engine.
+model, its streams: :mod:`otray.serve.streams`; a vLLM model's requests are continuously batched instead:
+:mod:`otray.serve.engine_loop`); Adapter: a LoRA checkpoint served on a vLLM base's engine.
 
 Runs in a Serve replica's process (the ModelServer, or the Gateway in the single layout), on its generate
 threads."""
@@ -12,6 +13,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from otray.serve.engine_loop import EngineLoop
 from otray.serve.recent_load import RecentLoad
 from otray.serve.streams import StreamTurns
 from otray.types import SamplingParams
@@ -34,7 +36,9 @@ class Loaded:
     client never waits (its load is 1).
 
     ``streams``: on an HF backend (not compiled), streamed requests decoded in turns
-    (:class:`~otray.serve.streams.StreamTurns`), which take the same lock as the calls, between them.
+    (:class:`~otray.serve.streams.StreamTurns`), which take the same lock as the calls, between them. On a vLLM
+    backend, ``engine`` (:class:`~otray.serve.engine_loop.EngineLoop`) serves every request, complete and
+    streamed (``streams`` is it too): requests join the engine between its steps, so there are no calls to batch.
     """
 
     def __init__(self, backend: Any, name: str, cleanup: str | None = None, max_batch: int = 32,
@@ -47,20 +51,34 @@ class Loaded:
         self.arrived = threading.Condition(self.queue_lock)  # notified when a request joins the queue
         self.batches: deque[int] = deque(maxlen=1000)  # prompts per backend call, latest last (for info and tests)
         self.load = RecentLoad(self.batch_wait_s, self.max_batch)  # prompts: what batch_wait_ms waits to gather
-        self.calls = 0  # backend calls so far
+        self._calls = 0  # backend calls so far
         self.retired: list[tuple[Any, str]] = []  # (adapter handle, its files): dropped before the next call
         # streamed answers decoded in turns between the calls (an HF backend's ``turns``; the compiled sampler
         # decodes a batch whole): None streams each chunk as a call of its own
-        self.streams = StreamTurns(backend, self.lock, self.max_batch, self.batch_wait_s) if (
+        self.streams: StreamTurns | EngineLoop | None = StreamTurns(
+            backend, self.lock, self.max_batch, self.batch_wait_s) if (
             callable(getattr(backend, "turns", None)) and getattr(backend, "compiled", None) is None) else None
+        self.engine = EngineLoop(backend, self.max_batch, self.batch_wait_s) if getattr(backend, "name", "") == "vllm" \
+            else None
+        if self.engine is not None:
+            self.streams, self.batches = self.engine, self.engine.batches
+
+    @property
+    def calls(self) -> int:
+        """Backend calls so far (a vLLM model: engine steps)."""
+        return self.engine.calls if self.engine is not None else self._calls
 
     def add_adapter(self, name: str, path: str) -> Any:
+        if self.engine is not None:
+            return self.engine.add_adapter(name, path)
         with self.lock:  # the engine is not thread-safe: never while a batch runs
             return self.backend.add_adapter(name, path)
 
     def retire(self, adapter: Any, files: str) -> None:
         """Drop an adapter from the engine before the next call (not now: the caller may be the GC,
         running inside a batch that holds the lock)."""
+        if self.engine is not None:
+            return self.engine.retire(adapter, files)
         with self.queue_lock:
             self.retired.append((adapter, files))
 
@@ -78,6 +96,8 @@ class Loaded:
                  adapter: Any = None, images: list[tuple[Any, ...]] | None = None) -> list[list[Any]]:
         """``adapter``: a handle from the backend's ``add_adapter`` (vLLM), or None for the base weights;
         ``images``: each prompt's images (a vision-language model)."""
+        if self.engine is not None:
+            return self.engine.generate(prompts, params, n, adapter, images)
         mine = _Pending(prompts, params, n, adapter, images or [()] * len(prompts))
         with self.arrived:
             self.queue.append(mine)
@@ -111,7 +131,7 @@ class Loaded:
                     if first.params.seed is not None:
                         break
         self.batches.append(size)
-        self.calls += 1
+        self._calls += 1
         try:
             prompts = [x for p in batch for x in p.prompts]
             extra = _images([im for p in batch for im in p.images])
@@ -135,6 +155,8 @@ class Loaded:
     def __del__(self) -> None:  # evicted by Serve's multiplexing (LRU): free the files too
         if self.cleanup:
             shutil.rmtree(self.cleanup, ignore_errors=True)
+        if getattr(self, "engine", None) is not None:
+            self.engine.stop()
         stop = getattr(self.backend, "shutdown", None)
         if stop is not None:
             try:

@@ -38,10 +38,12 @@ class ServeModel:
     # or the HF backend: the adapter is merged into a copy of the base
     max_lora_rank: int = 0
     max_ongoing_requests: int = 32
-    max_batch: int = 32  # prompts per generate call: concurrent requests with equal settings share one
-    # before a call, wait up to this long until as many prompts are queued as were in the system
-    # when recent calls ended (clients whose answers just went out come back; a lone client never
-    # waits): without it 8 clients settled into calls of 7 and 1, or 4 and 4 (benchmarks/serve.py)
+    # prompts per generate call: concurrent requests with equal settings share one (a vLLM model: sequences
+    # decoding at once, its requests joining the engine between steps: serve/engine_loop.py)
+    max_batch: int = 32
+    # before a call (vLLM: before the engine starts from idle), wait up to this long until as many prompts are
+    # queued as were in the system when recent calls ended (clients whose answers just went out come back; a
+    # lone client never waits): without it 8 clients settled into calls of 7 and 1, or 4 and 4 (benchmarks/serve.py)
     batch_wait_ms: float = 50.0
 
 
@@ -61,8 +63,9 @@ class ServeConfig:
     # fetch chat requests' http(s) image URLs (else a 400 asks for a data URL): an admin's choice, since the
     # server then makes requests where a client points it
     fetch_image_urls: bool = False
-    # tokens a streamed answer grows by per step: a turn from its KV cache on an HF model (serve/streams.py), a
-    # backend call over the prompt and the tokens so far on vLLM, with images or on the compiled sampler
+    # tokens a streamed answer grows by per step: read from the engine's steps on vLLM (serve/engine_loop.py), a
+    # turn from its KV cache on an HF model (serve/streams.py), a backend call over the prompt and the tokens so
+    # far with images on HF or on the compiled sampler
     stream_chunk_tokens: int = 4
     max_ongoing_requests: int = 256  # requests the Gateway holds at once (Serve's default, 5, would cap batching)
     cache_dir: str = ".cache/models"

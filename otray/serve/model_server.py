@@ -29,8 +29,9 @@ from typing import Any
 
 from otray.serve.batching import Adapter, Loaded
 from otray.serve.config import ServeModel
+from otray.serve.engine_loop import EngineLoop
 from otray.serve.openai_api import APIError, Choice, apply_stop
-from otray.serve.streams import Sofar
+from otray.serve.streams import Sofar, StreamTurns
 from otray.types import FinishReason, SamplingParams
 
 
@@ -167,15 +168,17 @@ class ModelServer:
 
     async def stream(self, model: Loaded | Adapter, job: Job) -> AsyncIterator[tuple[int, str, str | None, int]]:
         """Yield ``(choice index, new text, finish_reason or None, tokens so far)`` as tokens arrive, all choices
-        advancing together ``stream_chunk_tokens`` tokens at a time. On an HF model without images the answer is
-        decoded in turns (:mod:`otray.serve.streams`: no token computed twice, concurrent streams with equal
-        settings decoded together, a seeded answer equal to its complete one); otherwise (vLLM, images, the
-        compiled sampler) each chunk is a backend call of its own over the prompt and the tokens so far."""
+        advancing together ``stream_chunk_tokens`` tokens at a time. A vLLM model's stream is a request of its
+        engine loop (:mod:`otray.serve.engine_loop`: each chunk read as the engine's steps make it); an HF model's
+        without images is decoded in turns (:mod:`otray.serve.streams`: no token computed twice, concurrent streams
+        with equal settings decoded together); either way a seeded answer equals its complete one. Otherwise (an
+        HF model with images, the compiled sampler) each chunk is a backend call of its own over the prompt and the
+        tokens so far."""
         done: list[str | None] = [None] * job.n
         sent = [0] * job.n
         hold = max((len(s) for s in job.stop), default=1) - 1  # a stop string may still be forming
-        turns = isinstance(model, Loaded) and model.streams is not None and not job.images
-        rounds = self._turn_rounds(model, job) if turns else self._chunk_rounds(model, job, done)
+        streams, extra = _streams_of(model, job)
+        rounds = self._turn_rounds(streams, job, extra) if streams is not None else self._chunk_rounds(model, job, done)
         async with contextlib.aclosing(rounds) as each:
             async for sofar in each:
                 for i, (ids, finish) in enumerate(sofar):
@@ -196,18 +199,19 @@ class ModelServer:
                 if all(d is not None for d in done):
                     return
 
-    async def _turn_rounds(self, model: Loaded, job: Job) -> AsyncIterator[list[Sofar]]:
-        """Each choice's tokens so far after each turn of the stream's group (its stop strings end its rows)."""
-        stream = model.streams.open(job.prompt_ids, replace(job.params, stop=tuple(job.stop)), job.n, self.chunk)
+    async def _turn_rounds(self, streams: StreamTurns | EngineLoop, job: Job, extra: dict[str, Any]
+                           ) -> AsyncIterator[list[Sofar]]:
+        """Each choice's tokens so far after each turn of the stream (its stop strings end its choices)."""
+        stream = streams.open(job.prompt_ids, replace(job.params, stop=tuple(job.stop)), job.n, self.chunk, **extra)
         seen = 0
         try:
             while True:
-                seen, sofar, finished = await self.in_thread(model.streams.next, stream, seen)
+                seen, sofar, finished = await self.in_thread(streams.next, stream, seen)
                 yield sofar
                 if finished:
                     return
         finally:
-            model.streams.close(stream)
+            streams.close(stream)
 
     async def _chunk_rounds(self, model: Loaded | Adapter, job: Job, done: list[str | None]
                             ) -> AsyncIterator[list[Sofar]]:
@@ -234,6 +238,17 @@ class ModelServer:
                 elif not sample.token_ids:  # the context is full
                     finish[i] = FinishReason.LENGTH
             yield [(ids[i], finish[i]) for i in range(job.n)]
+
+
+def _streams_of(model: Loaded | Adapter, job: Job) -> tuple[StreamTurns | EngineLoop | None, dict[str, Any]]:
+    """What decodes ``job``'s stream a turn at a time, with what it needs besides the prompt and settings: a vLLM
+    model's engine loop (an adapter's: its base's, with its handle; images too), an HF model's turns (without
+    images), else None (a backend call per chunk)."""
+    if isinstance(model, Adapter):
+        return model.base.engine, {"adapter": model.handle, "images": job.images}
+    if model.engine is not None:
+        return model.engine, {"images": job.images}
+    return (model.streams, {}) if model.streams is not None and not job.images else (None, {})
 
 
 def serve_class(max_loaded: int) -> type:

@@ -176,21 +176,15 @@ class VLLMBackend:
         by default every prompt uses the trained policy's adapter, if one was loaded. ``images``: each
         prompt's images (``otray.vision.Image``), whose expanded image tokens it holds (vLLM's
         ``multi_modal_data``; a vision-language model only)."""
-        from vllm import SamplingParams as VSP
-
         check_prompt_lengths(prompts, self.max_model_len)
-        inputs = self._inputs(prompts, images)
+        inputs = self.engine_inputs(prompts, images)
         if adapters is not None and len(adapters) != len(prompts):
             raise ValueError(f"{len(adapters)} adapters for {len(prompts)} prompts")
         params = effective_params(params, self.stop_token_ids)
         outs = []
         # vLLM caps max_tokens by the context itself only with an error; cap per prompt here.
         for budget, idx in _group_by_budget(prompts, params.max_tokens, self.max_model_len).items():
-            sp = VSP(n=n, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, min_p=params.min_p,
-                     max_tokens=budget, seed=params.seed, logprobs=0,
-                     stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos,
-                     skip_special_tokens=False, stop=list(params.stop) or None, include_stop_str_in_output=True,
-                     detokenize=bool(params.stop))  # stop strings need the text; otherwise skip it
+            sp = self.engine_params(params, n, budget)
             lora = self._lora_request if adapters is None else [adapters[i] for i in idx]
             got = self.llm.generate([inputs[i] for i in idx], sp, lora_request=lora, use_tqdm=False)
             outs.extend(zip(idx, got))
@@ -199,14 +193,30 @@ class VLLMBackend:
             for c in sorted(out.outputs, key=lambda c: c.index):
                 ids = list(c.token_ids)
                 lps = [c.logprobs[j][t].logprob for j, t in enumerate(ids)] if c.logprobs else [0.0] * len(ids)
-                reason = FinishReason.STOP if c.finish_reason == "stop" else FinishReason.LENGTH
-                if isinstance(c.stop_reason, str):  # a stop string ended it (vLLM stops on the completing token)
-                    reason = FinishReason.STOP_STRING
-                sample = Sample(ids, lps, reason, cached_prompt_tokens=out.num_cached_tokens or 0)
-                result[i].append(apply_stop_strings(sample, self._decode, params.stop) if params.stop else sample)
+                result[i].append(self.sample(ids, lps, finish_reason(c), out.num_cached_tokens or 0, params.stop))
         return result
 
-    def _inputs(self, prompts: list[list[int]], images: list[Any] | None) -> list[Any]:
+    def engine_params(self, params: SamplingParams, n: int, budget: int, stream: bool = False) -> Any:
+        """vLLM's sampling settings for ``params`` (with the end-of-turn ids: :func:`effective_params`) and at
+        most ``budget`` new tokens; ``stream``: every engine step reports each choice's new tokens (else only
+        its end)."""
+        from vllm import SamplingParams as VSP
+        from vllm.sampling_params import RequestOutputKind
+
+        return VSP(n=n, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, min_p=params.min_p,
+                   max_tokens=budget, seed=params.seed, logprobs=0,
+                   stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos,
+                   skip_special_tokens=False, stop=list(params.stop) or None, include_stop_str_in_output=True,
+                   detokenize=bool(params.stop),  # stop strings need the text; otherwise skip it
+                   output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY)
+
+    def sample(self, ids: list[int], logprobs: list[float], finish: FinishReason, cached: int,
+               stop: tuple[str, ...]) -> Sample:
+        """A finished choice as a :class:`Sample`, cut after the token that completed one of ``stop``."""
+        sample = Sample(ids, logprobs, finish, cached_prompt_tokens=cached)
+        return apply_stop_strings(sample, self._decode, stop) if stop else sample
+
+    def engine_inputs(self, prompts: list[list[int]], images: list[Any] | None) -> list[Any]:
         """vLLM's token prompts, with each prompt's images (checked against its image tokens) where it has any."""
         from vllm.inputs import TokensPrompt
 
@@ -269,6 +279,14 @@ class VLLMBackend:
             self.llm.llm_engine.remove_lora(old.lora_int_id)
             _rmtree(Path(old.lora_path))
         self.llm.reset_prefix_cache()
+
+
+def finish_reason(choice: Any) -> FinishReason:
+    """How a finished vLLM ``CompletionOutput`` ended: an end-of-turn id (``stop``), a stop string (its
+    ``stop_reason`` is the string: vLLM stops on the token that completes it) or the length."""
+    if isinstance(choice.stop_reason, str):
+        return FinishReason.STOP_STRING
+    return FinishReason.STOP if choice.finish_reason == "stop" else FinishReason.LENGTH
 
 
 def _lora_rank_bucket(rank: int) -> int:
