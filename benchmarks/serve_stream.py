@@ -12,6 +12,9 @@ Ways to the same answers, side by side, alternating per round:
   its prefix cache holding the prompt and the tokens so far);
 - ``calls`` (vLLM only): complete answers the way before the engine loop: the batcher's ``LLM.generate`` calls.
 
+On vLLM also ``late_request``: the seconds of a 16-token request that arrives 0.1 s into a 256-token one, joining
+the engine loop against waiting for the call before it to end (``calls``).
+
 Each client sends one sampled request (``ignore_eos``: every answer ``max_tokens`` long); reported per
 ``max_tokens`` and concurrency: the median seconds until every client has its whole answer, and each streaming
 way over ``complete``, and the clients' median seconds to their first text. Saves
@@ -28,6 +31,7 @@ import os
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -126,11 +130,35 @@ def main() -> None:
                 print(line, flush=True)
         return rows
 
+    async def late(way: str) -> float:
+        """Seconds a 16-token request takes when it arrives 0.1 s into a 256-token one (complete answers)."""
+        take(way)
+        params = SamplingParams(max_tokens=256, temperature=1.0, ignore_eos=True)
+        long = asyncio.ensure_future(server.in_thread(server.complete, server.base, Job(prompt, params, 1, [])))
+        await asyncio.sleep(0.1)
+        t0 = time.perf_counter()
+        await server.in_thread(server.complete, server.base, Job(prompt, replace(params, max_tokens=16), 1, []))
+        took = time.perf_counter() - t0
+        await long
+        return took
+
+    async def joins() -> dict:
+        got: dict[str, list[float]] = {"complete": [], "calls": []}
+        for _ in range(args.rounds):
+            for way in got:
+                got[way].append(await late(way))
+        med = {way: statistics.median(v) for way, v in got.items()}
+        print(f"a 16-token request arriving 0.1 s into a 256-token one: {med['complete']:.3f} s joining the engine "
+              f"loop, {med['calls']:.3f} s waiting for the call before it ({med['calls'] / med['complete']:.1f}x)",
+              flush=True)
+        return {"seconds": got, "median_s": med, "calls_over_complete": med["calls"] / med["complete"]}
+
     rows = asyncio.run(run())
+    late_rows = asyncio.run(joins()) if engine is not None else None
     take("complete")
     out = args.out or str(ROOT / "benchmarks" / "results" / f"serve_stream{'_vllm' if engine is not None else ''}.json")
-    save({"machine": machine(), "backend": args.backend, "chunk": args.chunk, "rounds": args.rounds, "rows": rows},
-         out)
+    save({"machine": machine(), "backend": args.backend, "chunk": args.chunk, "rounds": args.rounds, "rows": rows,
+          **({"late_request": late_rows} if late_rows else {})}, out)
 
 
 if __name__ == "__main__":
