@@ -78,7 +78,6 @@ class EngineLoop:
         self.steps = EngineSteps(backend)
         self.max_batch = max(1, max_batch)
         self.cond = threading.Condition()  # guards the queues and every flow; notified on news
-        self.engine_lock = threading.Lock()  # held while the engine steps, takes or drops an adapter
         self.pending: deque[Flow] = deque()  # not yet in the engine
         self.running: dict[str, Flow] = {}
         self.aborts: list[str] = []  # running flows whose readers left: aborted before the next step
@@ -143,8 +142,7 @@ class EngineLoop:
     # ------------------------------------------------------------------ adapters
 
     def add_adapter(self, name: str, path: str) -> Any:
-        with self.engine_lock:  # between two steps
-            return self.steps.backend.add_adapter(name, path)
+        return self.steps.backend.add_adapter(name, path)  # between two steps (the engine's lock)
 
     def retire(self, adapter: Any, files: str) -> None:
         """Drop an adapter from the engine once no queued or running request uses it (the caller may be the GC)."""
@@ -177,7 +175,7 @@ class EngineLoop:
                 drop = self._unused()
                 self.retired = [r for r in self.retired if r not in drop]
             news, error = [], None
-            with self.engine_lock:
+            with self.steps.lock:  # the engine's (reentrant): drops, aborts, admissions and the step together
                 for handle, files in drop:
                     _drop_adapter(self.steps.backend, handle, files)
                 for rid in aborts:

@@ -91,10 +91,16 @@ def test_openai_client_chat_completions_and_streaming(served):
 def test_concurrent_streams_and_a_trained_checkpoint_stream_their_complete_answers(served):
     """Four clients stream greedy chats at once (the replica decodes them in turns, together where they wait
     together) and one streams the trained checkpoint: each streamed text is that model's complete answer."""
+    assert _streamed_and_whole(_client(served["alice"]), served["job"]) == (True, True)
+
+
+def _streamed_and_whole(client, job) -> tuple[bool, bool]:
+    """Four greedy chats of the base model and one of the job's checkpoint, complete one by one, then streamed at
+    once: whether each streamed text (and finish reason) is its complete answer, and whether the base model's
+    answers differ from one another (so the check could fail)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    client = _client(served["alice"])
-    asks = [("tiny", f"What is {i}+{i * 5}?") for i in range(4)] + [(f"job-{served['job']}", "What is 7+8?")]
+    asks = [("tiny", f"What is {i}+{i * 5}?") for i in range(4)] + [(f"job-{job}", "What is 7+8?")]
 
     def chat(model, text, stream):
         got = client.chat.completions.create(model=model, messages=[{"role": "user", "content": text}],
@@ -107,7 +113,7 @@ def test_concurrent_streams_and_a_trained_checkpoint_stream_their_complete_answe
     whole = [chat(model, text, False) for model, text in asks]
     with ThreadPoolExecutor(len(asks)) as pool:
         streamed = list(pool.map(lambda a: chat(*a, True), asks))
-    assert streamed == whole
+    return streamed == whole, len({w for w in whole[:4]}) > 1
 
 
 def test_a_trained_checkpoint_answers_differently_from_the_base(served):
@@ -308,6 +314,19 @@ def test_split_and_single_layouts_answer_alike(served, tiny_path):
     assert single["tiny"][0] != single[f"job-{served['job']}"][0]
     for complete, streamed in single.values():
         assert complete == streamed
+
+
+@pytest.mark.vllm
+def test_a_vllm_model_streams_its_complete_answers_over_http(served, tiny_path):
+    """A vLLM base model and a trained checkpoint on it (each a vLLM engine whose requests the replica's engine
+    loop batches continuously): concurrent greedy streams over HTTP equal their complete answers."""
+    from otray.serve import config as serve_config
+    from otray.serve.app import run
+
+    run(serve_config.load_serve({"port": PORT, "request_timeout_s": 60, "max_n": 4, "max_tokens": 64,
+                                 "models": [{"name": "tiny", "path": tiny_path, "backend": "vllm", "max_model_len": 256,
+                                             "max_loaded_checkpoints": 1}]}))
+    assert _streamed_and_whole(_client(served["alice"]), served["job"]) == (True, True)
 
 
 def test_without_a_manager_the_app_fails_closed(served):

@@ -15,16 +15,22 @@ Serving several adapters on one engine (``otray serve`` with ``max_lora_rank``):
 a single engine call can mix adapters (vLLM's multi-LoRA batching).
 
 The prefix cache is reset after every update so no stale KV is reused.
+
+An engine is driven by one thread at a time (its ``lock``); engines that run in this process (the CPU build)
+share one lock: two stepping at once from two threads crashed the process ("free(): invalid pointer"; a Serve
+replica with a base model and a full-weight checkpoint, each a vLLM engine).
 Logprobs are vLLM's ``raw_logprobs`` (before temperature), matching the learner.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import tempfile
+import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 from otray.actors.sampling.backends.base import apply_stop_strings, check_prompt_lengths, effective_params
 from otray.device import resolve_dtype
@@ -67,6 +73,21 @@ class WeightSyncExtension:
 
         model.compute_logits = compute_logits
         return len(ids)
+
+
+IN_PROCESS = threading.RLock()  # held by the thread driving any engine that runs in this process
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def engine_call(method: _F) -> _F:
+    """``method`` under the backend's engine lock."""
+    @functools.wraps(method)
+    def locked(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with getattr(self, "lock", IN_PROCESS):  # (a backend whose start failed: the shared one)
+            return method(self, *args, **kwargs)
+
+    return locked  # type: ignore[return-value]
 
 
 def torchvision_loads() -> bool:
@@ -138,9 +159,12 @@ class VLLMBackend:
                                  "or none): use rollout.backend: hf, or install the torchvision built for this torch")
         if self.vision is not None:  # images per prompt: the model's own limit
             lora["limit_mm_per_prompt"] = {"image": self.vision.max_images, "video": 0}
-        self.llm = LLM(model=model_path, dtype=settings["dtype"], max_model_len=max_model_len, seed=seed,
-                       enforce_eager=settings["enforce_eager"], max_num_seqs=max_num_seqs,
-                       worker_extension_cls=f"{__name__}.WeightSyncExtension", **lora)
+        in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
+        self.lock = IN_PROCESS if in_process else threading.RLock()
+        with self.lock:
+            self.llm = LLM(model=model_path, dtype=settings["dtype"], max_model_len=max_model_len, seed=seed,
+                           enforce_eager=settings["enforce_eager"], max_num_seqs=max_num_seqs,
+                           worker_extension_cls=f"{__name__}.WeightSyncExtension", **lora)
         self.max_model_len = self.llm.llm_engine.model_config.max_model_len
         self.dtype = str(self.llm.llm_engine.model_config.dtype).removeprefix("torch.")  # what the learner sends
         if self.vision is not None:
@@ -151,6 +175,7 @@ class VLLMBackend:
         self._lora_dir = Path(tempfile.mkdtemp(prefix="otray-lora-"))
         self._next_adapter_id = 1 << 20  # served adapters' ids, apart from the policy's (version + 1)
 
+    @engine_call
     def add_adapter(self, name: str, path: str) -> Any:
         """Register the PEFT adapter saved in ``path``; returns the handle to pass in ``generate(adapters=...)``.
         Raises ValueError when the engine has no LoRA slots or the adapter's rank is above them."""
@@ -165,11 +190,13 @@ class VLLMBackend:
         self.llm.llm_engine.add_lora(request)
         return request
 
+    @engine_call
     def remove_adapter(self, adapter: Any) -> None:
         engine = getattr(self, "llm", None)
         if engine is not None:
             engine.llm_engine.remove_lora(adapter.lora_int_id)
 
+    @engine_call
     def generate(self, prompts: list[list[int]], params: SamplingParams, n: int,
                  adapters: list[Any] | None = None, images: list[Any] | None = None) -> list[list[Sample]]:
         """``adapters``: one per prompt (an :meth:`add_adapter` handle, or None for the base weights);
@@ -232,6 +259,7 @@ class VLLMBackend:
             out.append(TokensPrompt(prompt_token_ids=p, **extra))
         return out
 
+    @engine_call
     def prompt_logprobs(self, prompts: list[list[int]], adapters: list[Any]) -> list[list[float | None]]:
         """Each prompt token's logprob given the tokens before it (None for the first), under the
         prompt's adapter (an :meth:`add_adapter` handle, or None for the base weights)."""
@@ -248,6 +276,7 @@ class VLLMBackend:
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False)
 
+    @engine_call
     def load_full_weights(self, tensors: dict[str, Any]) -> None:
         from safetensors.torch import save
 
@@ -256,6 +285,7 @@ class VLLMBackend:
         self._lora_request = None
         self.llm.reset_prefix_cache()
 
+    @engine_call
     def shutdown(self) -> None:
         """Stop the engine's processes now rather than at interpreter exit."""
         engine = getattr(self, "llm", None)
@@ -264,6 +294,7 @@ class VLLMBackend:
             del self.llm
             _rmtree(self._lora_dir)
 
+    @engine_call
     def load_lora(self, tensors: dict[str, Any], lora_config: dict[str, Any], version: int) -> None:
         from safetensors.torch import save_file
         from vllm.lora.request import LoRARequest

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from otray.actors.sampling.backends.base import check_prompt_lengths, effective_params
-from otray.actors.sampling.backends.vllm import VLLMBackend, finish_reason
+from otray.actors.sampling.backends.vllm import VLLMBackend, engine_call, finish_reason
 from otray.types import FinishReason, Sample, SamplingParams
 
 
@@ -38,18 +38,20 @@ class Progress:
 
 
 class EngineSteps:
-    """The engine of ``backend``, driven by :meth:`add`, :meth:`step` and :meth:`abort` (none of them thread-safe:
-    one driver)."""
+    """The engine of ``backend``, driven by :meth:`add`, :meth:`step` and :meth:`abort` (each under the backend's
+    engine lock: another engine of this process may be driven from another thread)."""
 
     def __init__(self, backend: VLLMBackend):
-        self.backend = backend
+        self.backend, self.lock = backend, backend.lock
         self.engine = backend.llm.llm_engine
 
     @property
+    @engine_call
     def busy(self) -> bool:
         """Whether a request is running (or waiting in the engine's own queue)."""
         return self.engine.has_unfinished_requests()
 
+    @engine_call
     def add(self, request: str, prompt: list[int], params: SamplingParams, n: int, adapter: Any = None,
             images: tuple[Any, ...] = (), stream: bool = True) -> SamplingParams:
         """Start ``request`` (an id unique among running ones): ``n`` choices of ``prompt`` under ``adapter`` (an
@@ -67,6 +69,7 @@ class EngineSteps:
                                 lora_request=adapter)
         return params
 
+    @engine_call
     def step(self) -> list[Progress]:
         """One engine step: each running choice's new tokens (a choice that ended reports its end once)."""
         out = []
@@ -78,6 +81,7 @@ class EngineSteps:
                 out.append(Progress(got.request_id, c.index, ids, lps, end, got.num_cached_tokens or 0))
         return out
 
+    @engine_call
     def abort(self, request: str) -> None:
         """End ``request`` now (every choice of it); it reports nothing more."""
         self.engine.abort_request([request])
