@@ -117,13 +117,17 @@ class EngineLoop:
             return flow.version, flow.sofar(), flow.done
 
     def close(self, flow: Flow) -> None:
-        """The flow's reader is done (or gone): a queued flow leaves the queue, a running one is aborted."""
+        """The flow's reader is done (or gone): a queued flow leaves the queue, a running one is aborted, and a
+        thread still waiting in :meth:`next` for it (its reader cancelled) gets an error instead of waiting on."""
         with self.cond:
+            if flow.done:
+                return
             if flow in self.pending:
                 self.pending.remove(flow)
-            elif flow.id in self.running and not flow.done:
+            elif flow.id in self.running:
                 self.aborts.append(flow.id)
-                self.cond.notify_all()
+            flow.error = RuntimeError("the stream was closed by its reader")
+            self.cond.notify_all()
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, n: int, adapter: Any = None,
                  images: list[tuple[Any, ...]] | None = None) -> list[list[Sample]]:
@@ -163,7 +167,8 @@ class EngineLoop:
     def _drive(self) -> None:
         while True:
             with self.cond:
-                self.cond.wait_for(lambda: self._stopped or self.pending or self.running or self._unused())
+                self.cond.wait_for(lambda: self._stopped or self.pending or self.running or self.aborts
+                                   or self._unused())
                 if self._stopped:
                     self._fail(list(self.pending) + list(self.running.values()),
                                RuntimeError("this model was unloaded: send the request again"))

@@ -49,7 +49,8 @@ class Job:
 @dataclass
 class ReplicaInfo:
     """What a serving replica reports: its base model, backend, loaded checkpoints, and the prompts per
-    base-model call of its last calls (``batches``) with the count of calls (benchmarks, dashboard)."""
+    base-model call of its last calls (``batches``) with the count of calls (a vLLM model: sequences per engine
+    step, and steps; benchmarks, tests)."""
 
     name: str
     path: str

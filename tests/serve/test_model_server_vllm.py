@@ -189,6 +189,8 @@ def test_requests_join_the_engine_between_steps(server, tokenizer):
     while (loop.running or loop.steps.busy) and time.time() < deadline:
         time.sleep(0.01)
     assert not loop.running and not loop.steps.busy and len(long.ids[0]) < 120
+    with pytest.raises(RuntimeError, match="closed"):  # a thread still reading it is let go
+        loop.next(long, 1 << 30)
     # a bad prompt fails alone, a good one beside it is answered
     bad = loop.open(list(prompt) * 100, SamplingParams(max_tokens=4), 1)
     good = loop.generate([prompt], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), 1)
