@@ -14,7 +14,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from otray.env import Env, StepResult, dataset_paths, register
+from otray.env import Env, StepResult, atomic_write, dataset_paths, register
 from otray.types import EnvStateError, Task
 
 _INT = re.compile(r"-?\d+")
@@ -74,7 +74,7 @@ def make_chat_dataset(out_dir: str | Path, *, seed: int = 0, num_eval: int = 500
     rows = make_problems(seed, max_operand, ops)
     head = [{"role": "system", "content": system_prompt}] if system_prompt else []
     for split, part in (("eval", rows[:num_eval]), ("train", rows[num_eval:])):
-        with paths[split].open("w") as f:
+        with atomic_write(paths[split]) as f:
             for r in part:
                 msgs = head + [{"role": "user", "content": r["question"]},
                                {"role": "assistant", "content": str(r["answer"])}]

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from envs.answers import ExactAnswer, format_number
-from otray.env import Env, dataset_paths, register
+from otray.env import Env, atomic_write, dataset_paths, register
 from otray.tools import Tool, ToolEnv, ToolFailure
 from otray.types import OtrayError
 
@@ -155,7 +155,8 @@ def make_dataset(out_dir: str | Path, *, seed: int = 0, num_train: int = 5000, n
     if built:
         return paths
     for split, rows in (("train", make_problems(seed, num_train)), ("eval", make_problems(seed + 10_000, num_eval))):
-        paths[split].write_text("".join(json.dumps(r) + "\n" for r in rows))
+        with atomic_write(paths[split]) as f:
+            f.write("".join(json.dumps(r) + "\n" for r in rows))
     return paths
 
 
@@ -175,7 +176,7 @@ def make_chat(out_dir: str | Path, *, seed: int = 0, num_train: int = 2000, num_
     env = Calculator()
     held_out = {r["expression"] for r in make_problems(seed + 10_000, 1000)}  # make_dataset's eval rows
     for split, n, rows_seed in (("train", num_train, seed + 20_000), ("eval", num_eval, seed + 30_000)):
-        with paths[split].open("w") as f:
+        with atomic_write(paths[split]) as f:
             for row in [r for r in make_problems(rows_seed, n) if r["expression"] not in held_out]:
                 first, _ = env.reset(Task(row["id"], "calculator", row))
                 call = format_tool_call(ToolCall("calculator", {"expression": row["expression"]}))

@@ -15,7 +15,7 @@ import random
 import re
 from typing import Any
 
-from otray.env import Env, StepResult, dataset_paths, register
+from otray.env import Env, StepResult, atomic_write, dataset_paths, register
 from otray.types import EnvStateError, Task
 
 _INT = re.compile(r"-?\d+")
@@ -86,7 +86,7 @@ def make_chat_dataset(out_dir: str, *, seed: int = 0, num_train: int = 4000, num
         return paths
     rng = random.Random(seed)
     for split, n in (("train", num_train), ("eval", num_eval)):
-        with paths[split].open("w") as f:
+        with atomic_write(paths[split]) as f:
             for i in range(n):
                 msgs = binary_search_dialogue(rng.randint(low, high), low, high)
                 f.write(json.dumps({"id": f"gn-{split}-{i}", "messages": msgs}) + "\n")

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from envs.answers import format_number, last_number
-from otray.env import Env, StepResult, dataset_paths, register
+from otray.env import Env, StepResult, atomic_write, dataset_paths, register
 from otray.types import EnvStateError, Task
 
 NAMES = ["Ana", "Ben", "Chen", "Dara", "Eli", "Fatima", "Gus", "Hana"]
@@ -68,7 +68,8 @@ def make_dataset(out_dir: str | Path, *, seed: int = 0, num_train: int = 4000, n
             seen.add(question)
             rows.append({"id": f"mw-{len(rows)}", "question": question, "answer": format_number(answer)})
     for split, part in (("eval", rows[:num_eval]), ("train", rows[num_eval:])):
-        paths[split].write_text("".join(json.dumps(r) + "\n" for r in part))
+        with atomic_write(paths[split]) as f:
+            f.write("".join(json.dumps(r) + "\n" for r in part))
     return paths
 
 

@@ -43,7 +43,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from otray.env import Env, StepResult, dataset_paths, register
+from otray.env import Env, StepResult, atomic_write, dataset_paths, register
 from otray.tools import parse_tool_calls
 from otray.types import ConfigError, EnvStateError, Task
 
@@ -252,7 +252,7 @@ def make_dataset(out_dir: str | Path, *, environment: str, base_url: str | None 
     for ours, theirs in mapping.items():
         count = handle.num_tasks(theirs) if limit is None else min(limit, handle.num_tasks(theirs))
         tasks = handle.get_task_range(theirs, 0, count)
-        with paths[ours].open("w") as f:
+        with atomic_write(paths[ours]) as f:
             for i, t in enumerate(tasks):
                 spec = dict(t.task_spec) if isinstance(t.task_spec, dict) else {"task_spec": t.task_spec}
                 f.write(json.dumps({**spec, "id": f"{theirs}-{i}", "split": theirs, "index": i}) + "\n")

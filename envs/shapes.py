@@ -29,7 +29,7 @@ from fractions import Fraction
 
 from envs.answers import last_number
 from envs.calculator import Calculator
-from otray.env import Env, StepResult, register
+from otray.env import Env, StepResult, atomic_write, register
 from otray.tools import ToolEnv
 from otray.types import EnvStateError, Task
 from otray.vision import Image
@@ -144,7 +144,7 @@ def make_times_chat(out_dir: str, *, seed: int = 0, num_train: int = 2000, num_e
     rng = random.Random(seed)
     env = ShapesTimes()
     for split, n in (("train", num_train), ("eval", num_eval)):
-        with paths[split].open("w") as f:
+        with atomic_write(paths[split]) as f:
             for i in range(n):
                 task = Task(f"st-{split}-{i}", "shapes_times", times_task(rng))
                 first, _ = env.reset(task)

@@ -19,7 +19,7 @@ import random
 from typing import Any
 
 from otray.games import GameText, generic_parse, legal_actions
-from otray.env import dataset_paths
+from otray.env import atomic_write, dataset_paths
 
 # the eight lines of three, as action numbers (action = column * 3 + row)
 LINES = ([[c * 3 + r for r in range(3)] for c in range(3)] + [[c * 3 + r for c in range(3)] for r in range(3)]
@@ -85,7 +85,7 @@ def make_chat_dataset(out_dir: str, *, seed: int = 0, num_train: int = 3000, num
         return paths
     rng = random.Random(seed)
     for split, n in (("train", num_train), ("eval", num_eval)):
-        with paths[split].open("w") as f:
+        with atomic_write(paths[split]) as f:
             for i in range(n):
                 f.write(json.dumps({"id": f"ttt-{split}-{i}", "messages": random_dialogue(rng)}) + "\n")
     return paths

@@ -36,7 +36,7 @@ from concurrent.futures import FIRST_COMPLETED, wait
 from pathlib import Path
 from typing import Any
 
-from otray.env import Env, StepResult, dataset_paths, register
+from otray.env import Env, StepResult, atomic_write, dataset_paths, register
 from otray.loop_thread import event_loop, submit
 from otray.tools import parse_tool_calls
 from otray.types import ConfigError, EnvStateError, OtrayError, Task
@@ -201,7 +201,7 @@ def make_dataset(out_dir: str | Path, *, env_id: str, env_args: dict[str, Any] |
             ds = env.get_dataset(n=n, seed=seed) if split == "train" else env.get_eval_dataset(n=n, seed=seed)
         except ValueError as e:
             raise ConfigError(f"verifiers env {env_id!r} has no {split} dataset: {e}") from e
-        with paths[split].open("w") as f:
+        with atomic_write(paths[split]) as f:
             for i, row in enumerate(ds):
                 keep = {k: row[k] for k in ("prompt", "answer", "task", "info", "example_id") if k in row}
                 f.write(json.dumps({"id": f"{split}-{row.get('example_id', i)}", **keep}, default=str) + "\n")

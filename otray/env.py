@@ -21,11 +21,14 @@ by an import path ``"package.module:Class"``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import numbers
+import os
 import random
-from collections.abc import Callable, Iterable
+import threading
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -207,6 +210,21 @@ def dataset_paths(out_dir: str | Path, files: dict[str, str]) -> tuple[dict[str,
     out.mkdir(parents=True, exist_ok=True)
     paths = {split: out / name for split, name in files.items()}
     return paths, all(p.exists() for p in paths.values())
+
+
+@contextlib.contextmanager
+def atomic_write(path: str | Path) -> Iterator[Any]:
+    """A text file written whole or not at all, for dataset builders: written to a sibling of ``path`` and renamed
+    over it when the block ends. Two processes building the same cached dataset at once (pytest workers) each wrote
+    ``path`` in place: one truncated it under the other's writes, which left runs of NUL bytes in the file."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    try:
+        with tmp.open("w") as f:
+            yield f
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def seed_task(rng: random.Random) -> dict[str, Any]:

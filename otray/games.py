@@ -15,6 +15,7 @@ nothing of otray's. The coordinator's bridges (``otray.actors.rollout.text_bridg
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
 import string
@@ -121,8 +122,10 @@ def decision_dataset(out_dir: str | Path, tag: str, play: Callable[[random.Rando
             for seen, reply in play(rng):
                 rows.append({"id": f"{tag}-{split}-{len(rows)}", "messages": [
                     {"role": "user", "content": seen}, {"role": "assistant", "content": reply}]})
-        with paths[split].open("w") as f:
+        tmp = paths[split].with_name(f".{paths[split].name}.{os.getpid()}.tmp")  # whole or not at all, as
+        with tmp.open("w") as f:  # otray.env.atomic_write (this module imports nothing of otray's)
             f.writelines(json.dumps(row) + "\n" for row in rng.sample(rows, n))
+        os.replace(tmp, paths[split])
     return paths
 
 

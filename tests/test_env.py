@@ -132,3 +132,32 @@ def test_the_readmes_env_example_passes_check_env():
     code = re.search(r"```python\n(from otray import Env.*?)```", (ROOT / "README.md").read_text(), re.S)
     assert code, "README.md lost its env example"
     exec(compile(code.group(1), "README.md", "exec"), {})
+
+
+def test_atomic_write_leaves_a_whole_file_or_none(tmp_path):
+    """Dataset builders write through atomic_write: a builder that fails leaves no file (the next run builds it
+    again), and builders writing the same file at once leave one whole copy, never a mix with NUL holes."""
+    import json
+    import threading
+
+    from otray.env import atomic_write
+
+    path = tmp_path / "chat_train.jsonl"
+    with pytest.raises(ValueError):
+        with atomic_write(path) as f:
+            f.write('{"id": 1}\n')
+            raise ValueError("the builder failed")
+    assert not path.exists() and list(tmp_path.iterdir()) == []
+
+    def build(tag):
+        with atomic_write(path) as f:
+            for i in range(3000):
+                f.write(json.dumps({"id": i, "by": tag, "pad": "x" * 50}) + "\n")
+
+    threads = [threading.Thread(target=build, args=(t,)) for t in ("a", "b", "c")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert len(rows) == 3000 and len({r["by"] for r in rows}) == 1 and list(tmp_path.iterdir()) == [path]

@@ -111,7 +111,7 @@ def make_chat_dataset(out_dir: str | Path, *, num_train: int | None = None, plai
     rows (``true`` = once).
     Idempotent per directory."""
     from envs.openreward import FINAL_ANSWER, specs_of
-    from otray.env import dataset_paths
+    from otray.env import atomic_write, dataset_paths
     from otray.tools import ToolCall, format_tool_call, system_with_tools
 
     paths, built = dataset_paths(out_dir, {"train": "chat_train.jsonl", "eval": "chat_eval.jsonl"})
@@ -121,7 +121,7 @@ def make_chat_dataset(out_dir: str | Path, *, num_train: int | None = None, plai
     call = format_tool_call(ToolCall("problem", {}))
     for split, name in (("train", "train"), ("eval", "test")):
         rows = _problems()[name][:num_train] if split == "train" else _problems()[name]
-        with paths[split].open("w") as f:
+        with atomic_write(paths[split]) as f:
             for r in rows:
                 f.write(json.dumps({"id": r["id"], "messages": [
                     {"role": "system", "content": system}, {"role": "user", "content": PROMPT},
