@@ -24,8 +24,7 @@ class Loaded:
 
     Concurrent requests are queued; one thread at a time runs the backend, taking every
     queued request whose sampling settings and ``n`` equal the first one's (up to
-    ``max_batch`` prompts; requests for several adapters of a vLLM base share a call, the
-    base's own requests go in calls of their own) into one ``generate`` call, so 8 concurrent chats cost about
+    ``max_batch`` prompts) into one ``generate`` call, so 8 concurrent chats cost about
     one batched generate instead of 8 in a row. Requests with a ``seed`` run alone: their
     samples must not depend on which other requests shared the batch.
 
@@ -52,7 +51,6 @@ class Loaded:
         self.batches: deque[int] = deque(maxlen=1000)  # prompts per backend call, latest last (for info and tests)
         self.load = RecentLoad(self.batch_wait_s, self.max_batch)  # prompts: what batch_wait_ms waits to gather
         self._calls = 0  # backend calls so far
-        self.retired: list[tuple[Any, str]] = []  # (adapter handle, its files): dropped before the next call
         # streamed answers decoded in turns between the calls (an HF backend's ``turns``; the compiled sampler
         # decodes a batch whole): None streams each chunk as a call of its own
         self.streams: StreamTurns | EngineLoop | None = StreamTurns(
@@ -68,37 +66,12 @@ class Loaded:
         """Backend calls so far (a vLLM model: engine steps)."""
         return self.engine.calls if self.engine is not None else self._calls
 
-    def add_adapter(self, name: str, path: str) -> Any:
-        if self.engine is not None:
-            return self.engine.add_adapter(name, path)
-        with self.lock:  # the engine is not thread-safe: never while a batch runs
-            return self.backend.add_adapter(name, path)
-
-    def retire(self, adapter: Any, files: str) -> None:
-        """Drop an adapter from the engine before the next call (not now: the caller may be the GC,
-        running inside a batch that holds the lock)."""
-        if self.engine is not None:
-            return self.engine.retire(adapter, files)
-        with self.queue_lock:
-            self.retired.append((adapter, files))
-
-    def _drop_retired(self) -> None:
-        with self.queue_lock:
-            retired, self.retired = self.retired, []
-        for adapter, files in retired:
-            try:
-                self.backend.remove_adapter(adapter)
-            except Exception:  # noqa: BLE001 - the engine may be gone already
-                pass
-            shutil.rmtree(files, ignore_errors=True)
-
     def generate(self, prompts: list[list[int]], params: SamplingParams, n: int,
-                 adapter: Any = None, images: list[tuple[Any, ...]] | None = None) -> list[list[Any]]:
-        """``adapter``: a handle from the backend's ``add_adapter`` (vLLM), or None for the base weights;
-        ``images``: each prompt's images (a vision-language model)."""
+                 images: list[tuple[Any, ...]] | None = None) -> list[list[Any]]:
+        """``images``: each prompt's images (a vision-language model)."""
         if self.engine is not None:
-            return self.engine.generate(prompts, params, n, adapter, images)
-        mine = _Pending(prompts, params, n, adapter, images or [()] * len(prompts))
+            return self.engine.generate(prompts, params, n, images=images)
+        mine = _Pending(prompts, params, n, images or [()] * len(prompts))
         with self.arrived:
             self.queue.append(mine)
             self.arrived.notify_all()
@@ -112,18 +85,13 @@ class Loaded:
         return mine.results
 
     def _run_batch(self) -> None:
-        if self.retired:
-            self._drop_retired()
         with self.arrived:
             self.load.gather(self.arrived, lambda: sum(len(p.prompts) for p in self.queue))  # those on their way
             if not self.queue:
                 return
             first, size, batch = self.queue[0], 0, []
             for p in list(self.queue):
-                # base-only and adapter prompts never share a call: on vLLM's CPU build (0.32) a prompt
-                # without an adapter came out wrong when batched with adapter prompts (adapters mix fine)
-                same = (p.params == first.params and p.n == first.n and first.params.seed is None
-                        and (p.adapter is None) == (first.adapter is None))
+                same = p.params == first.params and p.n == first.n and first.params.seed is None
                 if p is first or (same and size + len(p.prompts) <= self.max_batch):
                     batch.append(p)
                     size += len(p.prompts)
@@ -135,11 +103,7 @@ class Loaded:
         try:
             prompts = [x for p in batch for x in p.prompts]
             extra = _images([im for p in batch for im in p.images])
-            if any(p.adapter is not None for p in batch):  # one engine call, an adapter per prompt
-                out = self.backend.generate(prompts, first.params, first.n,
-                                            adapters=[p.adapter for p in batch for _ in p.prompts], **extra)
-            else:
-                out = self.backend.generate(prompts, first.params, first.n, **extra)
+            out = self.backend.generate(prompts, first.params, first.n, **extra)
             at = 0
             for p in batch:
                 p.results, at = out[at:at + len(p.prompts)], at + len(p.prompts)
@@ -170,7 +134,6 @@ class _Pending:
     prompts: list[list[int]]
     params: SamplingParams
     n: int
-    adapter: Any = None
     images: list[tuple[Any, ...]] = field(default_factory=list)  # per prompt
     results: list[list[Any]] | None = None
     error: BaseException | None = None
@@ -181,9 +144,7 @@ def _alone(backend: Any, p: _Pending, batch_error: BaseException) -> BaseExcepti
     """A batch failed (say one prompt was too long): rerun this request by itself, so one
     bad request cannot fail the others; returns its own error, or None with results set."""
     try:
-        extra = {} if p.adapter is None else {"adapters": [p.adapter] * len(p.prompts)}
-        extra.update(_images(p.images))
-        p.results = backend.generate(p.prompts, p.params, p.n, **extra)
+        p.results = backend.generate(p.prompts, p.params, p.n, **_images(p.images))
         return None
     except BaseException as e:  # noqa: BLE001
         return e
@@ -195,23 +156,24 @@ def _images(per_prompt: list[tuple[Any, ...]]) -> dict[str, Any]:
 
 
 class Adapter:
-    """A LoRA checkpoint served on the base model's vLLM engine: generation goes through the
-    base's batcher (``Loaded``) with this adapter named per prompt, so requests for several
-    adapters share engine calls. Dropping it (Serve's LRU eviction) removes
-    the adapter from the engine and deletes its files."""
+    """A LoRA checkpoint served on the base model's vLLM engine: its requests go through the base's engine
+    loop with this adapter named, so requests for several adapters share engine steps. Dropping it (Serve's LRU
+    eviction) removes the adapter from the engine, once no request uses it, and deletes its files."""
 
     def __init__(self, base: Loaded, name: str, path: str, cleanup: str):
+        if base.engine is None:
+            raise ValueError(f"{base.name} has no engine loop: only a vLLM base model serves adapters")
         self.base, self.name, self.cleanup = base, name, cleanup
-        self.handle = base.add_adapter(name, path)
+        self.handle = base.engine.add_adapter(name, path)
         self.backend = base.backend  # for max_model_len / name, as a Loaded offers
         self.removed = False
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, n: int,
                  images: list[tuple[Any, ...]] | None = None) -> list[list[Any]]:
-        return self.base.generate(prompts, params, n, adapter=self.handle, images=images)
+        return self.base.engine.generate(prompts, params, n, adapter=self.handle, images=images)
 
     def __del__(self) -> None:  # Serve calls it on eviction, and the GC again later: once is enough
         if getattr(self, "removed", True):
             return
         self.removed = True
-        self.base.retire(self.handle, self.cleanup)
+        self.base.engine.retire(self.handle, self.cleanup)
